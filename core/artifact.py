@@ -1,0 +1,64 @@
+"""The context artifact: what the indexer produces and the decoder consumes.
+
+`store/` serialises exactly these fields; bump FORMAT_VERSION on any change of meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class LayerArtifact:
+    """One layer of a cached context.
+
+    k, v: [Hkv, N, D] post-RoPE keys and values (`ContextArtifact.kv_dtype`).
+    tables: the sparse method's named index arrays, e.g. for CSAttention
+      centroids [Hkv, m, C, d_b] fp16, list_idx [Hkv, m, C, L] int32,
+      list_score [Hkv, m, C, L] fp16, list_floor [Hkv, m, C] fp16.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    tables: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def kv_bytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def table_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tables.values())
+
+
+@dataclass
+class ContextArtifact:
+    """A prefilled, indexed context.
+
+    tokens [N] int64: the context's token ids; last_logits [V] fp32: the logits after the
+    last context token (so generation may start with no new prompt); method/method_params:
+    the sparse method (`ctxcache.methods.make_method`) that built `tables`.
+    """
+
+    model_id: str
+    model_args: dict[str, Any]
+    method: str
+    method_params: dict[str, Any]
+    tokens: torch.Tensor
+    last_logits: torch.Tensor
+    layers: list[LayerArtifact]
+    kv_dtype: str = "float16"
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def kv_bytes(self) -> int:
+        return sum(layer.kv_bytes() for layer in self.layers)
+
+    def table_bytes(self) -> int:
+        return sum(layer.table_bytes() for layer in self.layers)

@@ -1,0 +1,86 @@
+"""The decode loop (gpt-fast style): prefill, decode one token, sample, stop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ctxcache.models.kv_cache import KVCache
+from ctxcache.models.llama import AttentionFn, Transformer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    max_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]."""
+    if params.temperature == 0.0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, tokens: torch.Tensor, cache: KVCache, attn: AttentionFn,
+            chunk: int = 1024, on_chunk=None) -> torch.Tensor:
+    """Append tokens [B, T] after each row's cached length, in chunks; -> last logits [B, V]."""
+    logits = None
+    for s in range(0, tokens.shape[1], chunk):
+        part = tokens[:, s:s + chunk]
+        pos = cache.lengths[:, None] + torch.arange(part.shape[1], device=part.device)
+        logits = model(part, pos, cache, attn, last_only=True)[:, -1]
+        cache.lengths += part.shape[1]
+        if on_chunk is not None:
+            on_chunk(part.shape[1])
+    return logits
+
+
+@torch.inference_mode()
+def decode_one_token(model: Transformer, token: torch.Tensor, cache: KVCache,
+                     attn: AttentionFn) -> torch.Tensor:
+    """token [B] -> logits [B, V]; advances every row by one position."""
+    pos = cache.lengths[:, None].clone()
+    logits = model(token[:, None], pos, cache, attn)[:, -1]
+    cache.lengths += 1
+    return logits
+
+
+def decode_n_tokens(model: Transformer, first_logits: torch.Tensor, cache: KVCache,
+                    attn: AttentionFn, params: SamplingParams) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield (tokens [B], finished [B]) per step until every row stopped or max_tokens.
+
+    A row stops at a stop token (which is yielded) or when its cache is full."""
+    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    stops = torch.tensor(params.stop_token_ids or [-1])
+    finished = torch.zeros(first_logits.shape[0], dtype=torch.bool)
+    logits = first_logits
+    for step in range(params.max_tokens):
+        tok = sample(logits, params, gen).cpu()
+        finished = finished | torch.isin(tok, stops)
+        full = cache.lengths.cpu() >= cache.max_len
+        yield tok, finished | full
+        if bool((finished | full).all()) or step == params.max_tokens - 1:
+            return
+        logits = decode_one_token(model, tok.to(cache.lengths.device), cache, attn)

@@ -1,0 +1,103 @@
+"""The one sparse-attention interface: build offline from the prefill, search online per step.
+
+Every method is one small class. `build` turns one layer's prefill Q/K/V into named tables
+(plain tensors, so the store can serialise them without knowing the method). `open` makes a
+per-stream state over those tables; the tables themselves stay read-only so that concurrent
+streams share one artifact. `search` picks token indices in the middle region for one decode
+query; `attend` (default: exact attention over sinks + search + recent window) is overridden
+by estimator methods that approximate the attention output instead of selecting a subset.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from ctxcache.methods.budget import Budget
+from ctxcache.models.attention import gqa_sparse_attention
+
+Tables = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a method needs and does, in one place instead of scattered flags."""
+
+    uses_queries: bool = False  # build() needs the prefill queries
+    reads_all_keys: bool = False  # search() scans every cached key (oracle-style references)
+    streaming: bool = False  # append() indexes keys generated during decode
+    estimator: bool = False  # attend() approximates the output rather than selecting keys
+
+
+@dataclass
+class LayerState:
+    """A stream's view of one layer: the shared tables plus what this stream appended."""
+
+    tables: Tables
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MethodParams:
+    """Base for each method's frozen parameter dataclass."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> "MethodParams":
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {unknown} for {cls.__name__}; "
+                             f"known: {sorted(known)}")
+        return cls(**values)
+
+
+class SparseMethod(ABC):
+    name: ClassVar[str]
+    Params: ClassVar[type[MethodParams]]
+    caps: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, params: MethodParams | None = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    @abstractmethod
+    def build(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tables:
+        """Index one layer. q [Hq, N, D], k and v [Hkv, N, D] (post-RoPE) -> named tables."""
+
+    def open(self, tables: Tables) -> LayerState:
+        return LayerState(tables=tables)
+
+    @abstractmethod
+    def search(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int,
+               k: int) -> torch.Tensor:
+        """Pick up to k indices in [lo, hi) per KV head for queries q [Hq, D].
+
+        keys [Hkv, n, D] are the cached keys; only methods whose caps say reads_all_keys may
+        read them beyond the indices they return. -> idx [Hkv, min(k, hi - lo)] long.
+        """
+
+    def append(self, state: LayerState, k_new: torch.Tensor, start: int) -> None:
+        """Index keys k_new [Hkv, T, D] generated at positions start..start+T-1."""
+
+    def attend(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor, n: int, budget: Budget) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention output [Hq, D] for q [Hq, D] over the first n cached keys, and the
+        indices [Hkv, K'] it read."""
+        idx = self.select(state, q, keys, n, budget)
+        return gqa_sparse_attention(q, keys, values, idx), idx
+
+    def select(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, n: int,
+               budget: Budget) -> torch.Tensor:
+        """Sinks + searched middle + recent window: [Hkv, K'] distinct indices."""
+        lo, hi = budget.region(n)
+        static = budget.static_indices(n, q.device).expand(keys.shape[0], -1)
+        if hi <= lo:
+            return static
+        found = self.search(state, q, keys[:, :n], lo, hi, budget.top_k(n))
+        return torch.cat([static, found], dim=1)

@@ -1,0 +1,45 @@
+"""How many keys a sparse step may read: keep ratio, attention sinks, recent window."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Budget:
+    """keep: fraction rho of the cached keys chosen by search (K = ceil(rho * N));
+    sinks: first tokens always attended; recent: last tokens always attended."""
+
+    keep: float = 0.05
+    sinks: int = 4
+    recent: int = 32
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.keep <= 1.0:
+            raise ValueError(f"keep={self.keep} must be in (0, 1]")
+        if self.sinks < 0 or self.recent < 0:
+            raise ValueError(f"sinks={self.sinks} and recent={self.recent} must be >= 0")
+
+    def top_k(self, n: int) -> int:
+        """Keys chosen by search among n cached keys."""
+        return max(1, math.ceil(self.keep * n))
+
+    def region(self, n: int) -> tuple[int, int]:
+        """The searched middle region [lo, hi) of n keys (sinks and the recent window excluded)."""
+        lo = min(self.sinks, n)
+        hi = max(lo, n - self.recent)
+        return lo, hi
+
+    def static_indices(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Sinks + recent window, the keys every step reads regardless of search."""
+        lo, hi = self.region(n)
+        return torch.cat([torch.arange(0, lo, device=device), torch.arange(hi, n, device=device)])
+
+
+def topk_in_region(scores: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
+    """Indices [..., k'] of the k best scores [..., n] inside [lo, hi), k' = min(k, hi - lo)."""
+    k = min(k, hi - lo)
+    return torch.topk(scores[..., lo:hi], k, dim=-1, sorted=False).indices + lo

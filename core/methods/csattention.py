@@ -1,0 +1,194 @@
+"""CSAttention: query-centric per-subspace centroid tables (see shared/papers/csattention.txt).
+
+Offline, per (layer, KV head): split the head dimension into m subspaces, cluster the GQA
+group's prefill queries per subspace with cosine k-means (C centroids), score every centroid
+against every key in that subspace and keep the Top-L (index, score) pairs per centroid.
+Online: per subspace pick the nearest centroid of the query, gather the m lists, sum scores
+by key index into a dense accumulator, take Top-K in the middle region.
+
+Departures from the paper, each chosen by measurement (bench/README.md) and switchable here:
+- `weighting="qnorm"`: a subspace's list scores are scaled by the query's norm in that
+  subspace. Centroids are unit vectors, so c . k estimates q . k / ||q_b||; unscaled sums
+  weigh a subspace holding 1% of the query like one holding 50%.
+- `scoring="relative"`: a list stores raw scores s and its floor s_L (the L-th score); a key
+  contributes s - s_L where listed and 0 where absent. Read literally (absent adds 0 to raw
+  scores), negative list scores make absent keys look better than listed ones.
+- GQA: the tables of a KV head are built from the queries of all its query heads; at decode
+  each query head routes and accumulates on its own and the per-head estimates are merged
+  (`group_combine`), so the selection is shared by the group (one KV read per group).
+- Streaming inserts do not evict: a generated key is recorded against every centroid whose
+  list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
+  shared tables stay read-only while many streams decode from one artifact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ctxcache.methods.base import Capabilities, LayerState, MethodParams, SparseMethod, Tables
+from ctxcache.methods.budget import topk_in_region
+from ctxcache.methods.kmeans import kmeans
+
+_CHOICES = {
+    "weighting": ("unit", "qnorm"),
+    "scoring": ("absolute", "relative"),
+    "layout": ("contiguous", "rope_pairs"),
+    "group_combine": ("sum", "max", "softmax"),
+}
+
+
+@dataclass(frozen=True)
+class CSAttentionParams(MethodParams):
+    subspaces: int = 8  # m
+    centroids: int = 128  # C per subspace
+    list_fraction: float = 0.25  # alpha: each list keeps L = ceil(alpha * N) keys
+    kmeans_iters: int = 10
+    kmeans_batch: int | None = None  # None: full-batch Lloyd iterations
+    max_queries: int | None = 16384  # prefill queries sampled per KV head for clustering
+    backoff_cos: float = -1.0  # below this best cosine, also use the next centroids (-1: off)
+    backoff_tau: int = 2
+    weighting: str = "qnorm"
+    scoring: str = "relative"
+    layout: str = "contiguous"
+    group_combine: str = "sum"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        for name in ("subspaces", "centroids", "kmeans_iters", "backoff_tau"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 < self.list_fraction <= 1.0:
+            raise ValueError(f"list_fraction={self.list_fraction} must be in (0, 1]")
+        if not -1.0 <= self.backoff_cos <= 1.0:
+            raise ValueError(f"backoff_cos={self.backoff_cos} must be in [-1, 1]")
+
+    def list_length(self, n: int) -> int:
+        return max(1, min(n, math.ceil(self.list_fraction * n)))
+
+
+PAPER_PARAMS = CSAttentionParams(weighting="unit", scoring="absolute", group_combine="sum")
+
+
+def subspace_permutation(head_dim: int, m: int, layout: str) -> torch.Tensor:
+    """Order of head dimensions so that view(m, head_dim // m) yields the subspaces.
+
+    rope_pairs keeps each RoPE rotation pair (i, i + D/2) inside one subspace."""
+    if head_dim % m or (layout == "rope_pairs" and head_dim % (2 * m)):
+        raise ValueError(f"head_dim={head_dim} cannot be split into {m} subspaces ({layout})")
+    if layout == "contiguous":
+        return torch.arange(head_dim)
+    half, per = head_dim // 2, head_dim // (2 * m)
+    first = torch.arange(half).view(m, per)
+    return torch.cat([first, first + half], dim=1).reshape(-1)
+
+
+class CSAttention(SparseMethod):
+    name = "csattention"
+    Params = CSAttentionParams
+    caps = Capabilities(uses_queries=True, streaming=True)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., D] -> [..., m, D/m] in subspace order."""
+        p: CSAttentionParams = self.params
+        perm = subspace_permutation(x.shape[-1], p.subspaces, p.layout).to(x.device)
+        return x[..., perm].unflatten(-1, (p.subspaces, -1))
+
+    def build(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tables:
+        p: CSAttentionParams = self.params
+        hkv, n, _ = k.shape
+        group_q = q.float().unflatten(0, (hkv, -1)).flatten(1, 2)  # [Hkv, G*N, D]
+        if p.max_queries is not None and group_q.shape[1] > p.max_queries:
+            gen = torch.Generator().manual_seed(p.seed)
+            group_q = group_q[:, torch.randperm(group_q.shape[1], generator=gen)[:p.max_queries]]
+        sub_q = self._split(group_q).permute(0, 2, 1, 3)  # [Hkv, m, Nq, d_b]
+        cent, _ = kmeans(sub_q.flatten(0, 1), p.centroids, p.kmeans_iters, cosine=True,
+                         batch_size=p.kmeans_batch, seed=p.seed)
+        cent = cent.view(hkv, p.subspaces, p.centroids, -1)  # [Hkv, m, C, d_b]
+        sub_k = self._split(k.float()).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
+        scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k)
+        top = torch.topk(scores, p.list_length(n), dim=-1)
+        return {
+            "centroids": cent.half(),
+            "list_idx": top.indices.int(),  # [Hkv, m, C, L]
+            "list_score": top.values.half(),  # [Hkv, m, C, L], descending
+            "list_floor": top.values[..., -1].half(),  # [Hkv, m, C]
+        }
+
+    def _route(self, cent: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Nearest centroid(s) per subspace for q [Hkv, G, m, d_b] ->
+        (centroid ids [Hkv, G, m, tau], weights [Hkv, G, m, tau] summing to 1)."""
+        p: CSAttentionParams = self.params
+        cos = torch.einsum("hgmd,hmcd->hgmc", F.normalize(q, dim=-1), cent)
+        tau = min(p.backoff_tau if p.backoff_cos > -1.0 else 1, cent.shape[2])
+        best = torch.topk(cos, tau, dim=-1)
+        use = torch.ones_like(best.values)
+        if tau > 1:
+            low = best.values[..., :1] < p.backoff_cos
+            use[..., 1:] = low.float().expand(*use.shape[:-1], tau - 1)
+        return best.indices, use / use.sum(-1, keepdim=True)
+
+    def search(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int,
+               k: int) -> torch.Tensor:
+        est = self.estimate(state, q, n=keys.shape[1])  # [Hkv, G, n]
+        return topk_in_region(self._combine(est, q.shape[-1]), lo, hi, k)
+
+    def estimate(self, state: LayerState, q: torch.Tensor, n: int) -> torch.Tensor:
+        """Estimated (offset) logits [Hkv, G, n] of every cached key for q [Hq, D]."""
+        p: CSAttentionParams = self.params
+        t = state.tables
+        cent = t["centroids"].float()
+        hkv, m = cent.shape[:2]
+        sub_q = self._split(q.float().view(hkv, -1, q.shape[-1]))  # [Hkv, G, m, d_b]
+        ids, wts = self._route(cent, sub_q)
+        w_b = sub_q.norm(dim=-1) if p.weighting == "qnorm" else torch.ones(sub_q.shape[:3])
+        wts = wts * w_b[..., None]  # [Hkv, G, m, tau]
+        hh = torch.arange(hkv)[:, None, None, None]
+        mm = torch.arange(m)[None, None, :, None]
+        idx = t["list_idx"][hh, mm, ids].long()  # [Hkv, G, m, tau, L]
+        val = t["list_score"][hh, mm, ids].float()
+        floor = t["list_floor"][hh, mm, ids].float()  # [Hkv, G, m, tau]
+        if p.scoring == "relative":
+            val = val - floor[..., None]
+        acc = torch.zeros(hkv, sub_q.shape[1], n)
+        acc.scatter_add_(2, idx.flatten(2), (val * wts[..., None]).flatten(2))
+        self._add_streamed(state, acc, ids, wts, floor)
+        return acc
+
+    def _add_streamed(self, state: LayerState, acc: torch.Tensor, ids: torch.Tensor,
+                      wts: torch.Tensor, floor: torch.Tensor) -> None:
+        """Score keys appended during decode where they beat the chosen list's floor."""
+        new = state.extra.get("new_scores")  # [Hkv, m, C, T]
+        if new is None:
+            return
+        start = state.extra["new_start"]
+        hkv, g, m, tau = ids.shape
+        hh = torch.arange(hkv)[:, None, None, None]
+        mm = torch.arange(m)[None, None, :, None]
+        s = new[hh, mm, ids]  # [Hkv, G, m, tau, T]
+        gain = s - floor[..., None] if self.params.scoring == "relative" else s
+        gain = torch.where(s > floor[..., None], gain, torch.zeros_like(gain))
+        acc[..., start:start + s.shape[-1]] += (gain * wts[..., None]).sum((2, 3))
+
+    def _combine(self, est: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """Merge the group's per-head estimates [Hkv, G, n] into one ranking [Hkv, n]."""
+        how = self.params.group_combine
+        if how == "sum":
+            return est.sum(1)
+        if how == "max":
+            return est.max(1).values
+        return torch.softmax(est * head_dim ** -0.5, dim=-1).sum(1)
+
+    def append(self, state: LayerState, k_new: torch.Tensor, start: int) -> None:
+        cent = state.tables["centroids"].float()
+        s = torch.einsum("hmcd,hmtd->hmct", cent, self._split(k_new.float()).permute(0, 2, 1, 3))
+        if "new_scores" not in state.extra:
+            state.extra["new_scores"], state.extra["new_start"] = s, start
+        else:
+            state.extra["new_scores"] = torch.cat([state.extra["new_scores"], s], dim=-1)

@@ -1,0 +1,70 @@
+"""Batched k-means in torch (cosine or Euclidean), k-means++ seeding, optional mini-batches.
+
+Shapes carry a leading batch dimension so that every (KV head, subspace) pair of a layer is
+clustered in one call: x [B, n, d] -> centroids [B, C, d].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _distances(x: torch.Tensor, c: torch.Tensor, cosine: bool) -> torch.Tensor:
+    """[B, n, C]: 1 - cos for cosine (inputs normalised), squared L2 otherwise."""
+    if cosine:
+        return 1.0 - x @ c.transpose(1, 2)
+    return (x.pow(2).sum(-1, keepdim=True) - 2 * x @ c.transpose(1, 2)
+            + c.pow(2).sum(-1)[:, None, :]).clamp_min(0)
+
+
+def kmeans_pp_init(x: torch.Tensor, n_clusters: int, cosine: bool,
+                   gen: torch.Generator) -> torch.Tensor:
+    """k-means++ seeds [B, C, d]: each next seed drawn with probability ~ distance to the nearest."""
+    b, n, _ = x.shape
+    rows = torch.arange(b)
+    first = torch.randint(n, (b,), generator=gen)
+    centroids = [x[rows, first]]
+    nearest = _distances(x, centroids[0][:, None], cosine)[..., 0]
+    for _ in range(1, n_clusters):
+        weights = nearest.clamp_min(0) + 1e-12
+        pick = torch.multinomial(weights, 1, generator=gen)[:, 0]
+        centroids.append(x[rows, pick])
+        nearest = torch.minimum(nearest, _distances(x, centroids[-1][:, None], cosine)[..., 0])
+    return torch.stack(centroids, dim=1)
+
+
+def kmeans(x: torch.Tensor, n_clusters: int, iters: int = 10, cosine: bool = True,
+           batch_size: int | None = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cluster x [B, n, d]; -> (centroids [B, C, d], assignment [B, n] of the full x).
+
+    With batch_size < n, each iteration updates centroids from a random mini-batch with
+    per-centroid learning rates 1/count (Sculley 2010); otherwise it is Lloyd's algorithm.
+    """
+    x = x.float()
+    if cosine:
+        x = F.normalize(x, dim=-1)
+    b, n, d = x.shape
+    c_eff = min(n_clusters, n)
+    gen = torch.Generator().manual_seed(seed)
+    cent = kmeans_pp_init(x, c_eff, cosine, gen)
+    counts = torch.zeros(b, c_eff)
+    for _ in range(iters):
+        xb = x if batch_size is None or batch_size >= n else \
+            x[:, torch.randperm(n, generator=gen)[:batch_size]]
+        assign = _distances(xb, cent, cosine).argmin(-1)  # [B, nb]
+        sums = torch.zeros(b, c_eff, d).scatter_add_(1, assign[..., None].expand(-1, -1, d), xb)
+        hits = torch.zeros(b, c_eff).scatter_add_(1, assign, torch.ones_like(assign, dtype=torch.float))
+        if xb.shape[1] == n:
+            means = sums / hits.clamp_min(1)[..., None]
+            cent = torch.where(hits[..., None] > 0, means, cent)
+        else:
+            counts += hits
+            rate = (hits / counts.clamp_min(1))[..., None]
+            means = sums / hits.clamp_min(1)[..., None]
+            cent = torch.where(hits[..., None] > 0, (1 - rate) * cent + rate * means, cent)
+        if cosine:
+            cent = F.normalize(cent, dim=-1)
+    if c_eff < n_clusters:  # fewer points than clusters: repeat the last centroid (never nearest-unique)
+        cent = torch.cat([cent, cent[:, -1:].expand(-1, n_clusters - c_eff, -1)], dim=1)
+    return cent, _distances(x, cent, cosine).argmin(-1)

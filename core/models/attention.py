@@ -1,0 +1,52 @@
+"""Attention callables for the model: dense (causal SDPA) and a capturing wrapper for indexing."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ctxcache.models.kv_cache import KVCache
+
+
+def dense_attention(layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q [B, Hq, T, D] over every cached key at or before its position."""
+    span = int(pos.max()) + 1
+    k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
+    keys = torch.arange(span, device=q.device)
+    mask = keys[None, None, None, :] <= pos[:, None, :, None]  # [B, 1, T, S]
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                          enable_gqa=True)
+
+
+class QueryCapture:
+    """Dense attention that also keeps each layer's post-RoPE queries (row 0) for indexing."""
+
+    def __init__(self, n_layers: int, dtype: torch.dtype = torch.float32) -> None:
+        self.chunks: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+        self.dtype = dtype
+
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        self.chunks[layer].append(q[0].to(self.dtype).cpu())
+        return dense_attention(layer, q, cache, pos)
+
+    def queries(self, layer: int) -> torch.Tensor:
+        """All captured queries of a layer, [Hq, N, D]."""
+        return torch.cat(self.chunks[layer], dim=1)
+
+
+def gqa_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                         valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference sparse decode attention (one query per head, shared selection per KV head).
+
+    q [Hq, D]; k, v [Hkv, N, D]; idx [Hkv, K] long; valid [Hkv, K] bool or None -> [Hq, D].
+    """
+    hkv, d = k.shape[0], k.shape[-1]
+    g = q.shape[0] // hkv
+    gather = idx[..., None].expand(-1, -1, d)
+    ks = torch.gather(k, 1, gather).to(q.dtype)  # [Hkv, K, D]
+    vs = torch.gather(v, 1, gather).to(q.dtype)
+    scores = torch.einsum("hgd,hkd->hgk", q.view(hkv, g, d), ks) * d ** -0.5
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.einsum("hgk,hkd->hgd", probs, vs).reshape(hkv * g, d)

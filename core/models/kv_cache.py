@@ -1,0 +1,48 @@
+"""Static KV cache: one preallocated buffer per layer, rows of a batch may differ in length."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values [B, Hkv, S_max, D] per layer plus the filled length of each row."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Store k, v [B, Hkv, T, D] at positions pos [B, T]."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        self.k[layer][rows, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
+        self.v[layer][rows, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
+
+    def load_row(self, row: int, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        """Fill one row from per-layer [Hkv, N, D] tensors (an artifact's KV)."""
+        n = ks[0].shape[1]
+        if n > self.max_len:
+            raise ValueError(f"context of {n} tokens exceeds the cache length {self.max_len}")
+        for layer, (k, v) in enumerate(zip(ks, vs)):
+            self.k[layer][row, :, :n] = k.to(self.k[layer].dtype)
+            self.v[layer][row, :, :n] = v.to(self.v[layer].dtype)
+        self.lengths[row] = n
+
+    def row(self, b: int) -> "KVCache":
+        """A one-row view sharing storage, for prefilling one request of a batch."""
+        view = KVCache.__new__(KVCache)
+        view.k = [k[b:b + 1] for k in self.k]
+        view.v = [v[b:b + 1] for v in self.v]
+        view.lengths = self.lengths[b:b + 1]
+        return view

@@ -1,0 +1,59 @@
+"""Generate from cached artifacts: load KV into a cache, prefill the new prompt, decode sparsely."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ctxcache.artifact import ContextArtifact
+from ctxcache.decoder.sparse_attention import SparseAttention, SparseConfig
+from ctxcache.generation import SamplingParams, decode_n_tokens, prefill
+from ctxcache.methods import make_method
+from ctxcache.models.loader import LoadedModel
+
+
+class ArtifactMismatch(ValueError):
+    """The artifact was built for another model or method than the one decoding it."""
+
+
+def check_compatible(lm: LoadedModel, artifacts: list[ContextArtifact]) -> None:
+    for a in artifacts:
+        if a.model_id != lm.model_id or a.model_args != lm.args.to_dict():
+            raise ArtifactMismatch(f"artifact built for model {a.model_id!r}, decoder runs {lm.model_id!r}")
+    methods = {(a.method, repr(sorted(a.method_params.items()))) for a in artifacts}
+    if len(methods) > 1:
+        raise ArtifactMismatch(f"a batch must share one method and parameters, got {sorted(methods)}")
+
+
+def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list[list[int]],
+                config: SparseConfig, max_new_tokens: int) -> tuple[torch.Tensor, SparseAttention, object]:
+    """Load each artifact into its cache row and prefill its prompt.
+
+    -> (first logits [B, V], the attention callable, the cache)."""
+    if len(artifacts) != len(prompts) or not artifacts:
+        raise ValueError(f"got {len(artifacts)} artifacts and {len(prompts)} prompts; need one each, >= 1")
+    check_compatible(lm, artifacts)
+    method = make_method(artifacts[0].method, artifacts[0].method_params)
+    need = max(a.n_tokens + len(p) for a, p in zip(artifacts, prompts)) + max_new_tokens
+    cache = lm.model.new_cache(len(artifacts), max_len=min(need, lm.args.max_seq_len))
+    states = []
+    for row, a in enumerate(artifacts):
+        cache.load_row(row, [l.k for l in a.layers], [l.v for l in a.layers])
+        states.append([method.open(l.tables) for l in a.layers])
+    attn = SparseAttention(method, states, config)
+    device = cache.lengths.device
+    first = []
+    for row, (a, prompt) in enumerate(zip(artifacts, prompts)):
+        if prompt:
+            first.append(prefill(lm.model, torch.tensor([prompt], device=device), cache.row(row), attn)[0])
+        else:
+            first.append(a.last_logits.to(device))
+    return torch.stack(first), attn, cache
+
+
+def generate(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list[list[int]],
+             sampling: SamplingParams, config: SparseConfig = SparseConfig()) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield (tokens [B], finished [B]) per decode step for a batch of cached contexts."""
+    first, attn, cache = start_batch(lm, artifacts, prompts, config, sampling.max_tokens)
+    yield from decode_n_tokens(lm.model, first, cache, attn, sampling)

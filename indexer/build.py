@@ -1,0 +1,58 @@
+"""Prefill with full attention, capture post-RoPE Q/K/V per layer, build the method's tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ctxcache.artifact import ContextArtifact, LayerArtifact
+from ctxcache.generation import prefill
+from ctxcache.methods import SparseMethod
+from ctxcache.models.attention import QueryCapture
+from ctxcache.models.loader import LoadedModel
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    chunk: int = 1024  # prefill tokens per forward pass (bounds attention memory)
+    kv_dtype: str = "float16"  # dtype of stored K/V
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1:
+            raise ValueError(f"chunk={self.chunk} must be >= 1")
+        if self.kv_dtype not in _DTYPES:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} must be one of {sorted(_DTYPES)}")
+
+
+def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: SparseMethod,
+                   config: IndexerConfig = IndexerConfig()) -> ContextArtifact:
+    """Prefill `tokens` and index every layer with `method`."""
+    ids = torch.as_tensor(tokens, dtype=torch.long).flatten()
+    n, args = ids.numel(), lm.args
+    if n == 0:
+        raise ValueError("context is empty: at least one token is needed")
+    if n >= args.max_seq_len:
+        raise ValueError(f"context of {n} tokens leaves no room to generate within the model's "
+                         f"maximum length {args.max_seq_len}")
+    device = lm.model.lm_head.weight.device
+    cache = lm.model.new_cache(1, max_len=n)
+    capture = QueryCapture(args.n_layers)
+    with tqdm(total=n, desc="prefill", unit="tok", disable=not config.progress) as bar:
+        logits = prefill(lm.model, ids[None].to(device), cache, capture, config.chunk, bar.update)
+    dtype = _DTYPES[config.kv_dtype]
+    layers = []
+    for layer in tqdm(range(args.n_layers), desc=f"index ({method.name})", unit="layer",
+                      disable=not config.progress):
+        k, v = cache.k[layer][0, :, :n].cpu(), cache.v[layer][0, :, :n].cpu()
+        tables = method.build(capture.queries(layer), k, v)
+        layers.append(LayerArtifact(k=k.to(dtype), v=v.to(dtype), tables=tables))
+        capture.chunks[layer] = []  # free the queries as we go
+    return ContextArtifact(
+        model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
+        method_params=method.params.to_dict(), tokens=ids.cpu(), last_logits=logits[0].float().cpu(),
+        layers=layers, kv_dtype=config.kv_dtype)
