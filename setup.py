@@ -1,0 +1,31 @@
+"""Package discovery for the design card's layout.
+
+The repository keeps its top level (service/ indexer/ store/ decoder/ ...) while everything
+installs under the `ctxcache` namespace. pyproject.toml holds the metadata; this file only
+maps folders to packages and discovers subpackages, so adding one needs no edit here.
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+
+ROOTS = {
+    "ctxcache": "core",
+    "ctxcache.service": "service",
+    "ctxcache.indexer": "indexer",
+    "ctxcache.store": "store",
+    "ctxcache.decoder": "decoder",
+    "ctxcache.bench": "bench",
+}
+
+
+def discover() -> list[str]:
+    found = []
+    for name, folder in ROOTS.items():
+        for init in sorted(Path(folder).rglob("__init__.py")):
+            rel = init.parent.relative_to(folder).parts
+            found.append(".".join((name, *rel)))
+    return found
+
+
+setup(packages=discover(), package_dir=ROOTS)
