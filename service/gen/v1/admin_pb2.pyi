@@ -1,0 +1,110 @@
+from ctxcache.service.gen.v1 import context_pb2 as _context_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EvictRequest(_message.Message):
+    __slots__ = ("context_id", "memory_only")
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    context_id: str
+    memory_only: bool
+    def __init__(self, context_id: _Optional[str] = ..., memory_only: _Optional[bool] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted", "bytes_freed")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    evicted: bool
+    bytes_freed: int
+    def __init__(self, evicted: _Optional[bool] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+
+class RebuildRequest(_message.Message):
+    __slots__ = ("context_id", "method", "allow_reprefill", "wait")
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_REPREFILL_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    context_id: str
+    method: _context_pb2.MethodSpec
+    allow_reprefill: bool
+    wait: bool
+    def __init__(self, context_id: _Optional[str] = ..., method: _Optional[_Union[_context_pb2.MethodSpec, _Mapping]] = ..., allow_reprefill: _Optional[bool] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class RebuildResponse(_message.Message):
+    __slots__ = ("context", "reprefilled")
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    REPREFILLED_FIELD_NUMBER: _ClassVar[int]
+    context: _context_pb2.ContextInfo
+    reprefilled: bool
+    def __init__(self, context: _Optional[_Union[_context_pb2.ContextInfo, _Mapping]] = ..., reprefilled: _Optional[bool] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("context_id",)
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    context_id: str
+    def __init__(self, context_id: _Optional[str] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("context_id", "ok", "problems")
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    context_id: str
+    ok: bool
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, context_id: _Optional[str] = ..., ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id")
+    CONTEXTS_READY_FIELD_NUMBER: _ClassVar[int]
+    CONTEXTS_BUILDING_FIELD_NUMBER: _ClassVar[int]
+    CONTEXTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    BUILD_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    contexts_ready: int
+    contexts_building: int
+    contexts_failed: int
+    store_bytes: int
+    store_budget_bytes: int
+    dram_cache_bytes: int
+    dram_cache_entries: int
+    active_streams: int
+    build_queue: int
+    registry: str
+    registry_available: bool
+    model_id: str
+    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ...) -> None: ...
+
+class ReconcileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReconcileResponse(_message.Message):
+    __slots__ = ("registered", "removed")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    registered: int
+    removed: int
+    def __init__(self, registered: _Optional[int] = ..., removed: _Optional[int] = ...) -> None: ...
