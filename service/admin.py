@@ -1,0 +1,82 @@
+"""AdminService: evict, rebuild (from stored K/V), verify, stats, reconcile."""
+
+from __future__ import annotations
+
+from ctxcache.methods import make_method
+from ctxcache.service import convert
+from ctxcache.service.convert import PutSpec
+from ctxcache.service.decoding import Decoder
+from ctxcache.service.errors import DataLoss, FailedPrecondition, NotFound, unary
+from ctxcache.service.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
+from ctxcache.service.backend import ROLES_LABEL
+from ctxcache.service.indexing import Indexer
+from ctxcache.service.servicer import context_info
+
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    def __init__(self, indexer: Indexer, decoder: Decoder) -> None:
+        self.indexer, self.decoder, self.backend = indexer, decoder, indexer.backend
+
+    @unary
+    def Evict(self, request, context):
+        cid = convert.context_id(request.context_id)
+        freed = self.decoder.cache.evict(cid)
+        if request.memory_only:
+            return apb.EvictResponse(evicted=freed > 0, bytes_freed=freed)
+        m = self.backend.manifest(cid)
+        deleted = self.backend.delete(cid)
+        return apb.EvictResponse(evicted=deleted or freed > 0,
+                                 bytes_freed=(m.stored_bytes if m and deleted else 0) + freed)
+
+    @unary
+    def Rebuild(self, request, context):
+        cid = convert.context_id(request.context_id)
+        m = self.backend.manifest(cid)
+        if m is None:
+            raise NotFound(f"context {cid} not found")
+        name, params = convert.method_spec(request.method, m.method, {})
+        reprefill = make_method(name, params).caps.uses_queries
+        if reprefill and not request.allow_reprefill:
+            raise FailedPrecondition(f"method {name!r} builds from the prefill queries, which are not "
+                                     "stored; set allow_reprefill to re-prefill the stored tokens")
+        art = self.backend.get(cid)
+        if art is None:
+            raise NotFound(f"context {cid} not found")
+        roles = m.labels.get(ROLES_LABEL, "system").split(",")
+        labels = {k: v for k, v in m.labels.items() if not k.startswith(convert.RESERVED_LABEL)}
+        spec = PutSpec([{"role": r, "content": ""} for r in roles], labels, m.ttl_s, m.pinned, name,
+                       params, request.wait, m.tenant)
+        new_id, job, _ = self.indexer.submit(spec, art.tokens.tolist(), None if reprefill else art)
+        if job is not None and request.wait:
+            while not job.done.wait(0.05) and context.is_active():
+                pass
+        return apb.RebuildResponse(context=context_info(self.indexer, new_id), reprefilled=reprefill)
+
+    @unary
+    def Verify(self, request, context):
+        ids = [convert.context_id(request.context_id)] if request.context_id else self.backend.context_ids()
+        results = []
+        for cid in ids:
+            report = self.backend.verify(cid)
+            if request.context_id and not report.found:
+                raise NotFound(f"context {cid} not found")
+            problems = [f"{b.chunk}: {b.reason}" for b in report.bad]
+            results.append(apb.VerifyResult(context_id=cid, ok=report.ok, problems=problems))
+        return apb.VerifyResponse(results=results)
+
+    @unary
+    def Stats(self, request, context):
+        st = self.backend.stats()
+        building, failed = self.indexer.counts()
+        return apb.StatsResponse(
+            contexts_ready=st.contexts, contexts_building=building, contexts_failed=failed,
+            store_bytes=st.stored_bytes, store_budget_bytes=st.budget_bytes,
+            dram_cache_bytes=self.decoder.cache.bytes, dram_cache_entries=len(self.decoder.cache),
+            active_streams=self.decoder.active, build_queue=self.indexer.queued(),
+            registry=self.backend.registry_kind, registry_available=self.backend.registry_available(),
+            model_id=self.indexer.lm.model_id)
+
+    @unary
+    def Reconcile(self, request, context):
+        registered, removed = self.backend.reconcile()
+        return apb.ReconcileResponse(registered=registered, removed=removed)

@@ -1,0 +1,97 @@
+"""The service's one seam onto store/ and the registry, so servicers never juggle both.
+
+The store (LMDB, this machine) is the source of truth; the registry is an index that
+`reconcile` rebuilds. Registry failures therefore fail only what needs the registry: a new
+build's claim (PutContext -> UNAVAILABLE, fast); bookkeeping after a stored build is best
+effort (logged, repaired by Reconcile), and Generate never touches the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ctxcache.artifact import ContextArtifact
+from ctxcache.service.decoding import CachedContext
+from ctxcache.service.errors import NotFound, Unavailable
+from ctxcache.store import ArtifactStore, ContextMeta, Manifest, Registry, RegistryUnavailable, reconcile
+from ctxcache.store.config import StoreStats, VerifyReport
+
+log = logging.getLogger("ctxcache.service.backend")
+ROLES_LABEL = "ctxcache/roles"
+
+
+class Backend:
+    def __init__(self, store: ArtifactStore, registry: Registry, registry_kind: str) -> None:
+        self.store, self.registry, self.registry_kind = store, registry, registry_kind
+
+    # ---- builds -------------------------------------------------------------------------------
+    def claim_build(self, cid: str) -> bool:
+        try:
+            return self.registry.claim_build(cid, cid, self.store.location)
+        except RegistryUnavailable as exc:
+            raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
+
+    def put(self, cid: str, art: ContextArtifact, meta: ContextMeta) -> Manifest:
+        manifest = self.store.put(cid, art, meta)
+        self._best_effort("mark_ready", cid, cid, self.store.location)
+        return manifest
+
+    def build_failed(self, cid: str, error: str) -> None:
+        self._best_effort("mark_failed", cid, cid, error[:500], self.store.location)
+
+    def _best_effort(self, op: str, *args) -> None:
+        try:
+            getattr(self.registry, op)(*args)
+        except RegistryUnavailable as exc:
+            log.warning("registry %s(%s) skipped (Reconcile repairs it): %s", op, args[0][:12], exc)
+
+    # ---- reads --------------------------------------------------------------------------------
+    def manifest(self, cid: str) -> Manifest | None:
+        return self.store.manifest(cid)
+
+    def get(self, cid: str) -> ContextArtifact | None:
+        return self.store.get(cid)
+
+    def load(self, cid: str) -> CachedContext:
+        """Store -> DRAM for the decoder; NOT_FOUND if absent, CorruptArtifact -> DATA_LOSS."""
+        m = self.store.manifest(cid)
+        art = self.store.get(cid) if m is not None else None
+        if m is None or art is None:
+            raise NotFound(f"context {cid} not found")
+        roles = tuple(m.labels.get(ROLES_LABEL, "system").split(","))
+        return CachedContext(art, roles, m.stored_bytes)
+
+    def list(self, limit: int, after: str | None) -> list[Manifest]:
+        return self.store.list_manifests(limit=limit, after=after)
+
+    def context_ids(self) -> list[str]:
+        return self.store.context_ids()
+
+    def verify(self, cid: str) -> VerifyReport:
+        return self.store.verify(cid)
+
+    def stats(self) -> StoreStats:
+        return self.store.stats()
+
+    # ---- admin --------------------------------------------------------------------------------
+    def delete(self, cid: str) -> bool:
+        deleted = self.store.delete(cid)
+        self._best_effort("delete", cid)
+        return deleted
+
+    def reconcile(self) -> tuple[int, int]:
+        try:
+            report = reconcile(self.registry, self.store)
+        except RegistryUnavailable as exc:
+            raise Unavailable(f"registry unavailable: {exc}") from exc
+        return len(report.added), len(report.removed)
+
+    def registry_available(self) -> bool:
+        try:
+            return bool(self.registry.ping())
+        except Exception:  # noqa: BLE001 - a health probe answers, it does not raise
+            return False
+
+    def close(self) -> None:
+        self.store.close()
+        self.registry.close()

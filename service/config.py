@@ -1,0 +1,127 @@
+"""Service configuration: one frozen dataclass per component, composed into ServiceConfig.
+
+Flags are parsed only by the CLI; everything else receives these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: pick a free port
+    admin_port: int | None = None  # None: admin + reflection on the main port; 0: free port
+    max_message_bytes: int = 64 * MiB
+    max_streams: int = 16  # concurrent Generate streams; more -> RESOURCE_EXHAUSTED
+    threads: int = 64  # gRPC handler threads (streams + unary calls)
+    auth_token: str | None = None  # bearer token; None: no auth
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    grace_seconds: float = 5.0
+    reflection: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} must be in [0, 65535]")
+        if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
+            raise ValueError(f"admin_port={self.admin_port} must be in [0, 65535]")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes} must be >= 1024")
+        if self.max_streams < 1 or self.threads <= self.max_streams:
+            raise ValueError(f"max_streams={self.max_streams} must be >= 1 and < threads={self.threads}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(f"tls_cert={self.tls_cert} and tls_key={self.tls_key}: give both or neither")
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("auth_token must be non-empty when set")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "smollm2"  # ctxcache.models.loader.load_model source
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} must be float32, float16 or bfloat16")
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    path: Path = Path("./data")
+    budget_bytes: int = 16 * GiB  # LRU eviction keeps stored artifacts under this
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes < MiB:
+            raise ValueError(f"budget_bytes={self.budget_bytes} must be >= 1 MiB")
+
+
+@dataclass(frozen=True)
+class RegistrySettings:
+    redis_url: str | None = None  # redis://[:password@]host:port/db; None: the embedded registry
+    timeout_seconds: float = 0.2  # per connect / socket operation (fail fast)
+
+    def __post_init__(self) -> None:
+        if self.timeout_seconds <= 0:
+            raise ValueError(f"timeout_seconds={self.timeout_seconds} must be > 0")
+        if self.redis_url is not None:
+            self.redis_config()  # validates the URL now, not at first use
+
+    def redis_config(self):
+        from urllib.parse import urlparse
+
+        from ctxcache.store import RedisConfig
+
+        u = urlparse(self.redis_url or "")
+        if u.scheme != "redis" or not u.hostname:
+            raise ValueError(f"redis_url={self.redis_url!r} must look like redis://host:6379/0")
+        db = u.path.strip("/") or "0"
+        if not db.isdigit():
+            raise ValueError(f"redis_url={self.redis_url!r}: database {db!r} must be a number")
+        return RedisConfig(host=u.hostname, port=u.port or 6379, db=int(db), password=u.password,
+                           connect_timeout_s=self.timeout_seconds, socket_timeout_s=self.timeout_seconds)
+
+
+@dataclass(frozen=True)
+class IndexerSettings:
+    method: str = "csattention"
+    method_params: dict[str, Any] = field(default_factory=dict, hash=False)
+    queue_limit: int = 64  # queued builds beyond this -> RESOURCE_EXHAUSTED
+    max_context_tokens: int = 0  # 0: the model's maximum length - 256
+    chunk: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.queue_limit < 1 or self.chunk < 1 or self.max_context_tokens < 0:
+            raise ValueError(f"queue_limit={self.queue_limit}, chunk={self.chunk} must be >= 1 "
+                             f"and max_context_tokens={self.max_context_tokens} >= 0")
+
+
+@dataclass(frozen=True)
+class DecoderSettings:
+    dram_cache_bytes: int = 2 * GiB  # loaded artifacts kept in DRAM (LRU by bytes)
+    schedule: str = "0.05-step-1"  # default sparse schedule
+    default_max_tokens: int = 128
+    max_tokens_limit: int = 4096
+    torch_threads: int = 0  # 0: leave torch's default
+
+    def __post_init__(self) -> None:
+        if self.dram_cache_bytes < 0 or self.default_max_tokens < 1 or self.max_tokens_limit < 1:
+            raise ValueError(f"dram_cache_bytes={self.dram_cache_bytes}, default_max_tokens="
+                             f"{self.default_max_tokens}, max_tokens_limit={self.max_tokens_limit} invalid")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    server: ServerConfig = ServerConfig()
+    model: ModelConfig = ModelConfig()
+    store: StoreSettings = StoreSettings()
+    registry: RegistrySettings = RegistrySettings()
+    indexer: IndexerSettings = IndexerSettings()
+    decoder: DecoderSettings = DecoderSettings()

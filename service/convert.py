@@ -1,0 +1,175 @@
+"""Proto <-> domain translation with validation: every bad field raises InvalidArgument(field)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format, struct_pb2
+
+from ctxcache.generation import SamplingParams
+from ctxcache.methods import make_method
+from ctxcache.service.decoding import GenerateSpec
+from ctxcache.service.errors import InvalidArgument
+from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.service.prompting import ROLES, Messages, document_messages, text_messages
+
+_CONTEXT_ID = re.compile(r"[0-9a-f]{64}")
+_LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
+_TENANT = re.compile(r"[A-Za-z0-9_.\-]{0,64}")
+RESERVED_LABEL = "ctxcache/"  # labels the service keeps for itself (e.g. the context's roles)
+MAX_LABELS, MAX_LABEL_VALUE, MAX_STOPS, MAX_STOP_CHARS, MAX_PAGE = 64, 256, 8, 64, 1000
+
+
+@dataclass(frozen=True)
+class PutSpec:
+    messages: Messages
+    labels: dict[str, str] = field(default_factory=dict)
+    ttl_s: float | None = None
+    pin: bool = False
+    method: str = ""
+    method_params: dict[str, Any] = field(default_factory=dict)
+    wait: bool = True
+    tenant: str = ""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(m["role"] for m in self.messages)
+
+
+def context_id(value: str, name: str = "context_id") -> str:
+    if not _CONTEXT_ID.fullmatch(value):
+        raise InvalidArgument(name, f"{value[:80]!r} is not a context id (64 lowercase hex characters)")
+    return value
+
+
+def _messages(chat: pb.ChatMessages, name: str) -> Messages:
+    if not chat.messages:
+        raise InvalidArgument(f"{name}.messages", "must hold at least one message")
+    out = []
+    for i, m in enumerate(chat.messages):
+        if m.role not in ROLES:
+            raise InvalidArgument(f"{name}.messages[{i}].role", f"{m.role!r} must be one of {ROLES}")
+        if not m.content.strip():
+            raise InvalidArgument(f"{name}.messages[{i}].content", "must not be empty")
+        out.append({"role": m.role, "content": m.content})
+    return out
+
+
+def _content(req: pb.PutContextRequest) -> Messages:
+    kind = req.WhichOneof("content")
+    if kind is None:
+        raise InvalidArgument("content", "set one of text, chat, documents")
+    if kind == "text":
+        if not req.text.strip():
+            raise InvalidArgument("text", "must not be empty")
+        return text_messages(req.text)
+    if kind == "chat":
+        return _messages(req.chat, "chat")
+    if not req.documents.documents:
+        raise InvalidArgument("documents.documents", "must hold at least one document")
+    docs = []
+    for i, d in enumerate(req.documents.documents):
+        if not d.text.strip():
+            raise InvalidArgument(f"documents.documents[{i}].text", "must not be empty")
+        docs.append((d.title or d.id, d.text))
+    return document_messages(docs)
+
+
+def _labels(labels: dict[str, str]) -> dict[str, str]:
+    if len(labels) > MAX_LABELS:
+        raise InvalidArgument("labels", f"{len(labels)} labels; at most {MAX_LABELS}")
+    for k, v in labels.items():
+        if not _LABEL_KEY.fullmatch(k) or k.startswith(RESERVED_LABEL):
+            raise InvalidArgument("labels", f"key {k[:80]!r} must match {_LABEL_KEY.pattern} "
+                                  f"and not start with {RESERVED_LABEL!r}")
+        if len(v) > MAX_LABEL_VALUE:
+            raise InvalidArgument("labels", f"value of {k!r} is {len(v)} characters; at most {MAX_LABEL_VALUE}")
+    return dict(labels)
+
+
+def struct_to_dict(s: struct_pb2.Struct) -> dict[str, Any]:
+    """Struct numbers are doubles: integral values become ints (method params are typed)."""
+    def fix(v: Any) -> Any:
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        return v
+    return {k: fix(v) for k, v in json_format.MessageToDict(s).items()}
+
+
+def dict_to_struct(d: dict[str, Any]) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update({k: v for k, v in d.items()})
+    return s
+
+
+def method_spec(spec: pb.MethodSpec, default: str, default_params: dict[str, Any]) -> tuple[str, dict]:
+    """-> (method name, full parameter dict) validated by constructing the method."""
+    name = spec.name or default
+    params = struct_to_dict(spec.params) if spec.name else {**default_params, **struct_to_dict(spec.params)}
+    try:
+        method = make_method(name, params)
+    except ValueError as exc:
+        bad = "method.name" if "unknown method" in str(exc) else "method.params"
+        raise InvalidArgument(bad, str(exc)) from exc
+    except TypeError as exc:
+        raise InvalidArgument("method.params", str(exc)) from exc
+    return method.name, method.params.to_dict()
+
+
+def put_spec(req: pb.PutContextRequest, default_method: str, default_params: dict[str, Any]) -> PutSpec:
+    messages = _content(req)
+    if not _TENANT.fullmatch(req.tenant):
+        raise InvalidArgument("tenant", f"{req.tenant[:80]!r} must match {_TENANT.pattern}")
+    name, params = method_spec(req.method, default_method, default_params)
+    return PutSpec(messages, _labels(dict(req.labels)), float(req.ttl_seconds) if req.ttl_seconds else None,
+                   req.pin, name, params, req.wait, req.tenant)
+
+
+def _sampling(s: pb.SamplingParams, default_max: int, limit: int) -> SamplingParams:
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidArgument("sampling.temperature", f"{s.temperature} must be a finite number >= 0")
+    top_p = s.top_p or 1.0
+    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+        raise InvalidArgument("sampling.top_p", f"{s.top_p} must be in (0, 1] (0 means 1)")
+    if s.max_tokens > limit:
+        raise InvalidArgument("sampling.max_tokens", f"{s.max_tokens} exceeds the limit {limit}")
+    seed = s.seed if s.HasField("seed") else None
+    return SamplingParams(float(s.temperature), float(top_p), s.max_tokens or default_max, (), seed)
+
+
+def _stops(stops) -> tuple[str, ...]:
+    if len(stops) > MAX_STOPS:
+        raise InvalidArgument("stop", f"{len(stops)} stop sequences; at most {MAX_STOPS}")
+    for i, s in enumerate(stops):
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise InvalidArgument(f"stop[{i}]", f"must be 1 to {MAX_STOP_CHARS} characters")
+    return tuple(stops)
+
+
+def generate_spec(req: pb.GenerateRequest, default_max: int, limit: int) -> GenerateSpec:
+    cid = context_id(req.context_id)
+    kind = req.WhichOneof("turn")
+    if kind is None:
+        raise InvalidArgument("turn", "set question or chat")
+    if kind == "question":
+        if not req.question.strip():
+            raise InvalidArgument("question", "must not be empty")
+        turn = [{"role": "user", "content": req.question}]
+    else:
+        turn = _messages(req.chat, "chat")
+        if turn[-1]["role"] != "user":
+            raise InvalidArgument("chat.messages", "the last message must have role 'user'")
+    return GenerateSpec(cid, turn, _sampling(req.sampling, default_max, limit), _stops(req.stop), req.schedule)
+
+
+def page(req) -> tuple[int, str]:
+    if req.page_size > MAX_PAGE:
+        raise InvalidArgument("page_size", f"{req.page_size} exceeds {MAX_PAGE}")
+    if req.page_token:
+        context_id(req.page_token, "page_token")
+    return req.page_size or 100, req.page_token

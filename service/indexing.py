@@ -1,0 +1,156 @@
+"""Indexer worker: PutContext builds, one at a time, queued, idempotent.
+
+The context id is content-addressed (`ctxcache.store.context_id_for`), so identical requests
+meet at one id: a stored manifest answers READY at once, a queued or running job is joined,
+and only the request that creates the job (and wins the registry's build claim) builds.
+Progress is coarse (queued 0, prefill+index 0.1..0.9, writing 0.9, done 1): the core's
+build_artifact exposes no per-chunk hook.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ctxcache.artifact import FORMAT_VERSION, ContextArtifact, LayerArtifact
+from ctxcache.indexer import IndexerConfig, build_artifact
+from ctxcache.methods import make_method
+from ctxcache.models.loader import LoadedModel
+from ctxcache.service.backend import ROLES_LABEL, Backend
+from ctxcache.service.config import IndexerSettings
+from ctxcache.service.convert import RESERVED_LABEL, PutSpec
+from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable
+from ctxcache.service.metrics import Metrics
+from ctxcache.service.prompting import Prompter
+from ctxcache.store import ContextMeta, context_id_for
+
+log = logging.getLogger("ctxcache.service.indexer")
+
+
+@dataclass
+class Job:
+    context_id: str
+    spec: PutSpec
+    tokens: list[int]
+    source: ContextArtifact | None = None  # Rebuild: re-index these K/V, no prefill
+    state: str = "building"  # building | ready | failed
+    progress: float = 0.0
+    error: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Indexer:
+    def __init__(self, lm: LoadedModel, prompter: Prompter, backend: Backend,
+                 settings: IndexerSettings, kv_dtype: str, metrics: Metrics) -> None:
+        self.lm, self.prompter, self.backend, self.settings = lm, prompter, backend, settings
+        self.kv_dtype, self.metrics = kv_dtype, metrics
+        self.max_tokens = settings.max_context_tokens or max(1, lm.args.max_seq_len - 256)
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="ctxcache-indexer", daemon=True)
+        self._thread.start()
+
+    def context_id(self, spec: PutSpec, tokens: list[int]) -> str:
+        return context_id_for(self.lm.model_id, self.prompter.tokenizer_id, self.prompter.template_id,
+                              self.kv_dtype, FORMAT_VERSION, spec.method, spec.method_params, tokens,
+                              spec.tenant)
+
+    def tokens(self, spec: PutSpec) -> list[int]:
+        tokens = self.prompter.context_tokens(spec.messages)
+        if len(tokens) > self.max_tokens:
+            raise InvalidArgument("content", f"{len(tokens)} tokens; this server caches at most "
+                                  f"{self.max_tokens} (model maximum {self.lm.args.max_seq_len})")
+        return tokens
+
+    def submit(self, spec: PutSpec, tokens: list[int] | None = None,
+               source: ContextArtifact | None = None) -> tuple[str, Job | None, bool]:
+        """-> (context id, the job if one is building, created). READY contexts have no job.
+
+        tokens: skip tokenization (Rebuild); source: re-index its K/V instead of prefilling."""
+        tokens = self.tokens(spec) if tokens is None else tokens
+        cid = self.context_id(spec, tokens)
+        with self._lock:
+            job = self._jobs.get(cid)
+            if job is not None and job.state == "building":
+                self.metrics.put_requests.labels("joined").inc()
+                return cid, job, False
+            if self.backend.manifest(cid) is not None:
+                self.metrics.put_requests.labels("existing").inc()
+                return cid, None, False
+            if self._queue.qsize() >= self.settings.queue_limit:
+                self.metrics.rejected.labels("PutContext").inc()
+                raise ResourceExhausted(f"{self._queue.qsize()} builds queued; retry later")
+            if not self.backend.claim_build(cid):
+                raise Unavailable(f"context {cid} is being built by another worker; retry later")
+            job = self._jobs[cid] = Job(cid, spec, tokens, source)
+            self._queue.put(job)
+        self.metrics.put_requests.labels("created").inc()
+        return cid, job, True
+
+    def job(self, cid: str) -> Job | None:
+        with self._lock:
+            return self._jobs.get(cid)
+
+    def counts(self) -> tuple[int, int]:
+        """-> (building, failed) jobs."""
+        with self._lock:
+            states = [j.state for j in self._jobs.values()]
+        return states.count("building"), states.count("failed")
+
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def _loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._build(job)
+
+    def _build(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            job.progress = 0.1
+            method = make_method(job.spec.method, job.spec.method_params)
+            if job.source is not None:
+                art = reindex(job.source, method)
+            else:
+                art = build_artifact(self.lm, job.tokens, method,
+                                     IndexerConfig(self.settings.chunk, self.kv_dtype, progress=False))
+            job.progress = 0.9
+            labels = {**job.spec.labels, ROLES_LABEL: ",".join(job.spec.roles)}
+            meta = ContextMeta(labels=labels, ttl_s=job.spec.ttl_s, pinned=job.spec.pin,
+                               tenant=job.spec.tenant, prompt_hash=job.context_id)
+            manifest = self.backend.put(job.context_id, art, meta)
+            job.state, job.progress = "ready", 1.0
+            self.metrics.builds.labels("ready").inc()
+            log.info("built %s: %d tokens in %.1fs, %d bytes", job.context_id[:12], len(job.tokens),
+                     time.perf_counter() - t0, manifest.stored_bytes)
+        except Exception as exc:  # noqa: BLE001 - a failed build is a state, not a crash
+            job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.metrics.builds.labels("failed").inc()
+            self.backend.build_failed(job.context_id, job.error)
+            log.warning("build %s failed: %s", job.context_id[:12], job.error)
+        finally:
+            self.metrics.build_seconds.observe(time.perf_counter() - t0)
+            job.done.set()
+            with self._lock:
+                if job.state == "ready":
+                    self._jobs.pop(job.context_id, None)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
+def reindex(source: ContextArtifact, method) -> ContextArtifact:
+    """New tables from stored K/V only (methods that do not use the prefill queries)."""
+    if method.caps.uses_queries:
+        raise ValueError(f"method {method.name!r} needs the prefill queries, which are not stored")
+    empty_q = torch.empty(0)
+    layers = [LayerArtifact(l.k, l.v, method.build(empty_q, l.k.float(), l.v.float())) for l in source.layers]
+    return ContextArtifact(source.model_id, source.model_args, method.name, method.params.to_dict(),
+                           source.tokens, source.last_logits, layers, source.kv_dtype, source.format_version)

@@ -1,0 +1,94 @@
+"""How a context and a question become tokens, so that the cached tokens are a true prefix.
+
+The context is rendered with the tokenizer's chat template *without* a generation prompt:
+text -> one system message holding the text; documents -> one system message listing them
+("Document 1: <title>\n<text>", blank-line separated); chat messages -> as given. A question
+is a user turn after those messages. The full conversation is rendered with the generation
+prompt; its string must start with the context's rendering (checked, else ValueError), and
+only the remainder is tokenized, so prompt = context tokens + suffix tokens exactly. For
+ChatML templates (SmolLM2) the boundary is `<|im_end|>\n`, so this equals tokenizing the
+whole conversation at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+Messages = list[dict[str, str]]
+ROLES = ("system", "user", "assistant")
+
+
+def text_messages(text: str) -> Messages:
+    return [{"role": "system", "content": text}]
+
+
+def document_messages(docs: list[tuple[str, str]]) -> Messages:
+    """docs: (title or id, text) pairs, in order."""
+    parts = [f"Document {i}: {title}\n{text}" if title else f"Document {i}:\n{text}"
+             for i, (title, text) in enumerate(docs, 1)]
+    return [{"role": "system", "content": "\n\n".join(parts)}]
+
+
+class ByteTokenizer:
+    """For random-weight models (no tokenizer): UTF-8 bytes shifted by 3 (0 bos, 1 eos, 2 pad).
+
+    Used by tests and speed runs only; its template is plain `role: content\\n` lines."""
+
+    eos_token_id = 1
+    chat_template = "bytes:role-colon-content-newline"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Messages, tokenize: bool = False,
+                            add_generation_prompt: bool = False) -> str:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+
+
+@dataclass
+class Prompter:
+    tokenizer: Any
+
+    @property
+    def template_id(self) -> str:
+        """Identity of the chat template (part of the context id)."""
+        template = getattr(self.tokenizer, "chat_template", None) or "none"
+        return hashlib.sha256(str(template).encode()).hexdigest()[:16]
+
+    @property
+    def tokenizer_id(self) -> str:
+        """Identity of the tokenizer (part of the context id)."""
+        t = self.tokenizer
+        if isinstance(t, ByteTokenizer):
+            return "bytes-v1"
+        ident = f"{type(t).__name__}:{getattr(t, 'name_or_path', '')}:{len(t)}"
+        return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return () if eos is None else (int(eos),)
+
+    def render(self, messages: Messages, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def context_tokens(self, messages: Messages) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=False))
+
+    def turn_tokens(self, context: Messages, turn: Messages) -> list[int]:
+        """Tokens to append after the cached context for a new turn (ends with the assistant prompt)."""
+        head = self.render(context, add_generation_prompt=False)
+        full = self.render(context + turn, add_generation_prompt=True)
+        if not full.startswith(head):
+            raise ValueError("the chat template does not render the context as a prefix of the conversation")
+        return self.encode(full[len(head):])
