@@ -7,10 +7,16 @@ from typing import Any
 from ctxcache.methods.base import Capabilities, LayerState, MethodParams, SparseMethod, Tables
 from ctxcache.methods.budget import Budget
 from ctxcache.methods.csattention import PAPER_PARAMS, CSAttention, CSAttentionParams
+from ctxcache.methods.ctkvr import CTkvr
 from ctxcache.methods.key_kmeans import KeyKMeans
+from ctxcache.methods.magicpig import MagicPIG
+from ctxcache.methods.multipole import Multipole
 from ctxcache.methods.oracle import Oracle
+from ctxcache.methods.prehoc import Prehoc
+from ctxcache.methods.quest import Quest
 
-METHODS: dict[str, type[SparseMethod]] = {cls.name: cls for cls in (CSAttention, Oracle, KeyKMeans)}
+METHODS: dict[str, type[SparseMethod]] = {cls.name: cls for cls in (
+    CSAttention, Oracle, KeyKMeans, MagicPIG, CTkvr, Prehoc, Multipole, Quest)}
 
 
 def make_method(name: str, params: dict[str, Any] | None = None) -> SparseMethod:
