@@ -1,0 +1,132 @@
+"""`ctxcache` command line: flags are parsed here only; commands live in cli_commands.py."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="127.0.0.1:50051", help="server host:port")
+    p.add_argument("--admin-address", default=None, help="admin host:port if served apart")
+    p.add_argument("--token", default=None, help="bearer token (or env CTXCACHE_TOKEN)")
+    p.add_argument("--tls-ca", type=Path, default=None, help="CA certificate for TLS")
+
+
+def _service_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", type=Path, default=Path("./data"), help="LMDB store folder")
+    p.add_argument("--store-budget-gb", type=float, default=16.0)
+    p.add_argument("--redis", default=None, help="redis://host:6379/0 (default: embedded registry)")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--method", default="csattention")
+    p.add_argument("--schedule", default="0.05-step-1", help="default sparse schedule")
+    p.add_argument("--dram-cache-gb", type=float, default=2.0)
+    p.add_argument("--max-streams", type=int, default=16)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ctxcache", description="context cache service for long LLM prompts")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the gRPC service")
+    _service_flags(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--admin-port", type=int, default=None, help="serve admin + reflection here only")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP")
+    p.add_argument("--token", default=None, help="require this bearer token (or env CTXCACHE_TOKEN)")
+    p.add_argument("--tls-cert", type=Path, default=None)
+    p.add_argument("--tls-key", type=Path, default=None)
+
+    p = sub.add_parser("put", help="cache a context")
+    _client_flags(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", type=Path, help="a UTF-8 text file")
+    src.add_argument("--messages", type=Path, help='a JSON file: [{"role": ..., "content": ...}, ...]')
+    src.add_argument("--documents", type=Path, help="a Parquet or Arrow file with a `text` column "
+                     "(optional `id`, `title`)")
+    p.add_argument("--label", action="append", default=[], help="key=value (repeatable)")
+    p.add_argument("--ttl", type=int, default=0, help="seconds (0: none)")
+    p.add_argument("--pin", action="store_true")
+    p.add_argument("--method", default="", help="sparse method (default: the server's)")
+    p.add_argument("--params", default="{}", help="method parameters as JSON")
+    p.add_argument("--tenant", default="")
+    p.add_argument("--no-wait", action="store_true", help="return while building")
+
+    p = sub.add_parser("generate", help="ask a cached context; streams the answer")
+    _client_flags(p)
+    p.add_argument("context_id")
+    p.add_argument("question")
+    _sampling_flags(p)
+
+    p = sub.add_parser("admin", help="operator commands")
+    _client_flags(p)
+    asub = p.add_subparsers(dest="admin_command", required=True)
+    lp = asub.add_parser("list")
+    lp.add_argument("--page-size", type=int, default=100)
+    for name in ("show", "verify"):
+        asub.add_parser(name).add_argument("context_id", nargs="?" if name == "verify" else None, default="")
+    ep = asub.add_parser("evict")
+    ep.add_argument("context_id")
+    ep.add_argument("--memory-only", action="store_true")
+    rp = asub.add_parser("rebuild")
+    rp.add_argument("context_id")
+    rp.add_argument("--method", required=True)
+    rp.add_argument("--params", default="{}")
+    rp.add_argument("--allow-reprefill", action="store_true")
+    asub.add_parser("stats")
+    asub.add_parser("reconcile")
+
+    p = sub.add_parser("demo", help="start the service in-process, cache a bundled text, ask it")
+    p.add_argument("--data", type=Path, default=None, help="store folder (default: a temp dir)")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--method", default="csattention")
+    p.add_argument("--question", default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+
+    p = sub.add_parser("generate-local", help="no server: build the artifact in-process and answer")
+    p.add_argument("--text", type=Path, required=True)
+    p.add_argument("question")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--method", default="csattention")
+    p.add_argument("--schedule", default="0.05-step-1")
+    _sampling_flags(p)
+
+    p = sub.add_parser("bench", help="run ctxcache.bench.<name>.main(argv)")
+    p.add_argument("name")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return ap
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # pass everything after the name through untouched
+        if len(argv) < 2:
+            print("usage: ctxcache bench NAME [ARGS...]", file=sys.stderr)
+            return 2
+        return int(importlib.import_module(f"ctxcache.bench.{argv[1]}").main(argv[2:]) or 0)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from ctxcache.service import cli_commands
+
+    return int(cli_commands.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""What each `ctxcache` subcommand does (arguments come parsed from cli.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+
+from ctxcache.service.client import Client
+from ctxcache.service.config import (GiB, DecoderSettings, IndexerSettings, ModelConfig, RegistrySettings,
+                                     ServerConfig, ServiceConfig, StoreSettings)
+from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+
+
+def run(args) -> int:
+    handler = {"serve": serve, "put": put, "generate": generate, "admin": admin, "demo": demo,
+               "generate-local": generate_local}[args.command]
+    try:
+        return handler(args)
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+
+
+def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | None = None,
+                   token: str | None = None, tls: tuple[Path | None, Path | None] = (None, None)) -> ServiceConfig:
+    return ServiceConfig(
+        server=ServerConfig(host=host, port=port, admin_port=admin_port, max_streams=args.max_streams,
+                            threads=max(64, args.max_streams + 16), auth_token=token,
+                            tls_cert=tls[0], tls_key=tls[1]),
+        model=ModelConfig(args.model, args.device, args.dtype),
+        store=StoreSettings(args.data, int(args.store_budget_gb * GiB)),
+        registry=RegistrySettings(args.redis),
+        indexer=IndexerSettings(method=args.method),
+        decoder=DecoderSettings(dram_cache_bytes=int(args.dram_cache_gb * GiB), schedule=args.schedule,
+                                torch_threads=args.threads))
+
+
+def serve(args) -> int:
+    from ctxcache.service.server import create_server
+
+    token = args.token or os.environ.get("CTXCACHE_TOKEN")
+    cfg = service_config(args, args.port, args.host, args.admin_port, token, (args.tls_cert, args.tls_key))
+    server, port = create_server(cfg)
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+        start_http_server(args.metrics_port, registry=server.metrics.registry)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"ctxcache serving on {args.host}:{port} (admin {server.admin_port}), model {cfg.model.model}, "
+          f"store {cfg.store.path}, registry {server.backend.registry_kind}", flush=True)
+    done.wait()
+    print("draining...", flush=True)
+    server.stop()
+    return 0
+
+
+def _client(args) -> Client:
+    return Client(args.address, args.token or os.environ.get("CTXCACHE_TOKEN"), args.tls_ca, args.admin_address)
+
+
+def put_request(args) -> pb.PutContextRequest:
+    req = pb.PutContextRequest(ttl_seconds=args.ttl, pin=args.pin, wait=not args.no_wait, tenant=args.tenant)
+    for item in args.label:
+        key, _, value = item.partition("=")
+        req.labels[key] = value
+    if args.method:
+        req.method.name = args.method
+        req.method.params.update(json.loads(args.params))
+    if args.text:
+        req.text = args.text.read_text(encoding="utf-8")
+    elif args.messages:
+        for m in json.loads(args.messages.read_text(encoding="utf-8")):
+            req.chat.messages.add(role=m["role"], content=m["content"])
+    else:
+        for doc in read_documents(args.documents):
+            req.documents.documents.add(**doc)
+    return req
+
+
+def read_documents(path: Path) -> list[dict[str, str]]:
+    """Parquet (.parquet) or Arrow IPC file/stream: a `text` column, optional `id` and `title`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.suffix == ".parquet":
+        table = pq.read_table(path)
+    else:
+        with pa.memory_map(str(path)) as source:
+            try:
+                table = pa.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+    if "text" not in table.column_names:
+        raise SystemExit(f"{path}: needs a `text` column, has {table.column_names}")
+    rows = table.to_pylist()
+    return [{k: str(r[k]) for k in ("id", "title", "text") if r.get(k) is not None} for r in rows]
+
+
+def put(args) -> int:
+    from tqdm import tqdm
+
+    client = _client(args)
+    req = put_request(args)
+    wait, req.wait = req.wait, False
+    info = client.put(req).context
+    with tqdm(total=100, desc="build", unit="%", disable=not wait) as bar:
+        while wait and info.state == pb.CONTEXT_STATE_BUILDING:
+            time.sleep(0.2)
+            info = client.context.GetContext(pb.GetContextRequest(context_id=info.context_id),
+                                             metadata=client.metadata)
+            bar.update(int(info.progress * 100) - bar.n)
+    print(json_format.MessageToJson(info, preserving_proto_field_name=True))
+    return 0 if info.state != pb.CONTEXT_STATE_FAILED else 1
+
+
+def stream_answer(events, out=sys.stdout) -> pb.Final:
+    final = None
+    for ev in events:
+        if ev.HasField("chunk"):
+            out.write(ev.chunk.text)
+            out.flush()
+        else:
+            final = ev.final
+    out.write("\n")
+    return final
+
+
+def _timings(final: pb.Final) -> str:
+    t, u = final.timings, final.usage
+    return (f"[ttft {t.ttft_seconds:.3f}s, {t.tokens_per_second:.1f} tok/s, load {t.load_seconds:.3f}s "
+            f"({'DRAM hit' if t.cache_hit else 'from store'}), cached {u.cached_tokens} + new "
+            f"{u.new_prompt_tokens} prompt tokens, {u.generated_tokens} generated, "
+            f"{pb.FinishReason.Name(final.finish_reason)}]")
+
+
+def generate(args) -> int:
+    client = _client(args)
+    s = pb.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    if args.seed is not None:
+        s.seed = args.seed
+    req = pb.GenerateRequest(context_id=args.context_id, question=args.question, sampling=s, stop=args.stop)
+    final = stream_answer(client.generate(req))
+    print(_timings(final), file=sys.stderr)
+    return 0
+
+
+def admin(args) -> int:
+    from ctxcache.service.cli_admin import run_admin
+
+    return run_admin(_client(args), args)
+
+
+def demo(args) -> int:
+    from ctxcache.service import demo_text
+    from ctxcache.service.server import create_server
+
+    data = args.data or Path(tempfile.mkdtemp(prefix="ctxcache-demo-"))
+    cfg = ServiceConfig(server=ServerConfig(port=0), model=ModelConfig(args.model),
+                        store=StoreSettings(data, 2 * GiB), indexer=IndexerSettings(method=args.method))
+    print(f"loading {args.model} and starting the service (store {data}) ...", flush=True)
+    server, port = create_server(cfg)
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        t0 = time.perf_counter()
+        info = client.put(pb.PutContextRequest(text=demo_text.TEXT, wait=True)).context
+        print(f"PutContext: {info.context_id[:16]}... {pb.ContextState.Name(info.state)}, {info.n_tokens} tokens, "
+              f"{info.artifact_bytes / 1e6:.1f} MB stored ({info.raw_kv_bytes / 1e6:.1f} MB raw KV), "
+              f"{time.perf_counter() - t0:.1f}s")
+        question = args.question or demo_text.QUESTION
+        for attempt in ("first ask (loads the artifact)", "second ask (DRAM hit)"):
+            print(f"\nQ ({attempt}): {question}\nA: ", end="", flush=True)
+            req = pb.GenerateRequest(context_id=info.context_id, question=question,
+                                     sampling=pb.SamplingParams(max_tokens=args.max_tokens))
+            print(_timings(stream_answer(client.generate(req))))
+    finally:
+        client.close()
+        server.stop(1)
+    return 0
+
+
+def generate_local(args) -> int:
+    from ctxcache.service.local import generate_local as run_local
+
+    return run_local(args)

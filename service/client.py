@@ -1,0 +1,40 @@
+"""A small client for the CLI and the benchmark: channel options, auth and stubs in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from ctxcache.service.gen.v1 import admin_pb2_grpc, context_pb2 as pb, context_pb2_grpc
+
+MAX_MESSAGE = 64 << 20
+
+
+class Client:
+    def __init__(self, address: str, token: str | None = None, tls_ca: Path | None = None,
+                 admin_address: str | None = None) -> None:
+        opts = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+
+        def channel(addr: str) -> grpc.Channel:
+            if tls_ca is not None:
+                return grpc.secure_channel(addr, grpc.ssl_channel_credentials(tls_ca.read_bytes()), opts)
+            return grpc.insecure_channel(addr, opts)
+
+        self.channel = channel(address)
+        self.admin_channel = channel(admin_address) if admin_address else self.channel
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.context = context_pb2_grpc.ContextServiceStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminServiceStub(self.admin_channel)
+
+    def put(self, request: pb.PutContextRequest, timeout: float | None = None) -> pb.PutContextResponse:
+        return self.context.PutContext(request, timeout=timeout, metadata=self.metadata)
+
+    def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
+        return self.context.Generate(request, timeout=timeout, metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.admin_channel is not self.channel:
+            self.admin_channel.close()
