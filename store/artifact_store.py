@@ -1,0 +1,284 @@
+"""ArtifactStore: context artifacts in LMDB, one manifest + its chunks per transaction.
+
+LMDB rules followed here (shared/FINDINGS.md): open the environment in the process that uses
+it (after fork; a store used from another pid raises StoreClosed); `reader_check()` at open
+clears reader slots of dead processes; a context's chunks are read and copied out in one
+short read transaction, never held across a stream; MapFullError is answered by evicting
+unpinned LRU contexts and retrying, then StoreFull, never by resizing the map.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from dataclasses import replace
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from ctxcache.artifact import ContextArtifact
+from ctxcache.store import codec, eviction
+from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
+from ctxcache.store.errors import CorruptArtifact, StoreClosed, StoreError, StoreFull
+from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id, prefix
+from ctxcache.store.layout import assemble, build_manifest, chunk_tensors
+from ctxcache.store.manifest import ContextMeta, Manifest
+from ctxcache.store.txn_ops import (ManifestRead, delete_context, read_manifest, scan_manifests,
+                                    verify_chunks)
+
+
+class ArtifactStore:
+    def __init__(self, path: str | Path, config: StoreConfig = StoreConfig(),
+                 clock: Callable[[], float] = time.time) -> None:
+        self.path, self.config, self._clock = Path(path), config, clock
+        if not config.readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(str(self.path), map_size=config.map_size_bytes, subdir=True,
+                              max_readers=config.max_readers, readonly=config.readonly,
+                              sync=config.sync, metasync=config.sync, lock=True, max_dbs=0)
+        self.stale_readers_cleared = self._env.reader_check()
+        self._pid = os.getpid()
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(config.threads, "ctxstore")
+
+    @property
+    def location(self) -> str:
+        return self.config.location or str(self.path.resolve())
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def _live(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            raise StoreClosed(f"store {self.path} is closed")
+        if os.getpid() != self._pid:
+            raise StoreClosed(f"store {self.path} was opened in pid {self._pid} and used in pid "
+                              f"{os.getpid()}: open the store after fork, in the process using it")
+        return self._pool
+
+    def _writable(self) -> ThreadPoolExecutor:
+        if self.config.readonly:
+            raise StoreError(f"store {self.path} is open read-only")
+        return self._live()
+
+    def close(self) -> None:
+        if self._pool is not None and os.getpid() == self._pid:
+            self._pool.shutdown(wait=True)
+            self._env.close()
+        self._pool = None
+
+    def __enter__(self) -> "ArtifactStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- write -----------------------------------------------------------------------------
+    def put(self, context_id: str, artifact: ContextArtifact, meta: ContextMeta = ContextMeta()
+            ) -> Manifest:
+        """Store (or atomically replace) a context. Raises StoreFull when it cannot fit."""
+        pool = self._writable()
+        check_id(context_id)
+        slots, tensors = zip(*chunk_tensors(artifact), strict=True)
+        c = self.config
+        enc = list(pool.map(lambda t: codec.encode(t, c.zstd_level, c.min_gain, c.sample_bytes),
+                            tensors))
+        now = self._clock()
+        manifest = build_manifest(context_id, artifact, meta, slots, tensors, enc, now)
+        body = manifest.to_bytes()
+        need = manifest.stored_bytes  # the budget counts chunk bytes (manifests are ~KB)
+        if need > c.budget_bytes:
+            raise StoreFull(f"context {context_id} needs {need} bytes, over the store budget "
+                            f"of {c.budget_bytes} bytes")
+        self._make_room(need, exclude=frozenset({context_id}))
+        return self._with_room(context_id, need, lambda: self._write(manifest, body, enc, now))
+
+    def _with_room(self, context_id: str, need: int, write: Callable[[], Any]) -> Any:
+        """Run a write transaction; on MapFullError evict the LRU unpinned context and retry."""
+        for _ in range(self.config.max_put_evictions + 1):
+            try:
+                return write()
+            except lmdb.MapFullError:
+                self._evict_one_for_map(context_id, need)
+        raise StoreFull(f"context {context_id}: map still full after "
+                        f"{self.config.max_put_evictions} evictions")
+
+    def _write(self, m: Manifest, body: bytes, enc: list[codec.Encoded], now: float) -> Manifest:
+        with self._env.begin(write=True) as txn:
+            delete_context(txn, m.context_id)  # replacing: drop the old chunks in the same txn
+            for info, e in zip(m.chunks, enc, strict=True):
+                txn.put(ChunkKey(m.context_id, info.layer, info.name).to_string().encode(),
+                        e.payload)
+            txn.put(AccessKey(m.context_id).to_string().encode(), struct.pack("<d", now))
+            txn.put(ManifestKey(m.context_id).to_string().encode(), body)
+        return m
+
+    def _summaries(self) -> list[eviction.Summary]:
+        now = self._clock()
+        with self._env.begin() as txn:
+            reads = scan_manifests(txn)
+        return [eviction.Summary(r.context_id, r.manifest.stored_bytes if r.manifest else 0,
+                                 r.manifest.last_access if r.manifest else 0.0,
+                                 bool(r.manifest and r.manifest.pinned),
+                                 r.manifest is None or r.manifest.expired(now)) for r in reads]
+
+    def _make_room(self, need: int, exclude: frozenset[str]) -> None:
+        victims = eviction.victims_for(self._summaries(), need, self.config.budget_bytes, exclude)
+        if victims is None:
+            raise StoreFull(f"{need} bytes do not fit the budget of {self.config.budget_bytes} "
+                            "bytes even after evicting every unpinned context")
+        for cid in victims:
+            self.delete(cid)
+
+    def _evict_one_for_map(self, context_id: str, need: int) -> None:
+        order = eviction.lru_order(self._summaries(), frozenset({context_id}))
+        if not order:
+            raise StoreFull(f"context {context_id} ({need} bytes) does not fit the LMDB map of "
+                            f"{self.config.map_size_bytes} bytes and nothing is evictable")
+        self.delete(order[0].context_id)
+
+    def delete(self, context_id: str) -> bool:
+        """Remove a context (manifest, access time, chunks) in one transaction."""
+        self._writable()
+        check_id(context_id)
+        with self._env.begin(write=True) as txn:
+            return delete_context(txn, context_id)
+
+    def evict_expired(self) -> list[str]:
+        """Delete contexts whose TTL has passed (pinned ones never expire); returns their ids."""
+        gone = eviction.expired(self._summaries())
+        return [cid for cid in gone if self.delete(cid)]
+
+    def evict_to_budget(self, budget_bytes: int | None = None) -> list[str]:
+        """Evict expired, then LRU unpinned contexts until stored bytes <= budget."""
+        budget = self.config.budget_bytes if budget_bytes is None else budget_bytes
+        victims = eviction.victims_for(self._summaries(), 0, budget) or \
+            [e.context_id for e in eviction.lru_order(self._summaries())]
+        return [cid for cid in victims if self.delete(cid)]
+
+    def update_meta(self, context_id: str, *, pinned: bool | None = None,
+                    ttl_s: float | None | type[...] = ..., labels: Mapping[str, str] | None = None
+                    ) -> Manifest | None:
+        """Change pin / TTL (counted from now; None = no expiry) / labels of a stored context."""
+        self._writable()
+        check_id(context_id)
+        if ttl_s is not ...:
+            ContextMeta(ttl_s=ttl_s)  # validates
+        if labels is not None:
+            labels = dict(ContextMeta(labels=dict(labels)).labels)
+        return self._with_room(context_id, 0, lambda: self._rewrite_meta(
+            context_id, pinned, ttl_s, labels))
+
+    def _rewrite_meta(self, context_id: str, pinned: bool | None, ttl_s: Any,
+                      labels: dict[str, str] | None) -> Manifest | None:
+        with self._env.begin(write=True) as txn:
+            m = read_manifest(txn, context_id).manifest
+            if m is None:
+                return None
+            changes: dict[str, Any] = {} if pinned is None else {"pinned": bool(pinned)}
+            if ttl_s is not ...:
+                changes["ttl_s"] = None if ttl_s is None else self._clock() - m.created_at + ttl_s
+            if labels is not None:
+                changes["labels"] = labels
+            new = replace(m, **changes)
+            txn.put(ManifestKey(context_id).to_string().encode(), new.to_bytes())
+            return new
+
+    # ---- read ------------------------------------------------------------------------------
+    def get(self, context_id: str) -> ContextArtifact | None:
+        """The whole artifact, or None if absent/expired. Raises CorruptArtifact (DATA_LOSS)."""
+        pool = self._live()
+        check_id(context_id)
+        with self._env.begin(buffers=True) as txn:
+            m = self._visible(read_manifest(txn, context_id))
+            if m is None:
+                return None
+            bufs = [txn.get(ChunkKey(context_id, c.layer, c.name).to_string().encode())
+                    for c in m.chunks]
+            tensors = list(pool.map(lambda c, b: self._decode(m, c, b), m.chunks, bufs))
+        self._touch(m)
+        return assemble(m, tensors)
+
+    def _decode(self, m: Manifest, info, buf):  # noqa: ANN001, ANN202 (pool worker)
+        if buf is None:
+            raise CorruptArtifact(m.context_id, info.label(), "chunk is missing")
+        if len(buf) != info.stored_bytes:
+            raise CorruptArtifact(m.context_id, info.label(), f"stored size {len(buf)} != "
+                                  f"manifest {info.stored_bytes}")
+        if self.config.verify_on_load and codec.checksum(buf) != info.sha256:
+            raise CorruptArtifact(m.context_id, info.label(), "sha256 mismatch")
+        try:
+            return codec.decode(buf, info.dtype, info.shape, info.codec, info.stored_dtype)
+        except ValueError as exc:
+            raise CorruptArtifact(m.context_id, info.label(), str(exc)) from None
+
+    def _visible(self, read: ManifestRead) -> Manifest | None:
+        if read.error:
+            raise CorruptArtifact(read.context_id, "manifest", read.error)
+        m = read.manifest
+        return None if m is None or m.expired(self._clock()) else m
+
+    def _touch(self, m: Manifest) -> None:
+        now = self._clock()
+        if (not self.config.track_access or self.config.readonly
+                or now - m.last_access < self.config.access_granularity_s):
+            return
+        try:
+            with self._env.begin(write=True) as txn:
+                if txn.get(ManifestKey(m.context_id).to_string().encode()) is not None:
+                    txn.put(AccessKey(m.context_id).to_string().encode(), struct.pack("<d", now))
+        except lmdb.MapFullError:
+            pass  # the access time is a hint for LRU; a full map must not fail a read
+
+    def manifest(self, context_id: str) -> Manifest | None:
+        self._live()
+        with self._env.begin() as txn:
+            return self._visible(read_manifest(txn, check_id(context_id)))
+
+    def list_manifests(self, offset: int = 0, limit: int = 100,
+                       labels: Mapping[str, str] | None = None, tenant: str | None = None,
+                       after: str | None = None) -> list[Manifest]:
+        """Manifests in id order, skipping expired and corrupt ones (verify reports those).
+
+        labels: every given label must match; after: resume after this context id (paging)."""
+        self._live()
+        if offset < 0 or limit < 0:
+            raise ValueError(f"offset={offset} and limit={limit} must be >= 0")
+        want = dict(labels or {})
+        now = self._clock()
+        with self._env.begin() as txn:
+            reads = scan_manifests(txn, after)
+        ms = [r.manifest for r in reads if r.manifest and not r.manifest.expired(now)]
+        ms = [m for m in ms if (tenant is None or m.tenant == tenant)
+              and all(m.labels.get(k) == v for k, v in want.items())]
+        return ms[offset:offset + limit]
+
+    def context_ids(self) -> list[str]:
+        """Every context with a manifest, corrupt or expired ones included."""
+        self._live()
+        with self._env.begin() as txn:
+            return [r.context_id for r in scan_manifests(txn)]
+
+    def verify(self, context_id: str) -> VerifyReport:
+        """Hash every stored chunk of a context against its manifest."""
+        self._live()
+        with self._env.begin(buffers=True) as txn:
+            return verify_chunks(txn, check_id(context_id))
+
+    def stats(self) -> StoreStats:
+        self._live()
+        with self._env.begin() as txn:
+            reads = scan_manifests(txn)
+        ms = [r.manifest for r in reads if r.manifest]
+        info, st = self._env.info(), self._env.stat()
+        return StoreStats(
+            contexts=len(ms), pinned=sum(m.pinned for m in ms),
+            corrupt_manifests=len(reads) - len(ms), stored_bytes=sum(m.stored_bytes for m in ms),
+            raw_bytes=sum(m.raw_bytes() for m in ms), raw_kv_bytes=sum(m.raw_kv_bytes for m in ms),
+            raw_table_bytes=sum(m.raw_table_bytes for m in ms),
+            budget_bytes=self.config.budget_bytes, map_size_bytes=info["map_size"],
+            map_used_bytes=(info["last_pgno"] + 1) * st["psize"])
+
+
+__all__ = ["ArtifactStore", "prefix"]

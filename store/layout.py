@@ -1,0 +1,75 @@
+"""How a ContextArtifact maps onto named chunks and a manifest, and back.
+
+Chunks: context-wide `tokens` and `last_logits` (layer None); per layer `k`, `v` and each
+table as `t_<name>` (the prefix keeps method table names from colliding with k/v).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import torch
+
+from ctxcache.artifact import ContextArtifact, LayerArtifact
+from ctxcache.store.codec import Encoded
+from ctxcache.store.keys import check_name
+from ctxcache.store.manifest import ChunkInfo, ContextMeta, Manifest
+
+TABLE_PREFIX = "t_"
+Slot = tuple[int | None, str]  # (layer, chunk name)
+
+
+def chunk_tensors(art: ContextArtifact) -> list[tuple[Slot, torch.Tensor]]:
+    """Every tensor of the artifact with its slot, in a fixed order."""
+    out: list[tuple[Slot, torch.Tensor]] = [((None, "tokens"), art.tokens),
+                                            ((None, "last_logits"), art.last_logits)]
+    for i, layer in enumerate(art.layers):
+        out += [((i, "k"), layer.k), ((i, "v"), layer.v)]
+        for name in sorted(layer.tables):
+            out.append(((i, check_name(TABLE_PREFIX + name)), layer.tables[name]))
+    return out
+
+
+def _check_json(what: str, value: dict) -> dict:
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} must be JSON-serialisable to be stored: {exc}") from None
+
+
+def build_manifest(context_id: str, art: ContextArtifact, meta: ContextMeta,
+                   slots: Sequence[Slot], tensors: Sequence[torch.Tensor],
+                   encoded: Sequence[Encoded], now: float) -> Manifest:
+    chunks = tuple(
+        ChunkInfo(layer=layer, name=name, dtype=str(t.dtype).removeprefix("torch."),
+                  shape=tuple(t.shape), codec=e.codec, stored_dtype=e.stored_dtype,
+                  raw_bytes=e.raw_bytes, stored_bytes=len(memoryview(e.payload).cast("B")),
+                  sha256=e.sha256)
+        for (layer, name), t, e in zip(slots, tensors, encoded, strict=True))
+    return Manifest(
+        context_id=context_id, format_version=art.format_version, model_id=art.model_id,
+        model_args=_check_json("model_args", art.model_args), kv_dtype=art.kv_dtype,
+        method=art.method, method_params=_check_json("method_params", art.method_params),
+        n_tokens=art.n_tokens, n_layers=len(art.layers), chunks=chunks, created_at=now,
+        ttl_s=meta.ttl_s, pinned=meta.pinned, labels=dict(meta.labels), tenant=meta.tenant,
+        prompt_hash=meta.prompt_hash, raw_kv_bytes=art.kv_bytes(),
+        raw_table_bytes=art.table_bytes(), stored_bytes=sum(c.stored_bytes for c in chunks),
+        last_access=now)
+
+
+def assemble(m: Manifest, tensors: Sequence[torch.Tensor]) -> ContextArtifact:
+    """Inverse of chunk_tensors: the manifest's chunks (in order) and their decoded tensors."""
+    ctx: dict[str, torch.Tensor] = {}
+    layers: list[dict[str, torch.Tensor]] = [{} for _ in range(m.n_layers)]
+    for info, t in zip(m.chunks, tensors, strict=True):
+        (ctx if info.layer is None else layers[info.layer])[info.name] = t
+    out = []
+    for parts in layers:
+        tables = {n.removeprefix(TABLE_PREFIX): t for n, t in parts.items()
+                  if n.startswith(TABLE_PREFIX)}
+        out.append(LayerArtifact(k=parts["k"], v=parts["v"], tables=tables))
+    return ContextArtifact(
+        model_id=m.model_id, model_args=m.model_args, method=m.method,
+        method_params=m.method_params, tokens=ctx["tokens"], last_logits=ctx["last_logits"],
+        layers=out, kv_dtype=m.kv_dtype, format_version=m.format_version)

@@ -1,0 +1,250 @@
+"""ArtifactStore against a real LMDB in a temp dir: round trip, corruption, sizes, eviction."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+
+from ctxcache.store import (ArtifactStore, ChunkKey, ContextMeta, CorruptArtifact, StoreClosed,
+                            StoreConfig, StoreFull)
+from store_helpers import assert_same, make_artifact
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def open_store(path: Path, clock: Clock | None = None, **kw: object) -> ArtifactStore:
+    cfg = StoreConfig(**{"map_size_bytes": 64 << 20, "budget_bytes": 48 << 20,
+                         "access_granularity_s": 0.0, "sync": False, **kw})
+    return ArtifactStore(path, cfg, clock or Clock())
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_round_trip_is_bit_exact(store_dir: Path, kv_dtype: torch.dtype) -> None:
+    art = make_artifact(3, kv_dtype=kv_dtype)
+    art.layers[1].tables["zeros"] = torch.zeros(4, 100, dtype=torch.int32)  # compresses
+    with open_store(store_dir) as s:
+        m = s.put("ctx-1", art, ContextMeta(labels={"team": "a"}, tenant="t1", prompt_hash="p1"))
+        got = s.get("ctx-1")
+    assert_same(art, got)
+    assert m.raw_kv_bytes == art.kv_bytes() and m.n_tokens == art.n_tokens
+    codecs = {c.label(): c.codec for c in m.chunks}
+    assert codecs["1:t_zeros"] != "raw"  # zeros must compress
+    if kv_dtype == torch.float16:
+        assert codecs["0:k"] == "raw"  # random fp16 does not shrink by min_gain
+    for c in m.chunks:  # whatever was compressed saved at least min_gain of its narrowed bytes
+        narrowed = int(np.prod(c.shape)) * np.dtype(c.stored_dtype).itemsize
+        assert c.codec == "raw" or c.stored_bytes <= 0.9 * narrowed, c
+    with open_store(store_dir) as s:  # survives reopening
+        assert_same(art, s.get("ctx-1"))
+        assert s.manifest("ctx-1").labels == {"team": "a"}
+
+
+def test_missing_and_bad_ids(store_dir: Path) -> None:
+    with open_store(store_dir) as s:
+        assert s.get("nope") is None and s.manifest("nope") is None
+        assert not s.delete("nope")
+        assert not s.verify("nope").found
+        with pytest.raises(ValueError, match="context_id"):
+            s.get("a:b")
+
+
+def _chunk_key(cid: str, layer: int | None, name: str) -> bytes:
+    return ChunkKey(cid, layer, name).to_string().encode()
+
+
+def test_flipped_byte_on_disk_is_reported(store_dir: Path) -> None:
+    art = make_artifact(4)
+    with open_store(store_dir) as s:
+        s.put("c", art)
+    data = store_dir / "data.mdb"
+    blob = bytearray(data.read_bytes())
+    needle = art.layers[1].v.numpy().tobytes()[:64]
+    at = blob.find(needle)
+    assert at >= 0 and blob.find(needle, at + 1) < 0
+    blob[at + 10] ^= 0x40
+    data.write_bytes(bytes(blob))
+    with open_store(store_dir) as s:
+        report = s.verify("c")
+        assert not report.ok and [b.chunk for b in report.bad] == ["1:v"]
+        assert "sha256" in report.bad[0].reason
+        with pytest.raises(CorruptArtifact) as err:
+            s.get("c")
+        assert err.value.context_id == "c" and err.value.chunk == "1:v"
+
+
+def test_size_mismatch_and_missing_chunk(store_dir: Path) -> None:
+    with open_store(store_dir) as s:
+        s.put("c", make_artifact(5))
+        s.put("d", make_artifact(6))
+    env = lmdb.open(str(store_dir), map_size=64 << 20)
+    with env.begin(write=True) as txn:
+        key = _chunk_key("c", 0, "k")
+        txn.put(key, txn.get(key)[:-2])
+        txn.delete(_chunk_key("d", None, "tokens"))
+    env.close()
+    with open_store(store_dir) as s:
+        assert "stored size" in s.verify("c").bad[0].reason
+        assert s.verify("d").bad[0].reason == "chunk is missing"
+        for cid, chunk in (("c", "0:k"), ("d", "ctx:tokens")):
+            with pytest.raises(CorruptArtifact, match=chunk):
+                s.get(cid)
+
+
+def test_corrupt_manifest_is_typed_and_deletable(store_dir: Path) -> None:
+    with open_store(store_dir) as s:
+        s.put("c", make_artifact(5))
+    env = lmdb.open(str(store_dir), map_size=64 << 20)
+    with env.begin(write=True) as txn:
+        key = b"ctxcache:v1:manifest:c"
+        raw = bytearray(txn.get(key))
+        raw[-5] ^= 1
+        txn.put(key, bytes(raw))
+    env.close()
+    with open_store(store_dir) as s:
+        with pytest.raises(CorruptArtifact, match="manifest"):
+            s.get("c")
+        assert s.list_manifests() == [] and s.stats().corrupt_manifests == 1
+        assert s.verify("c").bad[0].chunk == "manifest"
+        assert s.delete("c") and s.context_ids() == []
+
+
+def test_ttl_expiry(store_dir: Path) -> None:
+    clock = Clock()
+    with open_store(store_dir, clock) as s:
+        s.put("short", make_artifact(1), ContextMeta(ttl_s=10))
+        s.put("pinned", make_artifact(2), ContextMeta(ttl_s=10, pinned=True))
+        s.put("forever", make_artifact(3))
+        clock.t += 9.9
+        assert s.get("short") is not None and s.evict_expired() == []
+        clock.t += 0.2
+        assert s.get("short") is None and s.manifest("short") is None
+        assert [m.context_id for m in s.list_manifests()] == ["forever", "pinned"]
+        assert s.evict_expired() == ["short"]
+        assert s.context_ids() == ["forever", "pinned"]
+        s.update_meta("forever", ttl_s=5)
+        clock.t += 5
+        assert s.evict_expired() == ["forever"]
+
+
+def test_lru_eviction_under_budget_respects_pin(store_dir: Path) -> None:
+    clock = Clock()
+    size = open_store(store_dir / "probe").put("x", make_artifact(0)).stored_bytes
+    with open_store(store_dir, clock, budget_bytes=int(3.5 * size)) as s:
+        for i, cid in enumerate(["a", "b", "c"]):
+            clock.t += 1
+            s.put(cid, make_artifact(i), ContextMeta(pinned=(cid == "b")))
+        clock.t += 1
+        s.get("a")  # a is now more recent than c
+        clock.t += 1
+        s.put("d", make_artifact(9))
+        assert s.context_ids() == ["a", "b", "d"]  # c was least recently used; b is pinned
+        clock.t += 1
+        s.put("e", make_artifact(8))
+        assert s.context_ids() == ["b", "d", "e"]
+        st = s.stats()
+        assert st.contexts == 3 and st.pinned == 1 and st.stored_bytes <= st.budget_bytes
+        with pytest.raises(StoreFull, match="budget"):
+            s.put("huge", make_artifact(7, n=4096))
+
+
+def test_map_full_evicts_lru_then_store_full(store_dir: Path) -> None:
+    # Many tiny chunks: LMDB's page overhead fills the 1 MiB map long before the budget (which
+    # counts chunk bytes) is reached, so every eviction here answers a MapFullError.
+    art = make_artifact(0, n=4, layers=30, hkv=1, d=4, lists=2)
+    clock = Clock()
+    with open_store(store_dir, clock, map_size_bytes=1 << 20, budget_bytes=1 << 20) as s:
+        for i in range(40):
+            clock.t += 1
+            s.put(f"c{i:02d}", art)
+        ids = s.context_ids()
+        assert s.stats().stored_bytes < (1 << 20) // 4  # the budget never forced anything
+        assert 3 <= len(ids) < 40 and ids == [f"c{i:02d}" for i in range(40 - len(ids), 40)]
+        assert_same(art, s.get("c39"))
+        # pinning rewrites manifests, which may itself need room: unpinned LRU contexts go
+        pinned = [cid for cid in ids[:-1] if s.update_meta(cid, pinned=True) is not None]
+        assert len(pinned) >= 2 and s.context_ids() == sorted(pinned + ["c39"])
+        clock.t += 1
+        s.put("new", art)  # only c39 is unpinned: if anything must go, it does
+        assert set(pinned) < set(s.context_ids()) and "new" in s.context_ids()
+        s.update_meta("new", pinned=True)
+        pinned.append("new")
+        with pytest.raises(StoreFull, match="map"):
+            for i in range(40):
+                s.put(f"more{i}", art, ContextMeta(pinned=True))
+        kept = s.context_ids()
+        assert set(pinned) <= set(kept)  # nothing pinned was evicted
+        assert all(s.verify(cid).ok for cid in kept)  # and nothing partial was left
+
+
+def test_list_filters_and_paging(store_dir: Path) -> None:
+    with open_store(store_dir) as s:
+        for i in range(7):
+            s.put(f"id{i}", make_artifact(i, n=8, layers=1),
+                  ContextMeta(labels={"parity": str(i % 2)}, tenant="t" if i < 3 else "u"))
+        assert [m.context_id for m in s.list_manifests(offset=2, limit=3)] == ["id2", "id3", "id4"]
+        assert [m.context_id for m in s.list_manifests(labels={"parity": "1"})] == \
+            ["id1", "id3", "id5"]
+        assert [m.context_id for m in s.list_manifests(tenant="t", after="id0")] == ["id1", "id2"]
+        with pytest.raises(ValueError, match="offset"):
+            s.list_manifests(offset=-1)
+
+
+def test_replace_drops_old_chunks(store_dir: Path) -> None:
+    with open_store(store_dir) as s:
+        s.put("c", make_artifact(1, layers=3))
+        small = make_artifact(2, layers=1)
+        s.put("c", small)
+        assert_same(small, s.get("c"))
+    env = lmdb.open(str(store_dir), map_size=64 << 20)
+    with env.begin() as txn:
+        chunks = [k for k, _ in txn.cursor() if k.startswith(b"ctxcache:v1:chunk:c:")]
+    env.close()
+    assert len(chunks) == len(s_manifest_chunks(store_dir, "c"))
+
+
+def s_manifest_chunks(path: Path, cid: str) -> tuple:
+    with open_store(path) as s:
+        return s.manifest(cid).chunks
+
+
+def _use_in_child(store: ArtifactStore, q: mp.Queue) -> None:
+    try:
+        store.get("c")
+        q.put("no error")
+    except StoreClosed as exc:
+        q.put(str(exc))
+
+
+def test_store_refuses_use_across_fork_and_after_close(store_dir: Path) -> None:
+    s = open_store(store_dir)
+    s.put("c", make_artifact(1))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_use_in_child, args=(s, q))
+    p.start()
+    p.join(30)
+    assert "after fork" in q.get(timeout=5)
+    s.close()
+    with pytest.raises(StoreClosed):
+        s.get("c")
+
+
+def test_stats_report_artifact_vs_kv_bytes(store_dir: Path) -> None:
+    art = make_artifact(1)
+    with open_store(store_dir) as s:
+        m = s.put("c", art)
+        st = s.stats()
+    assert st.raw_kv_bytes == art.kv_bytes() and st.raw_table_bytes == art.table_bytes()
+    assert st.stored_bytes == m.stored_bytes
+    assert st.stored_over_kv == pytest.approx(m.stored_bytes / art.kv_bytes())
