@@ -1,0 +1,146 @@
+"""Per-layer decode attention: dense SDPA (flash) and split-K vs CSAttention selection + sparse attention.
+
+Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128, bf16), one layer, random
+K/V/Q and random tables of the shapes CSAttention builds (m=8, C=128, L = alpha * N).
+Each variant is captured in a CUDA graph and timed by replay (median, L2 flushed).
+`ctxcache bench attention [--contexts 8192,...] [--batches 1,8] [--out DIR]`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ctxcache.decoder.gpu.selector import GpuSelector, GpuTables
+from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
+from ctxcache.kernels.topk import radix_topk
+from ctxcache.kernels.sparse_attention import choose_splits, region, sparse_decode_attention
+from ctxcache.methods import Budget
+from ctxcache.methods.csattention import CSAttentionParams
+
+HQ, HKV, D = 32, 8, 128
+
+
+def random_tables(batch: int, n: int, params: CSAttentionParams, device: str) -> GpuTables:
+    """Random tables with CSAttention's shapes and invariants (unit centroids, descending scores)."""
+    m, c, l = params.subspaces, params.centroids, params.list_length(n)
+    cent = F.normalize(torch.randn(batch, HKV, m, c, D // m, device=device), dim=-1).half()
+    idx = torch.randint(0, n, (batch, HKV, m, c, l), dtype=torch.int32, device=device)
+    score = torch.randn(batch, HKV, m, c, l, device=device, dtype=torch.float16)
+    score = score.sort(dim=-1, descending=True).values
+    return GpuTables(cent, idx, score, score[..., -1].contiguous(),
+                     torch.zeros(batch, HKV, m, c, 1, device=device),
+                     torch.full((batch,), n, dtype=torch.int32, device=device),
+                     torch.zeros(batch, dtype=torch.int32, device=device))
+
+
+def sdpa_dense(q, k, v):
+    try:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "flash"
+    except RuntimeError:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "default"
+
+
+def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev: str) -> list[dict]:
+    q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    nt = torch.full((batch,), n, dtype=torch.int32, device=dev)
+    lo, hi = region(nt, budget.sinks, budget.recent)
+    kk = torch.full((batch,), min(budget.top_k(n), int(hi[0] - lo[0])), dtype=torch.int32, device=dev)
+    base = {"context": n, "batch": batch}
+    rows = []
+    q4 = q[:, :, None]
+    _, backend = sdpa_dense(q4, k, v)
+    g = capture(lambda: sdpa_dense(q4, k, v))
+    rows.append({**base, "method": f"dense_sdpa_{backend}", "time_us": time_us(g.replay)})
+    sd = choose_splits(batch * HKV, n)
+    g = capture(lambda: sparse_decode_attention(q, k, v, nt, splits=sd))
+    rows.append({**base, "method": "dense_splitk", "time_us": time_us(g.replay), "splits": sd})
+    tables = random_tables(batch, n, params, dev)
+    sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), dev)
+    ss = choose_splits(batch * HKV, int(kk[0]) + budget.sinks + budget.recent)
+    idx = sel.select(q, tables, lo, hi, kk)
+    parts = {
+        "select_route_scatter": lambda: sel.route_scatter(q, tables),
+        "select_topk": lambda: radix_topk(sel.acc, lo, hi, kk, sel.idx, sel.ws),
+        "select": lambda: sel.select(q, tables, lo, hi, kk),
+        "sparse_attn": lambda: sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=ss),
+    }
+    for name, fn in parts.items():
+        g = capture(fn)
+        rows.append({**base, "method": f"cs_{name}", "time_us": time_us(g.replay)})
+
+    def total():
+        i = sel.select(q, tables, lo, hi, kk)
+        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss)
+    g = capture(total)
+    rows.append({**base, "method": "csattention", "time_us": time_us(g.replay),
+                 "list_len": params.list_length(n), "top_k": int(kk[0]), "splits": ss})
+    del tables, sel, k, v
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_list_len(n: int, params: CSAttentionParams, budget: Budget, dev: str) -> list[dict]:
+    """Selection time at batch 1 for shorter lists (gathered entries per step scale with L)."""
+    rows = []
+    for alpha in (0.25, 0.125, 0.0625, 0.03125, 0.015625):
+        p = CSAttentionParams(list_fraction=alpha)
+        q = torch.randn(1, HQ, D, device=dev, dtype=torch.bfloat16)
+        nt = torch.full((1,), n, dtype=torch.int32, device=dev)
+        lo, hi = region(nt, budget.sinks, budget.recent)
+        kk = torch.full((1,), budget.top_k(n), dtype=torch.int32, device=dev)
+        tables = random_tables(1, n, p, dev)
+        sel = GpuSelector(p, 1, HQ, HKV, D, n, int(kk[0]), dev)
+        g = capture(lambda: sel.select(q, tables, lo, hi, kk))
+        rows.append({"context": n, "batch": 1, "method": f"cs_select_alpha{alpha}",
+                     "list_fraction": alpha, "list_len": p.list_length(n), "time_us": time_us(g.replay)})
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    keys = sorted({(r["context"], r["batch"]) for r in rows if r["method"] == "csattention"})
+    for n, b in keys:
+        t = {r["method"]: r["time_us"] for r in rows if r["context"] == n and r["batch"] == b}
+        dense = next(v for m, v in t.items() if m.startswith("dense_sdpa"))
+        out.append({"context": n, "batch": b, "sdpa_us": dense, "splitk_us": t["dense_splitk"],
+                    "select_us": t["cs_select"], "attn_us": t["cs_sparse_attn"], "cs_us": t["csattention"],
+                    "speedup": dense / t["csattention"]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ctxcache bench attention")
+    ap.add_argument("--contexts", default="8192,16384,32768,65536,131072")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--keep", type=float, default=0.05)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench attention needs a CUDA GPU")
+        return 2
+    params, budget = CSAttentionParams(), Budget(keep=args.keep)
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        for n in (int(x) for x in args.contexts.split(",")):
+            rows += bench_one(n, b, params, budget, "cuda")
+    n_max = max(int(x) for x in args.contexts.split(","))
+    rows += sweep_list_len(n_max, params, budget, "cuda")
+    summary = summarize(rows)
+    cross = {b: next((s["context"] for s in summary if s["batch"] == b and s["speedup"] > 1), None)
+             for b in sorted({s["batch"] for s in summary})}
+    path = write_results("attention", rows, {"summary": summary, "crossover_context": cross,
+                                             "params": params.to_dict(), "keep": args.keep}, args.out)
+    print_table([r for r in rows if r["method"].startswith("cs_select_alpha")], ["context", "list_len", "method", "time_us"])
+    print_table(summary, ["context", "batch", "sdpa_us", "splitk_us", "select_us", "attn_us", "cs_us", "speedup"])
+    print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) {cross}; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""Split-K (flash-decoding) attention of one query per head over sinks + selected + recent keys.
+
+The keys a KV head reads form a virtual list: the static part (sinks [0, lo) and the recent
+window [hi, n)) followed by the k selected middle indices. The list is cut into SPLITS
+contiguous chunks, one program per (row, KV head, chunk), so a 5% selection still fills the
+GPU; each program handles the whole GQA group (one K/V read per group) and writes a partial
+(max, sum, output) that a second launch merges. DENSE=True reads [0, n) instead (the dense
+split-K baseline and the graph-capturable dense decode)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ctxcache.models.attention import gqa_sparse_attention
+
+# Triton 3.6's CPU interpreter computes bf16 tl.dot wrongly (seen: errors of 1e10), so under
+# TRITON_INTERPRET the kernel upcasts to fp32 dots; compiled GPU code uses native bf16 dots.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def region(n: torch.Tensor, sinks: int, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Budget.region per row: lo = min(sinks, n), hi = max(lo, n - recent); int32 [B]."""
+    lo = torch.clamp(n, max=sinks)
+    return lo.int(), torch.maximum(lo, n - recent).int()
+
+
+def sparse_attention_ref(q, k_cache, v_cache, idx, k_sel, n, sinks: int, recent: int) -> torch.Tensor:
+    """Per row: gqa_sparse_attention over [sinks, recent, idx[:k_sel]]. q [B, Hq, D] -> [B, Hq, D]."""
+    outs = []
+    for b in range(q.shape[0]):
+        nb, kb = int(n[b]), int(k_sel[b])
+        lo, hi = min(sinks, nb), max(min(sinks, nb), nb - recent)
+        static = torch.cat([torch.arange(lo), torch.arange(hi, nb)]).to(q.device)
+        sel = torch.cat([static.expand(k_cache.shape[1], -1), idx[b, :, :kb].long()], dim=1)
+        outs.append(gqa_sparse_attention(q[b], k_cache[b], v_cache[b], sel))
+    return torch.stack(outs)
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
+                  HKV, G, SINKS, RECENT, scale_log2,
+                  sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, si_b, si_h,
+                  SPLITS: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr,
+                  G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = row // HKV
+    hkv = row % HKV
+    n = tl.load(n_ptr + b)
+    lo = tl.minimum(n, SINKS)
+    hi = tl.maximum(lo, n - RECENT)
+    n_static = lo + n - hi
+    if DENSE:
+        total = n
+    else:
+        total = n_static + tl.load(ksel_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, total)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sq_b + (hkv * G + offs_g)[:, None] * sq_h + offs_d[None, :],
+                mask=(offs_g < G)[:, None], other=0.0)
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D), tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        valid = t < end
+        if DENSE:
+            pos = t
+        else:
+            static_pos = tl.where(t < lo, t, hi + t - lo)
+            sel = tl.load(idx_ptr + b * si_b + hkv * si_h + (t - n_static),
+                          mask=valid & (t >= n_static), other=0)
+            pos = tl.where(t < n_static, static_pos, sel)
+        pos = tl.where(valid, pos, 0)
+        kb = tl.load(k_ptr + b * sk_b + hkv * sk_h + pos[:, None] * sk_s + offs_d[None, :])
+        vb = tl.load(v_ptr + b * sv_b + hkv * sv_h + pos[:, None] * sv_s + offs_d[None, :])
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kb))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        m_i = m_new
+    base = (row * SPLITS + split) * G_PAD
+    tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc)
+    tl.store(ml_ws + (base + offs_g) * 2, m_i)
+    tl.store(ml_ws + (base + offs_g) * 2 + 1, l_i)
+
+
+@triton.jit
+def _merge_kernel(o_ws, ml_ws, out_ptr, HKV, G, so_b, so_h,
+                  SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr):
+    pid = tl.program_id(0)  # (row, g)
+    row = pid // G
+    g = pid % G
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    base = (row * SPLITS + offs_s) * G_PAD + g
+    m = tl.load(ml_ws + base * 2)
+    l = tl.load(ml_ws + base * 2 + 1)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
+    o = tl.load(o_ws + base[:, None] * D + offs_d[None, :])
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    b = row // HKV
+    h = (row % HKV) * G + g
+    tl.store(out_ptr + b * so_b + h * so_h + offs_d, res.to(out_ptr.dtype.element_ty))
+
+
+def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128) -> int:
+    """Power-of-two chunks so that rows x splits covers the GPU about twice, each >= min_keys."""
+    want = max(1, (2 * sms) // max(rows, 1))
+    cap = max(1, max_keys // min_keys)
+    return 1 << int(math.log2(max(1, min(want, cap, 256))))
+
+
+def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks: int = 0, recent: int = 0,
+                            splits: int = 16, out=None, ws=None, block_n: int = 64) -> torch.Tensor:
+    """q [B, Hq, D]; k/v_cache [B, Hkv, S, D]; n [B] int32 (cached keys per row); idx [B, Hkv, K_max]
+    int32 and k_sel [B] int32 (selected middle keys; None: dense over [0, n)) -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if k_cache.shape[0] != b or v_cache.shape != k_cache.shape or k_cache.shape[3] != d or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)} disagree")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or d & (d - 1) or d < 16:
+        raise ValueError(f"need contiguous head dims and a power-of-two head_dim >= 16, got {d}")
+    if n.shape != (b,) or n.dtype != torch.int32:
+        raise ValueError(f"n {tuple(n.shape)} {n.dtype} must be int32 [{b}]")
+    dense = idx is None
+    if not dense and (idx.shape[:2] != (b, hkv) or idx.dtype != torch.int32 or idx.stride(2) != 1
+                      or k_sel is None or k_sel.shape != (b,) or k_sel.dtype != torch.int32):
+        raise ValueError(f"idx {tuple(idx.shape)} {idx.dtype} must be int32 [{b}, {hkv}, K] with k_sel int32 [{b}]")
+    if splits & (splits - 1):
+        raise ValueError(f"splits={splits} must be a power of two")
+    g = hq // hkv
+    g_pad = max(16, triton.next_power_of_2(g))
+    if ws is None:
+        ws = (torch.empty(b * hkv * splits * g_pad * d, dtype=torch.float32, device=q.device),
+              torch.empty(b * hkv * splits * g_pad * 2, dtype=torch.float32, device=q.device))
+    out = torch.empty_like(q) if out is None else out
+    idx_t = idx if not dense else n  # unused pointer in dense mode
+    si = idx.stride() if not dense else (0, 0)
+    _split_kernel[(b * hkv, splits)](
+        q, k_cache, v_cache, idx_t, k_sel if not dense else n, n, ws[0], ws[1],
+        hkv, g, sinks, recent, d ** -0.5 * 1.4426950408889634,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], si[0], si[1],
+        SPLITS=splits, DENSE=dense, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n)
+    _merge_kernel[(b * hkv * g,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1),
+                                  SPLITS=splits, G_PAD=g_pad, D=d)
+    return out

@@ -1,0 +1,120 @@
+"""Streaming insert of generated keys, and their contribution to the selection scores.
+
+A key generated during decode is scored against every centroid of its KV head (m x C dots)
+and the scores are written to column t of a per-stream overlay new_scores [B, Hkv, m, C, T]
+(the shared tables stay read-only, as in CSAttention.append). At selection time a key counts
+for a routed centroid only where it beats that list's floor (the paper's try-insert
+condition), exactly like CSAttention._add_streamed."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def stream_scores_ref(k_new: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """k_new [B, Hkv, D], centroids [B, Hkv, m, C, d_b] -> scores [B, Hkv, m, C] fp32."""
+    b, hkv, d = k_new.shape
+    m = centroids.shape[2]
+    return torch.einsum("bhmcd,bhmd->bhmc", centroids.float(), k_new.float().view(b, hkv, m, d // m))
+
+
+def add_streamed_ref(ids, w, new_scores, list_floor, count, start, acc, relative: bool = True) -> torch.Tensor:
+    """acc[b, h, start[b] + t] += sum_{g, j} w * gain(new_scores[b, h, j, ids, t]) for t < count[b]."""
+    b, hq, m = ids.shape
+    hkv = new_scores.shape[1]
+    g = hq // hkv
+    for r in range(b):
+        cnt, s0 = int(count[r]), int(start[r])
+        if cnt == 0:
+            continue
+        idv = ids[r].view(hkv, g, m).long()
+        hh = torch.arange(hkv)[:, None, None]
+        mm = torch.arange(m)[None, None, :]
+        s = new_scores[r][hh, mm, idv][..., :cnt].float()  # [Hkv, G, m, T]
+        fl = list_floor[r][hh, mm, idv].float()[..., None]
+        gain = torch.where(s > fl, s - fl if relative else s, torch.zeros_like(s))
+        acc[r, :, s0:s0 + cnt] += (gain * w[r].view(hkv, g, m, 1)).sum((1, 2))
+    return acc
+
+
+@triton.jit
+def _insert_kernel(k_ptr, c_ptr, out_ptr, col_ptr, HKV, M, C, DB, sk_b, sk_h,
+                   sc_b, sc_h, sc_m, sc_c, so_b, so_h, so_m, so_c,
+                   BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    mm = pid % M
+    h = (pid // M) % HKV
+    b = pid // (M * HKV)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < DB
+    kb = tl.load(k_ptr + b * sk_b + h * sk_h + mm * DB + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    cent = tl.load(c_ptr + b * sc_b + h * sc_h + mm * sc_m + offs_c[:, None] * sc_c + offs_d[None, :],
+                   mask=(offs_c[:, None] < C) & dmask[None, :], other=0.0).to(tl.float32)
+    col = tl.load(col_ptr + b)
+    dots = tl.sum(cent * kb[None, :], axis=1)
+    tl.store(out_ptr + b * so_b + h * so_h + mm * so_m + offs_c * so_c + col, dots, mask=offs_c < C)
+
+
+def stream_insert(k_new: torch.Tensor, centroids: torch.Tensor, new_scores: torch.Tensor,
+                  col: torch.Tensor) -> None:
+    """Write the scores of k_new [B, Hkv, D] into new_scores[b, :, :, :, col[b]] (col int32 [B])."""
+    b, hkv, d = k_new.shape
+    _, hkv2, m, c, db = centroids.shape
+    if hkv2 != hkv or m * db != d or new_scores.shape[:4] != (b, hkv, m, c) or new_scores.dtype != torch.float32:
+        raise ValueError(f"k_new {tuple(k_new.shape)}, centroids {tuple(centroids.shape)}, "
+                         f"new_scores {tuple(new_scores.shape)} {new_scores.dtype} disagree")
+    if k_new.stride(2) != 1 or centroids.stride(4) != 1 or new_scores.stride(4) != 1:
+        raise ValueError("k_new, centroids and new_scores need a contiguous last dimension")
+    if col.shape != (b,) or col.dtype != torch.int32:
+        raise ValueError(f"col {tuple(col.shape)} {col.dtype} must be int32 [{b}]")
+    sc, so = centroids.stride(), new_scores.stride()
+    _insert_kernel[(b * hkv * m,)](k_new, centroids, new_scores, col, hkv, m, c, db,
+                                   k_new.stride(0), k_new.stride(1), sc[0], sc[1], sc[2], sc[3],
+                                   so[0], so[1], so[2], so[3],
+                                   BLOCK_C=triton.next_power_of_2(c), BLOCK_D=max(16, triton.next_power_of_2(db)))
+
+
+@triton.jit
+def _add_kernel(ids_ptr, w_ptr, ns_ptr, floor_ptr, cnt_ptr, start_ptr, acc_ptr, HKV, G, M,
+                si_b, si_h, sn_b, sn_h, sn_m, sn_c, sf_b, sf_h, sf_m, sa_b, sa_h,
+                RELATIVE: tl.constexpr, BLOCK_T: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+    cnt = tl.load(cnt_ptr + b)
+    s0 = tl.load(start_ptr + b)
+    offs = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask = offs < cnt
+    total = tl.zeros((BLOCK_T,), tl.float32)
+    for g in range(G):
+        for mm in range(M):
+            c = tl.load(ids_ptr + b * si_b + (h * G + g) * si_h + mm)
+            w = tl.load(w_ptr + b * si_b + (h * G + g) * si_h + mm)
+            fl = tl.load(floor_ptr + b * sf_b + h * sf_h + mm * sf_m + c).to(tl.float32)
+            s = tl.load(ns_ptr + b * sn_b + h * sn_h + mm * sn_m + c * sn_c + offs, mask=mask, other=0.0)
+            gain = s - fl if RELATIVE else s
+            total += tl.where(s > fl, gain, 0.0) * w
+    ptr = acc_ptr + b * sa_b + h * sa_h + s0 + offs
+    tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + total, mask=mask)
+
+
+def add_streamed(ids, w, new_scores, list_floor, count, start, acc, relative: bool = True,
+                 block_t: int = 128) -> torch.Tensor:
+    """Add streamed keys' gains into acc [B, Hkv, N] (after scatter_lists, same stream)."""
+    b, hq, m = ids.shape
+    hkv, t_max = new_scores.shape[1], new_scores.shape[4]
+    if new_scores.shape[:3] != (b, hkv, m) or list_floor.shape[:3] != (b, hkv, m) or new_scores.stride(4) != 1:
+        raise ValueError(f"ids {tuple(ids.shape)}, new_scores {tuple(new_scores.shape)}, "
+                         f"list_floor {tuple(list_floor.shape)} disagree")
+    if count.dtype != torch.int32 or start.dtype != torch.int32 or acc.stride(2) != 1:
+        raise ValueError("count and start must be int32 [B]; acc contiguous in N")
+    sn, sf = new_scores.stride(), list_floor.stride()
+    _add_kernel[(b * hkv, triton.cdiv(t_max, block_t))](
+        ids, w, new_scores, list_floor, count, start, acc, hkv, hq // hkv, m,
+        ids.stride(0), ids.stride(1), sn[0], sn[1], sn[2], sn[3], sf[0], sf[1], sf[2],
+        acc.stride(0), acc.stride(1), RELATIVE=relative, BLOCK_T=block_t)
+    return acc

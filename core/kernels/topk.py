@@ -1,0 +1,120 @@
+"""Top-K by radix select over a dense fp32 score row (replaces torch.topk: 115 us at 128K).
+
+Four histogram passes of 8 bits over order-preserving float keys find the K-th largest
+value T; a collect pass writes every index with key > T and as many ties == T as K needs.
+Each pass is one launch over (row, chunk) programs; histograms merge by global atomics and
+every program re-derives the prefix from the finished histograms (no host round trip, so the
+whole select is graph-capturable). Output order is unspecified (like topk(sorted=False)).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BINS = 256
+_PASSES = 4
+
+
+def topk_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
+    """Per row r of scores [R, N]: indices of the k[r] largest in [lo[r], hi[r]) (any order)."""
+    return [torch.topk(scores[r, int(lo[r]):int(hi[r])], int(k[r])).indices + int(lo[r])
+            for r in range(scores.shape[0])]
+
+
+@triton.jit
+def _keys(x):
+    """Order-preserving uint32 keys of fp32 values (+0 and -0 share a key)."""
+    bits = (x + 0.0).to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def _walk(hist_ptr, k, P: tl.constexpr):
+    """Prefix of the K-th largest key after P finished passes, and how many of that prefix are still needed."""
+    prefix = tl.zeros((), dtype=tl.uint32)
+    krem = k
+    bins = tl.arange(0, 256)
+    for q in tl.static_range(P):
+        hst = tl.load(hist_ptr + q * 256 + bins)
+        ge = tl.sum(hst, axis=0) - tl.cumsum(hst, axis=0) + hst  # count with digit >= d
+        d = tl.max(tl.where(ge >= krem, bins, -1), axis=0)
+        krem = krem - tl.sum(tl.where(bins > d, hst, 0), axis=0)
+        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * q))
+    return prefix, krem
+
+
+@triton.jit
+def _hist_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
+                 P: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = r // HKV
+    lo = tl.load(lo_ptr + b)
+    hi = tl.load(hi_ptr + b)
+    k = tl.load(k_ptr + b)
+    offs = lo + blk * BLOCK + tl.arange(0, BLOCK)
+    valid = (offs < hi) & (k > 0)
+    key = _keys(tl.load(x_ptr + r * sx_r + offs, mask=valid, other=0.0))
+    hist_ptr = ws_ptr + r * sws_r
+    if P > 0:
+        prefix, krem = _walk(hist_ptr, k, P)
+        valid = valid & ((key >> (32 - 8 * P)) == (prefix >> (32 - 8 * P)))
+    digit = ((key >> (24 - 8 * P)) & 255).to(tl.int32)
+    h = tl.histogram(digit, 256, mask=valid)
+    tl.atomic_add(hist_ptr + P * 256 + tl.arange(0, 256), h, sem="relaxed")
+
+
+@triton.jit
+def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r,
+                    BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = r // HKV
+    lo = tl.load(lo_ptr + b)
+    hi = tl.load(hi_ptr + b)
+    k = tl.load(k_ptr + b)
+    offs = lo + blk * BLOCK + tl.arange(0, BLOCK)
+    valid = (offs < hi) & (k > 0)
+    key = _keys(tl.load(x_ptr + r * sx_r + offs, mask=valid, other=0.0))
+    hist_ptr = ws_ptr + r * sws_r
+    thresh, need = _walk(hist_ptr, k, 4)
+    gt = valid & (key > thresh)
+    eq = valid & (key == thresh)
+    cnt_ptr = hist_ptr + 4 * 256
+    base_gt = tl.atomic_add(cnt_ptr, tl.sum(gt.to(tl.int32), axis=0), sem="relaxed")
+    base_eq = tl.atomic_add(cnt_ptr + 1, tl.sum(eq.to(tl.int32), axis=0), sem="relaxed")
+    slot_gt = base_gt + tl.cumsum(gt.to(tl.int32), axis=0) - 1
+    slot_eq = base_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + r * so_r + slot_gt, offs, mask=gt)
+    tl.store(out_ptr + r * so_r + (k - need) + slot_eq, offs, mask=eq & (slot_eq < need))
+
+
+def workspace(rows: int, device: torch.device | str) -> torch.Tensor:
+    """Histograms (4 x 256) and two counters per row; must be zero before each select."""
+    return torch.zeros(rows, _PASSES * _BINS + 2, dtype=torch.int32, device=device)
+
+
+def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
+               ws: torch.Tensor | None = None, block: int = 4096) -> torch.Tensor:
+    """x [B, Hkv, N] fp32; lo, hi, k [B] int32 (k <= hi - lo) -> out [B, Hkv, K_max] int32.
+
+    Row (b, h) gets its k[b] indices in out[b, h, :k[b]]; the rest of out is left as is.
+    `ws` (see `workspace`) is zeroed here; pass a static one inside a captured graph."""
+    if x.dim() != 3 or x.dtype != torch.float32 or x.stride(2) != 1:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be fp32 [B, Hkv, N] contiguous in N")
+    b, hkv, n = x.shape
+    for name, t in (("lo", lo), ("hi", hi), ("k", k)):
+        if t.shape != (b,) or t.dtype != torch.int32:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be int32 [{b}]")
+    if out.shape[:2] != (b, hkv) or out.dtype != torch.int32 or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be int32 [{b}, {hkv}, K_max]")
+    if x.stride(0) != hkv * x.stride(1) or out.stride(0) != hkv * out.stride(1):
+        raise ValueError("x and out must have their (B, Hkv) dims mergeable into rows")
+    ws = workspace(b * hkv, x.device) if ws is None else ws.zero_()
+    grid = (b * hkv, triton.cdiv(n, block))
+    for p in range(_PASSES):
+        _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=p, BLOCK=block)
+    _collect_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), BLOCK=block)
+    return out

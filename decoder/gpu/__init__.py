@@ -1,0 +1,1 @@
+"""GPU fast path for sparse decode: Triton selection + split-K attention, graph-captured steps."""

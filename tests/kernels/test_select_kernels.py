@@ -1,0 +1,86 @@
+"""Route, scatter, streamed gains and radix Top-K against their torch references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ctxcache.kernels.route import route, route_ref
+from ctxcache.kernels.scatter import scatter_lists, scatter_ref
+from ctxcache.kernels.stream import add_streamed, add_streamed_ref, stream_insert, stream_scores_ref
+from ctxcache.kernels.topk import radix_topk, topk_ref
+
+
+def _tables(b, hkv, m, c, db, n, l, device):
+    cent = F.normalize(torch.randn(b, hkv, m, c, db), dim=-1).half()
+    top = torch.topk(torch.randn(b, hkv, m, c, n), l, dim=-1)
+    return [t.to(device) for t in (cent, top.indices.int(), top.values.half(),
+                                    top.values[..., -1].half().contiguous())]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_route_matches_reference(device, dtype):
+    r, hq, hkv, m, c, db = 3, 6, 2, 4, 13, 8  # awkward: C and group not powers of two
+    q = torch.randn(r, hq, m * db, dtype=dtype, device=device)
+    cent = F.normalize(torch.randn(r, hkv, m, c, db), dim=-1).half().to(device)
+    ids, w = route(q, cent)
+    ids_ref, w_ref = route_ref(q, cent)
+    assert (ids == ids_ref).float().mean() >= 0.99  # fp near-ties may differ
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_route_rejects_mismatched_shapes(device):
+    with pytest.raises(ValueError, match="does not match"):
+        route(torch.randn(1, 4, 32, device=device), torch.randn(1, 2, 4, 8, 16, device=device).half())
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_scatter_matches_reference(device, relative):
+    b, hq, hkv, m, c, db, n, l = 2, 6, 2, 4, 11, 8, 301, 77
+    cent, li, ls, lf = _tables(b, hkv, m, c, db, n, l, device)
+    ids = torch.randint(0, c, (b, hq, m), dtype=torch.int32, device=device)
+    ids[:, 1] = ids[:, 0]  # two heads of a group share lists: exercises the merge
+    w = torch.rand(b, hq, m, device=device)
+    acc = torch.zeros(b, hkv, n, device=device)
+    scatter_lists(ids, w, li, ls, lf, acc, relative, block_l=32)
+    torch.testing.assert_close(acc, scatter_ref(ids, w, li, ls, lf, n, relative), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_radix_topk_matches_topk(device, ties):
+    b, hkv, n = 2, 3, 1823
+    x = torch.randint(0, 7, (b, hkv, n)).float() if ties else torch.randn(b, hkv, n)
+    x[0, 0, 100:200] = 0.0
+    x[0, 0, 150] = -0.0  # -0 and +0 are the same value
+    x = x.to(device)
+    lo = torch.tensor([4, 0], dtype=torch.int32, device=device)
+    hi = torch.tensor([n - 32, 900], dtype=torch.int32, device=device)
+    k = torch.tensor([92, 45], dtype=torch.int32, device=device)
+    out = torch.full((b, hkv, 92), -1, dtype=torch.int32, device=device)
+    radix_topk(x, lo, hi, k, out, block=256)
+    refs = topk_ref(x.view(b * hkv, n), lo.repeat_interleave(hkv), hi.repeat_interleave(hkv),
+                    k.repeat_interleave(hkv))
+    for r in range(b * hkv):
+        kk, lo_r, hi_r = int(k[r // hkv]), int(lo[r // hkv]), int(hi[r // hkv])
+        got = out.view(b * hkv, -1)[r, :kk].long()
+        assert got.unique().numel() == kk and lo_r <= int(got.min()) and int(got.max()) < hi_r
+        row = x.view(b * hkv, n)[r]
+        # same multiset of values as torch.topk (ties may pick different indices)
+        torch.testing.assert_close(row[got].sort().values, row[refs[r]].sort().values, rtol=0, atol=0)
+
+
+def test_stream_insert_and_gain(device):
+    b, hq, hkv, m, c, db, t_max = 2, 4, 2, 4, 9, 8, 5
+    cent, _, _, lf = _tables(b, hkv, m, c, db, 50, 10, device)
+    new = torch.full((b, hkv, m, c, t_max), float("nan"), device=device)
+    keys = torch.randn(3, b, hkv, m * db, device=device)
+    for t in range(3):
+        stream_insert(keys[t], cent, new, torch.tensor([t, t], dtype=torch.int32, device=device))
+        torch.testing.assert_close(new[..., t], stream_scores_ref(keys[t], cent), rtol=1e-5, atol=1e-5)
+    ids = torch.randint(0, c, (b, hq, m), dtype=torch.int32, device=device)
+    w = torch.rand(b, hq, m, device=device)
+    count = torch.tensor([3, 2], dtype=torch.int32, device=device)
+    start = torch.tensor([40, 41], dtype=torch.int32, device=device)
+    acc = torch.randn(b, hkv, 50, device=device)
+    want = add_streamed_ref(ids.cpu(), w.cpu(), new.cpu(), lf.cpu(), count.cpu(), start.cpu(), acc.cpu().clone())
+    add_streamed(ids, w, new, lf, count, start, acc, block_t=2)
+    torch.testing.assert_close(acc.cpu(), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,47 @@
+"""The GPU selection pipeline picks what CSAttention.search picks on tables built by the method."""
+
+import pytest
+import torch
+
+from ctxcache.decoder.gpu.selector import GpuSelector, GpuTables
+from ctxcache.kernels.sparse_attention import region
+from ctxcache.methods import Budget
+from ctxcache.methods.csattention import CSAttention, CSAttentionParams
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return len(set(a.tolist()) & set(b.tolist())) / max(1, b.numel())
+
+
+@pytest.mark.parametrize("layout,weighting", [("contiguous", "qnorm"), ("rope_pairs", "unit")])
+def test_selection_matches_csattention_search(device, layout, weighting):
+    hq, hkv, d, n, streamed = 6, 2, 32, 600, 5
+    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout, weighting=weighting)
+    method = CSAttention(params)
+    q_pre, k, v = torch.randn(hq, n, d), torch.randn(hkv, n + streamed, d), torch.randn(hkv, n + streamed, d)
+    q = torch.randn(hq, d)
+    k[:, n] = 4 * q.view(hkv, -1, d).sum(1)  # a streamed key the query should find
+    state = method.open(method.build(q_pre, k[:, :n], v[:, :n]))
+    method.append(state, k[:, n:n + streamed], n)
+    budget = Budget(keep=0.05, sinks=4, recent=2)  # streamed keys fall in the searched region
+    total = n + streamed
+    lo, hi = budget.region(total)
+    want = method.search(state, q, k, lo, hi, budget.top_k(total))
+
+    sel = GpuSelector(params, 1, hq, hkv, d, total, budget.top_k(total), device)
+    tables = GpuTables.stack([state.tables], [n], max_new=8, device=device)
+    for t in range(streamed):
+        tables.insert(k[None, :, n + t].to(device), torch.tensor([n + t], dtype=torch.int32, device=device),
+                      sel.perm)
+    nt = torch.tensor([total], dtype=torch.int32, device=device)
+    lo_t, hi_t = region(nt, budget.sinks, budget.recent)
+    kk = torch.tensor([budget.top_k(total)], dtype=torch.int32, device=device)
+    got = sel.select(q[None].to(device), tables, lo_t, hi_t, kk)[0].cpu()
+    assert ((got[:, :kk[0]] == n).sum(1) == 1).all()  # the aligned streamed key is selected by every head
+    for h in range(hkv):
+        assert _overlap(got[h], want[h]) >= 0.97  # fp sums in another order may swap near-ties
+
+
+def test_selector_refuses_backoff(device):
+    with pytest.raises(ValueError, match="backoff"):
+        GpuSelector(CSAttentionParams(backoff_cos=0.5), 1, 4, 2, 32, 64, 8, device)
