@@ -58,7 +58,7 @@ def _scatter_kernel(ids_ptr, w_ptr, idx_ptr, score_ptr, floor_ptr, acc_ptr,
     floor = tl.load(floor_ptr + b * sf_b + hkv * sf_h + mm * sf_m + c).to(tl.float32)
     offs = blk * BLOCK_L + tl.arange(0, BLOCK_L)
     mask = (offs < L) & (dup == 0)
-    base = b * st_b + hkv * st_h + mm * st_m + c * st_c
+    base = b.to(tl.int64) * st_b + hkv * st_h + mm * st_m + c.to(tl.int64) * st_c  # tables exceed 2^31 entries at batch 8 x 128K
     keys = tl.load(idx_ptr + base + offs, mask=mask, other=0)
     s = tl.load(score_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
     if RELATIVE:

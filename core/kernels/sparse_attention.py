@@ -36,7 +36,7 @@ def sparse_attention_ref(q, k_cache, v_cache, idx, k_sel, n, sinks: int, recent:
         nb, kb = int(n[b]), int(k_sel[b])
         lo, hi = min(sinks, nb), max(min(sinks, nb), nb - recent)
         static = torch.cat([torch.arange(lo), torch.arange(hi, nb)]).to(q.device)
-        sel = torch.cat([static.expand(k_cache.shape[1], -1), idx[b, :, :kb].long()], dim=1)
+        sel = torch.cat([static.expand(k_cache.shape[1], -1), idx[b, :, :kb].long().to(q.device)], dim=1)
         outs.append(gqa_sparse_attention(q[b], k_cache[b], v_cache[b], sel))
     return torch.stack(outs)
 
@@ -52,6 +52,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
     b = row // HKV
     hkv = row % HKV
     n = tl.load(n_ptr + b)
+    b64 = b.to(tl.int64)  # caches of 8 x 128K tokens are near 2^31 elements
     lo = tl.minimum(n, SINKS)
     hi = tl.maximum(lo, n - RECENT)
     n_static = lo + n - hi
@@ -80,8 +81,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                           mask=valid & (t >= n_static), other=0)
             pos = tl.where(t < n_static, static_pos, sel)
         pos = tl.where(valid, pos, 0)
-        kb = tl.load(k_ptr + b * sk_b + hkv * sk_h + pos[:, None] * sk_s + offs_d[None, :])
-        vb = tl.load(v_ptr + b * sv_b + hkv * sv_h + pos[:, None] * sv_s + offs_d[None, :])
+        kb = tl.load(k_ptr + b64 * sk_b + hkv * sk_h + pos[:, None].to(tl.int64) * sk_s + offs_d[None, :])
+        vb = tl.load(v_ptr + b64 * sv_b + hkv * sv_h + pos[:, None].to(tl.int64) * sv_s + offs_d[None, :])
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
         else:

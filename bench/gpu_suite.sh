@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: kernel tests on the GPU, then the benchmarks; logs and JSON under $OUT.
+# usage (device): bash bench/gpu_suite.sh [attention] [decode] [tests]
+set -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# the ctxcache namespace without pip: a folder of links mirroring setup.py's mapping
+SHIM=/tmp/ctxshim/ctxcache; rm -rf /tmp/ctxshim; mkdir -p $SHIM
+for f in core/*; do ln -s "$PWD/$f" "$SHIM/$(basename $f)"; done
+for p in bench decoder indexer store service; do ln -sfn "$PWD/$p" "$SHIM/$p"; done
+export PYTHONPATH=/tmp/ctxshim
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+for what in "${@:-tests attention}"; do
+  case $what in
+    tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels 2>&1 | tee "$OUT/tests.log" | tail -5 ;;
+    attention) python3 -m ctxcache.bench.attention --out "$OUT" 2>&1 | tee "$OUT/attention.log" ;;
+    decode) python3 -m ctxcache.bench.decode --out "$OUT" 2>&1 | tee "$OUT/decode.log" ;;
+    check) python3 -m ctxcache.decoder.gpu.check --out "$OUT" 2>&1 | tee "$OUT/check.log" ;;
+  esac
+done
