@@ -20,11 +20,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @unary
     def Evict(self, request, context):
         cid = convert.context_id(request.context_id)
-        freed = self.decoder.cache.evict(cid)
         if request.memory_only:
+            freed = self.decoder.cache.evict(cid)
             return apb.EvictResponse(evicted=freed > 0, bytes_freed=freed)
         m = self.backend.manifest(cid)
-        deleted = self.backend.delete(cid)
+        deleted = self.backend.delete(cid)  # store first: a load racing this is then not cached
+        freed = self.decoder.cache.evict(cid)
         return apb.EvictResponse(evicted=deleted or freed > 0,
                                  bytes_freed=(m.stored_bytes if m and deleted else 0) + freed)
 

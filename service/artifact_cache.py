@@ -70,7 +70,8 @@ class ArtifactCache(Generic[T]):
             raise
         finally:
             with self._lock:
-                del self._flights[key]
+                if self._flights.get(key) is flight:
+                    del self._flights[key]
                 if flight.error is None and self._epoch.get(key, 0) == epoch:
                     self._insert(key, flight.value)
             flight.done.set()
@@ -90,6 +91,7 @@ class ArtifactCache(Generic[T]):
         """Drop key from DRAM; -> bytes freed. Streams holding it are unaffected."""
         with self._lock:
             self._epoch[key] = self._epoch.get(key, 0) + 1
+            self._flights.pop(key, None)  # later acquirers must not join a load from before
             item = self._items.pop(key, None)
             if item is None:
                 return 0

@@ -79,8 +79,9 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     @unary
     def DeleteContext(self, request, context):
         cid = convert.context_id(request.context_id)
+        deleted = self.indexer.backend.delete(cid)  # store first, then DRAM (see Evict)
         self.decoder.cache.evict(cid)
-        return pb.DeleteContextResponse(deleted=self.indexer.backend.delete(cid))
+        return pb.DeleteContextResponse(deleted=deleted)
 
     @streaming
     def Generate(self, request, context):
