@@ -1,0 +1,50 @@
+"""The full PutContext -> Generate path on the real default model (SmolLM2), short context."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ctxcache.service.config import (GiB, IndexerSettings, ModelConfig, ServerConfig, ServiceConfig,
+                                     StoreSettings)
+from ctxcache.service.demo_text import TEXT
+from ctxcache.service.gen.v1 import context_pb2 as pb
+
+from conftest import ask
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from ctxcache.models.loader import load_model
+    try:
+        return load_model("smollm2")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+def test_smollm2_put_then_generate_answers_from_the_context(smollm2, tmp_path, start):
+    # small CSAttention tables keep the build to seconds on 2 cores; the path is the default one
+    cfg = ServiceConfig(server=ServerConfig(port=0), model=ModelConfig("smollm2"),
+                        store=StoreSettings(Path(tmp_path / "d"), 2 * GiB),
+                        indexer=IndexerSettings(method="csattention",
+                                                method_params={"centroids": 16, "kmeans_iters": 3}))
+    from ctxcache.service.server import create_server
+    from ctxcache.service.client import Client
+    srv, port = create_server(cfg, smollm2)
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        info = client.put(pb.PutContextRequest(text=TEXT, wait=True), timeout=300).context
+        assert info.state == pb.CONTEXT_STATE_READY and 300 <= info.n_tokens <= 600
+        assert info.method == "csattention" and info.raw_kv_bytes == info.n_tokens * 30 * 3 * 64 * 2 * 2
+        events, final = ask(client, info.context_id, "Who was the longest-serving keeper?", max_tokens=32,
+                            timeout=120)
+        assert "Ada" in final.text, final.text
+        assert final.usage.cached_tokens == info.n_tokens and final.usage.generated_tokens >= 2
+        stop = ask(client, info.context_id, "Who was the longest-serving keeper?", max_tokens=32,
+                   timeout=120, stop=["Ada"])[1]
+        assert stop.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE and "Ada" not in stop.text
+        assert final.text.startswith(stop.text)
+    finally:
+        client.close()
+        srv.stop(1)
