@@ -1,0 +1,148 @@
+"""End-to-end decode tokens/s of a random-weight Llama-3.1-8B-shaped model, dense vs CSAttention,
+both as CUDA-graph-captured steps; plus index build time vs prefill at 32K.
+
+Memory decides the layer count: 8B bf16 weights are 16 GB and the KV of 128K tokens is 17 GB
+per batch row over 32 layers, so batch 8 at 128K (137 GB of KV) cannot run with 32 layers on
+one H100; such rows run fewer layers and say so (`layers`). Random tables are shared by all
+layers of a run (`tables_shared_across_layers`): their size (1.6 GB per row and layer at
+L = N/4) would not fit otherwise. `ctxcache bench decode [--configs 131072x1x32,...]`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from ctxcache.bench.attention import random_tables
+from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
+from ctxcache.decoder.gpu.graph import GraphDecoder
+from ctxcache.decoder.gpu.timing import device_info, print_table, write_results
+from ctxcache.kernels.kmeans import build_tables_gpu
+from ctxcache.methods import Budget
+from ctxcache.methods.csattention import CSAttentionParams
+from ctxcache.models.attention import dense_attention
+from ctxcache.models.config import NAMED_CONFIGS
+from ctxcache.models.llama import Transformer
+
+
+def random_model(layers: int, max_len: int) -> Transformer:
+    args = dataclasses.replace(NAMED_CONFIGS["llama-3.1-8b"], n_layers=layers, max_seq_len=max_len)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Transformer(args).to(torch.bfloat16)
+    for p in model.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+    return model.eval().requires_grad_(False)
+
+
+def tokens_per_s(model, cache, attn, batch: int, n: int, steps: int) -> float:
+    cache.lengths.fill_(n)
+    dec = GraphDecoder(model, cache, attn)
+    tok = torch.zeros(batch, dtype=torch.long, device="cuda")
+    dec.step(tok)  # capture + first replay
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        dec.step(tok)
+    torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, budget: Budget, steps: int) -> list[dict]:
+    model = random_model(layers, n + steps + 8)
+    a = model.args
+    cache = model.new_cache(batch, max_len=n + steps + 8)
+    for t in (*cache.k, *cache.v):
+        t.normal_()
+    base = {"context": n, "batch": batch, "layers": layers, "steps": steps}
+    rows = [{**base, "method": "dense_splitk_graph",
+             "tokens_per_s": tokens_per_s(model, cache, GpuDenseAttention(batch, a.n_kv_heads, cache.max_len),
+                                          batch, n, steps)}]
+    tab = random_tables(batch, n, params, "cuda")
+    tab.new_scores = torch.zeros(*tab.new_scores.shape[:4], steps + 8, device="cuda")
+    attn = GpuSparseAttention(params, [tab] * layers, budget, batch, a.n_heads, a.n_kv_heads, a.head_dim,
+                              cache.max_len)
+    rows.append({**base, "method": "csattention_graph", "tables_shared_across_layers": True,
+                 "list_len": params.list_length(n),
+                 "tokens_per_s": tokens_per_s(model, cache, attn, batch, n, steps)})
+    del model, cache, tab, attn
+    torch.cuda.empty_cache()
+    return rows
+
+
+class _GpuCapture:
+    """Dense prefill attention that keeps each layer's queries on the GPU (bf16)."""
+
+    def __init__(self, layers: int) -> None:
+        self.chunks = [[] for _ in range(layers)]
+
+    def __call__(self, layer, q, cache, pos):
+        self.chunks[layer].append(q[0])
+        return dense_attention(layer, q, cache, pos)
+
+
+@torch.inference_mode()
+def bench_build(n: int, params: CSAttentionParams, chunk: int = 4096) -> list[dict]:
+    model = random_model(32, n + 8)
+    cache = model.new_cache(1, max_len=n)
+    tokens = torch.randint(0, model.args.vocab_size, (1, n), device="cuda")
+    times = {}
+    for name, attn in (("prefill", lambda l, q, c, p: dense_attention(l, q, c, p)), ("prefill_capture", _GpuCapture(32))):
+        cache.lengths.zero_()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for s in range(0, n, chunk):
+            pos = cache.lengths[:, None] + torch.arange(chunk, device="cuda")
+            model(tokens[:, s:s + chunk], pos, cache, attn, last_only=True)
+            cache.lengths += chunk
+        torch.cuda.synchronize()
+        times[name] = time.perf_counter() - t0
+    cap = attn
+    t0 = time.perf_counter()
+    for layer in range(32):
+        q = torch.cat(cap.chunks[layer], dim=1)
+        build_tables_gpu(params, q, cache.k[layer][0, :, :n])
+        cap.chunks[layer] = []
+    torch.cuda.synchronize()
+    times["build"] = time.perf_counter() - t0
+    del model, cache
+    torch.cuda.empty_cache()
+    base = {"context": n, "batch": 1, "layers": 32}
+    return [{**base, "method": k, "time_us": v * 1e6} for k, v in times.items()] + [
+        {**base, "method": "build_over_prefill", "ratio": times["build"] / times["prefill"]}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ctxcache bench decode")
+    ap.add_argument("--configs", default="131072x1x32,131072x8x8,32768x1x32,32768x8x32",
+                    help="context x batch x layers, comma separated")
+    ap.add_argument("--list-fractions", default="0.25,0.015625")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--build-context", type=int, default=32768)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench decode needs a CUDA GPU")
+        return 2
+    budget, rows = Budget(), []
+    for cfg in args.configs.split(","):
+        n, b, layers = (int(x) for x in cfg.split("x"))
+        for alpha in (float(x) for x in args.list_fractions.split(",")):
+            got = bench_decode(n, b, layers, CSAttentionParams(list_fraction=alpha), budget, args.steps)
+            rows += got if alpha == float(args.list_fractions.split(",")[0]) else got[1:]
+            for r in got:
+                r["list_fraction"] = alpha
+            print(got, flush=True)
+    if args.build_context:
+        rows += bench_build(args.build_context, CSAttentionParams())
+    path = write_results("decode", rows, {"budget": dataclasses.asdict(budget)}, args.out)
+    print_table(rows, ["context", "batch", "layers", "method", "list_fraction", "tokens_per_s", "time_us", "ratio"])
+    print(f"device {device_info()['name']}; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""Graph-capturable attention callables for the model: split-K dense and CSAttention sparse.
+
+Both take the per-row lengths from the device (pos), never from the host, so a decode step
+can be captured once and replayed. Multi-token steps (prompt prefill) attend densely through
+the reference path and are not meant to be captured."""
+
+from __future__ import annotations
+
+import torch
+
+from ctxcache.decoder.gpu.selector import GpuSelector, GpuTables
+from ctxcache.kernels.sparse_attention import choose_splits, sparse_decode_attention
+from ctxcache.methods import Budget
+from ctxcache.methods.csattention import CSAttentionParams
+from ctxcache.models.attention import dense_attention
+from ctxcache.models.kv_cache import KVCache
+
+
+class GpuDenseAttention:
+    """Split-K flash-decoding over all cached keys (the dense baseline that graphs can hold)."""
+
+    def __init__(self, batch: int, n_kv: int, max_len: int) -> None:
+        self.splits = choose_splits(batch * n_kv, max_len)
+
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        if q.shape[2] > 1:
+            return dense_attention(layer, q, cache, pos)
+        n = (pos[:, 0] + 1).int()
+        out = sparse_decode_attention(q[:, :, 0], cache.k[layer], cache.v[layer], n, splits=self.splits)
+        return out[:, :, None]
+
+
+class GpuSparseAttention:
+    """CSAttention decode on the GPU: index the new key, select, attend (sinks + top-K + recent).
+
+    tables[layer] hold all rows' tables (GpuTables.stack); dense_layers attend densely."""
+
+    def __init__(self, params: CSAttentionParams, tables: list[GpuTables], budget: Budget, batch: int,
+                 n_heads: int, n_kv: int, head_dim: int, max_len: int, dense_layers: tuple[int, ...] = ()) -> None:
+        self.params, self.tables, self.budget, self.dense_layers = params, tables, budget, dense_layers
+        device = tables[0].centroids.device
+        self.k_max = budget.top_k(max_len)
+        self.selector = GpuSelector(params, batch, n_heads, n_kv, head_dim, max_len, self.k_max, device)
+        self.splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent)
+        self.dense = GpuDenseAttention(batch, n_kv, max_len)
+        self.last_idx: dict[int, torch.Tensor] = {}  # layer -> selection of the last step (for checks)
+        self.record = False
+
+    def _limits(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Budget.region and Budget.top_k on the device (same double-precision ceil as the host)."""
+        b = self.budget
+        lo = torch.clamp(n, max=b.sinks)
+        hi = torch.maximum(lo, n - b.recent)
+        k = torch.ceil(n.double() * b.keep).clamp(min=1).long()
+        return lo.int(), hi.int(), torch.minimum(k, (hi - lo).long()).int()
+
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(q.shape[0], device=q.device)
+        for t in range(pos.shape[1]):
+            p = pos[:, t]
+            self.tables[layer].insert(cache.k[layer][rows, :, p], p.int(), self.selector.perm)
+        if q.shape[2] > 1:
+            return dense_attention(layer, q, cache, pos)
+        if layer in self.dense_layers:
+            return self.dense(layer, q, cache, pos)
+        n = (pos[:, 0] + 1).int()
+        lo, hi, k = self._limits(n)
+        idx = self.selector.select(q[:, :, 0], self.tables[layer], lo, hi, k)
+        if self.record:
+            self.last_idx[layer] = (idx.clone(), k.clone())
+        out = sparse_decode_attention(q[:, :, 0], cache.k[layer], cache.v[layer], n, idx, k,
+                                      self.budget.sinks, self.budget.recent, splits=self.splits)
+        return out[:, :, None]

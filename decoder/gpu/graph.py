@@ -1,0 +1,75 @@
+"""CUDA-graph-captured decode step: static token/position buffers, one replay per token.
+
+The model's own forward reads `int(pos.max())` for a bounds check (a host sync that graphs
+forbid), so the captured step calls the same modules without it; bounds are checked on the
+host before each replay instead."""
+
+from __future__ import annotations
+
+import torch
+
+from ctxcache.models.kv_cache import KVCache
+from ctxcache.models.llama import AttentionFn, Transformer
+
+
+def forward_step(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                 attn: AttentionFn) -> torch.Tensor:
+    """tokens, pos [B, 1] -> logits [B, V] fp32 (no host syncs)."""
+    x = model.model.embed_tokens(tokens)
+    for i, block in enumerate(model.model.layers):
+        x = block(x, i, pos, cache, model.rope, attn)
+    return model.lm_head(model.model.norm(x))[:, -1].float()
+
+
+class GraphDecoder:
+    """Greedy or logits-only decode of a batch whose cache rows may differ in length."""
+
+    def __init__(self, model: Transformer, cache: KVCache, attn: AttentionFn, use_graph: bool = True) -> None:
+        self.model, self.cache, self.attn = model, cache, attn
+        dev = cache.lengths.device
+        self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(cache.batch, 1, dtype=torch.long, device=dev)
+        self.logits: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.use_graph = use_graph and dev.type == "cuda"
+
+    @torch.inference_mode()
+    def _run(self) -> None:
+        self.logits = forward_step(self.model, self.tokens, self.pos, self.cache, self.attn)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture at the current lengths; the warm-up writes are overwritten by the next step."""
+        self.pos.copy_(self.cache.lengths[:, None])
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._run()
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] -> logits [B, V]; advances every row by one position."""
+        if int(self.cache.lengths.max()) >= self.cache.max_len:
+            raise ValueError(f"cache full at {self.cache.max_len} tokens")
+        self.tokens.copy_(tokens[:, None])
+        self.pos.copy_(self.cache.lengths[:, None])
+        if self.use_graph:
+            if self.graph is None:
+                self.capture()
+            self.graph.replay()
+        else:
+            self._run()
+        self.cache.lengths += 1
+        return self.logits
+
+    def greedy(self, first_logits: torch.Tensor, steps: int) -> torch.Tensor:
+        """-> tokens [B, steps]: argmax of first_logits, then of each step's logits."""
+        out = [first_logits.argmax(-1)]
+        for _ in range(steps - 1):
+            out.append(self.step(out[-1]).argmax(-1))
+        return torch.stack(out, dim=1)
