@@ -22,6 +22,7 @@ import lmdb
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.store import codec, eviction
+from ctxcache.store.arena import Arena
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, StoreClosed, StoreError, StoreFull
 from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id, prefix
@@ -196,20 +197,32 @@ class ArtifactStore:
                 return None
             bufs = [txn.get(ChunkKey(context_id, c.layer, c.name).to_string().encode())
                     for c in m.chunks]
-            tensors = list(pool.map(lambda c, b: self._decode(m, c, b), m.chunks, bufs))
+            arena = self._alloc(m)
+            list(pool.map(lambda i, b: self._decode(m, i, b, arena), range(len(bufs)), bufs))
         self._touch(m)
-        return assemble(m, tensors)
+        return assemble(m, arena.tensors)
 
-    def _decode(self, m: Manifest, info, buf):  # noqa: ANN001, ANN202 (pool worker)
+    def _alloc(self, m: Manifest) -> Arena:
+        try:
+            specs = [(codec.torch_dtype(c.dtype), tuple(c.shape)) for c in m.chunks]
+        except ValueError as exc:
+            raise CorruptArtifact(m.context_id, "manifest", str(exc)) from None
+        return Arena(specs, self.config.huge_pages)
+
+    def _decode(self, m: Manifest, i: int, buf: memoryview | None, arena: Arena) -> None:
+        info = m.chunks[i]
         if buf is None:
             raise CorruptArtifact(m.context_id, info.label(), "chunk is missing")
         if len(buf) != info.stored_bytes:
             raise CorruptArtifact(m.context_id, info.label(), f"stored size {len(buf)} != "
                                   f"manifest {info.stored_bytes}")
-        if self.config.verify_on_load and codec.checksum(buf) != info.sha256:
-            raise CorruptArtifact(m.context_id, info.label(), "sha256 mismatch")
+        how = self.config.verify_on_load
+        if (how == "xxh3" and codec.fast_checksum(buf) != info.xxh3) or \
+                (how == "sha256" and codec.checksum(buf) != info.sha256):
+            raise CorruptArtifact(m.context_id, info.label(), f"{how} checksum mismatch")
         try:
-            return codec.decode(buf, info.dtype, info.shape, info.codec, info.stored_dtype)
+            arena.populate(i)
+            codec.decode_into(buf, arena.tensors[i], info.codec, info.stored_dtype)
         except ValueError as exc:
             raise CorruptArtifact(m.context_id, info.label(), str(exc)) from None
 

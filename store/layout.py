@@ -45,7 +45,7 @@ def build_manifest(context_id: str, art: ContextArtifact, meta: ContextMeta,
         ChunkInfo(layer=layer, name=name, dtype=str(t.dtype).removeprefix("torch."),
                   shape=tuple(t.shape), codec=e.codec, stored_dtype=e.stored_dtype,
                   raw_bytes=e.raw_bytes, stored_bytes=len(memoryview(e.payload).cast("B")),
-                  sha256=e.sha256)
+                  sha256=e.sha256, xxh3=e.xxh3)
         for (layer, name), t, e in zip(slots, tensors, encoded, strict=True))
     return Manifest(
         context_id=context_id, format_version=art.format_version, model_id=art.model_id,

@@ -46,7 +46,8 @@ class ChunkInfo:
     stored_dtype: str  # numpy dtype of the encoded elements (narrower than dtype for indices)
     raw_bytes: int  # bytes of the decoded tensor
     stored_bytes: int
-    sha256: str
+    sha256: str  # of the stored bytes; checked by verify()
+    xxh3: str  # xxh3-64 of the stored bytes; checked on every load (fast)
 
     def label(self) -> str:
         return f"{'ctx' if self.layer is None else self.layer}:{self.name}"

@@ -80,6 +80,8 @@ def check_chunk(info: ChunkInfo, buf) -> str | None:  # noqa: ANN001
         return f"stored size {len(buf)} != manifest {info.stored_bytes}"
     if codec.checksum(buf) != info.sha256:
         return "sha256 mismatch"
+    if codec.fast_checksum(buf) != info.xxh3:
+        return "xxh3 mismatch"
     if "zstd" in info.codec:
         try:
             declared = zstandard.frame_content_size(buf)

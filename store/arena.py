@@ -1,0 +1,63 @@
+"""One anonymous memory mapping per loaded artifact, advised to use transparent huge pages.
+
+Why: filling freshly allocated memory costs more than the copy itself on this box (4 KiB page
+faults: copying 300 MB into a new torch.empty took 0.34 s vs 0.07 s into touched memory).
+With MADV_HUGEPAGE + MADV_POPULATE_WRITE (Linux >= 5.14) a 660 MB mapping is faulted in
+about 0.11 s, and each chunk's range is populated by the thread that then fills it, so the
+kernel's page zeroing runs on both cores. Tensors are views of the mapping (`torch.frombuffer`
+keeps it alive), so it is unmapped when the last tensor is gone.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+_ALIGN = mmap.PAGESIZE  # chunk ranges start on a page so each can be populated on its own
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Python 3.11 lacks the name
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class Arena:
+    """Uninitialised contiguous tensors for (dtype, shape) specs, backed by one mapping."""
+
+    def __init__(self, specs: list[tuple[torch.dtype, tuple[int, ...]]],
+                 huge_pages: bool = True) -> None:
+        sizes = [_numel(s) * torch.empty(0, dtype=dt).element_size() for dt, s in specs]
+        self._ranges: list[tuple[int, int]] = []
+        total = sum(_aligned(n) for n in sizes)
+        self._buf = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._populate = huge_pages
+        if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._buf.madvise(mmap.MADV_HUGEPAGE)
+        self.tensors: list[torch.Tensor] = []
+        offset = 0
+        for (dt, shape), n in zip(specs, sizes):
+            self._ranges.append((offset, _aligned(n)))
+            if n == 0:
+                self.tensors.append(torch.empty(shape, dtype=dt))
+                continue
+            self.tensors.append(torch.frombuffer(self._buf, dtype=dt, count=_numel(shape),
+                                                 offset=offset).view(shape))
+            offset += _aligned(n)
+
+    def populate(self, i: int) -> None:
+        """Fault in tensor i's pages in one syscall (no-op where unsupported)."""
+        start, length = self._ranges[i]
+        if not self._populate or length == 0:
+            return
+        try:
+            self._buf.madvise(_MADV_POPULATE_WRITE, start, length)
+        except OSError:
+            self._populate = False  # older kernel: pages fault in on first write instead
