@@ -133,13 +133,43 @@ class MagicPIG(SparseMethod):
             base = torch.cat([base[:, :start], new], dim=1)
         return base[:, :n]
 
+    def collisions(self, state: LayerState, qcodes: torch.Tensor, n: int) -> torch.Tensor:
+        """Tables in which each of the first n keys shares the query's code: qcodes [Hkv, G, L]
+        -> [Hkv, G, n] int. Prefill keys through hash buckets (keys sorted by code per table,
+        built once per stream), so the cost follows the collisions, not n * L."""
+        base = state.tables["codes"]
+        if "bucket_order" not in state.extra:
+            sorted_codes, order = base.transpose(1, 2).long().sort(-1)  # [Hkv, L, N]
+            state.extra["bucket_codes"], state.extra["bucket_order"] = sorted_codes.contiguous(), order
+        sorted_codes, order = state.extra["bucket_codes"], state.extra["bucket_order"]
+        hkv, g, tables = qcodes.shape
+        n_base = min(n, state.extra.get("codes_start", base.shape[1]), base.shape[1])
+        want = qcodes.long().permute(0, 2, 1).contiguous()  # [Hkv, L, G]
+        start = torch.searchsorted(sorted_codes, want)
+        count = torch.searchsorted(sorted_codes, want, right=True) - start
+        # flat positions of every colliding (head, table, group member, key) in order
+        lens = count.flatten()
+        first = (start + torch.arange(hkv * tables).view(hkv, tables, 1) * base.shape[1]).flatten()
+        offs = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+        keys = order.flatten()[torch.repeat_interleave(first, lens) + offs]
+        row = torch.repeat_interleave(torch.arange(hkv)[:, None, None] * g + torch.arange(g)[None, None],
+                                      1, 0).expand(hkv, tables, g).flatten()
+        row = torch.repeat_interleave(row, lens)
+        hits = torch.zeros(hkv * g * n, dtype=torch.long)
+        keep = keys < n_base
+        hits.scatter_add_(0, row[keep] * n + keys[keep], torch.ones_like(keys[keep]))
+        hits = hits.view(hkv, g, n)
+        if n > n_base:  # keys appended during decode: compare directly (few)
+            hits[..., n_base:] = (self._codes(state, n)[:, None, n_base:] == qcodes[:, :, None]).sum(-1)
+        return hits
+
     def sample(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, n: int,
                lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (sampled [Hkv, G, n] bool inside [lo, hi), log u [Hkv, G, n])."""
         p: MagicPIGParams = self.params
         hkv, d = keys.shape[0], keys.shape[-1]
         qg = q.float().view(hkv, -1, d)
-        hits = (self._codes(state, n)[:, None] == self.hash(qg)[:, :, None]).sum(-1)  # [Hkv, G, n]
+        hits = self.collisions(state, self.hash(qg), n)  # [Hkv, G, n]
         region = torch.zeros(n, dtype=torch.bool, device=q.device)
         region[lo:hi] = True
         sampled = (hits >= p.min_collisions) & region
@@ -153,8 +183,8 @@ class MagicPIG(SparseMethod):
         """A plain top-k selection for callers that need one (recall metrics): keys ranked by
         their table collisions summed over the group; not the paper's estimator."""
         hkv, n = keys.shape[0], keys.shape[1]
-        hits = (self._codes(state, n)[:, None] == self.hash(q.float().view(hkv, -1, q.shape[-1]))[:, :, None])
-        return topk_in_region(hits.sum((1, 3)).float(), lo, hi, k)
+        hits = self.collisions(state, self.hash(q.float().view(hkv, -1, q.shape[-1])), n)
+        return topk_in_region(hits.sum(1).float(), lo, hi, k)
 
     def attend(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, n: int, budget: Budget) -> tuple[torch.Tensor, torch.Tensor]:
