@@ -48,3 +48,9 @@ def assert_same(a: ContextArtifact, b: ContextArtifact) -> None:
         assert sorted(la.tables) == sorted(lb.tables)
         for name in la.tables:
             same(la.tables[name], lb.tables[name])
+
+
+def crash_pool() -> list[ContextArtifact]:
+    """The artifacts the crash writer cycles through (small, of different sizes)."""
+    return [make_artifact(100 + j, n=n, layers=4, d=32, lists=16)
+            for j, n in enumerate((32, 128, 512, 1024))]
