@@ -103,6 +103,22 @@ def sweep_list_len(n: int, params: CSAttentionParams, budget: Budget, dev: str) 
     return rows
 
 
+def sweep_topk_block(n: int, budget: Budget, dev: str) -> list[dict]:
+    """Radix Top-K alone at batch 1 for several chunk sizes (programs per row = N / block)."""
+    x = torch.rand(1, HKV, n, device=dev)
+    nt = torch.full((1,), n, dtype=torch.int32, device=dev)
+    lo, hi = region(nt, budget.sinks, budget.recent)
+    kk = torch.full((1,), budget.top_k(n), dtype=torch.int32, device=dev)
+    out = torch.zeros(1, HKV, int(kk[0]), dtype=torch.int32, device=dev)
+    rows = []
+    for block in (1024, 4096, 16384):
+        g = capture(lambda: radix_topk(x, lo, hi, kk, out, block=block))
+        rows.append({"context": n, "batch": 1, "method": f"topk_block{block}", "time_us": time_us(g.replay)})
+    g = capture(lambda: torch.topk(x[:, :, 4:n - 32], int(kk[0]), dim=-1, sorted=False))
+    rows.append({"context": n, "batch": 1, "method": "torch_topk", "time_us": time_us(g.replay)})
+    return rows
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
     keys = sorted({(r["context"], r["batch"]) for r in rows if r["method"] == "csattention"})
@@ -132,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_one(n, b, params, budget, "cuda")
     n_max = max(int(x) for x in args.contexts.split(","))
     rows += sweep_list_len(n_max, params, budget, "cuda")
+    rows += sweep_topk_block(n_max, budget, "cuda") + sweep_topk_block(8192, budget, "cuda")
     summary = summarize(rows)
     cross = {b: next((s["context"] for s in summary if s["batch"] == b and s["speedup"] > 1), None)
              for b in sorted({s["batch"] for s in summary})}
     path = write_results("attention", rows, {"summary": summary, "crossover_context": cross,
                                              "params": params.to_dict(), "keep": args.keep}, args.out)
-    print_table([r for r in rows if r["method"].startswith("cs_select_alpha")], ["context", "list_len", "method", "time_us"])
+    print_table([r for r in rows if r["method"].startswith(("cs_select_alpha", "topk", "torch_topk"))],
+                ["context", "list_len", "method", "time_us"])
     print_table(summary, ["context", "batch", "sdpa_us", "splitk_us", "select_us", "attn_us", "cs_us", "speedup"])
     print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) {cross}; wrote {path}")
     return 0

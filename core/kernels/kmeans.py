@@ -55,6 +55,8 @@ def build_tables_gpu(params: CSAttentionParams, q: torch.Tensor, k: torch.Tensor
     sub_q = gq.unflatten(-1, (m, -1)).permute(0, 2, 1, 3).flatten(0, 1)  # [Hkv*m, Nq, d_b]
     cent = kmeans_gpu(sub_q, params.centroids, params.kmeans_iters, params.seed).view(hkv, m, params.centroids, -1)
     sub_k = k.unflatten(-1, (m, -1)).permute(0, 2, 1, 3).float()  # [Hkv, m, N, d_b]
-    top = torch.topk(torch.einsum("hmcd,hmnd->hmcn", cent, sub_k), params.list_length(n), dim=-1)
-    return {"centroids": cent.half(), "list_idx": top.indices.int(), "list_score": top.values.half(),
+    scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k)
+    top = torch.topk(scores, params.list_length(n), dim=-1)
+    absent_mean = (scores.sum(-1) - top.values.sum(-1)) / max(n - top.values.shape[-1], 1)
+    return {"list_absent_mean": absent_mean.half(), "centroids": cent.half(), "list_idx": top.indices.int(), "list_score": top.values.half(),
             "list_floor": top.values[..., -1].half().contiguous()}

@@ -18,9 +18,11 @@ from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
 
 
 def check_params(p: CSAttentionParams) -> None:
-    if p.backoff_cos > -1.0 or p.group_combine != "sum":
-        raise ValueError(f"GPU selection supports backoff_cos=-1 and group_combine='sum', got "
-                         f"backoff_cos={p.backoff_cos}, group_combine={p.group_combine!r}")
+    if (p.backoff_cos > -1.0 or p.group_combine != "sum" or p.weighting not in ("unit", "qnorm")
+            or p.scoring not in ("absolute", "relative")):
+        raise ValueError(f"GPU selection supports backoff_cos=-1, group_combine='sum', weighting "
+                         f"unit|qnorm and scoring absolute|relative; got backoff_cos={p.backoff_cos}, "
+                         f"group_combine={p.group_combine!r}, weighting={p.weighting!r}, scoring={p.scoring!r}")
 
 
 @dataclass
