@@ -174,11 +174,13 @@ def reconcile(registry: Registry, store: ManifestSource) -> ReconcileReport:
     """Make the registry agree with the store at store.location.
 
     READY (or abandoned BUILDING) entries whose artifact is missing are removed; an abandoned
-    BUILDING entry whose artifact is stored becomes READY; every stored artifact without a
-    READY entry is added (key: its prompt_hash, else its context id). FAILED entries and live
-    claims are kept; entries at other locations are not judged."""
+    BUILDING entry whose artifact is stored becomes READY; every stored artifact whose key (its
+    prompt_hash, else its context id) has no entry, or a FAILED one for the same context, gets
+    a READY entry. Other FAILED entries and live claims are kept; entries at other locations
+    are not judged."""
     stored, where = _stored(store), store.location
-    added, removed, kept, foreign, covered = [], [], 0, 0, set()
+    added, removed, kept, foreign = [], [], 0, 0
+    present: dict[str, RegistryEntry] = {}
     for e in registry.entries():
         if e.location not in (where, ""):
             foreign += 1
@@ -187,16 +189,18 @@ def reconcile(registry: Registry, store: ManifestSource) -> ReconcileReport:
             kept += 1
         elif e.context_id in stored or _present(store, e.context_id):
             if e.state != BuildState.READY:
-                registry.put(replace(e, state=BuildState.READY, location=where,
-                                     updated_at=registry.clock()))
-            covered.add(e.context_id)
+                e = replace(e, state=BuildState.READY, location=where, updated_at=registry.clock())
+                registry.put(e)
             kept += 1
         else:
             registry.delete(e.prompt_hash)
             removed.append(e.prompt_hash)
+            continue
+        present[e.prompt_hash] = e
     for cid, m in stored.items():
-        if cid not in covered:
-            key = getattr(m, "prompt_hash", "") or cid
+        key = getattr(m, "prompt_hash", "") or cid
+        e = present.get(key)
+        if e is None or (e.state == BuildState.FAILED and e.context_id == cid):
             registry.put(RegistryEntry(key, cid, BuildState.READY, where, "", registry.clock()))
             added.append(key)
     return ReconcileReport(tuple(added), tuple(removed), kept, foreign)
