@@ -31,10 +31,10 @@ def random_tables(batch: int, n: int, params: CSAttentionParams, device: str) ->
     # descending by construction (a sort of 2^31 entries at batch 8 x 128K would need 20 GB)
     ramp = torch.linspace(1.0, -1.0, l, device=device)
     score = (ramp + torch.randn(batch, HKV, m, c, 1, device=device)).half()
-    return GpuTables(cent, idx, score, score[..., -1].contiguous(),
-                     torch.zeros(batch, HKV, m, c, 1, device=device),
+    floor = score[..., -1].contiguous()
+    return GpuTables(cent, idx, score, floor, torch.zeros(batch, HKV, m, c, 1, device=device),
                      torch.full((batch,), n, dtype=torch.int32, device=device),
-                     torch.zeros(batch, dtype=torch.int32, device=device))
+                     torch.zeros(batch, dtype=torch.int32, device=device), (floor - 0.5).contiguous())
 
 
 def sdpa_dense(q, k, v):

@@ -20,8 +20,10 @@ def stream_scores_ref(k_new: torch.Tensor, centroids: torch.Tensor) -> torch.Ten
     return torch.einsum("bhmcd,bhmd->bhmc", centroids.float(), k_new.float().view(b, hkv, m, d // m))
 
 
-def add_streamed_ref(ids, w, new_scores, list_floor, count, start, acc, relative: bool = True) -> torch.Tensor:
-    """acc[b, h, start[b] + t] += sum_{g, j} w * gain(new_scores[b, h, j, ids, t]) for t < count[b]."""
+def add_streamed_ref(ids, w, new_scores, list_floor, count, start, acc, offset=None) -> torch.Tensor:
+    """acc[b, h, start[b] + t] += sum_{g, j} w * (s - offset) where s = new_scores[b, h, j, ids, t]
+    beats the list floor, for t < count[b]; offset [B, Hkv, m, C] (None: the floor itself)."""
+    offset = list_floor if offset is None else offset
     b, hq, m = ids.shape
     hkv = new_scores.shape[1]
     g = hq // hkv
@@ -34,7 +36,8 @@ def add_streamed_ref(ids, w, new_scores, list_floor, count, start, acc, relative
         mm = torch.arange(m)[None, None, :]
         s = new_scores[r][hh, mm, idv][..., :cnt].float()  # [Hkv, G, m, T]
         fl = list_floor[r][hh, mm, idv].float()[..., None]
-        gain = torch.where(s > fl, s - fl if relative else s, torch.zeros_like(s))
+        off = offset[r][hh, mm, idv].float()[..., None]
+        gain = torch.where(s > fl, s - off, torch.zeros_like(s))
         acc[r, :, s0:s0 + cnt] += (gain * w[r].view(hkv, g, m, 1)).sum((1, 2))
     return acc
 
@@ -78,9 +81,9 @@ def stream_insert(k_new: torch.Tensor, centroids: torch.Tensor, new_scores: torc
 
 
 @triton.jit
-def _add_kernel(ids_ptr, w_ptr, ns_ptr, floor_ptr, cnt_ptr, start_ptr, acc_ptr, HKV, G, M,
+def _add_kernel(ids_ptr, w_ptr, ns_ptr, floor_ptr, off_ptr, cnt_ptr, start_ptr, acc_ptr, HKV, G, M,
                 si_b, si_h, sn_b, sn_h, sn_m, sn_c, sf_b, sf_h, sf_m, sa_b, sa_h,
-                RELATIVE: tl.constexpr, BLOCK_T: tl.constexpr):
+                BLOCK_T: tl.constexpr):
     row = tl.program_id(0)
     blk = tl.program_id(1)
     b = row // HKV
@@ -95,16 +98,20 @@ def _add_kernel(ids_ptr, w_ptr, ns_ptr, floor_ptr, cnt_ptr, start_ptr, acc_ptr, 
             c = tl.load(ids_ptr + b * si_b + (h * G + g) * si_h + mm)
             w = tl.load(w_ptr + b * si_b + (h * G + g) * si_h + mm)
             fl = tl.load(floor_ptr + b * sf_b + h * sf_h + mm * sf_m + c).to(tl.float32)
+            off = tl.load(off_ptr + b * sf_b + h * sf_h + mm * sf_m + c).to(tl.float32)
             s = tl.load(ns_ptr + b * sn_b + h * sn_h + mm * sn_m + c * sn_c + offs, mask=mask, other=0.0)
-            gain = s - fl if RELATIVE else s
-            total += tl.where(s > fl, gain, 0.0) * w
+            total += tl.where(s > fl, s - off, 0.0) * w
     ptr = acc_ptr + b * sa_b + h * sa_h + s0 + offs
     tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + total, mask=mask)
 
 
-def add_streamed(ids, w, new_scores, list_floor, count, start, acc, relative: bool = True,
+def add_streamed(ids, w, new_scores, list_floor, count, start, acc, offset=None,
                  block_t: int = 128) -> torch.Tensor:
-    """Add streamed keys' gains into acc [B, Hkv, N] (after scatter_lists, same stream)."""
+    """Add streamed keys' gains into acc [B, Hkv, N] (after scatter_lists, same stream).
+    offset [B, Hkv, m, C] is what is subtracted from a winning score (None: the floor)."""
+    offset = list_floor if offset is None else offset
+    if offset.shape != list_floor.shape or offset.stride() != list_floor.stride():
+        raise ValueError(f"offset {tuple(offset.shape)} must match list_floor {tuple(list_floor.shape)} and its strides")
     b, hq, m = ids.shape
     hkv, t_max = new_scores.shape[1], new_scores.shape[4]
     if new_scores.shape[:3] != (b, hkv, m) or list_floor.shape[:3] != (b, hkv, m) or new_scores.stride(4) != 1:
@@ -114,7 +121,7 @@ def add_streamed(ids, w, new_scores, list_floor, count, start, acc, relative: bo
         raise ValueError("count and start must be int32 [B]; acc contiguous in N")
     sn, sf = new_scores.stride(), list_floor.stride()
     _add_kernel[(b * hkv, triton.cdiv(t_max, block_t))](
-        ids, w, new_scores, list_floor, count, start, acc, hkv, hq // hkv, m,
+        ids, w, new_scores, list_floor, offset, count, start, acc, hkv, hq // hkv, m,
         ids.stride(0), ids.stride(1), sn[0], sn[1], sn[2], sn[3], sf[0], sf[1], sf[2],
-        acc.stride(0), acc.stride(1), RELATIVE=relative, BLOCK_T=block_t)
+        acc.stride(0), acc.stride(1), BLOCK_T=block_t)
     return acc

@@ -19,9 +19,9 @@ from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
 
 def check_params(p: CSAttentionParams) -> None:
     if (p.backoff_cos > -1.0 or p.group_combine != "sum" or p.weighting not in ("unit", "qnorm")
-            or p.scoring not in ("absolute", "relative")):
+            or p.scoring not in ("absolute", "relative", "expected")):
         raise ValueError(f"GPU selection supports backoff_cos=-1, group_combine='sum', weighting "
-                         f"unit|qnorm and scoring absolute|relative; got backoff_cos={p.backoff_cos}, "
+                         f"unit|qnorm and scoring absolute|relative|expected; got backoff_cos={p.backoff_cos}, "
                          f"group_combine={p.group_combine!r}, weighting={p.weighting!r}, scoring={p.scoring!r}")
 
 
@@ -39,6 +39,19 @@ class GpuTables:
     new_scores: torch.Tensor
     stream_start: torch.Tensor
     stream_count: torch.Tensor
+    list_absent_mean: torch.Tensor | None = None  # [B, Hkv, m, C], for scoring="expected"
+
+    def offset(self, scoring: str) -> torch.Tensor:
+        """What an unlisted key is taken to score (CSAttention._score_offset), [B, Hkv, m, C]."""
+        if scoring == "relative":
+            return self.list_floor
+        if scoring == "expected":
+            if self.list_absent_mean is None:
+                raise ValueError("scoring='expected' needs the list_absent_mean table")
+            return self.list_absent_mean
+        if getattr(self, "_zeros", None) is None:
+            self._zeros = torch.zeros_like(self.list_floor)
+        return self._zeros
 
     @classmethod
     def stack(cls, per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
@@ -54,12 +67,14 @@ class GpuTables:
             score.append(torch.cat([t["list_score"], floor], dim=-1))
         hkv, m, c = per_row[0]["list_floor"].shape
         dev = dict(device=device)
+        absent = (torch.stack([t["list_absent_mean"] for t in per_row]).to(**dev).contiguous()
+                  if all("list_absent_mean" in t for t in per_row) else None)
         return cls(torch.stack([t["centroids"] for t in per_row]).to(**dev),
                    torch.stack(idx).to(**dev).contiguous(), torch.stack(score).to(**dev).contiguous(),
                    torch.stack([t["list_floor"] for t in per_row]).to(**dev).contiguous(),
                    torch.zeros(len(per_row), hkv, m, c, max(max_new, 1), **dev),
                    torch.tensor(n_ctx, dtype=torch.int32, **dev),
-                   torch.zeros(len(per_row), dtype=torch.int32, **dev))
+                   torch.zeros(len(per_row), dtype=torch.int32, **dev), absent)
 
     def insert(self, k_new: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
         """Index keys k_new [B, Hkv, D] written at positions pos [B] int32 (graph-safe)."""
@@ -91,11 +106,11 @@ class GpuSelector:
         route(qs.contiguous(), t.centroids, out=(self.ids, self.w))
         if self.params.weighting == "unit":
             self.w.fill_(1.0)
-        relative = self.params.scoring == "relative"
+        offset = t.offset(self.params.scoring)
         self.acc.zero_()
-        scatter_lists(self.ids, self.w, t.list_idx, t.list_score, t.list_floor, self.acc, relative)
+        scatter_lists(self.ids, self.w, t.list_idx, t.list_score, offset, self.acc, relative=True)
         add_streamed(self.ids, self.w, t.new_scores, t.list_floor, t.stream_count, t.stream_start,
-                     self.acc, relative)
+                     self.acc, offset)
         return self.acc
 
     def select(self, q: torch.Tensor, t: GpuTables, lo: torch.Tensor, hi: torch.Tensor,

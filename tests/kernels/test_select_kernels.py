@@ -81,6 +81,8 @@ def test_stream_insert_and_gain(device):
     count = torch.tensor([3, 2], dtype=torch.int32, device=device)
     start = torch.tensor([40, 41], dtype=torch.int32, device=device)
     acc = torch.randn(b, hkv, 50, device=device)
-    want = add_streamed_ref(ids.cpu(), w.cpu(), new.cpu(), lf.cpu(), count.cpu(), start.cpu(), acc.cpu().clone())
-    add_streamed(ids, w, new, lf, count, start, acc, block_t=2)
+    offset = lf - torch.rand_like(lf.float()).half()  # e.g. the mean score of unlisted keys
+    want = add_streamed_ref(ids.cpu(), w.cpu(), new.cpu(), lf.cpu(), count.cpu(), start.cpu(),
+                            acc.cpu().clone(), offset.cpu())
+    add_streamed(ids, w, new, lf, count, start, acc, offset, block_t=2)
     torch.testing.assert_close(acc.cpu(), want, rtol=1e-5, atol=1e-5)

@@ -13,10 +13,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return len(set(a.tolist()) & set(b.tolist())) / max(1, b.numel())
 
 
-@pytest.mark.parametrize("layout,weighting", [("contiguous", "qnorm"), ("rope_pairs", "unit")])
-def test_selection_matches_csattention_search(device, layout, weighting):
+@pytest.mark.parametrize("layout,weighting,scoring", [("contiguous", "qnorm", "relative"),
+                                                      ("rope_pairs", "unit", "absolute"),
+                                                      ("contiguous", "qnorm", "expected")])
+def test_selection_matches_csattention_search(device, layout, weighting, scoring):
     hq, hkv, d, n, streamed = 6, 2, 32, 600, 5
-    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout, weighting=weighting)
+    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout, weighting=weighting,
+                               scoring=scoring)
     method = CSAttention(params)
     q_pre, k, v = torch.randn(hq, n, d), torch.randn(hkv, n + streamed, d), torch.randn(hkv, n + streamed, d)
     q = torch.randn(hq, d)
