@@ -248,3 +248,45 @@ def test_stats_report_artifact_vs_kv_bytes(store_dir: Path) -> None:
     assert st.raw_kv_bytes == art.kv_bytes() and st.raw_table_bytes == art.table_bytes()
     assert st.stored_bytes == m.stored_bytes
     assert st.stored_over_kv == pytest.approx(m.stored_bytes / art.kv_bytes())
+
+
+def test_concurrent_readers_see_whole_artifacts_or_none(store_dir: Path) -> None:
+    """Readers racing a writer that replaces, deletes and evicts: every get returns a complete,
+    bit-exact artifact or None (what a stream sees before its first token), never a mix."""
+    import threading
+
+    arts = [make_artifact(i, n=256, layers=3) for i in range(3)]
+    by_first = {int(a.tokens[0]): a for a in arts}
+    assert len(by_first) == 3
+    s = ArtifactStore(store_dir, StoreConfig(map_size_bytes=64 << 20, budget_bytes=250_000,
+                                             sync=False))  # ~2 of the 3 fit: puts evict
+    stop, seen, errors = threading.Event(), {"whole": 0, "none": 0}, []
+
+    def reader() -> None:
+        while not stop.is_set():
+            for cid in ("a", "b", "c"):
+                try:
+                    got = s.get(cid)
+                    if got is None:
+                        seen["none"] += 1
+                        continue
+                    assert_same(by_first[int(got.tokens[0])], got)
+                    seen["whole"] += 1
+                except Exception as exc:  # noqa: BLE001 (reported below)
+                    errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for i in range(60):
+        cid = "abc"[i % 3]
+        if i % 5 == 4:
+            s.delete(cid)
+        else:
+            s.put(cid, arts[i % 3 if i % 2 else (i + 1) % 3])
+    stop.set()
+    for t in threads:
+        t.join()
+    s.close()
+    assert not errors, errors[:3]
+    assert seen["whole"] > 0 and seen["none"] > 0
