@@ -119,10 +119,12 @@ class ArtifactStore:
         now = self._clock()
         with self._env.begin() as txn:
             reads = scan_manifests(txn)
+        # an unreadable manifest counts as least recently used (evicted first under pressure)
+        # but not as expired, so a TTL sweep does not erase what verify() should report
         return [eviction.Summary(r.context_id, r.manifest.stored_bytes if r.manifest else 0,
                                  r.manifest.last_access if r.manifest else 0.0,
                                  bool(r.manifest and r.manifest.pinned),
-                                 r.manifest is None or r.manifest.expired(now)) for r in reads]
+                                 bool(r.manifest and r.manifest.expired(now))) for r in reads]
 
     def _make_room(self, need: int, exclude: frozenset[str]) -> None:
         victims = eviction.victims_for(self._summaries(), need, self.config.budget_bytes, exclude)
@@ -154,8 +156,10 @@ class ArtifactStore:
     def evict_to_budget(self, budget_bytes: int | None = None) -> list[str]:
         """Evict expired, then LRU unpinned contexts until stored bytes <= budget."""
         budget = self.config.budget_bytes if budget_bytes is None else budget_bytes
-        victims = eviction.victims_for(self._summaries(), 0, budget) or \
-            [e.context_id for e in eviction.lru_order(self._summaries())]
+        summaries = self._summaries()
+        victims = eviction.victims_for(summaries, 0, budget)
+        if victims is None:  # pinned contexts alone exceed it: evict every unpinned one
+            victims = [e.context_id for e in eviction.lru_order(summaries)]
         return [cid for cid in victims if self.delete(cid)]
 
     def update_meta(self, context_id: str, *, pinned: bool | None = None,

@@ -116,6 +116,7 @@ def test_corrupt_manifest_is_typed_and_deletable(store_dir: Path) -> None:
             s.get("c")
         assert s.list_manifests() == [] and s.stats().corrupt_manifests == 1
         assert s.verify("c").bad[0].chunk == "manifest"
+        assert s.evict_expired() == [] and s.context_ids() == ["c"]  # kept for verify to report
         assert s.delete("c") and s.context_ids() == []
 
 
@@ -156,6 +157,9 @@ def test_lru_eviction_under_budget_respects_pin(store_dir: Path) -> None:
         assert st.contexts == 3 and st.pinned == 1 and st.stored_bytes <= st.budget_bytes
         with pytest.raises(StoreFull, match="budget"):
             s.put("huge", make_artifact(7, n=4096))
+        assert s.evict_to_budget() == [] and s.context_ids() == ["b", "d", "e"]
+        assert s.evict_to_budget(2 * size) == ["d"]  # least recently used first
+        assert s.evict_to_budget(0) == ["e"] and s.context_ids() == ["b"]  # pinned stays
 
 
 def test_map_full_evicts_lru_then_store_full(store_dir: Path) -> None:
