@@ -13,7 +13,8 @@ keep ratio is ignored: (K, L) alone set how many keys are read (Table 8 of the p
 Choices where the paper is silent or differs from this system:
 - GQA: each query head samples and estimates on its own (u_i is that head's probability, so
   the estimator stays the paper's); the keys read from memory are the union over the group,
-  which is what `attend` returns as the indices it read ([Hkv, K'] padded with -1).
+  which is what `attend` returns as the indices it read ([Hkv, K'], short rows padded
+  by repeating an index).
 - RoPE: hashing works on post-RoPE Q/K; the query is hashed uncentred, the keys centred
   (softmax is translation invariant, so logits use the raw keys).
 - The Eq. 8 MIPS transform is not used (the paper's own experiments do not use it either).
@@ -84,12 +85,15 @@ def is_estimate(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, use: 
 
 
 def padded_indices(mask: torch.Tensor) -> torch.Tensor:
-    """mask [Hkv, n] bool -> the True positions [Hkv, max count], ascending, -1 padded."""
-    count = int(mask.sum(-1).max()) if mask.numel() else 0
+    """mask [Hkv, n] bool -> the True positions [Hkv, max count], ascending; a row with fewer
+    is padded by repeating its last position (safe to gather or scatter; count distinct
+    indices per row for the keys really read)."""
+    count = max(1, int(mask.sum(-1).max())) if mask.numel() else 0
     pos = torch.arange(mask.shape[-1], device=mask.device)
-    key = torch.where(mask, pos, mask.shape[-1] + pos)
-    idx = key.sort(-1).values[:, :count]
-    return torch.where(idx < mask.shape[-1], idx, torch.full_like(idx, -1))
+    key = torch.where(mask, pos, -1)
+    idx = key.sort(-1, descending=True).values[:, :count].flip(-1)  # ascending, -1 first
+    last = idx[:, -1:].clamp_min(0)
+    return torch.where(idx >= 0, idx, last)
 
 
 class MagicPIG(SparseMethod):

@@ -22,8 +22,8 @@ Choices where the paper is unclear or differs from this system:
 - Budget: unclustered tokens outside the budget's recent window are charged to the token
   budget, so every method reads about the same number of exact keys (as in the paper's
   comparison). Hierarchical lookup (Sec. 3.4) is not implemented.
-- The indices returned as read are the exact keys, [Hkv, K'] padded with -1; the centroids
-  read (2 vectors per cluster) are not counted.
+- The indices returned as read are the exact keys, [Hkv, K'] (short rows padded by repeating
+  an index); the centroids read (2 vectors per cluster) are not counted.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from ctxcache.methods.base import Capabilities, LayerState, MethodParams, SparseMethod, Tables
 from ctxcache.methods.budget import Budget, topk_in_region
-from ctxcache.methods.kmeans import _distances, kmeans
+from ctxcache.methods.kmeans import kmeans
 from ctxcache.methods.magicpig import padded_indices
 
 
@@ -69,14 +69,19 @@ def cluster_stats(k: torch.Tensor, v: torch.Tensor, assign: torch.Tensor, c: int
     return kc, vc, counts
 
 
+def _nearest(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
+    """Index [B, n] of the nearest centroid in L2 (|x|^2 does not change the argmin)."""
+    return (cent.pow(2).sum(-1)[:, None, :] - 2 * x @ cent.transpose(1, 2)).argmin(-1)
+
+
 def lloyd(x: torch.Tensor, cent: torch.Tensor, iters: int) -> torch.Tensor:
     """Lloyd iterations from given centroids: x [B, n, d], cent [B, C, d] -> assignment [B, n]."""
     for _ in range(iters):
-        assign = _distances(x, cent, cosine=False).argmin(-1)
+        assign = _nearest(x, cent)
         sums = torch.zeros_like(cent).scatter_add_(1, assign[..., None].expand(-1, -1, x.shape[-1]), x)
         hits = torch.zeros(cent.shape[:2]).scatter_add_(1, assign, torch.ones(assign.shape))
         cent = torch.where(hits[..., None] > 0, sums / hits.clamp_min(1)[..., None], cent)
-    return _distances(x, cent, cosine=False).argmin(-1)
+    return _nearest(x, cent)
 
 
 class Multipole(SparseMethod):

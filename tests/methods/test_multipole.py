@@ -16,7 +16,7 @@ def test_every_cluster_selected_is_exact_attention():
     m = make_method("multipole")
     out, read = m.attend(m.open(m.build(q, k, v)), qd, k, v, 300, Budget(1.0, 4, 16))
     torch.testing.assert_close(out, dense_out(qd, k, v), rtol=1e-5, atol=1e-5)
-    assert (read >= 0).sum(-1).tolist() == [300, 300]
+    assert [r.unique().numel() for r in read] == [300, 300]
 
 
 def test_centroid_term_is_exact_for_clusters_of_identical_keys():
@@ -27,7 +27,7 @@ def test_centroid_term_is_exact_for_clusters_of_identical_keys():
     k[:, 4:324] = base.repeat_interleave(16, dim=1)[:, torch.randperm(320, generator=gen)]
     m = make_method("multipole")
     out, read = m.attend(m.open(m.build(q, k, v)), qd, k, v, k.shape[1], Budget(0.05, 4, 32))
-    assert (read >= 0).sum() < 2 * k.shape[1]  # most clusters were approximated
+    assert sum(r.unique().numel() for r in read) < 2 * k.shape[1]  # most clusters were approximated
     torch.testing.assert_close(out, dense_out(qd, k, v), rtol=1e-3, atol=1e-3)
 
 
