@@ -34,8 +34,8 @@ from ctxcache.methods.budget import topk_in_region
 from ctxcache.methods.kmeans import kmeans
 
 _CHOICES = {
-    "weighting": ("unit", "qnorm"),
-    "scoring": ("absolute", "relative"),
+    "weighting": ("unit", "qnorm", "qproj"),
+    "scoring": ("absolute", "relative", "expected"),
     "layout": ("contiguous", "rope_pairs"),
     "group_combine": ("sum", "max", "softmax"),
 }
@@ -45,14 +45,14 @@ _CHOICES = {
 class CSAttentionParams(MethodParams):
     subspaces: int = 8  # m
     centroids: int = 128  # C per subspace
-    list_fraction: float = 0.25  # alpha: each list keeps L = ceil(alpha * N) keys
+    list_fraction: float = 1.0  # alpha: lists keep L = ceil(alpha * N) keys (1.0: dense layout)
     kmeans_iters: int = 10
     kmeans_batch: int | None = None  # None: full-batch Lloyd iterations
-    max_queries: int | None = 16384  # prefill queries sampled per KV head for clustering
+    max_queries: int | None = 4096  # prefill queries sampled per KV head for clustering
     backoff_cos: float = -1.0  # below this best cosine, also use the next centroids (-1: off)
     backoff_tau: int = 2
     weighting: str = "qnorm"
-    scoring: str = "relative"
+    scoring: str = "expected"
     layout: str = "contiguous"
     group_combine: str = "sum"
     seed: int = 0
@@ -73,7 +73,8 @@ class CSAttentionParams(MethodParams):
         return max(1, min(n, math.ceil(self.list_fraction * n)))
 
 
-PAPER_PARAMS = CSAttentionParams(weighting="unit", scoring="absolute", group_combine="sum")
+PAPER_PARAMS = CSAttentionParams(list_fraction=0.25, weighting="unit", scoring="absolute",
+                                  group_combine="sum")
 
 
 def subspace_permutation(head_dim: int, m: int, layout: str) -> torch.Tensor:
@@ -102,7 +103,27 @@ class CSAttention(SparseMethod):
 
     def build(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tables:
         p: CSAttentionParams = self.params
-        hkv, n, _ = k.shape
+        cent = self._cluster_queries(q, k.shape[0])  # [Hkv, m, C, d_b]
+        sub_k = self._split(k.float()).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
+        scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k)  # centroid-scores
+        n = k.shape[1]
+        if p.list_length(n) == n:
+            # Full lists: every key is in every list, so store the scores in key order and
+            # drop the indices; the reduce-by-key becomes a weighted sum of m rows.
+            return {"centroids": cent.half(), "dense_score": scores.half()}  # [Hkv, m, C, N]
+        top = torch.topk(scores, p.list_length(n), dim=-1)
+        absent_mean = (scores.sum(-1) - top.values.sum(-1)) / max(n - top.values.shape[-1], 1)
+        return {
+            "centroids": cent.half(),
+            "list_idx": top.indices.int(),  # [Hkv, m, C, L]
+            "list_score": top.values.half(),  # [Hkv, m, C, L], descending
+            "list_floor": top.values[..., -1].half(),  # [Hkv, m, C]: the L-th score
+            "list_absent_mean": absent_mean.half(),  # [Hkv, m, C]: mean score of unlisted keys
+        }
+
+    def _cluster_queries(self, q: torch.Tensor, hkv: int) -> torch.Tensor:
+        """Cosine k-means per (KV head, subspace) over the GQA group's queries -> [Hkv, m, C, d_b]."""
+        p: CSAttentionParams = self.params
         group_q = q.float().unflatten(0, (hkv, -1)).flatten(1, 2)  # [Hkv, G*N, D]
         if p.max_queries is not None and group_q.shape[1] > p.max_queries:
             gen = torch.Generator().manual_seed(p.seed)
@@ -110,16 +131,7 @@ class CSAttention(SparseMethod):
         sub_q = self._split(group_q).permute(0, 2, 1, 3)  # [Hkv, m, Nq, d_b]
         cent, _ = kmeans(sub_q.flatten(0, 1), p.centroids, p.kmeans_iters, cosine=True,
                          batch_size=p.kmeans_batch, seed=p.seed)
-        cent = cent.view(hkv, p.subspaces, p.centroids, -1)  # [Hkv, m, C, d_b]
-        sub_k = self._split(k.float()).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
-        scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k)
-        top = torch.topk(scores, p.list_length(n), dim=-1)
-        return {
-            "centroids": cent.half(),
-            "list_idx": top.indices.int(),  # [Hkv, m, C, L]
-            "list_score": top.values.half(),  # [Hkv, m, C, L], descending
-            "list_floor": top.values[..., -1].half(),  # [Hkv, m, C]
-        }
+        return cent.view(hkv, p.subspaces, p.centroids, -1)
 
     def _route(self, cent: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Nearest centroid(s) per subspace for q [Hkv, G, m, d_b] ->
@@ -141,39 +153,64 @@ class CSAttention(SparseMethod):
 
     def estimate(self, state: LayerState, q: torch.Tensor, n: int) -> torch.Tensor:
         """Estimated (offset) logits [Hkv, G, n] of every cached key for q [Hq, D]."""
-        p: CSAttentionParams = self.params
         t = state.tables
         cent = t["centroids"].float()
         hkv, m = cent.shape[:2]
         sub_q = self._split(q.float().view(hkv, -1, q.shape[-1]))  # [Hkv, G, m, d_b]
         ids, wts = self._route(cent, sub_q)
-        w_b = sub_q.norm(dim=-1) if p.weighting == "qnorm" else torch.ones(sub_q.shape[:3])
-        wts = wts * w_b[..., None]  # [Hkv, G, m, tau]
+        wts = wts * self._subspace_weights(sub_q, cent, ids)  # [Hkv, G, m, tau]
         hh = torch.arange(hkv)[:, None, None, None]
         mm = torch.arange(m)[None, None, :, None]
+        acc = torch.zeros(hkv, sub_q.shape[1], n)
+        if "dense_score" in t:
+            rows = t["dense_score"][hh, mm, ids].float()  # [Hkv, G, m, tau, N]
+            acc[..., :rows.shape[-1]] = torch.einsum("hgmtn,hgmt->hgn", rows, wts)
+            floor = torch.full(ids.shape, float("-inf"))  # every appended key is listed too
+            self._add_streamed(state, acc, ids, wts, floor, offset=torch.zeros(ids.shape))
+            return acc
         idx = t["list_idx"][hh, mm, ids].long()  # [Hkv, G, m, tau, L]
         val = t["list_score"][hh, mm, ids].float()
         floor = t["list_floor"][hh, mm, ids].float()  # [Hkv, G, m, tau]
-        if p.scoring == "relative":
-            val = val - floor[..., None]
-        acc = torch.zeros(hkv, sub_q.shape[1], n)
-        acc.scatter_add_(2, idx.flatten(2), (val * wts[..., None]).flatten(2))
-        self._add_streamed(state, acc, ids, wts, floor)
+        offset = self._score_offset(t, hh, mm, ids, floor)
+        acc.scatter_add_(2, idx.flatten(2), ((val - offset[..., None]) * wts[..., None]).flatten(2))
+        self._add_streamed(state, acc, ids, wts, floor, offset)
         return acc
 
+    def _score_offset(self, t: Tables, hh, mm, ids, floor: torch.Tensor) -> torch.Tensor:
+        """What an unlisted key is taken to score, subtracted from listed scores:
+        0 (paper), the list floor (an upper bound), or the mean score of unlisted keys."""
+        how = self.params.scoring
+        if how == "absolute":
+            return torch.zeros_like(floor)
+        if how == "relative":
+            return floor
+        return t["list_absent_mean"][hh, mm, ids].float()
+
+    def _subspace_weights(self, sub_q: torch.Tensor, cent: torch.Tensor,
+                          ids: torch.Tensor) -> torch.Tensor:
+        """w_b [Hkv, G, m, tau]: unit; ||q_b||; or q_b . c (the query's projection on the
+        centroid, which also discounts subspaces where routing matched poorly)."""
+        p: CSAttentionParams = self.params
+        if p.weighting == "unit":
+            return torch.ones(ids.shape)
+        if p.weighting == "qnorm":
+            return sub_q.norm(dim=-1)[..., None].expand(ids.shape)
+        hh = torch.arange(cent.shape[0])[:, None, None, None]
+        mm = torch.arange(cent.shape[1])[None, None, :, None]
+        return torch.einsum("hgmd,hgmtd->hgmt", sub_q, cent[hh, mm, ids]).clamp_min(0)
+
     def _add_streamed(self, state: LayerState, acc: torch.Tensor, ids: torch.Tensor,
-                      wts: torch.Tensor, floor: torch.Tensor) -> None:
-        """Score keys appended during decode where they beat the chosen list's floor."""
+                      wts: torch.Tensor, floor: torch.Tensor, offset: torch.Tensor) -> None:
+        """Score keys appended during decode where they beat the chosen list's floor (the
+        paper's try-insert condition)."""
         new = state.extra.get("new_scores")  # [Hkv, m, C, T]
         if new is None:
             return
         start = state.extra["new_start"]
-        hkv, g, m, tau = ids.shape
-        hh = torch.arange(hkv)[:, None, None, None]
-        mm = torch.arange(m)[None, None, :, None]
+        hh = torch.arange(ids.shape[0])[:, None, None, None]
+        mm = torch.arange(ids.shape[2])[None, None, :, None]
         s = new[hh, mm, ids]  # [Hkv, G, m, tau, T]
-        gain = s - floor[..., None] if self.params.scoring == "relative" else s
-        gain = torch.where(s > floor[..., None], gain, torch.zeros_like(gain))
+        gain = torch.where(s > floor[..., None], s - offset[..., None], torch.zeros_like(s))
         acc[..., start:start + s.shape[-1]] += (gain * wts[..., None]).sum((2, 3))
 
     def _combine(self, est: torch.Tensor, head_dim: int) -> torch.Tensor:

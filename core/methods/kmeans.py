@@ -18,9 +18,20 @@ def _distances(x: torch.Tensor, c: torch.Tensor, cosine: bool) -> torch.Tensor:
             + c.pow(2).sum(-1)[:, None, :]).clamp_min(0)
 
 
+def _nearest(x: torch.Tensor, c: torch.Tensor, cosine: bool) -> torch.Tensor:
+    """Index [B, n] of the nearest centroid (cosine: largest dot product, no subtraction pass)."""
+    if cosine:
+        return (x @ c.transpose(1, 2)).argmax(-1)
+    # |x|^2 is the same for every centroid, so it does not change the argmin
+    return (c.pow(2).sum(-1)[:, None, :] - 2 * x @ c.transpose(1, 2)).argmin(-1)
+
+
 def kmeans_pp_init(x: torch.Tensor, n_clusters: int, cosine: bool,
                    gen: torch.Generator) -> torch.Tensor:
     """k-means++ seeds [B, C, d]: each next seed drawn with probability ~ distance to the nearest."""
+    # seeding from a subsample costs little quality and makes the C sequential draws cheap
+    if x.shape[1] > 16 * n_clusters:
+        x = x[:, torch.randperm(x.shape[1], generator=gen)[:16 * n_clusters]]
     b, n, _ = x.shape
     rows = torch.arange(b)
     first = torch.randint(n, (b,), generator=gen)
@@ -52,7 +63,7 @@ def kmeans(x: torch.Tensor, n_clusters: int, iters: int = 10, cosine: bool = Tru
     for _ in range(iters):
         xb = x if batch_size is None or batch_size >= n else \
             x[:, torch.randperm(n, generator=gen)[:batch_size]]
-        assign = _distances(xb, cent, cosine).argmin(-1)  # [B, nb]
+        assign = _nearest(xb, cent, cosine)  # [B, nb]
         sums = torch.zeros(b, c_eff, d).scatter_add_(1, assign[..., None].expand(-1, -1, d), xb)
         hits = torch.zeros(b, c_eff).scatter_add_(1, assign, torch.ones_like(assign, dtype=torch.float))
         if xb.shape[1] == n:
@@ -67,4 +78,4 @@ def kmeans(x: torch.Tensor, n_clusters: int, iters: int = 10, cosine: bool = Tru
             cent = F.normalize(cent, dim=-1)
     if c_eff < n_clusters:  # fewer points than clusters: repeat the last centroid (never nearest-unique)
         cent = torch.cat([cent, cent[:, -1:].expand(-1, n_clusters - c_eff, -1)], dim=1)
-    return cent, _distances(x, cent, cosine).argmin(-1)
+    return cent, _nearest(x, cent, cosine)

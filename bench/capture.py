@@ -1,0 +1,55 @@
+"""Dense prefill that keeps what fidelity measurements need: per-layer Q/K/V and logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ctxcache.generation import prefill
+from ctxcache.methods import SparseMethod, Tables
+from ctxcache.models.attention import QueryCapture
+from ctxcache.models.kv_cache import KVCache
+from ctxcache.models.loader import LoadedModel
+
+
+@dataclass
+class Captured:
+    """q [Hq, T, D], k and v [Hkv, T, D] per layer for all T = context + continuation tokens;
+    logits [C, V] of the continuation under full attention (row t predicts token ctx + t + 1)."""
+
+    n_context: int
+    q: list[torch.Tensor]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    logits: torch.Tensor | None
+
+
+@torch.inference_mode()
+def capture(lm: LoadedModel, ids: list[int], n_context: int, chunk: int = 512) -> Captured:
+    model, total = lm.model, len(ids)
+    cache = model.new_cache(1, total)
+    cap = QueryCapture(lm.args.n_layers)
+    prefill(model, torch.tensor([ids[:n_context]]), cache, cap, chunk)
+    logits = None
+    if total > n_context:
+        pos = torch.arange(n_context, total)[None]
+        logits = model(torch.tensor([ids[n_context:]]), pos, cache, cap)[0]
+        cache.lengths += total - n_context
+    layers = range(lm.args.n_layers)
+    return Captured(n_context, [cap.queries(l) for l in layers], [cache.k[l][0].clone() for l in layers],
+                    [cache.v[l][0].clone() for l in layers], logits)
+
+
+def build_tables(method: SparseMethod, cap: Captured) -> list[Tables]:
+    """Index each layer from the context part of the capture."""
+    n = cap.n_context
+    return [method.build(q[:, :n], k[:, :n], v[:, :n]) for q, k, v in zip(cap.q, cap.k, cap.v)]
+
+
+def context_cache(lm: LoadedModel, cap: Captured, extra: int) -> KVCache:
+    """A cache holding the captured context KV with room for `extra` more tokens."""
+    n = cap.n_context
+    cache = lm.model.new_cache(1, n + extra)
+    cache.load_row(0, [k[:, :n] for k in cap.k], [v[:, :n] for v in cap.v])
+    return cache

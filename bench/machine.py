@@ -1,0 +1,40 @@
+"""Machine description recorded in every benchmark's JSON."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def machine_info() -> dict:
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), None)
+    except OSError:
+        info["cpu"] = None
+    return info
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """A plain aligned table; floats with 3 decimals."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        if isinstance(v, dict):
+            return " ".join(f"{k}:{fmt(x)}" for k, x in v.items())
+        return "-" if v is None else str(v)
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
