@@ -46,7 +46,8 @@ def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list
     first = []
     for row, (a, prompt) in enumerate(zip(artifacts, prompts)):
         if prompt:
-            first.append(prefill(lm.model, torch.tensor([prompt], device=device), cache.row(row), attn)[0])
+            first.append(prefill(lm.model, torch.tensor([prompt], device=device), cache.row(row),
+                                 attn.row_view(row))[0])
         else:
             first.append(a.last_logits.to(device))
     return torch.stack(first), attn, cache

@@ -52,6 +52,10 @@ class SparseAttention:
         self.keys_read = 0  # selected keys attended, summed over rows, layers and KV heads
         self.keys_total = 0  # keys a dense step would have read
 
+    def row_view(self, row: int) -> "SparseAttention":
+        """The attention of one row, for use with `KVCache.row(row)` (batch of one)."""
+        return SparseAttention(self.method, [self.states[row]], self.config)
+
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         for b in range(q.shape[0]):
             self.method.append(self.states[b][layer], cache.k[layer][b, :, pos[b]], int(pos[b, 0]))

@@ -1,0 +1,75 @@
+"""Indexer + sparse decoder end to end on the tiny random model."""
+
+import pytest
+import torch
+
+from ctxcache.decoder import ArtifactMismatch, SparseConfig, generate
+from ctxcache.generation import SamplingParams
+from ctxcache.indexer import IndexerConfig, build_artifact
+from ctxcache.methods import Budget, make_method
+from ctxcache.models.loader import load_model
+
+QUIET = IndexerConfig(progress=False, kv_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("random:tiny")
+
+
+def _tokens(lm, n, seed):
+    return torch.randint(0, lm.args.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(lm, arts, prompts, n=6, config=SparseConfig(Budget(0.1, 2, 8))):
+    return [t.tolist() for t, _ in generate(lm, arts, prompts, SamplingParams(max_tokens=n), config)]
+
+
+def test_batch_of_two_contexts_equals_each_alone(tiny):
+    method = make_method("csattention", {"subspaces": 4, "centroids": 16})
+    a = build_artifact(tiny, _tokens(tiny, 300, 1), method, QUIET)
+    b = build_artifact(tiny, _tokens(tiny, 170, 2), method, QUIET)
+    pa, pb = _tokens(tiny, 5, 3), _tokens(tiny, 5, 4)
+    together = _run(tiny, [a, b], [pa, pb])
+    alone_a, alone_b = _run(tiny, [a], [pa]), _run(tiny, [b], [pb])
+    assert [s[0] for s in together] == [s[0] for s in alone_a]
+    assert [s[1] for s in together] == [s[0] for s in alone_b]
+
+
+def test_one_token_context_and_empty_prompt(tiny):
+    art = build_artifact(tiny, [7], make_method("csattention"), QUIET)
+    steps = _run(tiny, [art], [[]], n=3)
+    assert len(steps) == 3 and steps[0][0] == int(art.last_logits.argmax())
+
+
+def test_context_at_model_maximum_length(tiny):
+    n = tiny.args.max_seq_len - 1
+    art = build_artifact(tiny, _tokens(tiny, n, 5), make_method("csattention", {"subspaces": 4}), QUIET)
+    steps = list(generate(tiny, [art], [[]], SamplingParams(max_tokens=10)))
+    assert len(steps) == 2 and bool(steps[-1][1][0])  # one decoded token fills the last slot
+    with pytest.raises(ValueError, match="maximum length"):
+        build_artifact(tiny, _tokens(tiny, n + 1, 5), make_method("oracle"), QUIET)
+
+
+def test_keep_all_sparse_decode_equals_dense(tiny):
+    art = build_artifact(tiny, _tokens(tiny, 200, 6), make_method("csattention", {"subspaces": 4}), QUIET)
+    prompt = _tokens(tiny, 4, 7)
+    sparse = _run(tiny, [art], [prompt], n=8, config=SparseConfig(Budget(1.0, 4, 32)))
+    dense = _run(tiny, [art], [prompt], n=8, config=SparseConfig(Budget(0.05), dense_layers=(0, 1)))
+    assert sparse == dense
+
+
+def test_search_period_reuses_selection(tiny):
+    art = build_artifact(tiny, _tokens(tiny, 400, 8), make_method("csattention", {"subspaces": 4}), QUIET)
+    cfg = SparseConfig.from_schedule("0.15-step-4", sinks=2, recent=8)
+    assert cfg.period == 4 and cfg.budget.keep == 0.15
+    assert len(_run(tiny, [art], [_tokens(tiny, 3, 9)], n=9, config=cfg)) == 9
+    with pytest.raises(ValueError, match="keep-step-period"):
+        SparseConfig.from_schedule("fast")
+
+
+def test_artifact_from_another_model_is_refused(tiny):
+    art = build_artifact(tiny, _tokens(tiny, 50, 10), make_method("oracle"), QUIET)
+    art.model_id = "someone-else"
+    with pytest.raises(ArtifactMismatch, match="someone-else"):
+        _run(tiny, [art], [[1]])
