@@ -58,6 +58,9 @@ class GpuTables:
               device: torch.device | str) -> "GpuTables":
         """Stack rows' tables (different contexts), padding lists to the longest L with
         entries whose score equals the floor (they add exactly 0)."""
+        if any("dense_score" in t for t in per_row):
+            raise ValueError("the GPU selector supports list tables (list_fraction < 1); the dense "
+                             "full-list layout runs on the torch reference path only")
         l_max = max(t["list_idx"].shape[-1] for t in per_row)
         idx, score = [], []
         for t in per_row:

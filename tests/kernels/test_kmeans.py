@@ -25,7 +25,7 @@ def test_kmeans_finds_separated_clusters(device):
 
 
 def test_build_lists_are_top_scores(device):
-    p = CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2)
+    p = CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2, list_fraction=0.25)
     q, k = torch.randn(4, 300, 32), torch.randn(2, 300, 32)
     t = {n: v.cpu() for n, v in build_tables_gpu(p, q.to(device), k.to(device)).items()}
     ref = CSAttention(p).build(q, k, k)

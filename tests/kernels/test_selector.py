@@ -18,7 +18,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
                                                       ("contiguous", "qnorm", "expected")])
 def test_selection_matches_csattention_search(device, layout, weighting, scoring):
     hq, hkv, d, n, streamed = 6, 2, 32, 600, 5
-    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout, weighting=weighting,
+    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, list_fraction=0.25, layout=layout, weighting=weighting,
                                scoring=scoring)
     method = CSAttention(params)
     q_pre, k, v = torch.randn(hq, n, d), torch.randn(hkv, n + streamed, d), torch.randn(hkv, n + streamed, d)

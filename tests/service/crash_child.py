@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def serve(data: str, redis_url: str | None, conn) -> None:
-    from conftest import tiny_config
+    from service_helpers import tiny_config
     from ctxcache.service.server import create_server
 
     server, port = create_server(tiny_config(Path(data), redis_url))

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.store import ChunkKey
 
-from conftest import TEXT, ask, put_text, rpc_code, tiny_config
+from service_helpers import TEXT, ask, put_text, rpc_code, tiny_config
 
 
 def test_put_then_generate_streams_text_usage_and_timings(start):

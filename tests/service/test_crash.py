@@ -20,7 +20,7 @@ from ctxcache.service.gen.v1 import context_pb2 as pb
 from ctxcache.store import ArtifactStore, BuildState, RedisRegistry, reconcile
 
 import crash_child
-from conftest import TEXT, RedisProcess, ask, tiny_config
+from service_helpers import TEXT, RedisProcess, ask, tiny_config
 
 KILLS = int(os.environ.get("CTXCACHE_CRASH_KILLS", "20"))
 

@@ -11,7 +11,7 @@ from ctxcache.service.config import (GiB, IndexerSettings, ModelConfig, ServerCo
 from ctxcache.service.demo_text import TEXT
 from ctxcache.service.gen.v1 import context_pb2 as pb
 
-from conftest import ask
+from service_helpers import ask
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import grpc
 from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.store import BuildState, RedisRegistry
 
-from conftest import TEXT, ask, put_text, rpc_code, tiny_config
+from service_helpers import TEXT, ask, put_text, rpc_code, tiny_config
 
 
 def test_redis_down_generate_keeps_working_put_fails_fast_then_recovers(start, redis_proc, tmp_path):

@@ -6,7 +6,7 @@ import grpc
 from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from conftest import put_text
+from service_helpers import put_text
 
 
 def test_reflection_only_client_calls_generate(start):

@@ -8,7 +8,7 @@ from google.protobuf import struct_pb2
 
 from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
-from conftest import put_text
+from service_helpers import put_text
 
 ID0 = "0" * 64
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -127,7 +127,7 @@ def test_other_rpc_fields(served):
 
 
 def test_oversized_message_is_refused(tmp_path, start):
-    from conftest import tiny_config
+    from service_helpers import tiny_config
 
     srv, client = start(tiny_config(tmp_path / "small", max_message_bytes=4096))
     _check(lambda: client.put(pb.PutContextRequest(text="z" * 10000), timeout=30),

@@ -27,7 +27,7 @@ def real_artifact():  # noqa: ANN201
         pytest.skip(f"{TEXT} missing")
     torch.manual_seed(0)
     ids = lm.tokenizer(TEXT.read_text())["input_ids"][:192]
-    method = make_method("csattention", {"centroids": 16, "kmeans_iters": 3})
+    method = make_method("csattention", {"centroids": 16, "kmeans_iters": 3, "list_fraction": 0.25})
     return build_artifact(lm, ids, method, IndexerConfig(progress=False))
 
 

@@ -1,0 +1,118 @@
+"""Fixtures: real servers on 127.0.0.1:0 over real LMDB in temp dirs, a real redis-server."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ctxcache.models.loader import load_model
+from ctxcache.service.client import Client
+from ctxcache.service.config import (GiB, DecoderSettings, IndexerSettings, ModelConfig, RegistrySettings,
+                                     ServerConfig, ServiceConfig, StoreSettings)
+from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.service.server import create_server
+
+TEXT = ("The harbour of Port Averel has a lighthouse on a granite spur called the Needle. "
+        "Its lens flashes white three times every fifteen seconds. ") * 4
+
+
+def tiny_config(data: Path, redis_url: str | None = None, **server) -> ServiceConfig:
+    """random:tiny model (byte tokenizer) + key-kmeans: builds take milliseconds."""
+    return ServiceConfig(server=ServerConfig(port=0, grace_seconds=1.0, **server), model=ModelConfig("random:tiny"),
+                         store=StoreSettings(data, 1 * GiB), registry=RegistrySettings(redis_url),
+                         indexer=IndexerSettings(method="key-kmeans"),
+                         decoder=DecoderSettings(dram_cache_bytes=256 << 20))
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    return load_model("random:tiny")
+
+
+@pytest.fixture
+def start(tiny_lm, tmp_path):
+    """start(config=None, **server_overrides) -> (server, Client); all stopped at teardown."""
+    running = []
+
+    def _start(config: ServiceConfig | None = None, **server):
+        cfg = config or tiny_config(tmp_path / "data", **server)
+        srv, port = create_server(cfg, tiny_lm if cfg.model.model == "random:tiny" else None)
+        client = Client(f"127.0.0.1:{port}", cfg.server.auth_token,
+                        admin_address=f"127.0.0.1:{srv.admin_port}")
+        running.append((srv, client))
+        return srv, client
+
+    yield _start
+    for srv, client in running:
+        client.close()
+        srv.stop(0.5)
+
+
+def put_text(client: Client, text: str = TEXT, **kw) -> pb.ContextInfo:
+    return client.put(pb.PutContextRequest(text=text, wait=True, **kw), timeout=60).context
+
+
+def ask(client: Client, cid: str, question: str = "Where is the lighthouse?", max_tokens: int = 8,
+        timeout: float | None = 60, **kw) -> tuple[list[pb.GenerateResponse], pb.Final]:
+    events = list(client.generate(pb.GenerateRequest(
+        context_id=cid, question=question, sampling=pb.SamplingParams(max_tokens=max_tokens), **kw), timeout=timeout))
+    assert events and events[-1].HasField("final"), "a stream ends with exactly one final message"
+    return events, events[-1].final
+
+
+def rpc_code(fn) -> grpc.StatusCode | None:
+    try:
+        fn()
+    except grpc.RpcError as err:
+        return err.code()
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisProcess:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir, self.port, self.proc = workdir, free_port(), None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def redis_proc(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server binary not installed")
+    r = RedisProcess(tmp_path)
+    r.start()
+    yield r
+    r.stop()
