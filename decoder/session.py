@@ -36,7 +36,8 @@ def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list
     check_compatible(lm, artifacts)
     method = make_method(artifacts[0].method, artifacts[0].method_params)
     need = max(a.n_tokens + len(p) for a, p in zip(artifacts, prompts)) + max_new_tokens
-    cache = lm.model.new_cache(len(artifacts), max_len=min(need, lm.args.max_seq_len))
+    # every row is filled by load_row below, so skip the zero-fill of the whole cache
+    cache = lm.model.new_cache(len(artifacts), max_len=min(need, lm.args.max_seq_len), uninitialized=True)
     states = []
     for row, a in enumerate(artifacts):
         cache.load_row(row, [l.k for l in a.layers], [l.v for l in a.layers])

@@ -103,10 +103,10 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("rope", rope_table(args), persistent=False)
 
-    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+    def new_cache(self, batch: int, max_len: int | None = None, uninitialized: bool = False) -> KVCache:
         a, p = self.args, self.lm_head.weight
         return KVCache(a.n_layers, batch, a.n_kv_heads, max_len or a.max_seq_len, a.head_dim,
-                       p.dtype, p.device)
+                       p.dtype, p.device, uninitialized)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
                 attn: AttentionFn, last_only: bool = False) -> torch.Tensor:

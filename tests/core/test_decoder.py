@@ -73,3 +73,14 @@ def test_artifact_from_another_model_is_refused(tiny):
     art.model_id = "someone-else"
     with pytest.raises(ArtifactMismatch, match="someone-else"):
         _run(tiny, [art], [[1]])
+
+
+def test_uninitialized_cache_rows_are_fully_defined_after_load(tiny):
+    cache = tiny.model.new_cache(2, 64, uninitialized=True)
+    for layer in range(len(cache.k)):  # poison, as stale memory could be
+        cache.k[layer].fill_(float("nan"))
+        cache.v[layer].fill_(float("nan"))
+    ks = [torch.randn(tiny.args.n_kv_heads, 10, tiny.args.head_dim) for _ in cache.k]
+    cache.load_row(0, ks, ks)
+    cache.load_row(1, [k[:, :3] for k in ks], [k[:, :3] for k in ks])
+    assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for k, v in zip(cache.k, cache.v))
