@@ -46,18 +46,23 @@ def _walk(hist_ptr, k, P: tl.constexpr):
 
 
 @triton.jit
-def _hist_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
-                 P: tl.constexpr, BLOCK: tl.constexpr):
+def _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK: tl.constexpr):
+    """This program's block of one row: (radix keys, valid mask, offsets, k, row workspace)."""
     r = tl.program_id(0)
-    blk = tl.program_id(1)
     b = r // HKV
     lo = tl.load(lo_ptr + b)
     hi = tl.load(hi_ptr + b)
     k = tl.load(k_ptr + b)
-    offs = lo + blk * BLOCK + tl.arange(0, BLOCK)
+    offs = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = (offs < hi) & (k > 0)
     key = _keys(tl.load(x_ptr + r * sx_r + offs, mask=valid, other=0.0))
-    hist_ptr = ws_ptr + r * sws_r
+    return key, valid, offs, k, ws_ptr + r * sws_r
+
+
+@triton.jit
+def _hist_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
+                 P: tl.constexpr, BLOCK: tl.constexpr):
+    key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
     if P > 0:
         prefix, krem = _walk(hist_ptr, k, P)
         valid = valid & ((key >> (32 - 8 * P)) == (prefix >> (32 - 8 * P)))
@@ -69,16 +74,8 @@ def _hist_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
 @triton.jit
 def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r,
                     BLOCK: tl.constexpr):
+    key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
     r = tl.program_id(0)
-    blk = tl.program_id(1)
-    b = r // HKV
-    lo = tl.load(lo_ptr + b)
-    hi = tl.load(hi_ptr + b)
-    k = tl.load(k_ptr + b)
-    offs = lo + blk * BLOCK + tl.arange(0, BLOCK)
-    valid = (offs < hi) & (k > 0)
-    key = _keys(tl.load(x_ptr + r * sx_r + offs, mask=valid, other=0.0))
-    hist_ptr = ws_ptr + r * sws_r
     thresh, need = _walk(hist_ptr, k, 4)
     gt = valid & (key > thresh)
     eq = valid & (key == thresh)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,6 @@ class ModelArgs:
     qk_norm: bool = False  # Qwen3 RMS-normalises q and k per head before RoPE
     # Llama-3.1 frequency scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos)
     rope_llama3_scaling: tuple[float, float, float, int] | None = None
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -43,9 +42,7 @@ class ModelArgs:
         return self.n_heads // self.n_kv_heads
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("extra")
-        return d
+        return asdict(self)
 
 
 NAMED_CONFIGS: dict[str, ModelArgs] = {
