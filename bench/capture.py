@@ -43,8 +43,9 @@ def capture(lm: LoadedModel, ids: list[int], n_context: int, chunk: int = 512) -
 
 def build_tables(method: SparseMethod, cap: Captured) -> list[Tables]:
     """Index each layer from the context part of the capture."""
-    n = cap.n_context
-    return [method.build(q[:, :n], k[:, :n], v[:, :n]) for q, k, v in zip(cap.q, cap.k, cap.v)]
+    n, layers = cap.n_context, len(cap.q)
+    return [method.build_layer(q[:, :n], k[:, :n], v[:, :n], i, layers)
+            for i, (q, k, v) in enumerate(zip(cap.q, cap.k, cap.v))]
 
 
 def context_cache(lm: LoadedModel, cap: Captured, extra: int) -> KVCache:

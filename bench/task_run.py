@@ -7,7 +7,6 @@ would build), so methods and budgets are compared on identical KV. `full` is den
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -49,13 +48,10 @@ def prefill_context(lm: LoadedModel, tokens: list[int], chunk: int = 1024) -> Pr
 
 def make_artifact(lm: LoadedModel, pre: Prefilled, method: SparseMethod,
                   kv_dtype: torch.dtype = torch.float16) -> ContextArtifact:
-    """The artifact build_artifact would produce, from an existing prefill. Methods whose
-    build takes the layer (pre-hoc PSAW) get it."""
-    takes_layer = "layer" in inspect.signature(method.build).parameters
+    """The artifact build_artifact would produce, from an existing prefill."""
     layers = []
     for i, (q, k, v) in enumerate(zip(pre.q, pre.k, pre.v)):
-        extra = {"layer": i, "n_layers": len(pre.q)} if takes_layer else {}
-        tables = method.build(q.float(), k, v, **extra)
+        tables = method.build_layer(q.float(), k, v, i, len(pre.q))
         layers.append(LayerArtifact(k=k.to(kv_dtype), v=v.to(kv_dtype), tables=tables))
     return ContextArtifact(
         model_id=lm.model_id, model_args=lm.args.to_dict(), method=method.name,

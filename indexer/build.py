@@ -49,7 +49,7 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     for layer in tqdm(range(args.n_layers), desc=f"index ({method.name})", unit="layer",
                       disable=not config.progress):
         k, v = cache.k[layer][0, :, :n].cpu(), cache.v[layer][0, :, :n].cpu()
-        tables = method.build(capture.queries(layer), k, v)
+        tables = method.build_layer(capture.queries(layer), k, v, layer, args.n_layers)
         layers.append(LayerArtifact(k=k.to(dtype), v=v.to(dtype), tables=tables))
         capture.chunks[layer] = []  # free the queries as we go
     return ContextArtifact(

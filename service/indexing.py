@@ -151,6 +151,8 @@ def reindex(source: ContextArtifact, method) -> ContextArtifact:
     if method.caps.uses_queries:
         raise ValueError(f"method {method.name!r} needs the prefill queries, which are not stored")
     empty_q = torch.empty(0)
-    layers = [LayerArtifact(l.k, l.v, method.build(empty_q, l.k.float(), l.v.float())) for l in source.layers]
+    n_layers = len(source.layers)
+    layers = [LayerArtifact(l.k, l.v, method.build_layer(empty_q, l.k.float(), l.v.float(), i, n_layers))
+              for i, l in enumerate(source.layers)]
     return ContextArtifact(source.model_id, source.model_args, method.name, method.params.to_dict(),
                            source.tokens, source.last_logits, layers, source.kv_dtype, source.format_version)

@@ -70,6 +70,15 @@ class SparseMethod(ABC):
     def build(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tables:
         """Index one layer. q [Hq, N, D], k and v [Hkv, N, D] (post-RoPE) -> named tables."""
 
+    def build_layer(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    n_layers: int) -> Tables:
+        """Index layer `layer` of `n_layers`: what the indexer and the benches call. The
+        default ignores the position (`build`); methods whose tables depend on the layer
+        (pre-hoc PSAW) override it."""
+        if not 0 <= layer < n_layers:
+            raise ValueError(f"layer={layer} must be in [0, n_layers={n_layers})")
+        return self.build(q, k, v)
+
     def open(self, tables: Tables) -> LayerState:
         return LayerState(tables=tables)
 

@@ -10,8 +10,9 @@ tau = 0.8, m = floor(k/3), r = 1, s in {8, 16} (16 here, the paper's throughput 
 PSAW (IV-B, Eq. 15), optional: from layer l_s = floor(start * L) on, the earliest visible
 non-sink position is P_l(t) = floor((1 - phi^(alpha (l - l_s)/(L - l_s))) t); the middle region
 becomes [max(lo, P_l), hi) and may then hold fewer than k keys (PSAW prunes, it does not refill).
-The method interface does not pass the layer, so PSAW needs `build(..., layer=, n_layers=)`;
-the indexer does not pass them yet and PSAW then raises (see the issue 5 report).
+PSAW needs the layer index: the indexer and the benches call `build_layer(q, k, v, layer,
+n_layers)` (SparseMethod's layer-aware build), which stores it in the tables; a bare `build`
+has no layer and refuses psaw=True.
 
 Choices where the paper is unclear or does not fit this system:
 - GQA: the paper shares per query head; here the selection is per KV head (shared by the group,
@@ -96,13 +97,16 @@ class Prehoc(SparseMethod):
     Params = PrehocParams
     caps = Capabilities(reads_all_keys=True)
 
-    def build(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None,
-              n_layers: int | None = None) -> Tables:
-        if layer is None or n_layers is None:
-            if self.params.psaw:
-                raise ValueError("psaw=True needs build(..., layer=, n_layers=); the method "
-                                 "interface does not pass the layer index")
-            return {}
+    def build(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tables:
+        if self.params.psaw:
+            raise ValueError("psaw=True needs the layer index: use build_layer(q, k, v, layer, "
+                             "n_layers) (the indexer does)")
+        return {}
+
+    def build_layer(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    n_layers: int) -> Tables:
+        if not 0 <= layer < n_layers:
+            raise ValueError(f"layer={layer} must be in [0, n_layers={n_layers})")
         return {"layer": torch.tensor([layer, n_layers])}
 
     def search(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int,
