@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 
 from ctxcache.methods import Budget, SparseMethod, Tables
+from ctxcache.methods.budget import distinct_valid
 
 from ctxcache.bench.capture import Captured
 
@@ -47,7 +48,7 @@ def _step_metrics(method: SparseMethod, state, q, keys, values, n: int, budget: 
         mh, th = _recalls(region, sel, k)
         row.update(mass_recall=mg.mean().item(), topk_recall=tg.mean().item(),
                    mass_recall_per_head=mh.mean().item(), topk_recall_per_head=th.mean().item(),
-                   keys_read_frac=idx.shape[1] / n)
+                   keys_read_frac=distinct_valid(idx).float().mean().item() / n)
     return row
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxcache.methods import Budget, LayerState, SparseMethod
+from ctxcache.methods.budget import distinct_valid
 from ctxcache.models.attention import dense_attention, gqa_sparse_attention
 from ctxcache.models.kv_cache import KVCache
 
@@ -70,7 +71,7 @@ class SparseAttention:
         self.keys_total += n * keys.shape[0]
         if self.method.caps.estimator:
             out, idx = self.method.attend(state, q, keys, values, n, budget)
-            self.keys_read += idx.numel()
+            self.keys_read += int(distinct_valid(idx).sum())  # short rows repeat an index
             return out
         idx, valid = self._select(layer, b, q, keys, n)
         self.keys_read += int(valid.sum()) if valid is not None else idx.numel()

@@ -43,3 +43,14 @@ def topk_in_region(scores: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tens
     """Indices [..., k'] of the k best scores [..., n] inside [lo, hi), k' = min(k, hi - lo)."""
     k = min(k, hi - lo)
     return torch.topk(scores[..., lo:hi], k, dim=-1, sorted=False).indices + lo
+
+
+def distinct_valid(idx: torch.Tensor) -> torch.Tensor:
+    """Distinct indices >= 0 per row of idx [..., K] -> [...] long: the keys really read when
+    rows are padded by repeating an index (estimators) or by -1."""
+    if idx.shape[-1] == 0:
+        return torch.zeros(idx.shape[:-1], dtype=torch.long, device=idx.device)
+    s = idx.sort(-1).values
+    first = torch.ones_like(s, dtype=torch.bool)
+    first[..., 1:] = s[..., 1:] != s[..., :-1]
+    return (first & (s >= 0)).sum(-1)

@@ -6,7 +6,7 @@ import torch
 from ctxcache.decoder import ArtifactMismatch, SparseConfig, generate
 from ctxcache.generation import SamplingParams
 from ctxcache.indexer import IndexerConfig, build_artifact
-from ctxcache.methods import Budget, make_method
+from ctxcache.methods import Budget, Capabilities, MethodParams, SparseMethod, make_method
 from ctxcache.models.loader import load_model
 
 QUIET = IndexerConfig(progress=False, kv_dtype="float32")
@@ -84,3 +84,44 @@ def test_uninitialized_cache_rows_are_fully_defined_after_load(tiny):
     cache.load_row(0, ks, ks)
     cache.load_row(1, [k[:, :3] for k in ks], [k[:, :3] for k in ks])
     assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for k, v in zip(cache.k, cache.v))
+
+
+class _PaddedEstimator(SparseMethod):
+    """An estimator whose attend reads 3 distinct keys in head 0 (row padded by repeating its
+    last index) and 5 in head 1, like MagicPIG's padded_indices."""
+
+    name = "padded"
+    Params = MethodParams
+    caps = Capabilities(estimator=True)
+
+    def build(self, q, k, v):
+        return {}
+
+    def search(self, state, q, keys, lo, hi, k):
+        raise AssertionError("an estimator's attend does not search")
+
+    def attend(self, state, q, keys, values, n, budget):
+        return torch.zeros_like(q), torch.tensor([[0, 1, 2, 2, 2], [0, 1, 2, 3, 4]])
+
+
+def test_estimator_read_count_counts_distinct_indices_not_padding():
+    from ctxcache.decoder.sparse_attention import SparseAttention
+    from ctxcache.methods.budget import distinct_valid
+
+    assert distinct_valid(torch.tensor([[3, 3, 1, -1], [5, 6, 7, 8]])).tolist() == [2, 4]
+    attn = SparseAttention(_PaddedEstimator(), [[_PaddedEstimator().open({})]], SparseConfig(Budget(0.1, 2, 2)))
+    keys = torch.zeros(2, 10, 8)
+    attn._row(0, 0, torch.zeros(4, 8), type("C", (), {"k": [keys[None]], "v": [keys[None]]})(), 10)
+    assert attn.keys_read == 8 and attn.keys_total == 20  # the old count said 10
+
+
+def test_selection_metrics_keys_read_frac_counts_distinct_indices():
+    from ctxcache.bench.capture import Captured
+    from ctxcache.bench.selection_metrics import selection_metrics
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 11, 8, generator=gen)
+    k, v = torch.randn(2, 11, 8, generator=gen), torch.randn(2, 11, 8, generator=gen)
+    cap = Captured(n_context=10, q=[q], k=[k], v=[v], logits=None)
+    got = selection_metrics(_PaddedEstimator(), [{}], cap, Budget(0.1, 2, 2), stride=1)
+    assert got["keys_read_frac"] == pytest.approx((3 + 5) / 2 / 11)  # the old value was 5 / 11
