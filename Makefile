@@ -19,11 +19,14 @@ setup: $(BIN)/ctxcache
 demo: setup
 	$(BIN)/ctxcache demo
 
-redis:
+# system tools some tests drive (a real redis-server; docker-compose to validate the compose file)
+sysdeps:
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; } \
 	  || echo "redis-server unavailable: Redis tests will skip"
+	@command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } \
+	  || echo "docker-compose unavailable: the compose validation test will skip"
 
-test: setup redis
+test: setup sysdeps
 	$(BIN)/python -m pytest -q
 
-.PHONY: setup demo test redis
+.PHONY: setup demo test sysdeps

@@ -28,6 +28,8 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram-cache-gb", type=float, default=2.0)
     p.add_argument("--max-streams", type=int, default=16)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--max-batch", type=int, default=32,
+                   help="concurrent streams decoded together per step (continuous batching)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,7 +41,7 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
         registry=RegistrySettings(args.redis),
         indexer=IndexerSettings(method=args.method),
         decoder=DecoderSettings(dram_cache_bytes=int(args.dram_cache_gb * GiB), schedule=args.schedule,
-                                torch_threads=args.threads))
+                                torch_threads=args.threads, max_batch=args.max_batch))
 
 
 def serve(args) -> int:

@@ -110,11 +110,14 @@ class DecoderSettings:
     default_max_tokens: int = 128
     max_tokens_limit: int = 4096
     torch_threads: int = 0  # 0: leave torch's default
+    max_batch: int = 32  # live streams stepped together per decode step (continuous batching)
 
     def __post_init__(self) -> None:
         if self.dram_cache_bytes < 0 or self.default_max_tokens < 1 or self.max_tokens_limit < 1:
             raise ValueError(f"dram_cache_bytes={self.dram_cache_bytes}, default_max_tokens="
                              f"{self.default_max_tokens}, max_tokens_limit={self.max_tokens_limit} invalid")
+        if self.max_batch < 1:
+            raise ValueError(f"decoder.max_batch={self.max_batch} must be >= 1")
 
 
 @dataclass(frozen=True)

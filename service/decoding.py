@@ -2,8 +2,10 @@
 
 A stream acquires its artifact from the DRAM cache before decoding anything, so it either
 holds a complete artifact for its whole life or fails (NOT_FOUND / DATA_LOSS) before its
-first token. Each stream decodes in its gRPC handler thread with the core's
-`start_batch` + `decode_n_tokens`; between steps it checks cancellation and its deadline.
+first token. Each stream prefills its question in its gRPC handler thread (the core's
+`start_batch`), samples its first token there, then joins the shared `DecodeBatcher`, which
+steps all live streams as one batch; the handler thread streams its tokens out and checks
+cancellation and its deadline while it waits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass, replace
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder import SparseConfig, start_batch
-from ctxcache.generation import SamplingParams, decode_n_tokens
+from ctxcache.decoder.batching import DecodeBatcher
+from ctxcache.generation import SamplingParams
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.artifact_cache import ArtifactCache
 from ctxcache.service.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
@@ -68,8 +71,9 @@ class Final:
 
 class Decoder:
     def __init__(self, lm: LoadedModel, prompter: Prompter, cache: ArtifactCache[CachedContext],
-                 max_streams: int, default_schedule: str, metrics: Metrics) -> None:
+                 max_streams: int, default_schedule: str, metrics: Metrics, max_batch: int = 32) -> None:
         self.lm, self.prompter, self.cache, self.metrics = lm, prompter, cache, metrics
+        self.batcher = DecodeBatcher(lm.model, max_batch)
         self.default_schedule = default_schedule
         self._slots = threading.BoundedSemaphore(max_streams)
         self.active = 0
@@ -91,6 +95,9 @@ class Decoder:
             with self._lock:
                 self.active -= 1
             self._slots.release()
+
+    def close(self) -> None:
+        self.batcher.close()
 
     def _config(self, schedule: str) -> SparseConfig:
         try:
@@ -117,9 +124,9 @@ class Decoder:
                            stop_token_ids=self.prompter.stop_token_ids)
         _check(alive, deadline)
         first, attn, cache = start_batch(self.lm, [art], [prompt], config, sampling.max_tokens)
+        seq = self.batcher.start(first[0], cache, attn, sampling)
         text, n, reason, t_first = TextStream(self.prompter.tokenizer, spec.stop), 0, "length", 0.0
-        for tok, finished in decode_n_tokens(self.lm.model, first, cache, attn, sampling):
-            tid = int(tok[0])
+        for tid, cache_full in seq.tokens(lambda: _check(alive, deadline)):
             n += 1
             if n == 1:
                 t_first = time.perf_counter()
@@ -131,7 +138,7 @@ class Decoder:
             if text.stopped:
                 reason = "stop_sequence"
                 break
-            if bool(finished[0]):
+            if cache_full:
                 reason = "context_limit"
                 break
             _check(alive, deadline)

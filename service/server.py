@@ -64,7 +64,7 @@ class CtxcacheServer:
         d, s = config.decoder, config.server
         cache = ArtifactCache[CachedContext](d.dram_cache_bytes, self.backend.load, CachedContext.nbytes)
         self.indexer = Indexer(lm, prompter, self.backend, config.indexer, "float16", self.metrics)
-        self.decoder = Decoder(lm, prompter, cache, s.max_streams, d.schedule, self.metrics)
+        self.decoder = Decoder(lm, prompter, cache, s.max_streams, d.schedule, self.metrics, d.max_batch)
         self.health = health.HealthServicer()
         self.servers: list[grpc.Server] = []
         self.port = self.admin_port = 0
@@ -125,6 +125,7 @@ class CtxcacheServer:
         for event in events:
             event.wait()
         self.indexer.close()
+        self.decoder.close()
         self.backend.close()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
