@@ -21,17 +21,25 @@ class LayerArtifact:
     tables: the sparse method's named index arrays, e.g. for CSAttention
       centroids [Hkv, m, C, d_b] fp16, list_idx [Hkv, m, C, L] int32,
       list_score [Hkv, m, C, L] fp16, list_floor [Hkv, m, C] fp16.
+    queries: optional [Hq, S, D] fp16 sample of the post-RoPE prefill queries (see
+      `indexer.build.query_positions`), kept so query-built tables can be rebuilt with new
+      parameters without re-prefilling; decoding never reads them (the store skips them).
     """
 
     k: torch.Tensor
     v: torch.Tensor
     tables: dict[str, torch.Tensor] = field(default_factory=dict)
+    queries: torch.Tensor | None = None
 
     def kv_bytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def table_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tables.values())
+
+    def query_bytes(self) -> int:
+        q = self.queries
+        return 0 if q is None else q.numel() * q.element_size()
 
 
 @dataclass

@@ -21,10 +21,15 @@ class IndexerConfig:
     chunk: int = 1024  # prefill tokens per forward pass (bounds attention memory)
     kv_dtype: str = "float16"  # dtype of stored K/V
     progress: bool = True
+    # prefill query positions kept per layer (fp16) so Rebuild needs no re-prefill; 0: none.
+    # 4096 keeps every query of a 4K context (CSAttention clusters at most 4096 per group).
+    store_queries: int = 4096
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
             raise ValueError(f"chunk={self.chunk} must be >= 1")
+        if self.store_queries < 0:
+            raise ValueError(f"store_queries={self.store_queries} must be >= 0")
         if self.kv_dtype not in _DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} must be one of {sorted(_DTYPES)}")
 
@@ -49,10 +54,39 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     for layer in tqdm(range(args.n_layers), desc=f"index ({method.name})", unit="layer",
                       disable=not config.progress):
         k, v = cache.k[layer][0, :, :n].cpu(), cache.v[layer][0, :, :n].cpu()
-        tables = method.build_layer(capture.queries(layer), k, v, layer, args.n_layers)
-        layers.append(LayerArtifact(k=k.to(dtype), v=v.to(dtype), tables=tables))
+        q = capture.queries(layer)
+        tables = method.build_layer(q, k, v, layer, args.n_layers)
+        kept = q[:, query_positions(n, config.store_queries)].half() if config.store_queries else None
+        layers.append(LayerArtifact(k=k.to(dtype), v=v.to(dtype), tables=tables, queries=kept))
         capture.chunks[layer] = []  # free the queries as we go
     return ContextArtifact(
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
         method_params=method.params.to_dict(), tokens=ids.cpu(), last_logits=logits[0].float().cpu(),
         layers=layers, kv_dtype=config.kv_dtype)
+
+
+def query_positions(n: int, keep: int) -> torch.Tensor:
+    """Which of n prefill query positions to store: all when n <= keep; otherwise the last
+    keep/4 (recency-based methods such as CTkvr read the newest queries) plus keep - keep/4
+    evenly spaced over the rest (query clustering wants the whole context's spread)."""
+    if n <= keep:
+        return torch.arange(n)
+    tail = keep // 4
+    spread = torch.linspace(0, n - tail - 1, keep - tail).round().long()
+    return torch.cat([spread, torch.arange(n - tail, n)])
+
+
+def reindex(source: ContextArtifact, method: SparseMethod) -> ContextArtifact:
+    """New tables from the stored K/V (and, for query-built methods, the stored query sample);
+    no re-prefill. The query sample is carried over to the new artifact."""
+    if method.caps.uses_queries and any(l.queries is None for l in source.layers):
+        raise ValueError(f"method {method.name!r} needs the prefill queries, which this artifact did not store")
+    empty_q = torch.empty(0)
+    n_layers = len(source.layers)
+    layers = []
+    for i, l in enumerate(source.layers):
+        q = l.queries.float() if method.caps.uses_queries else empty_q
+        layers.append(LayerArtifact(l.k, l.v, method.build_layer(q, l.k.float(), l.v.float(), i, n_layers),
+                                    queries=l.queries))
+    return ContextArtifact(source.model_id, source.model_args, method.name, method.params.to_dict(),
+                           source.tokens, source.last_logits, layers, source.kv_dtype, source.format_version)

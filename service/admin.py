@@ -11,6 +11,7 @@ from ctxcache.service.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
 from ctxcache.service.backend import ROLES_LABEL
 from ctxcache.service.indexing import Indexer
 from ctxcache.service.servicer import context_info
+from ctxcache.store.layout import QUERY_CHUNK
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -36,11 +37,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if m is None:
             raise NotFound(f"context {cid} not found")
         name, params = convert.method_spec(request.method, m.method, {})
-        reprefill = make_method(name, params).caps.uses_queries
+        needs_queries = make_method(name, params).caps.uses_queries
+        has_queries = any(c.name == QUERY_CHUNK for c in m.chunks)
+        reprefill = needs_queries and not has_queries
         if reprefill and not request.allow_reprefill:
-            raise FailedPrecondition(f"method {name!r} builds from the prefill queries, which are not "
-                                     "stored; set allow_reprefill to re-prefill the stored tokens")
-        art = self.backend.get(cid)
+            raise FailedPrecondition(f"method {name!r} builds from the prefill queries, which this "
+                                     "artifact did not store; set allow_reprefill to re-prefill the "
+                                     "stored tokens")
+        art = self.backend.get(cid, with_queries=needs_queries)
         if art is None:
             raise NotFound(f"context {cid} not found")
         roles = m.labels.get(ROLES_LABEL, "system").split(",")

@@ -49,8 +49,8 @@ class Backend:
     def manifest(self, cid: str) -> Manifest | None:
         return self.store.manifest(cid)
 
-    def get(self, cid: str) -> ContextArtifact | None:
-        return self.store.get(cid)
+    def get(self, cid: str, with_queries: bool = False) -> ContextArtifact | None:
+        return self.store.get(cid, with_queries)
 
     def load(self, cid: str) -> CachedContext:
         """Store -> DRAM for the decoder; NOT_FOUND if absent, CorruptArtifact -> DATA_LOSS."""

@@ -96,11 +96,13 @@ class IndexerSettings:
     queue_limit: int = 64  # queued builds beyond this -> RESOURCE_EXHAUSTED
     max_context_tokens: int = 0  # 0: the model's maximum length - 256
     chunk: int = 1024
+    store_queries: int = 4096  # prefill query positions kept per layer, so Rebuild needs no prefill
 
     def __post_init__(self) -> None:
-        if self.queue_limit < 1 or self.chunk < 1 or self.max_context_tokens < 0:
+        if self.queue_limit < 1 or self.chunk < 1 or self.max_context_tokens < 0 or self.store_queries < 0:
             raise ValueError(f"queue_limit={self.queue_limit}, chunk={self.chunk} must be >= 1 "
-                             f"and max_context_tokens={self.max_context_tokens} >= 0")
+                             f"and max_context_tokens={self.max_context_tokens}, store_queries="
+                             f"{self.store_queries} >= 0")
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from ctxcache.artifact import FORMAT_VERSION, ContextArtifact, LayerArtifact
-from ctxcache.indexer import IndexerConfig, build_artifact
+from ctxcache.artifact import FORMAT_VERSION, ContextArtifact
+from ctxcache.indexer import IndexerConfig, build_artifact, reindex
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.backend import ROLES_LABEL, Backend
@@ -119,7 +117,8 @@ class Indexer:
                 art = reindex(job.source, method)
             else:
                 art = build_artifact(self.lm, job.tokens, method,
-                                     IndexerConfig(self.settings.chunk, self.kv_dtype, progress=False))
+                                     IndexerConfig(self.settings.chunk, self.kv_dtype, progress=False,
+                                                   store_queries=self.settings.store_queries))
             job.progress = 0.9
             labels = {**job.spec.labels, ROLES_LABEL: ",".join(job.spec.roles)}
             meta = ContextMeta(labels=labels, ttl_s=job.spec.ttl_s, pinned=job.spec.pin,
@@ -144,15 +143,3 @@ class Indexer:
     def close(self, timeout: float = 5.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
-
-
-def reindex(source: ContextArtifact, method) -> ContextArtifact:
-    """New tables from stored K/V only (methods that do not use the prefill queries)."""
-    if method.caps.uses_queries:
-        raise ValueError(f"method {method.name!r} needs the prefill queries, which are not stored")
-    empty_q = torch.empty(0)
-    n_layers = len(source.layers)
-    layers = [LayerArtifact(l.k, l.v, method.build_layer(empty_q, l.k.float(), l.v.float(), i, n_layers))
-              for i, l in enumerate(source.layers)]
-    return ContextArtifact(source.model_id, source.model_args, method.name, method.params.to_dict(),
-                           source.tokens, source.last_logits, layers, source.kv_dtype, source.format_version)

@@ -26,8 +26,8 @@ from ctxcache.store.arena import Arena
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, StoreClosed, StoreError, StoreFull
 from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id, prefix
-from ctxcache.store.layout import assemble, build_manifest, chunk_tensors
-from ctxcache.store.manifest import ContextMeta, Manifest
+from ctxcache.store.layout import QUERY_CHUNK, assemble, build_manifest, chunk_tensors
+from ctxcache.store.manifest import ChunkInfo, ContextMeta, Manifest
 from ctxcache.store.txn_ops import (ManifestRead, delete_context, read_manifest, scan_manifests,
                                     verify_chunks)
 
@@ -191,30 +191,32 @@ class ArtifactStore:
             return new
 
     # ---- read ------------------------------------------------------------------------------
-    def get(self, context_id: str) -> ContextArtifact | None:
-        """The whole artifact, or None if absent/expired. Raises CorruptArtifact (DATA_LOSS)."""
+    def get(self, context_id: str, with_queries: bool = False) -> ContextArtifact | None:
+        """The artifact, or None if absent/expired. Raises CorruptArtifact (DATA_LOSS).
+        with_queries: also read the stored prefill query sample (Rebuild needs it; decoding
+        does not, so it is skipped by default and costs no load time)."""
         pool = self._live()
         check_id(context_id)
         with self._env.begin(buffers=True) as txn:
             m = self._visible(read_manifest(txn, context_id))
             if m is None:
                 return None
-            bufs = [txn.get(ChunkKey(context_id, c.layer, c.name).to_string().encode())
-                    for c in m.chunks]
-            arena = self._alloc(m)
-            list(pool.map(lambda i, b: self._decode(m, i, b, arena), range(len(bufs)), bufs))
+            chunks = [c for c in m.chunks if with_queries or c.name != QUERY_CHUNK]
+            bufs = [txn.get(ChunkKey(context_id, c.layer, c.name).to_string().encode()) for c in chunks]
+            arena = self._alloc(m, chunks)
+            list(pool.map(lambda i, b: self._decode(m, chunks[i], b, arena, i), range(len(bufs)), bufs))
         self._touch(m)
-        return assemble(m, arena.tensors)
+        return assemble(m, chunks, arena.tensors)
 
-    def _alloc(self, m: Manifest) -> Arena:
+    def _alloc(self, m: Manifest, chunks: list[ChunkInfo]) -> Arena:
         try:
-            specs = [(codec.torch_dtype(c.dtype), tuple(c.shape)) for c in m.chunks]
+            specs = [(codec.torch_dtype(c.dtype), tuple(c.shape)) for c in chunks]
         except ValueError as exc:
             raise CorruptArtifact(m.context_id, "manifest", str(exc)) from None
         return Arena(specs, self.config.huge_pages)
 
-    def _decode(self, m: Manifest, i: int, buf: memoryview | None, arena: Arena) -> None:
-        info = m.chunks[i]
+    def _decode(self, m: Manifest, info: ChunkInfo, buf: memoryview | None, arena: Arena, i: int) -> None:
+        """Check chunk `info` (sizes, checksum) and decode it into arena tensor i."""
         if buf is None:
             raise CorruptArtifact(m.context_id, info.label(), "chunk is missing")
         if len(buf) != info.stored_bytes:

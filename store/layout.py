@@ -1,7 +1,8 @@
 """How a ContextArtifact maps onto named chunks and a manifest, and back.
 
-Chunks: context-wide `tokens` and `last_logits` (layer None); per layer `k`, `v` and each
-table as `t_<name>` (the prefix keeps method table names from colliding with k/v).
+Chunks: context-wide `tokens` and `last_logits` (layer None); per layer `k`, `v`, each
+table as `t_<name>` (the prefix keeps method table names from colliding with k/v) and, when
+the indexer kept them, the prefill query sample `q` (read only by Rebuild).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ctxcache.store.keys import check_name
 from ctxcache.store.manifest import ChunkInfo, ContextMeta, Manifest
 
 TABLE_PREFIX = "t_"
+QUERY_CHUNK = "q"
 Slot = tuple[int | None, str]  # (layer, chunk name)
 
 
@@ -28,6 +30,8 @@ def chunk_tensors(art: ContextArtifact) -> list[tuple[Slot, torch.Tensor]]:
         out += [((i, "k"), layer.k), ((i, "v"), layer.v)]
         for name in sorted(layer.tables):
             out.append(((i, check_name(TABLE_PREFIX + name)), layer.tables[name]))
+        if layer.queries is not None:
+            out.append(((i, QUERY_CHUNK), layer.queries))
     return out
 
 
@@ -58,17 +62,18 @@ def build_manifest(context_id: str, art: ContextArtifact, meta: ContextMeta,
         last_access=now)
 
 
-def assemble(m: Manifest, tensors: Sequence[torch.Tensor]) -> ContextArtifact:
-    """Inverse of chunk_tensors: the manifest's chunks (in order) and their decoded tensors."""
+def assemble(m: Manifest, chunks: Sequence[ChunkInfo], tensors: Sequence[torch.Tensor]) -> ContextArtifact:
+    """Inverse of chunk_tensors: some of the manifest's chunks (in order; all but the
+    optional query chunks must be there) and their decoded tensors."""
     ctx: dict[str, torch.Tensor] = {}
     layers: list[dict[str, torch.Tensor]] = [{} for _ in range(m.n_layers)]
-    for info, t in zip(m.chunks, tensors, strict=True):
+    for info, t in zip(chunks, tensors, strict=True):
         (ctx if info.layer is None else layers[info.layer])[info.name] = t
     out = []
     for parts in layers:
         tables = {n.removeprefix(TABLE_PREFIX): t for n, t in parts.items()
                   if n.startswith(TABLE_PREFIX)}
-        out.append(LayerArtifact(k=parts["k"], v=parts["v"], tables=tables))
+        out.append(LayerArtifact(k=parts["k"], v=parts["v"], tables=tables, queries=parts.get(QUERY_CHUNK)))
     return ContextArtifact(
         model_id=m.model_id, model_args=m.model_args, method=m.method,
         method_params=m.method_params, tokens=ctx["tokens"], last_logits=ctx["last_logits"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -185,6 +186,22 @@ def test_admin_port_separate_stats_and_rebuild(start):
     assert rebuilt.context.state == pb.CONTEXT_STATE_READY and not rebuilt.reprefilled
     assert rebuilt.context.context_id != info.context_id and rebuilt.context.method == "oracle"
     assert ask(client, rebuilt.context.context_id)[1].usage.cached_tokens == info.n_tokens
+    # a query-built method with new parameters: from the stored query sample, no re-prefill
     req.method.name = "csattention"
-    assert rpc_code(lambda: client.admin.Rebuild(req)) == grpc.StatusCode.FAILED_PRECONDITION
+    req.method.params.update({"subspaces": 4, "centroids": 8})
+    cs = client.admin.Rebuild(req)
+    assert cs.context.state == pb.CONTEXT_STATE_READY and not cs.reprefilled
+    assert cs.context.method == "csattention" and ask(client, cs.context.context_id)[1].usage.generated_tokens > 0
     main_only.close()
+
+
+def test_rebuild_without_stored_queries_needs_reprefill(start, tmp_path):
+    cfg = tiny_config(tmp_path / "noq")
+    _, client = start(replace(cfg, indexer=replace(cfg.indexer, store_queries=0)))
+    info = put_text(client)
+    req = apb.RebuildRequest(context_id=info.context_id, wait=True,
+                             method=pb.MethodSpec(name="csattention", params={"subspaces": 4}))
+    assert rpc_code(lambda: client.admin.Rebuild(req)) == grpc.StatusCode.FAILED_PRECONDITION
+    req.allow_reprefill = True
+    again = client.admin.Rebuild(req)
+    assert again.reprefilled and again.context.state == pb.CONTEXT_STATE_READY

@@ -46,6 +46,9 @@ def assert_same(a: ContextArtifact, b: ContextArtifact) -> None:
         same(la.k, lb.k)
         same(la.v, lb.v)
         assert sorted(la.tables) == sorted(lb.tables)
+        assert (la.queries is None) == (lb.queries is None)
+        if la.queries is not None:
+            same(la.queries, lb.queries)
         for name in la.tables:
             same(la.tables[name], lb.tables[name])
 

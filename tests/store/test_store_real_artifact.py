@@ -35,11 +35,15 @@ def test_real_artifact_round_trip(real_artifact, tmp_path: Path) -> None:  # noq
     art = real_artifact
     with ArtifactStore(tmp_path, StoreConfig(map_size_bytes=1 << 30, budget_bytes=1 << 30)) as s:
         m = s.put("real", art)
-        got = s.get("real")
+        got = s.get("real", with_queries=True)
+        for_decoding = s.get("real")
         st = s.stats()
     assert_same(art, got)
+    assert all(l.queries is not None and l.queries.shape == (9, 192, 64) for l in got.layers)
+    assert all(l.queries is None for l in for_decoding.layers)  # decoding never loads them
     by = {(c.layer, c.name): c for c in m.chunks}
     assert by[(0, "t_list_idx")].stored_dtype == "|u1"  # int32 indices < 256 narrowed
     assert by[(0, "t_list_idx")].stored_bytes == by[(0, "t_list_idx")].raw_bytes // 4
     assert st.raw_kv_bytes == art.kv_bytes() == 30 * 2 * 3 * 192 * 64 * 2
-    assert st.stored_bytes < art.kv_bytes() + art.table_bytes()
+    q_bytes = sum(l.query_bytes() for l in art.layers)
+    assert st.stored_bytes < art.kv_bytes() + art.table_bytes() + q_bytes
