@@ -25,11 +25,14 @@ class Backend:
         self.store, self.registry, self.registry_kind = store, registry, registry_kind
 
     # ---- builds -------------------------------------------------------------------------------
-    def claim_build(self, cid: str) -> bool:
+    def claim_build(self, cid: str, lease_s: float) -> bool:
         try:
-            return self.registry.claim_build(cid, cid, self.store.location)
+            return self.registry.claim_build(cid, cid, self.store.location, lease_s)
         except RegistryUnavailable as exc:
             raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
+
+    def renew_claim(self, cid: str, lease_s: float) -> None:
+        self._best_effort("renew_build", cid, lease_s)
 
     def put(self, cid: str, art: ContextArtifact, meta: ContextMeta) -> Manifest:
         manifest = self.store.put(cid, art, meta)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ctxcache.store.registry import CLAIM_LEASE_S
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -97,8 +99,11 @@ class IndexerSettings:
     max_context_tokens: int = 0  # 0: the model's maximum length - 256
     chunk: int = 1024
     store_queries: int = 4096  # prefill query positions kept per layer, so Rebuild needs no prefill
+    claim_lease_s: float = CLAIM_LEASE_S  # registry build claims, renewed every lease/3 while building
 
     def __post_init__(self) -> None:
+        if self.claim_lease_s <= 0:
+            raise ValueError(f"indexer.claim_lease_s={self.claim_lease_s} must be > 0")
         if self.queue_limit < 1 or self.chunk < 1 or self.max_context_tokens < 0 or self.store_queries < 0:
             raise ValueError(f"queue_limit={self.queue_limit}, chunk={self.chunk} must be >= 1 "
                              f"and max_context_tokens={self.max_context_tokens}, store_queries="

@@ -53,6 +53,19 @@ class Indexer:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ctxcache-indexer", daemon=True)
         self._thread.start()
+        self._closed = threading.Event()
+        self._heartbeat = threading.Thread(target=self._renew_claims, name="ctxcache-claims", daemon=True)
+        self._heartbeat.start()
+
+    def _renew_claims(self) -> None:
+        """Keep the registry claims of queued and running builds alive (short leases, so a
+        crashed worker's claims lapse quickly); a failed renewal is retried next beat."""
+        lease = self.settings.claim_lease_s
+        while not self._closed.wait(lease / 3):
+            with self._lock:
+                building = [cid for cid, j in self._jobs.items() if j.state == "building"]
+            for cid in building:
+                self.backend.renew_claim(cid, lease)
 
     def context_id(self, spec: PutSpec, tokens: list[int]) -> str:
         return context_id_for(self.lm.model_id, self.prompter.tokenizer_id, self.prompter.template_id,
@@ -84,7 +97,7 @@ class Indexer:
             if self._queue.qsize() >= self.settings.queue_limit:
                 self.metrics.rejected.labels("PutContext").inc()
                 raise ResourceExhausted(f"{self._queue.qsize()} builds queued; retry later")
-            if not self.backend.claim_build(cid):
+            if not self.backend.claim_build(cid, self.settings.claim_lease_s):
                 raise Unavailable(f"context {cid} is being built by another worker; retry later")
             job = self._jobs[cid] = Job(cid, spec, tokens, source)
             self._queue.put(job)
@@ -141,5 +154,6 @@ class Indexer:
                     self._jobs.pop(job.context_id, None)
 
     def close(self, timeout: float = 5.0) -> None:
+        self._closed.set()
         self._queue.put(None)
         self._thread.join(timeout)

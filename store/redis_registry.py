@@ -18,13 +18,15 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from ctxcache.store.keys import BuildLockKey, PromptKey, check_id, prefix
-from ctxcache.store.registry import BuildState, Registry, RegistryEntry, RegistryUnavailable
+from ctxcache.store.registry import CLAIM_LEASE_S, BuildState, Registry, RegistryEntry, RegistryUnavailable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Compare-and-delete: drop a claim only if this process still owns it (its lease may have
 # lapsed and another builder taken over).
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# Compare-and-extend: renew a claim's lease only while this process still owns it.
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class RedisRegistry(Registry):
                                               redis.exceptions.TimeoutError],
                               decode_responses=True)
         self._release = self._r.register_script(_RELEASE)
+        self._renew = self._r.register_script(_RENEW)
         self._owner = f"{os.getpid()}:{uuid.uuid4().hex}"  # claim token of this registry
 
     @_guard
@@ -106,7 +109,7 @@ class RedisRegistry(Registry):
 
     @_guard
     def claim_build(self, prompt_hash: str, context_id: str, location: str = "",
-                    lease_s: float = 600.0) -> bool:
+                    lease_s: float = CLAIM_LEASE_S) -> bool:
         check_id(context_id)
         lock = BuildLockKey(prompt_hash).to_string()
         if not self._r.set(lock, self._owner, nx=True, px=max(1, int(lease_s * 1000))):
@@ -122,6 +125,11 @@ class RedisRegistry(Registry):
     @_guard
     def release_build(self, prompt_hash: str) -> None:
         self._release(keys=[BuildLockKey(prompt_hash).to_string()], args=[self._owner])
+
+    @_guard
+    def renew_build(self, prompt_hash: str, lease_s: float = CLAIM_LEASE_S) -> bool:
+        lock = BuildLockKey(prompt_hash).to_string()
+        return bool(self._renew(keys=[lock], args=[self._owner, max(1, int(lease_s * 1000))]))
 
     @_guard
     def build_claimed(self, prompt_hash: str) -> bool:

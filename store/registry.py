@@ -19,6 +19,11 @@ from typing import Protocol
 from ctxcache.store.errors import CorruptArtifact
 from ctxcache.store.keys import check_id
 
+# A build claim's lease. Builders renew it while they build (the service's indexer every
+# lease/3), so it only has to outlive a renewal gap; a crashed builder's claim then lapses
+# within this many seconds instead of blocking identical PutContexts for the whole build.
+CLAIM_LEASE_S = 30.0
+
 
 class RegistryUnavailable(Exception):
     """The registry backend cannot be reached (service: UNAVAILABLE). Raised fast."""
@@ -63,9 +68,14 @@ class Registry(ABC):
 
     @abstractmethod
     def claim_build(self, prompt_hash: str, context_id: str, location: str = "",
-                    lease_s: float = 600.0) -> bool:
+                    lease_s: float = CLAIM_LEASE_S) -> bool:
         """True for exactly one caller while no READY entry exists and no live claim is held;
-        the winner's entry becomes BUILDING. A claim lapses after lease_s (crashed builder)."""
+        the winner's entry becomes BUILDING. A claim lapses after lease_s unless renewed, so a
+        crashed builder blocks identical builds for at most one lease."""
+
+    @abstractmethod
+    def renew_build(self, prompt_hash: str, lease_s: float = CLAIM_LEASE_S) -> bool:
+        """Extend this process's claim to lease_s from now; False if it no longer holds it."""
 
     @abstractmethod
     def release_build(self, prompt_hash: str) -> None:
@@ -123,7 +133,7 @@ class EmbeddedRegistry(Registry):
             return iter(list(self._entries.values()))
 
     def claim_build(self, prompt_hash: str, context_id: str, location: str = "",
-                    lease_s: float = 600.0) -> bool:
+                    lease_s: float = CLAIM_LEASE_S) -> bool:
         now = self.clock()
         with self._lock:
             cur = self._entries.get(check_id(prompt_hash, "prompt_hash"))
@@ -137,6 +147,14 @@ class EmbeddedRegistry(Registry):
     def release_build(self, prompt_hash: str) -> None:
         with self._lock:
             self._claims.pop(prompt_hash, None)
+
+    def renew_build(self, prompt_hash: str, lease_s: float = CLAIM_LEASE_S) -> bool:
+        now = self.clock()
+        with self._lock:
+            if self._claims.get(prompt_hash, 0.0) <= now:
+                return False
+            self._claims[prompt_hash] = now + lease_s
+            return True
 
     def build_claimed(self, prompt_hash: str) -> bool:
         with self._lock:

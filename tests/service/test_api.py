@@ -205,3 +205,29 @@ def test_rebuild_without_stored_queries_needs_reprefill(start, tmp_path):
     req.allow_reprefill = True
     again = client.admin.Rebuild(req)
     assert again.reprefilled and again.context.state == pb.CONTEXT_STATE_READY
+
+
+def test_build_claim_is_renewed_while_building(start, tmp_path, monkeypatch):
+    import ctxcache.service.indexing as indexing
+
+    release = threading.Event()
+    real_build = indexing.build_artifact
+
+    def slow_build(*args, **kw):
+        release.wait(10)
+        return real_build(*args, **kw)
+
+    monkeypatch.setattr(indexing, "build_artifact", slow_build)
+    cfg = tiny_config(tmp_path / "lease")
+    srv, client = start(replace(cfg, indexer=replace(cfg.indexer, claim_lease_s=0.3)))
+    info = client.put(pb.PutContextRequest(text=TEXT, wait=False), timeout=10).context
+    assert info.state == pb.CONTEXT_STATE_BUILDING
+    time.sleep(1.0)  # > 3 leases: only the heartbeat keeps the claim alive
+    assert srv.backend.registry.build_claimed(info.context_id)
+    release.set()
+    for _ in range(200):
+        if client.context.GetContext(pb.GetContextRequest(context_id=info.context_id)).state == \
+                pb.CONTEXT_STATE_READY:
+            break
+        time.sleep(0.05)
+    assert not srv.backend.registry.build_claimed(info.context_id)  # released when ready

@@ -85,6 +85,21 @@ def test_claim_lifecycle(make_registry: Callable[[], Registry]) -> None:
     assert b.claim_build("other", "c2", lease_s=30)
 
 
+def test_renewed_claim_outlives_its_lease_and_lapses_once_not_renewed(
+        make_registry: Callable[[], Registry]) -> None:
+    a, b = make_registry(), make_registry()
+    assert a.claim_build("h", "c", lease_s=0.3)
+    for _ in range(4):  # 0.6 s of heartbeats: twice the lease
+        time.sleep(0.15)
+        assert a.renew_build("h", lease_s=0.3)
+    assert not b.claim_build("h", "c") and b.build_claimed("h")
+    time.sleep(0.4)  # the builder died: no more renewals, the claim lapses
+    assert not a.renew_build("h", lease_s=0.3)
+    assert b.claim_build("h", "c", lease_s=30)
+    if isinstance(a, RedisRegistry):  # claims are owned: another worker cannot extend them
+        assert not a.renew_build("h")
+
+
 def test_redis_down_fails_fast_and_recovers(redis_server, tmp_path: Path) -> None:  # noqa: ANN001
     reg = RedisRegistry(redis_server.config())
     reg.mark_ready("h1", "c1", "/data")
