@@ -104,12 +104,29 @@ def run(args) -> dict:
         out.update(cached_ttft_s=statistics.median(warm), cached_ttft_all_s=warm)
         turn = [{"role": "user", "content": QUESTION}]
         out["reprefill_ttft_s"] = _reprefill_ttft(lm, prompter, text_messages(text), turn)
-        out["throughput"] = [_throughput(client, pb, info.context_id, n, args.max_tokens) for n in (1, 4, 16)]
+        out["stored_bytes_by_part"] = _stored_parts(server, info.context_id)
+        out["throughput"] = []
+        for n in (1, 4, 16):
+            steps0, rows0 = server.decoder.batcher.steps, server.decoder.batcher.rows_stepped
+            t = _throughput(client, pb, info.context_id, n, args.max_tokens)
+            steps = server.decoder.batcher.steps - steps0
+            t["mean_decode_batch"] = (server.decoder.batcher.rows_stepped - rows0) / steps if steps else 0.0
+            out["throughput"].append(t)
         out["stats"] = str(client.admin.Stats(apb.StatsRequest())).replace("\n", "; ")
     finally:
         client.close()
         server.stop(1)
     return out
+
+
+def _stored_parts(server, cid: str) -> dict:
+    """Stored (compressed) bytes of the artifact by part: K/V, index tables, query sample."""
+    parts = {"kv": 0, "tables": 0, "queries": 0, "other": 0}
+    for c in server.backend.manifest(cid).chunks:
+        kind = "kv" if c.name in ("k", "v") else "tables" if c.name.startswith("t_") else \
+            "queries" if c.name == "q" else "other"
+        parts[kind] += c.stored_bytes
+    return parts
 
 
 def machine() -> dict:
@@ -122,12 +139,15 @@ def table(r: dict) -> str:
             ("build (prefill + index + store)", f"{r['build_s']:.1f} s"),
             ("artifact bytes / raw KV bytes", f"{r['artifact_bytes'] / 1e6:.1f} MB / {r['raw_kv_bytes'] / 1e6:.1f} MB "
                                               f"= {r['artifact_over_raw_kv']:.2f}"),
+            ("  of which K/V, tables, query sample", " / ".join(
+                f"{r['stored_bytes_by_part'][k] / 1e6:.1f} MB" for k in ("kv", "tables", "queries"))),
             ("artifact load (store -> DRAM)", f"{r['load_s']:.3f} s"),
             ("TTFT cold (load + question + 1st token)", f"{r['cold_ttft_s']:.3f} s"),
             ("TTFT cached (DRAM hit), median", f"{r['cached_ttft_s']:.3f} s  (target <= 0.3 s)"),
             ("TTFT re-prefill (dense, same run)", f"{r['reprefill_ttft_s']:.2f} s")]
     rows += [(f"Generate, {t['streams']} concurrent stream(s)",
-              f"{t['tokens_per_s']:.1f} tok/s total, mean TTFT {t['mean_ttft_s']:.2f} s"
+              f"{t['tokens_per_s']:.1f} tok/s total, mean TTFT {t['mean_ttft_s']:.2f} s, "
+              f"mean decode batch {t['mean_decode_batch']:.1f}"
               + (f", {len(t['errors'])} errors" if t["errors"] else "")) for t in r["throughput"]]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"| {k:<{width}} | {v} |" for k, v in rows)
@@ -141,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4000, help="context length in tokens")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per stream in the throughput runs")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = {"machine": machine(), "args": vars(args) | {"json": str(args.json)}, **run(args)}
     print(table(result))
     if args.json:

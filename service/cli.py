@@ -24,6 +24,8 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--method", default="csattention")
+    p.add_argument("--store-queries", type=int, default=1536,
+                   help="prefill query positions kept per layer so Rebuild needs no prefill (0: none)")
     p.add_argument("--schedule", default="0.05-step-1", help="default sparse schedule")
     p.add_argument("--dram-cache-gb", type=float, default=2.0)
     p.add_argument("--max-streams", type=int, default=16)

@@ -39,7 +39,7 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
         model=ModelConfig(args.model, args.device, args.dtype),
         store=StoreSettings(args.data, int(args.store_budget_gb * GiB)),
         registry=RegistrySettings(args.redis),
-        indexer=IndexerSettings(method=args.method),
+        indexer=IndexerSettings(method=args.method, store_queries=args.store_queries),
         decoder=DecoderSettings(dram_cache_bytes=int(args.dram_cache_gb * GiB), schedule=args.schedule,
                                 torch_threads=args.threads, max_batch=args.max_batch))
 

@@ -98,7 +98,7 @@ class IndexerSettings:
     queue_limit: int = 64  # queued builds beyond this -> RESOURCE_EXHAUSTED
     max_context_tokens: int = 0  # 0: the model's maximum length - 256
     chunk: int = 1024
-    store_queries: int = 4096  # prefill query positions kept per layer, so Rebuild needs no prefill
+    store_queries: int = 1536  # prefill query positions kept per layer, so Rebuild needs no prefill
     claim_lease_s: float = CLAIM_LEASE_S  # registry build claims, renewed every lease/3 while building
 
     def __post_init__(self) -> None:

@@ -169,8 +169,14 @@ class CSAttention(SparseMethod):
         mm = torch.arange(m)[None, None, :, None]
         acc = torch.zeros(hkv, sub_q.shape[1], n)
         if "dense_score" in t:
-            rows = t["dense_score"][hh, mm, ids].float()  # [Hkv, G, m, tau, N]
-            acc[..., :rows.shape[-1]] = torch.einsum("hgmtn,hgmt->hgn", rows, wts)
+            dense = t["dense_score"]  # [Hkv, m, C, N]
+            # one index_select of the chosen rows + a batched matvec: 6x faster on CPU than
+            # advanced indexing with broadcast index tensors followed by an einsum
+            flat = ((hh * m + mm) * dense.shape[2] + ids).flatten()
+            rows = dense.reshape(-1, dense.shape[-1]).index_select(0, flat).float()
+            g = sub_q.shape[1]
+            acc[..., :rows.shape[-1]] = torch.bmm(wts.reshape(hkv * g, 1, -1),
+                                                  rows.view(hkv * g, -1, rows.shape[-1])).view(hkv, g, -1)
             floor = torch.full(ids.shape, float("-inf"))  # every appended key is listed too
             self._add_streamed(state, acc, ids, wts, floor, offset=torch.zeros(ids.shape))
             return acc
