@@ -94,11 +94,13 @@ def workspace(rows: int, device: torch.device | str) -> torch.Tensor:
 
 
 def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
-               ws: torch.Tensor | None = None, block: int = 4096) -> torch.Tensor:
+               ws: torch.Tensor | None = None, block: int = 4096, hist0_done: bool = False) -> torch.Tensor:
     """x [B, Hkv, N] fp32; lo, hi, k [B] int32 (k <= hi - lo) -> out [B, Hkv, K_max] int32.
 
     Row (b, h) gets its k[b] indices in out[b, h, :k[b]]; the rest of out is left as is.
-    `ws` (see `workspace`) is zeroed here; pass a static one inside a captured graph."""
+    `ws` (see `workspace`) is zeroed here; pass a static one inside a captured graph.
+    hist0_done: the producer of x already zeroed ws and added pass 0's histogram
+    (dense_select.dense_scores does, fused with the scores), so start at pass 1."""
     if x.dim() != 3 or x.dtype != torch.float32 or x.stride(2) != 1:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be fp32 [B, Hkv, N] contiguous in N")
     b, hkv, n = x.shape
@@ -109,9 +111,12 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be int32 [{b}, {hkv}, K_max]")
     if x.stride(0) != hkv * x.stride(1) or out.stride(0) != hkv * out.stride(1):
         raise ValueError("x and out must have their (B, Hkv) dims mergeable into rows")
-    ws = workspace(b * hkv, x.device) if ws is None else ws.zero_()
+    if hist0_done and ws is None:
+        raise ValueError("hist0_done needs the workspace that holds pass 0")
+    if not hist0_done:
+        ws = workspace(b * hkv, x.device) if ws is None else ws.zero_()
     grid = (b * hkv, triton.cdiv(n, block))
-    for p in range(_PASSES):
+    for p in range(1 if hist0_done else 0, _PASSES):
         _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=p, BLOCK=block)
     _collect_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), BLOCK=block)
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ctxcache.decoder.gpu.selector import GpuSelector, GpuTables
+from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables
 from ctxcache.kernels.sparse_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
@@ -33,9 +33,10 @@ class GpuDenseAttention:
 class GpuSparseAttention:
     """CSAttention decode on the GPU: index the new key, select, attend (sinks + top-K + recent).
 
-    tables[layer] hold all rows' tables (GpuTables.stack); dense_layers attend densely."""
+    tables[layer] hold all rows' tables of either layout (selector.stack_tables); dense_layers
+    attend densely."""
 
-    def __init__(self, params: CSAttentionParams, tables: list[GpuTables], budget: Budget, batch: int,
+    def __init__(self, params: CSAttentionParams, tables: list[GpuTables | GpuDenseTables], budget: Budget, batch: int,
                  n_heads: int, n_kv: int, head_dim: int, max_len: int, dense_layers: tuple[int, ...] = ()) -> None:
         self.params, self.tables, self.budget, self.dense_layers = params, tables, budget, dense_layers
         device = tables[0].centroids.device

@@ -1,4 +1,9 @@
-"""CSAttention selection on the GPU: route -> scatter lists -> add streamed keys -> radix Top-K.
+"""CSAttention selection on the GPU, for both table layouts.
+
+List layout (list_fraction < 1): route -> scatter lists -> add streamed keys -> radix Top-K.
+Dense layout (list_fraction = 1, the measured default): route -> weighted sum of the G * m
+routed rows of dense_score with streamed keys and radix pass 0 fused (dense_select) -> radix
+passes 1-3 + collect.
 
 Static buffers sized once (rows, heads, max context, max K), so a step is a fixed sequence of
 launches that a CUDA graph can capture. Matches CSAttention.search with tau = 1 (no backoff)
@@ -10,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ctxcache.kernels.dense_select import dense_scores, quantize_rows
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
 from ctxcache.kernels.stream import add_streamed, stream_insert
@@ -59,8 +65,7 @@ class GpuTables:
         """Stack rows' tables (different contexts), padding lists to the longest L with
         entries whose score equals the floor (they add exactly 0)."""
         if any("dense_score" in t for t in per_row):
-            raise ValueError("the GPU selector supports list tables (list_fraction < 1); the dense "
-                             "full-list layout runs on the torch reference path only")
+            raise ValueError("dense full-list tables: use GpuDenseTables.stack (or stack_tables)")
         l_max = max(t["list_idx"].shape[-1] for t in per_row)
         idx, score = [], []
         for t in per_row:
@@ -81,10 +86,66 @@ class GpuTables:
 
     def insert(self, k_new: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
         """Index keys k_new [B, Hkv, D] written at positions pos [B] int32 (graph-safe)."""
-        k = k_new[..., perm] if perm is not None else k_new
-        col = (pos - self.stream_start).int()
-        stream_insert(k.contiguous(), self.centroids, self.new_scores, col)
-        torch.maximum(self.stream_count, col + 1, out=self.stream_count)
+        _insert(self, k_new, pos, perm)
+
+
+def _insert(t: "GpuTables | GpuDenseTables", k_new: torch.Tensor, pos: torch.Tensor,
+            perm: torch.Tensor | None) -> None:
+    """Score new keys against every centroid into the streamed overlay (both layouts)."""
+    k = k_new[..., perm] if perm is not None else k_new
+    col = (pos - t.stream_start).int()
+    stream_insert(k.contiguous(), t.centroids, t.new_scores, col)
+    torch.maximum(t.stream_count, col + 1, out=t.stream_count)
+
+
+@dataclass
+class GpuDenseTables:
+    """One layer's dense full-list tables for a batch (leading row dim, stride 0 when shared):
+    centroids [B, Hkv, m, C, d_b] fp16; dense_score [B, Hkv, m, C, N] fp16, or int8 with
+    score_scale [B, Hkv, m, C] fp32; n_ctx [B] keys in the table per row; streamed overlay
+    new_scores [B, Hkv, m, C, T] fp32 for keys at stream_start[b] + t (= n_ctx[b] + t)."""
+
+    centroids: torch.Tensor
+    dense_score: torch.Tensor
+    score_scale: torch.Tensor | None
+    n_ctx: torch.Tensor
+    new_scores: torch.Tensor
+    stream_start: torch.Tensor
+    stream_count: torch.Tensor
+
+    @classmethod
+    def stack(cls, per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
+              device: torch.device | str, score_dtype: str = "float16") -> "GpuDenseTables":
+        """Stack rows' dense tables (zero-padded to the longest N; the kernel masks by n_ctx).
+        score_dtype "int8" quantizes each (head, subspace, centroid) row with its own scale."""
+        if score_dtype not in ("float16", "int8"):
+            raise ValueError(f"score_dtype={score_dtype!r} must be float16 or int8")
+        n_max = max(t["dense_score"].shape[-1] for t in per_row)
+        dense = torch.stack([torch.nn.functional.pad(t["dense_score"].half(), (0, n_max - t["dense_score"].shape[-1]))
+                             for t in per_row]).to(device)
+        scale = None
+        if score_dtype == "int8":
+            dense, scale = quantize_rows(dense)
+        hkv, m, c = dense.shape[1:4]
+        dev = dict(device=device)
+        n = torch.tensor(n_ctx, dtype=torch.int32, **dev)
+        return cls(torch.stack([t["centroids"] for t in per_row]).to(**dev), dense.contiguous(), scale, n,
+                   torch.zeros(len(per_row), hkv, m, c, max(max_new, 1), **dev), n.clone(),
+                   torch.zeros(len(per_row), dtype=torch.int32, **dev))
+
+    def insert(self, k_new: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
+        """Index keys k_new [B, Hkv, D] written at positions pos [B] int32 (graph-safe)."""
+        _insert(self, k_new, pos, perm)
+
+
+def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
+                 device: torch.device | str, score_dtype: str = "float16") -> "GpuTables | GpuDenseTables":
+    """GPU tables of whichever layout the artifact holds (dense_score: the dense layout)."""
+    if all("dense_score" in t for t in per_row):
+        return GpuDenseTables.stack(per_row, n_ctx, max_new, device, score_dtype)
+    if any("dense_score" in t for t in per_row):
+        raise ValueError("rows mix the dense and the list table layouts")
+    return GpuTables.stack(per_row, n_ctx, max_new, device)
 
 
 class GpuSelector:
@@ -99,7 +160,13 @@ class GpuSelector:
         self.params = params
         self.ids = torch.zeros(batch, n_heads, m, dtype=torch.int32, device=device)
         self.w = torch.zeros(batch, n_heads, m, device=device)
-        self.acc = torch.zeros(batch, n_kv, n_max, device=device)
+        # rounded up so that any power-of-two block <= 4096 of the dense kernel tiles it
+        self.acc = torch.zeros(batch, n_kv, -(-n_max // 4096) * 4096, device=device)
+        self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # tuned on the H100 (bench)
+        # radix Top-K chunk: the passes are latency-bound, so more, smaller programs while the
+        # grid stays within ~2048 programs (each adds 256 histogram atomics per pass)
+        rows = batch * n_kv
+        self.topk_block = next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096)
         self.ws = workspace(batch * n_kv, device)
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
 
@@ -116,8 +183,22 @@ class GpuSelector:
                      self.acc, offset)
         return self.acc
 
-    def select(self, q: torch.Tensor, t: GpuTables, lo: torch.Tensor, hi: torch.Tensor,
+    def route_dense(self, q: torch.Tensor, t: GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
+                    k: torch.Tensor) -> torch.Tensor:
+        """Dense layout: scores acc [B, Hkv, n_max] of q [B, Hq, D], radix pass 0 into ws."""
+        qs = q[..., self.perm] if self.perm is not None else q
+        route(qs.contiguous(), t.centroids, out=(self.ids, self.w))
+        if self.params.weighting == "unit":
+            self.w.fill_(1.0)
+        self.ws.zero_()
+        return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
+                            t.stream_start, t.stream_count, lo, hi, k, self.acc, self.ws, **self.dense_cfg)
+
+    def select(self, q: torch.Tensor, t: GpuTables | GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
                k: torch.Tensor) -> torch.Tensor:
         """-> idx [B, Hkv, k_max] int32; row b's first k[b] entries are its selection."""
+        if isinstance(t, GpuDenseTables):
+            self.route_dense(q, t, lo, hi, k)
+            return radix_topk(self.acc, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True)
         self.route_scatter(q, t)
         return radix_topk(self.acc, lo, hi, k, self.idx, self.ws)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ctxcache.decoder.gpu.selector import GpuSelector, GpuTables
+from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables, stack_tables
 from ctxcache.kernels.sparse_attention import region
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
@@ -43,6 +43,41 @@ def test_selection_matches_csattention_search(device, layout, weighting, scoring
     assert ((got[:, :kk[0]] == n).sum(1) == 1).all()  # the aligned streamed key is selected by every head
     for h in range(hkv):
         assert _overlap(got[h], want[h]) >= 0.97  # fp sums in another order may swap near-ties
+
+
+@pytest.mark.parametrize("layout,score_dtype", [("contiguous", "float16"), ("rope_pairs", "float16"),
+                                                ("contiguous", "int8")])
+def test_dense_selection_matches_csattention_search(device, layout, score_dtype):
+    """Dense full-list tables (the default layout): GPU selection vs CSAttention.search."""
+    hq, hkv, d, n, streamed = 6, 2, 32, 600, 5
+    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout)
+    method = CSAttention(params)
+    q_pre, k, v = torch.randn(hq, n, d), torch.randn(hkv, n + streamed, d), torch.randn(hkv, n + streamed, d)
+    q = torch.randn(hq, d)
+    k[:, n + 1] = 4 * q.view(hkv, -1, d).sum(1)  # a streamed key the query should find
+    state = method.open(method.build(q_pre, k[:, :n], v[:, :n]))
+    assert "dense_score" in state.tables
+    method.append(state, k[:, n:n + streamed], n)
+    budget = Budget(keep=0.05, sinks=4, recent=2)
+    total = n + streamed
+    lo, hi = budget.region(total)
+    want = method.search(state, q, k, lo, hi, budget.top_k(total))
+
+    sel = GpuSelector(params, 1, hq, hkv, d, total, budget.top_k(total), device)
+    tables = stack_tables([state.tables], [n], max_new=8, device=device, score_dtype=score_dtype)
+    assert isinstance(tables, GpuDenseTables)
+    for t in range(streamed):
+        tables.insert(k[None, :, n + t].to(device), torch.tensor([n + t], dtype=torch.int32, device=device),
+                      sel.perm)
+    nt = torch.tensor([total], dtype=torch.int32, device=device)
+    lo_t, hi_t = region(nt, budget.sinks, budget.recent)
+    kk = torch.tensor([budget.top_k(total)], dtype=torch.int32, device=device)
+    got = sel.select(q[None].to(device), tables, lo_t, hi_t, kk)[0].cpu()
+    assert ((got[:, :kk[0]] == n + 1).sum(1) == 1).all()
+    # fp16: only summation order differs; int8 storage (0.4% of a row's range) may swap near-ties
+    floor = 0.97 if score_dtype == "float16" else 0.85
+    for h in range(hkv):
+        assert _overlap(got[h, :kk[0]], want[h]) >= floor
 
 
 def test_selector_refuses_backoff(device):
