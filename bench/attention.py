@@ -1,7 +1,10 @@
 """Per-layer decode attention: dense SDPA (flash) and split-K vs CSAttention selection + sparse attention.
 
 Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128, bf16), one layer, random
-K/V/Q and random tables of the shapes CSAttention builds (m=8, C=128, L = alpha * N).
+K/V/Q and random tables of the shapes CSAttention builds (m=8, C=128): the list layout
+(L = alpha * N; rows cs_*, csattention) and the dense full-list layout, the measured default
+(dense_score [B, Hkv, m, C, N], distinct per batch row; rows cs_dense_*, csattention_dense,
+and *_int8 for int8 storage with a per-row scale).
 Each variant is captured in a CUDA graph and timed by replay (median, L2 flushed).
 `ctxcache bench attention [--contexts 8192,...] [--batches 1,8] [--out DIR]`."""
 
@@ -13,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ctxcache.decoder.gpu.selector import GpuSelector, GpuTables
+from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
 from ctxcache.kernels.topk import radix_topk
 from ctxcache.kernels.sparse_attention import choose_splits, region, sparse_decode_attention
@@ -35,6 +38,23 @@ def random_tables(batch: int, n: int, params: CSAttentionParams, device: str) ->
     return GpuTables(cent, idx, score, floor, torch.zeros(batch, HKV, m, c, 1, device=device),
                      torch.full((batch,), n, dtype=torch.int32, device=device),
                      torch.zeros(batch, dtype=torch.int32, device=device), (floor - 0.5).contiguous())
+
+
+def random_dense_tables(batch: int, n: int, params: CSAttentionParams, device: str, score_dtype: str = "float16",
+                        max_new: int = 1) -> GpuDenseTables:
+    """Random dense-layout tables (unit centroids, scores ~ N(0, 1)), generated in place in their
+    storage dtype (an fp32 temporary of 17 GB at batch 8 x 128K would not fit)."""
+    m, c = params.subspaces, params.centroids
+    cent = F.normalize(torch.randn(batch, HKV, m, c, D // m, device=device), dim=-1).half()
+    scale = None
+    if score_dtype == "int8":
+        dense = torch.randint(-127, 128, (batch, HKV, m, c, n), dtype=torch.int8, device=device)
+        scale = torch.rand(batch, HKV, m, c, device=device) / 127 + 1e-3
+    else:
+        dense = torch.empty(batch, HKV, m, c, n, dtype=torch.float16, device=device).normal_()
+    nt = torch.full((batch,), n, dtype=torch.int32, device=device)
+    return GpuDenseTables(cent, dense, scale, nt, torch.zeros(batch, HKV, m, c, max_new, device=device),
+                          nt.clone(), torch.zeros(batch, dtype=torch.int32, device=device))
 
 
 def sdpa_dense(q, k, v):
@@ -81,8 +101,87 @@ def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev
     g = capture(total)
     rows.append({**base, "method": "csattention", "time_us": time_us(g.replay),
                  "list_len": params.list_length(n), "top_k": int(kk[0]), "splits": ss})
-    del tables, sel, k, v
+    del tables, sel
     torch.cuda.empty_cache()
+    for score_dtype in ("float16", "int8"):
+        rows += bench_dense(q, k, v, nt, lo, hi, kk, budget, score_dtype, base)
+    del k, v
+    torch.cuda.empty_cache()
+    return rows
+
+
+DENSE_CFG = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # replaced by tune_dense's pick
+
+
+def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, score_dtype: str, base: dict) -> list[dict]:
+    """Dense-layout selection (broken down) + sparse attention, one storage dtype."""
+    batch, n = q.shape[0], k.shape[2]
+    params = CSAttentionParams()  # list_fraction = 1: the dense layout
+    tables = random_dense_tables(batch, n, params, q.device, score_dtype)
+    sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device)
+    sel.dense_cfg = dict(DENSE_CFG)
+    ss = choose_splits(batch * HKV, int(kk[0]) + budget.sinks + budget.recent)
+    idx = sel.select(q, tables, lo, hi, kk)
+    ws_after_pass0 = sel.ws.clone()
+    sel.route_dense(q, tables, lo, hi, kk)
+    ws_after_pass0.copy_(sel.ws)
+    suffix = "" if score_dtype == "float16" else "_int8"
+    score_bytes = batch * HQ * params.subspaces * n * tables.dense_score.element_size()
+
+    def topk_only():  # restore pass 0's histogram (4 KB per row) so replays stay valid
+        sel.ws.copy_(ws_after_pass0)
+        radix_topk(sel.acc, lo, hi, kk, sel.idx, sel.ws, block=sel.topk_block, hist0_done=True)
+
+    def total():
+        i = sel.select(q, tables, lo, hi, kk)
+        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss)
+    parts = {
+        "cs_dense_score": lambda: sel.route_dense(q, tables, lo, hi, kk),
+        "cs_dense_topk": topk_only,
+        "cs_dense_select": lambda: sel.select(q, tables, lo, hi, kk),
+        "csattention_dense": total,
+    }
+    rows = []
+    for name, fn in parts.items():
+        g = capture(fn)
+        row = {**base, "method": name + suffix, "time_us": time_us(g.replay), "score_dtype": score_dtype}
+        if name == "cs_dense_score":
+            row["rows_bytes"] = score_bytes  # G*m routed rows of N per KV head (repeats counted)
+            row["gb_per_s"] = score_bytes / row["time_us"] / 1e3
+        if name == "cs_dense_topk":
+            row["note"] = "radix passes 1-3 + collect, plus a 4 KB-per-row workspace restore copy"
+        if name == "csattention_dense":
+            row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(DENSE_CFG), topk_block=sel.topk_block)
+        rows.append(row)
+    del tables, sel, idx
+    torch.cuda.empty_cache()
+    return rows
+
+
+def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
+    """Score-kernel configs at context n; sets DENSE_CFG to the best summed over batches."""
+    rows, total = [], {}
+    params = CSAttentionParams()
+    for batch in batches:
+        q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
+        nt = torch.full((batch,), n, dtype=torch.int32, device=dev)
+        lo, hi = region(nt, budget.sinks, budget.recent)
+        kk = torch.full((batch,), budget.top_k(n), dtype=torch.int32, device=dev)
+        tables = random_dense_tables(batch, n, params, dev)
+        sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), dev)
+        for block in (512, 1024, 2048):
+            for r_chunk in (8, 32):
+                for warps in (4, 8):
+                    cfg = {"block": block, "r_chunk": r_chunk, "num_warps": warps}
+                    sel.dense_cfg = cfg
+                    g = capture(lambda: sel.route_dense(q, tables, lo, hi, kk))
+                    t = time_us(g.replay)
+                    total[tuple(cfg.items())] = total.get(tuple(cfg.items()), 0.0) + t
+                    rows.append({"context": n, "batch": batch, "method": f"cs_dense_score_b{block}_r{r_chunk}_w{warps}",
+                                 "time_us": t, **cfg})
+        del tables, sel
+        torch.cuda.empty_cache()
+    DENSE_CFG.update(dict(min(total, key=total.get)))
     return rows
 
 
@@ -128,7 +227,13 @@ def summarize(rows: list[dict]) -> list[dict]:
         dense = next(v for m, v in t.items() if m.startswith("dense_sdpa"))
         out.append({"context": n, "batch": b, "sdpa_us": dense, "splitk_us": t["dense_splitk"],
                     "select_us": t["cs_select"], "attn_us": t["cs_sparse_attn"], "cs_us": t["csattention"],
-                    "speedup": dense / t["csattention"]})
+                    "speedup": dense / t["csattention"],
+                    "dense_score_us": t.get("cs_dense_score"), "dense_topk_us": t.get("cs_dense_topk"),
+                    "dense_select_us": t.get("cs_dense_select"), "cs_dense_us": t.get("csattention_dense"),
+                    "speedup_dense": dense / t["csattention_dense"] if "csattention_dense" in t else None,
+                    "dense_select_int8_us": t.get("cs_dense_select_int8"),
+                    "cs_dense_int8_us": t.get("csattention_dense_int8"),
+                    "speedup_dense_int8": dense / t["csattention_dense_int8"] if "csattention_dense_int8" in t else None})
     return out
 
 
@@ -142,23 +247,31 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench attention needs a CUDA GPU")
         return 2
-    params, budget = CSAttentionParams(), Budget(keep=args.keep)
-    rows = []
+    params, budget = CSAttentionParams(list_fraction=0.25), Budget(keep=args.keep)
+    n_max = max(int(x) for x in args.contexts.split(","))
+    rows = tune_dense(n_max, [int(x) for x in args.batches.split(",")], budget, "cuda")
+    print("dense score config", DENSE_CFG, flush=True)
     for b in (int(x) for x in args.batches.split(",")):
         for n in (int(x) for x in args.contexts.split(",")):
             rows += bench_one(n, b, params, budget, "cuda")
-    n_max = max(int(x) for x in args.contexts.split(","))
+            print(rows[-1], flush=True)
     rows += sweep_list_len(n_max, params, budget, "cuda")
     rows += sweep_topk_block(n_max, budget, "cuda") + sweep_topk_block(8192, budget, "cuda")
     summary = summarize(rows)
     cross = {b: next((s["context"] for s in summary if s["batch"] == b and s["speedup"] > 1), None)
              for b in sorted({s["batch"] for s in summary})}
+    cross_dense = {b: next((s["context"] for s in summary if s["batch"] == b and (s["speedup_dense"] or 0) > 1), None)
+                   for b in sorted({s["batch"] for s in summary})}
     path = write_results("attention", rows, {"summary": summary, "crossover_context": cross,
+                                             "crossover_context_dense": cross_dense, "dense_cfg": DENSE_CFG,
                                              "params": params.to_dict(), "keep": args.keep}, args.out)
     print_table([r for r in rows if r["method"].startswith(("cs_select_alpha", "topk", "torch_topk"))],
                 ["context", "list_len", "method", "time_us"])
     print_table(summary, ["context", "batch", "sdpa_us", "splitk_us", "select_us", "attn_us", "cs_us", "speedup"])
-    print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) {cross}; wrote {path}")
+    print_table(summary, ["context", "batch", "sdpa_us", "dense_score_us", "dense_topk_us", "dense_select_us",
+                          "cs_dense_us", "speedup_dense", "dense_select_int8_us", "speedup_dense_int8"])
+    print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) list {cross}, "
+          f"dense {cross_dense}; dense cfg {DENSE_CFG}; wrote {path}")
     return 0
 
 

@@ -3,9 +3,13 @@ both as CUDA-graph-captured steps; plus index build time vs prefill at 32K.
 
 Memory decides the layer count: 8B bf16 weights are 16 GB and the KV of 128K tokens is 17 GB
 per batch row over 32 layers, so batch 8 at 128K (137 GB of KV) cannot run with 32 layers on
-one H100; such rows run fewer layers and say so (`layers`). Random tables are shared by all
-layers of a run (`tables_shared_across_layers`): their size (1.6 GB per row and layer at
-L = N/4) would not fit otherwise. `ctxcache bench decode [--configs 131072x1x32,...]`."""
+one H100; such rows run fewer layers and say so (`layers`). Random list tables are shared by
+all layers of a run (`tables_shared_across_layers`): their size (1.6 GB per row and layer at
+L = N/4) would not fit otherwise. Dense-layout tables (list_fraction 1.0, the default; 2.1 GB
+per layer at 128K, 4x the KV) are one table per batch (shared by the rows, stride 0) and
+rotate over DENSE_BUFFERS distinct buffers across layers: between two uses of a buffer the
+other layers read at least 3 x 64 MB of routed rows, more than the 50 MB L2, so no layer's
+rows come from cache. `ctxcache bench decode [--configs 131072x1x32,...]`."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import time
 
 import torch
 
-from ctxcache.bench.attention import random_tables
+from ctxcache.bench.attention import random_dense_tables, random_tables
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.timing import device_info, print_table, write_results
@@ -42,6 +46,7 @@ def tokens_per_s(model, cache, attn, batch: int, n: int, steps: int) -> float:
     cache.lengths.fill_(n)
     dec = GraphDecoder(model, cache, attn)
     tok = torch.zeros(batch, dtype=torch.long, device="cuda")
+    tok = torch.arange(batch, device="cuda")  # distinct rows: equal tokens would route alike
     dec.step(tok)  # capture + first replay
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -61,16 +66,41 @@ def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, bud
     rows = [{**base, "method": "dense_splitk_graph",
              "tokens_per_s": tokens_per_s(model, cache, GpuDenseAttention(batch, a.n_kv_heads, cache.max_len),
                                           batch, n, steps)}]
-    tab = random_tables(batch, n, params, "cuda")
-    tab.new_scores = torch.zeros(*tab.new_scores.shape[:4], steps + 8, device="cuda")
-    attn = GpuSparseAttention(params, [tab] * layers, budget, batch, a.n_heads, a.n_kv_heads, a.head_dim,
-                              cache.max_len)
-    rows.append({**base, "method": "csattention_graph", "tables_shared_across_layers": True,
-                 "list_len": params.list_length(n),
+    if params.list_length(n) == n:
+        tabs = dense_layer_tables(batch, n, layers, params, steps)
+        info = {"method": "csattention_dense_graph", "tables_shared_across_batch_rows": True,
+                "tables_distinct_buffers": min(DENSE_BUFFERS, layers), "tables_rotated_across_layers": True}
+    else:
+        tab = random_tables(batch, n, params, "cuda")
+        tab.new_scores = torch.zeros(*tab.new_scores.shape[:4], steps + 8, device="cuda")
+        tabs = [tab] * layers
+        info = {"method": "csattention_graph", "tables_shared_across_layers": True}
+    attn = GpuSparseAttention(params, tabs, budget, batch, a.n_heads, a.n_kv_heads, a.head_dim, cache.max_len)
+    rows.append({**base, **info, "list_len": params.list_length(n),
                  "tokens_per_s": tokens_per_s(model, cache, attn, batch, n, steps)})
-    del model, cache, tab, attn
+    del model, cache, tabs, attn
     torch.cuda.empty_cache()
     return rows
+
+
+DENSE_BUFFERS = 4
+
+
+def dense_layer_tables(batch: int, n: int, layers: int, params: CSAttentionParams, steps: int) -> list:
+    """Per-layer dense tables: DENSE_BUFFERS distinct [1, ...] tables expanded over the batch
+    (stride 0) and rotated across layers; each layer keeps its own streamed overlay."""
+    bufs = [random_dense_tables(1, n, params, "cuda") for _ in range(min(DENSE_BUFFERS, layers))]
+    out = []
+    for layer in range(layers):
+        src = bufs[layer % len(bufs)]
+        out.append(dataclasses.replace(
+            src, centroids=src.centroids.expand(batch, *src.centroids.shape[1:]),
+            dense_score=src.dense_score.expand(batch, *src.dense_score.shape[1:]),
+            n_ctx=torch.full((batch,), n, dtype=torch.int32, device="cuda"),
+            new_scores=torch.zeros(batch, *src.new_scores.shape[1:4], steps + 8, device="cuda"),
+            stream_start=torch.full((batch,), n, dtype=torch.int32, device="cuda"),
+            stream_count=torch.zeros(batch, dtype=torch.int32, device="cuda")))
+    return out
 
 
 class _GpuCapture:
@@ -130,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ctxcache bench decode")
     ap.add_argument("--configs", default="131072x1x32,131072x8x8,32768x1x32,32768x8x32",
                     help="context x batch x layers, comma separated")
-    ap.add_argument("--list-fractions", default="0.25,0.015625")
+    ap.add_argument("--list-fractions", default="0.25,0.015625,1.0", help="1.0: the dense layout")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--build-context", type=int, default=32768)
     ap.add_argument("--out", default="bench/results")
