@@ -17,7 +17,7 @@ class StoreConfig:
     verify_on_load: str = "xxh3"  # checksum checked on get(): xxh3 | sha256 | none
     track_access: bool = True  # get() records the access time (LRU); off for read-only workers
     access_granularity_s: float = 1.0  # rewrite the access time at most this often
-    huge_pages: bool = True  # back loaded tensors with THP-advised memory (see arena.py)
+    huge_pages: bool = False  # THP-advised load memory: faster when warm, 1.8 s stalls when cold (arena.py)
     threads: int = 2  # encode/decode/hash threads (zstd and hashlib release the GIL)
     max_readers: int = 126
     sync: bool = True  # fsync at commit (a process crash is safe either way; power loss is not)
