@@ -1,0 +1,139 @@
+"""Split-K sparse decode attention whose K/V live in pinned host memory, with a GPU slot cache.
+
+The CPU<->GPU mode keeps every layer's K/V in pinned host memory; under UVA that memory is
+addressable from kernels, so the attention kernel reads the rows it needs straight over PCIe
+(zero-copy) and nothing else moves. A GPU-resident cache of recently selected rows saves
+those reads: slot[b, h, j] >= 0 says selected key j sits in cache slot slot[b, h, j];
+slot < 0 says it is a miss, read from the host and written into cache slot -slot - 1 (slots
+written this step are never read this step, decoder/gpu/offload.plan_slots guarantees it,
+so the kernel has no read/write race). Sinks and the recent window (36 rows) are read from
+the host. Same virtual key list, split and merge as sparse_attention._split_kernel."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ctxcache.kernels.sparse_attention import INTERPRET, _merge_kernel, sparse_attention_ref
+
+
+def offload_attention_ref(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int,
+                          recent: int) -> torch.Tensor:
+    """Reference: the attention reads hits from the cache and the rest from the host, and the
+    misses' rows are copied into their cache slots (in place). Returns [B, Hq, D]."""
+    kh, vh = k_host.to(q.device).clone(), v_host.to(q.device).clone()
+    for b in range(q.shape[0]):
+        for h in range(k_host.shape[1]):
+            for j in range(int(k_sel[b])):
+                p, s = int(idx[b, h, j]), int(slot[b, h, j])
+                if s >= 0:  # a hit is whatever the cache holds
+                    kh[b, h, p], vh[b, h, p] = k_cache[b, h, s].to(kh), v_cache[b, h, s].to(vh)
+                else:
+                    k_cache[b, h, -s - 1], v_cache[b, h, -s - 1] = k_host[b, h, p], v_host[b, h, p]
+    return sparse_attention_ref(q, kh, vh, idx, k_sel, n, sinks, recent)
+
+
+@triton.jit
+def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
+                    HKV, G, SINKS, RECENT, scale_log2,
+                    sq_b, sq_h, sk_b, sk_h, sk_s, sc_b, sc_h, sc_s, si_b, si_h,
+                    SPLITS: tl.constexpr, IEEE: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = row // HKV
+    hkv = row % HKV
+    n = tl.load(n_ptr + b)
+    b64 = b.to(tl.int64)
+    lo = tl.minimum(n, SINKS)
+    hi = tl.maximum(lo, n - RECENT)
+    n_static = lo + n - hi
+    total = n_static + tl.load(ksel_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, total)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sq_b + (hkv * G + offs_g)[:, None] * sq_h + offs_d[None, :],
+                mask=(offs_g < G)[:, None], other=0.0)
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D), tl.float32)
+    host_base = b64 * sk_b + hkv * sk_h
+    cache_base = b64 * sc_b + hkv * sc_h
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        valid = t < end
+        is_sel = valid & (t >= n_static)
+        static_pos = tl.where(t < lo, t, hi + t - lo)
+        sel = tl.load(idx_ptr + b * si_b + hkv * si_h + (t - n_static), mask=is_sel, other=0)
+        slot = tl.load(slot_ptr + b * si_b + hkv * si_h + (t - n_static), mask=is_sel, other=-1)
+        pos = tl.where(valid, tl.where(t < n_static, static_pos, sel), 0)
+        hit = is_sel & (slot >= 0)
+        from_host = valid & (slot < 0)  # static rows carry slot -1 too
+        cslot = tl.where(hit, slot, 0).to(tl.int64)
+        hoff = host_base + pos[:, None].to(tl.int64) * sk_s + offs_d[None, :]
+        coff = cache_base + cslot[:, None] * sc_s + offs_d[None, :]
+        # two masked loads: only the rows each source owns cross PCIe or HBM
+        kb = tl.where(hit[:, None], tl.load(kc_ptr + coff, mask=hit[:, None], other=0.0),
+                      tl.load(kh_ptr + hoff, mask=from_host[:, None], other=0.0))
+        vb = tl.where(hit[:, None], tl.load(vc_ptr + coff, mask=hit[:, None], other=0.0),
+                      tl.load(vh_ptr + hoff, mask=from_host[:, None], other=0.0))
+        miss = is_sel & (slot < 0)
+        dst = tl.where(miss, -slot - 1, 0).to(tl.int64)
+        doff = cache_base + dst[:, None] * sc_s + offs_d[None, :]
+        tl.store(kc_ptr + doff, kb, mask=miss[:, None])
+        tl.store(vc_ptr + doff, vb, mask=miss[:, None])
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kb))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        m_i = m_new
+    base = (row * SPLITS + split) * G_PAD
+    tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc)
+    tl.store(ml_ws + (base + offs_g) * 2, m_i)
+    tl.store(ml_ws + (base + offs_g) * 2 + 1, l_i)
+
+
+def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int, recent: int,
+                      splits: int = 16, out=None, ws=None, block_n: int = 64) -> torch.Tensor:
+    """q [B, Hq, D] (GPU); k/v_host [B, Hkv, S, D] pinned host (or any memory the kernel can
+    address); k/v_cache [B, Hkv, C, D] GPU slots; idx, slot [B, Hkv, K_max] int32 with equal
+    strides; k_sel, n [B] int32. Misses are written into the cache. -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = k_host.shape[1]
+    if (k_host.shape[:2] != (b, hkv) or v_host.shape != k_host.shape or k_cache.shape[:2] != (b, hkv)
+            or v_cache.shape != k_cache.shape or k_host.shape[3] != d or k_cache.shape[3] != d or hq % hkv):
+        raise ValueError(f"q {tuple(q.shape)}, host {tuple(k_host.shape)}, cache {tuple(k_cache.shape)} disagree")
+    if v_host.stride() != k_host.stride() or v_cache.stride() != k_cache.stride():
+        raise ValueError("K and V must share strides (host and cache)")
+    if (idx.shape != slot.shape or idx.stride() != slot.stride() or idx.dtype != torch.int32
+            or slot.dtype != torch.int32 or idx.stride(2) != 1 or idx.shape[:2] != (b, hkv)):
+        raise ValueError(f"idx {tuple(idx.shape)} and slot {tuple(slot.shape)} must be int32 [{b}, {hkv}, K], same strides")
+    if (q.stride(2) != 1 or k_host.stride(3) != 1 or k_cache.stride(3) != 1 or d & (d - 1) or d < 16
+            or splits & (splits - 1)):
+        raise ValueError("need contiguous head dims, a power-of-two head_dim >= 16 and power-of-two splits")
+    g = hq // hkv
+    g_pad = max(16, triton.next_power_of_2(g))
+    if ws is None:
+        ws = (torch.empty(b * hkv * splits * g_pad * d, dtype=torch.float32, device=q.device),
+              torch.empty(b * hkv * splits * g_pad * 2, dtype=torch.float32, device=q.device))
+    out = torch.empty_like(q) if out is None else out
+    _offload_kernel[(b * hkv, splits)](
+        q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, ws[0], ws[1],
+        hkv, g, sinks, recent, d ** -0.5 * 1.4426950408889634,
+        q.stride(0), q.stride(1), *k_host.stride()[:3], *k_cache.stride()[:3], idx.stride(0), idx.stride(1),
+        SPLITS=splits, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n)
+    _merge_kernel[(b * hkv * g,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1),
+                                  SPLITS=splits, G_PAD=g_pad, D=d)
+    return out
