@@ -19,9 +19,13 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   the estimate is the weighted sum of m rows. On SmolLM2 (head_dim 64) this is the only
   variant measured above 0.90 mass recall on both texts, and per step it reads fewer bytes
   than N/4 (index, score) lists; it stores 8x the KV bytes (the paper's N/4 format: 6x).
-- GQA: the tables of a KV head are built from the queries of all its query heads; at decode
-  each query head routes and accumulates on its own and the per-head estimates are merged
-  (`group_combine`), so the selection is shared by the group (one KV read per group).
+- GQA, `routing="group"` (default): the selection is shared by the group (one KV read per
+  group) and ranks by the group's summed logits, sum_g q_g . k = (sum_g q_g) . k; so the tables
+  cluster the group-sum queries and a step routes the group sum once, reading m rows per KV
+  head instead of G * m (3x fewer on SmolLM2, 4x at Llama-3.1-8B shapes, where the row read is
+  the step's largest cost). Measured on SmolLM2 at 4K, keep 5% (every 3rd layer): mass recall
+  0.932 / 0.919 (prose / code) vs 0.940 / 0.925 routing each head (`routing="head"`, which
+  merges the per-head estimates by `group_combine`).
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
   shared tables stay read-only while many streams decode from one artifact.
@@ -44,6 +48,7 @@ _CHOICES = {
     "scoring": ("absolute", "relative", "expected"),
     "layout": ("contiguous", "rope_pairs"),
     "group_combine": ("sum", "max", "softmax"),
+    "routing": ("head", "group"),
 }
 
 
@@ -61,6 +66,7 @@ class CSAttentionParams(MethodParams):
     scoring: str = "expected"
     layout: str = "contiguous"
     group_combine: str = "sum"
+    routing: str = "group"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -74,6 +80,9 @@ class CSAttentionParams(MethodParams):
             raise ValueError(f"list_fraction={self.list_fraction} must be in (0, 1]")
         if not -1.0 <= self.backoff_cos <= 1.0:
             raise ValueError(f"backoff_cos={self.backoff_cos} must be in [-1, 1]")
+        if self.routing == "group" and self.group_combine != "sum":
+            raise ValueError(f"routing='group' estimates the group's summed logits; it needs "
+                             f"group_combine='sum', got {self.group_combine!r}")
 
     def list_length(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.list_fraction * n)))
@@ -130,7 +139,7 @@ class CSAttention(SparseMethod):
     def _cluster_queries(self, q: torch.Tensor, hkv: int) -> torch.Tensor:
         """Cosine k-means per (KV head, subspace) over the GQA group's queries -> [Hkv, m, C, d_b]."""
         p: CSAttentionParams = self.params
-        group_q = q.float().unflatten(0, (hkv, -1)).flatten(1, 2)  # [Hkv, G*N, D]
+        group_q = self._group(q.float().unflatten(0, (hkv, -1))).flatten(1, 2)  # [Hkv, G*N or N, D]
         if p.max_queries is not None and group_q.shape[1] > p.max_queries:
             gen = torch.Generator().manual_seed(p.seed)
             group_q = group_q[:, torch.randperm(group_q.shape[1], generator=gen)[:p.max_queries]]
@@ -138,6 +147,10 @@ class CSAttention(SparseMethod):
         cent, _ = kmeans(sub_q.flatten(0, 1), p.centroids, p.kmeans_iters, cosine=True,
                          batch_size=p.kmeans_batch, seed=p.seed)
         return cent.view(hkv, p.subspaces, p.centroids, -1)
+
+    def _group(self, q: torch.Tensor) -> torch.Tensor:
+        """[Hkv, G, ...] queries -> what routes: each head's own, or the group's sum [Hkv, 1, ...]."""
+        return q.sum(1, keepdim=True) if self.params.routing == "group" else q
 
     def _route(self, cent: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Nearest centroid(s) per subspace for q [Hkv, G, m, d_b] ->
@@ -162,7 +175,7 @@ class CSAttention(SparseMethod):
         t = state.tables
         cent = t["centroids"].float()
         hkv, m = cent.shape[:2]
-        sub_q = self._split(q.float().view(hkv, -1, q.shape[-1]))  # [Hkv, G, m, d_b]
+        sub_q = self._split(self._group(q.float().view(hkv, -1, q.shape[-1])))  # [Hkv, G or 1, m, d_b]
         ids, wts = self._route(cent, sub_q)
         wts = wts * self._subspace_weights(sub_q, cent, ids)  # [Hkv, G, m, tau]
         hh = torch.arange(hkv)[:, None, None, None]

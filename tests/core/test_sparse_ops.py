@@ -61,6 +61,8 @@ def _naive_cs_scores(params, tables, q):
     g = q.shape[0] // hkv
     n = int(tables["list_idx"].max()) + 1 if "list_idx" in tables else tables["dense_score"].shape[-1]
     out = torch.zeros(hkv, n)
+    if params.routing == "group":  # one router per KV head: the sum of its query heads
+        q, g = q.view(hkv, g, -1).sum(1), 1
     for h in range(q.shape[0]):
         kv, sub = h // g, q[h][perm].view(params.subspaces, -1)
         for b in range(params.subspaces):
@@ -81,6 +83,8 @@ def _naive_cs_scores(params, tables, q):
     {"list_fraction": 0.3, "scoring": "relative"},
     {"list_fraction": 0.3, "scoring": "expected", "layout": "rope_pairs"},
     {},  # defaults: dense layout
+    {"routing": "group"},
+    {"routing": "group", "list_fraction": 0.3, "scoring": "expected"},
 ])
 def test_csattention_estimate_matches_naive_loops(overrides):
     torch.manual_seed(1)
@@ -93,12 +97,13 @@ def test_csattention_estimate_matches_naive_loops(overrides):
     torch.testing.assert_close(got, _naive_cs_scores(params, tables, qt), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("routing", ["head", "group"])
 @pytest.mark.parametrize("fraction", [0.3, 1.0])
-def test_streaming_append_scores_like_a_rebuild(fraction):
+def test_streaming_append_scores_like_a_rebuild(fraction, routing):
     """Keys appended during decode get the same estimate as if their centroid-scores had been
     in the tables (dense layout: exactly; lists: where they beat the list floor)."""
     torch.manual_seed(3)
-    m = CSAttention(CSAttentionParams(subspaces=4, centroids=8, list_fraction=fraction))
+    m = CSAttention(CSAttentionParams(subspaces=4, centroids=8, list_fraction=fraction, routing=routing))
     q, k = torch.randn(4, 100, 16), torch.randn(2, 110, 16)
     state = m.open(m.build(q, k[:, :100], k[:, :100]))
     m.append(state, k[:, 100:105], 100)
@@ -106,13 +111,13 @@ def test_streaming_append_scores_like_a_rebuild(fraction):
     qt = torch.randn(4, 16)
     est = m.estimate(state, qt, n=110).sum(1)
     cent = state.tables["centroids"].float()
-    sub_q = m._split(qt.view(2, 2, 16))
+    sub_q = m._split(m._group(qt.view(2, 2, 16)))  # [Hkv, 2 heads or 1 group sum, m, d_b]
     ids, _ = m._route(cent, sub_q)
     w = sub_q.norm(dim=-1)
     sub_k = m._split(k[:, 100:]).permute(0, 2, 1, 3)
     for kv in range(2):
         expect = torch.zeros(10)
-        for g in range(2):
+        for g in range(sub_q.shape[1]):
             for b in range(4):
                 j = int(ids[kv, g, b, 0])
                 s = cent[kv, b, j] @ sub_k[kv, b].T
@@ -122,6 +127,13 @@ def test_streaming_append_scores_like_a_rebuild(fraction):
                     s = torch.where(s > floor, s - off, torch.zeros_like(s))
                 expect += w[kv, g, b] * s
         torch.testing.assert_close(est[kv, 100:], expect, atol=1e-4, rtol=1e-4)
+
+
+def test_group_routing_needs_the_sum_combine():
+    with pytest.raises(ValueError, match="routing='group'.*group_combine='sum'"):
+        CSAttentionParams(routing="group", group_combine="max")
+    with pytest.raises(ValueError, match="routing"):
+        CSAttentionParams(routing="heads")
 
 
 def test_method_registry_errors_name_the_problem():
