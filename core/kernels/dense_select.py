@@ -18,7 +18,9 @@ not merged: the repeated row is served from L1/L2 within the same program.
 
 The same program writes the fp32 scores and adds its block's histogram of the top 8 radix
 bits inside [lo, hi) to the Top-K workspace, so the radix select (topk.radix_topk with
-hist0_done=True) starts at pass 1: one launch and one read of the scores saved.
+hist0_done=True) starts at pass 1: one launch and one read of the scores saved. With a uint16
+output it writes 16-bit order-preserving keys of the fp16-rounded scores instead, so the
+select needs one more histogram pass and the collect (two launches instead of four).
 
 Optional int8 storage: dense_score int8 with a per-(row, head, subspace, centroid) scale
 [B, Hkv, m, C] fp32 (absmax / 127); the scale folds into the row's weight, so the kernel reads
@@ -31,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.topk import _keys
+from ctxcache.kernels.topk import _keys, _keys16
 
 
 def quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +76,7 @@ def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, sta
                         si_b, si_h, sd_b, sd_h, sd_m, sd_c, ss_b, ss_h, ss_m,
                         sn_b, sn_h, sn_m, sn_c, sa_b, sa_h, sws_r,
                         GM_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                        SCALED: tl.constexpr):
+                        SCALED: tl.constexpr, KEY16: tl.constexpr):
     row = tl.program_id(0)
     blk = tl.program_id(1)
     b = row // HKV
@@ -107,13 +109,18 @@ def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, sta
             nbase = b * sn_b + h * sn_h + j * sn_m + c * sn_c
             y = tl.load(ns_ptr + nbase[:, None] + t[None, :], mask=ok[:, None] & in_new[None, :], other=0.0)
             acc += tl.sum(y * w[:, None], axis=0)
-    tl.store(acc_ptr + b * sa_b + h * sa_h + offs, acc)
     # radix pass 0 (top 8 bits of the order-preserving key) over this block's share of [lo, hi)
+    if KEY16:
+        key = _keys16(acc)
+        tl.store(acc_ptr + b * sa_b + h * sa_h + offs, key)
+        digit = (key >> 8).to(tl.int32)
+    else:
+        tl.store(acc_ptr + b * sa_b + h * sa_h + offs, acc)
+        digit = (_keys(acc) >> 24).to(tl.int32)
     lo = tl.load(lo_ptr + b)
     hi = tl.load(hi_ptr + b)
     k = tl.load(k_ptr + b)
     valid = (offs >= lo) & (offs < hi) & (k > 0)
-    digit = (_keys(acc) >> 24).to(tl.int32)
     hist = tl.histogram(digit, 256, mask=valid)
     tl.atomic_add(ws_ptr + row * sws_r + tl.arange(0, 256), hist, sem="relaxed")
 
@@ -122,8 +129,10 @@ def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale:
                  new_scores: torch.Tensor, n_ctx: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, acc: torch.Tensor, ws: torch.Tensor,
                  block: int = 1024, r_chunk: int = 8, num_warps: int = 4) -> torch.Tensor:
-    """Write scores into acc [B, Hkv, N_max] fp32 (N_max a multiple of `block`) and add radix
-    pass 0 into ws (topk.workspace, zeroed by the caller). Shapes as in dense_scores_ref."""
+    """Write scores into acc [B, Hkv, N_max] fp32 (N_max a multiple of `block`), or their 16-bit
+    keys (topk.keys16_ref) if acc is uint16, and add radix pass 0 into ws (topk.workspace,
+    zeroed by the caller). ids/w [B, Hq, m] per query head, or [B, Hkv, m] for group routing.
+    Shapes as in dense_scores_ref."""
     b, hq, m = ids.shape
     bd, hkv, m2, c, n = dense.shape
     if m2 != m or hq % hkv or bd != b or dense.stride(4) != 1 or dense.dtype not in (torch.float16, torch.int8):
@@ -136,8 +145,8 @@ def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale:
     if new_scores.shape[:4] != (b, hkv, m, c) or new_scores.stride(4) != 1 or new_scores.dtype != torch.float32:
         raise ValueError(f"new_scores {tuple(new_scores.shape)} must be fp32 [{b}, {hkv}, {m}, {c}, T]")
     n_max = acc.shape[2]
-    if acc.dtype != torch.float32 or acc.shape[:2] != (b, hkv) or acc.stride(2) != 1:
-        raise ValueError(f"acc {tuple(acc.shape)} must be fp32 [{b}, {hkv}, N_max]")
+    if acc.dtype not in (torch.float32, torch.uint16) or acc.shape[:2] != (b, hkv) or acc.stride(2) != 1:
+        raise ValueError(f"acc {tuple(acc.shape)} {acc.dtype} must be fp32 or uint16 [{b}, {hkv}, N_max]")
     if not (ids.is_contiguous() and w.is_contiguous() and ids.dtype == torch.int32):
         raise ValueError("ids (int32) and w must be contiguous")
     for name, t in (("n_ctx", n_ctx), ("start", start), ("count", count), ("lo", lo), ("hi", hi), ("k", k)):
@@ -159,5 +168,6 @@ def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale:
         ids, w, dense, scale if scale is not None else w, new_scores, n_ctx, start, count, lo, hi, k, acc, ws,
         hkv, hq // hkv, m, ids.stride(0), ids.stride(1), sd[0], sd[1], sd[2], sd[3], *ss,
         sn[0], sn[1], sn[2], sn[3], acc.stride(0), acc.stride(1), ws.stride(0),
-        GM_PAD=gm_pad, R_CHUNK=min(r_chunk, gm_pad), BLOCK=block, SCALED=scale is not None, num_warps=num_warps)
+        GM_PAD=gm_pad, R_CHUNK=min(r_chunk, gm_pad), BLOCK=block, SCALED=scale is not None,
+        KEY16=acc.dtype == torch.uint16, num_warps=num_warps)
     return acc

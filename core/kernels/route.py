@@ -4,6 +4,8 @@ q [R, Hq, D] (subspaces contiguous: permute dims first for other layouts), centr
 [R, Hkv, m, C, d_b] (unit vectors, fp16; stride 0 on R shares one table) ->
 ids [R, Hq, m] int32 (argmax cosine) and qnorm [R, Hq, m] fp32 (||q_b||, the qnorm weight).
 Argmax of q_b . c equals argmax of cos(q_b, c) since ||q_b|| > 0 is shared by all c.
+group=True routes the sum of each GQA group's query heads instead (CSAttention
+routing="group"): ids and qnorm are then [R, Hkv, m].
 """
 
 from __future__ import annotations
@@ -14,29 +16,38 @@ import triton
 import triton.language as tl
 
 
-def route_ref(q: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route_ref(q: torch.Tensor, centroids: torch.Tensor, group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference matching CSAttention._route (tau = 1) and its qnorm weight."""
     r, hq, d = q.shape
     hkv, m = centroids.shape[1:3]
     sub = q.float().view(r, hkv, hq // hkv, m, d // m)  # [R, Hkv, G, m, d_b]
+    if group:
+        sub = sub.sum(2, keepdim=True)
     cos = torch.einsum("rhgmd,rhmcd->rhgmc", F.normalize(sub, dim=-1), centroids.float())
     ids = torch.topk(cos, 1, dim=-1).indices[..., 0]
-    return ids.reshape(r, hq, m).int(), sub.norm(dim=-1).reshape(r, hq, m)
+    return ids.reshape(r, -1, m).int(), sub.norm(dim=-1).reshape(r, -1, m)
 
 
 @triton.jit
-def _route_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, HQ, G, M, C, DB,
+def _route_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, HO, G, M, C, DB,
                   sq_r, sq_h, sc_r, sc_h, sc_m, sc_c, so_r, so_h,
-                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
     pid = tl.program_id(0)
     mm = tl.program_id(1)
-    r = pid // HQ
-    h = pid % HQ
-    hkv = h // G
+    r = pid // HO  # HO output heads per row: Hq, or Hkv when routing group sums
+    h = pid % HO
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.arange(0, BLOCK_C)
     dmask = offs_d < DB
-    qb = tl.load(q_ptr + r * sq_r + h * sq_h + mm * DB + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    if GROUP:
+        hkv = h
+        qb = tl.zeros((BLOCK_D,), tl.float32)
+        for g in range(G):
+            qb += tl.load(q_ptr + r * sq_r + (h * G + g) * sq_h + mm * DB + offs_d, mask=dmask,
+                          other=0.0).to(tl.float32)
+    else:
+        hkv = h // G
+        qb = tl.load(q_ptr + r * sq_r + h * sq_h + mm * DB + offs_d, mask=dmask, other=0.0).to(tl.float32)
     cp = c_ptr + r * sc_r + hkv * sc_h + mm * sc_m + offs_c[:, None] * sc_c + offs_d[None, :]
     cent = tl.load(cp, mask=(offs_c[:, None] < C) & dmask[None, :], other=0.0).to(tl.float32)
     dots = tl.sum(cent * qb[None, :], axis=1)
@@ -46,8 +57,8 @@ def _route_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, HQ, G, M, C, DB,
     tl.store(w_ptr + r * so_r + h * so_h + mm, tl.sqrt(tl.sum(qb * qb, axis=0)))
 
 
-def route(q: torch.Tensor, centroids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(q: torch.Tensor, centroids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+          group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher; `out` (ids, qnorm) lets a captured graph reuse static buffers."""
     if q.dim() != 3 or centroids.dim() != 5:
         raise ValueError(f"q {tuple(q.shape)} must be [R, Hq, D], centroids {tuple(centroids.shape)} [R, Hkv, m, C, d_b]")
@@ -57,14 +68,16 @@ def route(q: torch.Tensor, centroids: torch.Tensor, out: tuple[torch.Tensor, tor
         raise ValueError(f"q {tuple(q.shape)} does not match centroids {tuple(centroids.shape)}")
     if q.stride(2) != 1 or centroids.stride(4) != 1:
         raise ValueError("q and centroids need a contiguous last dimension")
+    ho = hkv if group else hq
     ids, w = out if out is not None else (
-        torch.empty(r, hq, m, dtype=torch.int32, device=q.device),
-        torch.empty(r, hq, m, dtype=torch.float32, device=q.device))
-    if not (ids.is_contiguous() and w.is_contiguous() and ids.shape == (r, hq, m) == w.shape):
-        raise ValueError(f"outputs must be contiguous [{r}, {hq}, {m}]")
+        torch.empty(r, ho, m, dtype=torch.int32, device=q.device),
+        torch.empty(r, ho, m, dtype=torch.float32, device=q.device))
+    if not (ids.is_contiguous() and w.is_contiguous() and ids.shape == (r, ho, m) == w.shape):
+        raise ValueError(f"outputs must be contiguous [{r}, {ho}, {m}]")
     sc = centroids.stride()
-    _route_kernel[(r * hq, m)](q, centroids, ids, w, hq, hq // hkv, m, c, db,
+    _route_kernel[(r * ho, m)](q, centroids, ids, w, ho, hq // hkv, m, c, db,
                                q.stride(0), q.stride(1), sc[0], sc[1], sc[2], sc[3],
                                ids.stride(0), ids.stride(1),
-                               BLOCK_C=triton.next_power_of_2(c), BLOCK_D=max(16, triton.next_power_of_2(db)))
+                               BLOCK_C=triton.next_power_of_2(c), BLOCK_D=max(16, triton.next_power_of_2(db)),
+                               GROUP=group)
     return ids, w

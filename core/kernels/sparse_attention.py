@@ -123,9 +123,9 @@ def _merge_kernel(o_ws, ml_ws, out_ptr, HKV, G, so_b, so_h,
     tl.store(out_ptr + b * so_b + h * so_h + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128) -> int:
-    """Power-of-two chunks so that rows x splits covers the GPU about twice, each >= min_keys."""
-    want = max(1, (2 * sms) // max(rows, 1))
+def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128, waves: int = 2) -> int:
+    """Power-of-two chunks so that rows x splits covers the GPU about `waves` times, each >= min_keys."""
+    want = max(1, (waves * sms) // max(rows, 1))
     cap = max(1, max_keys // min_keys)
     return 1 << int(math.log2(max(1, min(want, cap, 256))))
 

@@ -1,7 +1,10 @@
-"""Top-K by radix select over a dense fp32 score row (replaces torch.topk: 115 us at 128K).
+"""Top-K by radix select over a dense score row (replaces torch.topk: 115 us at 128K).
 
-Four histogram passes of 8 bits over order-preserving float keys find the K-th largest
-value T; a collect pass writes every index with key > T and as many ties == T as K needs.
+Histogram passes of 8 bits over order-preserving keys find the K-th largest key T; a collect
+pass writes every index with key > T and as many ties == T as K needs. Rows are fp32 scores
+(32-bit keys, four passes) or 16-bit keys that a producer already wrote (`keys16`: the
+order-preserving code of the score rounded to fp16, two passes: half the dependent launches
+and half the bytes; ties are then scores equal in fp16).
 Each pass is one launch over (row, chunk) programs; histograms merge by global atomics and
 every program re-derives the prefix from the finished histograms (no host round trip, so the
 whole select is graph-capturable). Output order is unspecified (like topk(sorted=False)).
@@ -31,8 +34,22 @@ def _keys(x):
 
 
 @triton.jit
-def _walk(hist_ptr, k, P: tl.constexpr):
-    """Prefix of the K-th largest key after P finished passes, and how many of that prefix are still needed."""
+def _keys16(x):
+    """Order-preserving uint16 keys of fp32 values rounded to fp16 (+0 and -0 share a key)."""
+    bits = (x + 0.0).to(tl.float16).to(tl.uint16, bitcast=True)
+    return tl.where((bits >> 15) == 1, bits ^ 0xFFFF, bits | 0x8000)
+
+
+def keys16_ref(x: torch.Tensor) -> torch.Tensor:
+    """Torch reference of _keys16, as int32 in [0, 65536) (same order as x.half())."""
+    bits = (x.float() + 0.0).half().view(torch.int16).int() & 0xFFFF
+    return torch.where(bits >= 0x8000, bits ^ 0xFFFF, bits | 0x8000)
+
+
+@triton.jit
+def _walk(hist_ptr, k, P: tl.constexpr, TOP: tl.constexpr):
+    """Prefix of the K-th largest key after P finished passes, and how many of that prefix are
+    still needed. TOP: shift of the first digit (24 for 32-bit keys, 8 for 16-bit keys)."""
     prefix = tl.zeros((), dtype=tl.uint32)
     krem = k
     bins = tl.arange(0, 256)
@@ -41,12 +58,13 @@ def _walk(hist_ptr, k, P: tl.constexpr):
         ge = tl.sum(hst, axis=0) - tl.cumsum(hst, axis=0) + hst  # count with digit >= d
         d = tl.max(tl.where(ge >= krem, bins, -1), axis=0)
         krem = krem - tl.sum(tl.where(bins > d, hst, 0), axis=0)
-        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * q))
+        prefix = prefix | (d.to(tl.uint32) << (TOP - 8 * q))
     return prefix, krem
 
 
 @triton.jit
-def _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK: tl.constexpr):
+def _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK: tl.constexpr,
+                KEY16: tl.constexpr):
     """This program's block of one row: (radix keys, valid mask, offsets, k, row workspace)."""
     r = tl.program_id(0)
     b = r // HKV
@@ -55,28 +73,33 @@ def _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK: t
     k = tl.load(k_ptr + b)
     offs = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = (offs < hi) & (k > 0)
-    key = _keys(tl.load(x_ptr + r * sx_r + offs, mask=valid, other=0.0))
+    if KEY16:  # the producer stored keys already
+        key = tl.load(x_ptr + r * sx_r + offs, mask=valid, other=0).to(tl.uint32)
+    else:
+        key = _keys(tl.load(x_ptr + r * sx_r + offs, mask=valid, other=0.0))
     return key, valid, offs, k, ws_ptr + r * sws_r
 
 
 @triton.jit
 def _hist_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
-                 P: tl.constexpr, BLOCK: tl.constexpr):
-    key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
+                 P: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr, TOP: tl.constexpr):
+    key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
+                                                BLOCK, KEY16)
     if P > 0:
-        prefix, krem = _walk(hist_ptr, k, P)
-        valid = valid & ((key >> (32 - 8 * P)) == (prefix >> (32 - 8 * P)))
-    digit = ((key >> (24 - 8 * P)) & 255).to(tl.int32)
+        prefix, krem = _walk(hist_ptr, k, P, TOP)
+        valid = valid & ((key >> (TOP + 8 - 8 * P)) == (prefix >> (TOP + 8 - 8 * P)))
+    digit = ((key >> (TOP - 8 * P)) & 255).to(tl.int32)
     h = tl.histogram(digit, 256, mask=valid)
     tl.atomic_add(hist_ptr + P * 256 + tl.arange(0, 256), h, sem="relaxed")
 
 
 @triton.jit
 def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r,
-                    BLOCK: tl.constexpr):
-    key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
+                    BLOCK: tl.constexpr, KEY16: tl.constexpr, PASSES: tl.constexpr, TOP: tl.constexpr):
+    key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
+                                                BLOCK, KEY16)
     r = tl.program_id(0)
-    thresh, need = _walk(hist_ptr, k, 4)
+    thresh, need = _walk(hist_ptr, k, PASSES, TOP)
     gt = valid & (key > thresh)
     eq = valid & (key == thresh)
     cnt_ptr = hist_ptr + 4 * 256
@@ -95,14 +118,15 @@ def workspace(rows: int, device: torch.device | str) -> torch.Tensor:
 
 def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
                ws: torch.Tensor | None = None, block: int = 4096, hist0_done: bool = False) -> torch.Tensor:
-    """x [B, Hkv, N] fp32; lo, hi, k [B] int32 (k <= hi - lo) -> out [B, Hkv, K_max] int32.
+    """x [B, Hkv, N] fp32 scores, or uint16 keys (keys16); lo, hi, k [B] int32 (k <= hi - lo)
+    -> out [B, Hkv, K_max] int32.
 
     Row (b, h) gets its k[b] indices in out[b, h, :k[b]]; the rest of out is left as is.
     `ws` (see `workspace`) is zeroed here; pass a static one inside a captured graph.
     hist0_done: the producer of x already zeroed ws and added pass 0's histogram
     (dense_select.dense_scores does, fused with the scores), so start at pass 1."""
-    if x.dim() != 3 or x.dtype != torch.float32 or x.stride(2) != 1:
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be fp32 [B, Hkv, N] contiguous in N")
+    if x.dim() != 3 or x.dtype not in (torch.float32, torch.uint16) or x.stride(2) != 1:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be fp32 or uint16 [B, Hkv, N] contiguous in N")
     b, hkv, n = x.shape
     for name, t in (("lo", lo), ("hi", hi), ("k", k)):
         if t.shape != (b,) or t.dtype != torch.int32:
@@ -115,8 +139,12 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
         raise ValueError("hist0_done needs the workspace that holds pass 0")
     if not hist0_done:
         ws = workspace(b * hkv, x.device) if ws is None else ws.zero_()
+    key16 = x.dtype == torch.uint16
+    passes, top = (2, 8) if key16 else (_PASSES, 24)
     grid = (b * hkv, triton.cdiv(n, block))
-    for p in range(1 if hist0_done else 0, _PASSES):
-        _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=p, BLOCK=block)
-    _collect_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), BLOCK=block)
+    for p in range(1 if hist0_done else 0, passes):
+        _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=p, BLOCK=block, KEY16=key16,
+                           TOP=top)
+    _collect_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), BLOCK=block,
+                          KEY16=key16, PASSES=passes, TOP=top)
     return out

@@ -15,6 +15,10 @@ from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.attention import dense_attention
 from ctxcache.models.kv_cache import KVCache
 
+# Sparse attention split-K shape: splits cover the SMs `waves` times with >= min_keys keys each;
+# block_n keys per inner step (see bench/attention.py tune_attention).
+ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 64}
+
 
 class GpuDenseAttention:
     """Split-K flash-decoding over all cached keys (the dense baseline that graphs can hold)."""
@@ -37,15 +41,20 @@ class GpuSparseAttention:
     attend densely."""
 
     def __init__(self, params: CSAttentionParams, tables: list[GpuTables | GpuDenseTables], budget: Budget, batch: int,
-                 n_heads: int, n_kv: int, head_dim: int, max_len: int, dense_layers: tuple[int, ...] = ()) -> None:
+                 n_heads: int, n_kv: int, head_dim: int, max_len: int, dense_layers: tuple[int, ...] = (),
+                 attn_cfg: dict | None = None) -> None:
         self.params, self.tables, self.budget, self.dense_layers = params, tables, budget, dense_layers
         device = tables[0].centroids.device
         self.k_max = budget.top_k(max_len)
         self.selector = GpuSelector(params, batch, n_heads, n_kv, head_dim, max_len, self.k_max, device)
-        self.splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent)
+        cfg = {**ATTN_CFG, **(attn_cfg or {})}
+        self.splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent,
+                                    min_keys=cfg["min_keys"], waves=cfg["waves"])
+        self.block_n = cfg["block_n"]
         self.dense = GpuDenseAttention(batch, n_kv, max_len)
         self.last_idx: dict[int, torch.Tensor] = {}  # layer -> selection of the last step (for checks)
         self.record = False
+        self._step: tuple[torch.Tensor, ...] = ()
 
     def _limits(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Budget.region and Budget.top_k on the device (same double-precision ceil as the host)."""
@@ -56,19 +65,19 @@ class GpuSparseAttention:
         return lo.int(), hi.int(), torch.minimum(k, (hi - lo).long()).int()
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(q.shape[0], device=q.device)
+        if layer == 0 or not self._step:  # every layer of a step shares the rows, positions and limits
+            n = (pos[:, 0] + 1).int()
+            self._step = (torch.arange(q.shape[0], device=q.device), pos.int(), n, *self._limits(n))
+        rows, pos32, n, lo, hi, k = self._step
         for t in range(pos.shape[1]):
-            p = pos[:, t]
-            self.tables[layer].insert(cache.k[layer][rows, :, p], p.int(), self.selector.perm)
+            self.tables[layer].insert(cache.k[layer][rows, :, pos[:, t]], pos32[:, t], self.selector.perm)
         if q.shape[2] > 1:
             return dense_attention(layer, q, cache, pos)
         if layer in self.dense_layers:
             return self.dense(layer, q, cache, pos)
-        n = (pos[:, 0] + 1).int()
-        lo, hi, k = self._limits(n)
         idx = self.selector.select(q[:, :, 0], self.tables[layer], lo, hi, k)
         if self.record:
             self.last_idx[layer] = (idx.clone(), k.clone())
         out = sparse_decode_attention(q[:, :, 0], cache.k[layer], cache.v[layer], n, idx, k,
-                                      self.budget.sinks, self.budget.recent, splits=self.splits)
+                                      self.budget.sinks, self.budget.recent, splits=self.splits, block_n=self.block_n)
         return out[:, :, None]

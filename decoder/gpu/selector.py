@@ -2,8 +2,9 @@
 
 List layout (list_fraction < 1): route -> scatter lists -> add streamed keys -> radix Top-K.
 Dense layout (list_fraction = 1, the measured default): route -> weighted sum of the G * m
-routed rows of dense_score with streamed keys and radix pass 0 fused (dense_select) -> radix
-passes 1-3 + collect.
+routed rows of dense_score (m rows with routing="group") with streamed keys and radix pass 0
+fused (dense_select), written as 16-bit keys of the fp16-rounded scores -> radix pass 1 +
+collect (score_keys="fp32": fp32 scores and passes 1-3 + collect).
 
 Static buffers sized once (rows, heads, max context, max K), so a step is a fixed sequence of
 launches that a CUDA graph can capture. Matches CSAttention.search with tau = 1 (no backoff)
@@ -149,19 +150,29 @@ def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_n
 
 
 class GpuSelector:
-    """Reusable buffers for selecting up to k_max keys per (row, KV head) among n_max."""
+    """Reusable buffers for selecting up to k_max keys per (row, KV head) among n_max.
+
+    score_keys (dense layout): "fp16" ranks 16-bit keys of the fp16-rounded scores (two radix
+    launches after the score kernel; ties are scores equal in fp16), "fp32" the fp32 scores
+    (four launches)."""
 
     def __init__(self, params: CSAttentionParams, batch: int, n_heads: int, n_kv: int, head_dim: int,
-                 n_max: int, k_max: int, device: torch.device | str) -> None:
+                 n_max: int, k_max: int, device: torch.device | str, score_keys: str = "fp16") -> None:
         check_params(params)
+        if score_keys not in ("fp16", "fp32"):
+            raise ValueError(f"score_keys={score_keys!r} must be 'fp16' or 'fp32'")
         m = params.subspaces
         perm = subspace_permutation(head_dim, m, params.layout)
         self.perm = None if params.layout == "contiguous" else perm.to(device)
         self.params = params
-        self.ids = torch.zeros(batch, n_heads, m, dtype=torch.int32, device=device)
-        self.w = torch.zeros(batch, n_heads, m, device=device)
+        self.group = params.routing == "group"
+        routed = n_kv if self.group else n_heads
+        self.ids = torch.zeros(batch, routed, m, dtype=torch.int32, device=device)
+        self.w = torch.zeros(batch, routed, m, device=device)
         # rounded up so that any power-of-two block <= 4096 of the dense kernel tiles it
-        self.acc = torch.zeros(batch, n_kv, -(-n_max // 4096) * 4096, device=device)
+        n_pad = -(-n_max // 4096) * 4096
+        self.acc = torch.zeros(batch, n_kv, n_pad, device=device)
+        self.keys = torch.empty(batch, n_kv, n_pad, dtype=torch.uint16, device=device) if score_keys == "fp16" else None
         self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # tuned on the H100 (bench)
         # radix Top-K chunk: the passes are latency-bound, so more, smaller programs while the
         # grid stays within ~2048 programs (each adds 256 histogram atomics per pass)
@@ -172,10 +183,7 @@ class GpuSelector:
 
     def route_scatter(self, q: torch.Tensor, t: GpuTables) -> torch.Tensor:
         """Estimated scores acc [B, Hkv, n_max] of q [B, Hq, D]."""
-        qs = q[..., self.perm] if self.perm is not None else q
-        route(qs.contiguous(), t.centroids, out=(self.ids, self.w))
-        if self.params.weighting == "unit":
-            self.w.fill_(1.0)
+        self._route(q, t)
         offset = t.offset(self.params.scoring)
         self.acc.zero_()
         scatter_lists(self.ids, self.w, t.list_idx, t.list_score, offset, self.acc, relative=True)
@@ -185,20 +193,25 @@ class GpuSelector:
 
     def route_dense(self, q: torch.Tensor, t: GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
                     k: torch.Tensor) -> torch.Tensor:
-        """Dense layout: scores acc [B, Hkv, n_max] of q [B, Hq, D], radix pass 0 into ws."""
+        """Dense layout: scores [B, Hkv, n_max] of q [B, Hq, D] (self.keys: uint16 keys, or
+        self.acc: fp32), radix pass 0 into ws."""
+        self._route(q, t)
+        self.ws.zero_()
+        out = self.keys if self.keys is not None else self.acc
+        return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
+                            t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg)
+
+    def _route(self, q: torch.Tensor, t: GpuTables | GpuDenseTables) -> None:
         qs = q[..., self.perm] if self.perm is not None else q
-        route(qs.contiguous(), t.centroids, out=(self.ids, self.w))
+        route(qs.contiguous(), t.centroids, out=(self.ids, self.w), group=self.group)
         if self.params.weighting == "unit":
             self.w.fill_(1.0)
-        self.ws.zero_()
-        return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
-                            t.stream_start, t.stream_count, lo, hi, k, self.acc, self.ws, **self.dense_cfg)
 
     def select(self, q: torch.Tensor, t: GpuTables | GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
                k: torch.Tensor) -> torch.Tensor:
         """-> idx [B, Hkv, k_max] int32; row b's first k[b] entries are its selection."""
         if isinstance(t, GpuDenseTables):
-            self.route_dense(q, t, lo, hi, k)
-            return radix_topk(self.acc, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True)
+            scores = self.route_dense(q, t, lo, hi, k)
+            return radix_topk(scores, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True)
         self.route_scatter(q, t)
         return radix_topk(self.acc, lo, hi, k, self.idx, self.ws)

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 
 from ctxcache.kernels.dense_select import dense_scores, dense_scores_ref, quantize_rows
 from ctxcache.kernels.route import route
-from ctxcache.kernels.topk import _BINS, radix_topk, topk_ref, workspace
+from ctxcache.kernels.topk import _BINS, keys16_ref, radix_topk, topk_ref, workspace
+
+from test_select_kernels import from_u16
 
 
 def _setup(device, b=2, hkv=2, g=3, m=4, c=13, n=700, t_max=6, shared=False):
@@ -78,18 +80,53 @@ def test_dense_select_exact_topk(device):
         assert len(set(got.tolist()) & set(refs[r].tolist())) >= kk - 1
 
 
-def test_route_then_dense_scores_follow_csattention_estimate(device):
+@pytest.mark.parametrize("group", [False, True])
+def test_dense_scores_16bit_keys(device, group):
+    """uint16 output: the keys of the fp16-rounded scores, and pass 0 counted over those keys;
+    group=True feeds one routed row set per KV head (routing='group': ids [B, Hkv, m])."""
+    ids, w, dense, new, n_ctx, start, count = _setup(device)
+    if group:
+        ids, w = ids[:, ::3].contiguous(), w[:, ::3].contiguous()
+    b, hkv = ids.shape[0], dense.shape[1]
+    n_max = 768
+    lo = torch.full((b,), 4, dtype=torch.int32, device=device)
+    hi = (n_ctx + count - 2).int()
+    k = torch.tensor([37, 20], dtype=torch.int32, device=device)
+    keys = torch.empty(b, hkv, n_max, dtype=torch.uint16, device=device)
+    ws = workspace(b * hkv, device)
+    dense_scores(ids, w, dense, None, new, n_ctx, start, count, lo, hi, k, keys, ws, block=128, r_chunk=4)
+    want = keys16_ref(dense_scores_ref(ids, w, dense, None, new, n_ctx, start, count, n_max)).cpu()
+    got = from_u16(keys.cpu())
+    # equal up to fp32 summation order at an fp16 rounding boundary (one key step)
+    assert (got - want).abs().max() <= 1 and (got == want).float().mean() > 0.99
+    for r in range(b):
+        for h in range(hkv):
+            row = got[r, h, int(lo[r]):int(hi[r])]
+            assert torch.equal(ws.view(b, hkv, -1)[r, h, :_BINS].cpu(), torch.bincount(row >> 8, minlength=_BINS).int())
+    out = torch.full((b, hkv, 37), -1, dtype=torch.int32, device=device)
+    radix_topk(keys, lo, hi, k, out, ws, block=256, hist0_done=True)
+    for r in range(b):
+        for h in range(hkv):
+            kk = int(k[r])
+            sel = out[r, h, :kk].long().cpu()
+            region = got[r, h, int(lo[r]):int(hi[r])]
+            assert sel.unique().numel() == kk
+            assert torch.equal(got[r, h][sel].sort().values, torch.topk(region, kk).values.sort().values)
+
+
+@pytest.mark.parametrize("routing", ["head", "group"])
+def test_route_then_dense_scores_follow_csattention_estimate(device, routing):
     """The routed weights feed the same math as CSAttention.estimate (qnorm, group sum)."""
     from ctxcache.methods.base import LayerState
     from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 
     hq, hkv, d, m, c, n = 4, 2, 32, 4, 8, 300
-    method = CSAttention(CSAttentionParams(subspaces=m, centroids=c))
+    method = CSAttention(CSAttentionParams(subspaces=m, centroids=c, routing=routing))
     cent = F.normalize(torch.randn(hkv, m, c, d // m), dim=-1).half()
     dense = torch.randn(hkv, m, c, n).half()
     q = torch.randn(hq, d)
     want = method._combine(method.estimate(LayerState({"centroids": cent, "dense_score": dense}), q, n), d)
-    ids, wts = route(q[None].to(device), cent[None].to(device))
+    ids, wts = route(q[None].to(device), cent[None].to(device), group=routing == "group")
     one = torch.ones(1, dtype=torch.int32, device=device)
     acc = torch.empty(1, hkv, 384, device=device)
     dense_scores(ids, wts, dense[None].to(device), None, torch.zeros(1, hkv, m, c, 1, device=device),

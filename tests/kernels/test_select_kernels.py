@@ -7,7 +7,16 @@ import torch.nn.functional as F
 from ctxcache.kernels.route import route, route_ref
 from ctxcache.kernels.scatter import scatter_lists, scatter_ref
 from ctxcache.kernels.stream import add_streamed, add_streamed_ref, stream_insert, stream_scores_ref
-from ctxcache.kernels.topk import radix_topk, topk_ref
+from ctxcache.kernels.topk import keys16_ref, radix_topk, topk_ref
+
+
+def as_u16(keys: torch.Tensor) -> torch.Tensor:
+    """int32 keys in [0, 65536) -> a uint16 tensor (through int16: wraps, then reinterprets)."""
+    return keys.to(torch.int16).view(torch.uint16)
+
+
+def from_u16(keys: torch.Tensor) -> torch.Tensor:
+    return keys.view(torch.int16).int() & 0xFFFF
 
 
 def _tables(b, hkv, m, c, db, n, l, device):
@@ -26,6 +35,19 @@ def test_route_matches_reference(device, dtype):
     ids_ref, w_ref = route_ref(q, cent)
     assert (ids == ids_ref).float().mean() >= 0.99  # fp near-ties may differ
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_route_group_sums_the_query_heads(device):
+    r, hq, hkv, m, c, db = 2, 6, 2, 4, 13, 8
+    q = torch.randn(r, hq, m * db, device=device)
+    cent = F.normalize(torch.randn(r, hkv, m, c, db), dim=-1).half().to(device)
+    ids, w = route(q, cent, group=True)
+    ids_ref, w_ref = route_ref(q, cent, group=True)
+    assert ids.shape == (r, hkv, m) == w.shape
+    assert (ids == ids_ref).float().mean() >= 0.99
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-5)
+    # the group sum is not any single head's route
+    torch.testing.assert_close(w_ref, q.view(r, hkv, -1, m, db).sum(2).norm(dim=-1))
 
 
 def test_route_rejects_mismatched_shapes(device):
@@ -86,3 +108,33 @@ def test_stream_insert_and_gain(device):
                             acc.cpu().clone(), offset.cpu())
     add_streamed(ids, w, new, lf, count, start, acc, offset, block_t=2)
     torch.testing.assert_close(acc.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_keys16_order_matches_fp16_values():
+    x = torch.tensor([-3e5, -2.0, -1e-8, -0.0, 0.0, 1e-8, 0.5, 0.5004, 2.0, 7e4])
+    keys = keys16_ref(x)
+    assert (keys.diff() >= 0).all() and keys[3] == keys[4]  # -0 == +0
+    assert keys[6] < keys[7]  # 0.5 and 0.5004 differ in fp16 (ulp 2.4e-4 there)
+    vals = x.half().float()
+    order = torch.argsort(vals, stable=True)
+    assert torch.equal(torch.argsort(keys, stable=True), order)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_radix_topk_on_16bit_keys(device, ties):
+    """Two passes over uint16 keys pick the k largest keys (ties: any of the equal ones)."""
+    b, hkv, n = 2, 3, 1823
+    x = torch.randint(0, 7, (b, hkv, n)).float() if ties else torch.randn(b, hkv, n) * 30
+    keys = keys16_ref(x)
+    lo = torch.tensor([4, 0], dtype=torch.int32, device=device)
+    hi = torch.tensor([n - 32, 900], dtype=torch.int32, device=device)
+    k = torch.tensor([92, 45], dtype=torch.int32, device=device)
+    out = torch.full((b, hkv, 92), -1, dtype=torch.int32, device=device)
+    radix_topk(as_u16(keys).to(device), lo, hi, k, out, block=256)
+    flat = keys.view(b * hkv, n).float()
+    refs = topk_ref(flat, lo.repeat_interleave(hkv), hi.repeat_interleave(hkv), k.repeat_interleave(hkv))
+    for r in range(b * hkv):
+        kk, lo_r, hi_r = int(k[r // hkv]), int(lo[r // hkv]), int(hi[r // hkv])
+        got = out.view(b * hkv, -1)[r, :kk].long().cpu()
+        assert got.unique().numel() == kk and lo_r <= int(got.min()) and int(got.max()) < hi_r
+        assert torch.equal(flat[r][got].sort().values, flat[r][refs[r]].sort().values)

@@ -13,13 +13,14 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return len(set(a.tolist()) & set(b.tolist())) / max(1, b.numel())
 
 
-@pytest.mark.parametrize("layout,weighting,scoring", [("contiguous", "qnorm", "relative"),
-                                                      ("rope_pairs", "unit", "absolute"),
-                                                      ("contiguous", "qnorm", "expected")])
-def test_selection_matches_csattention_search(device, layout, weighting, scoring):
+@pytest.mark.parametrize("layout,weighting,scoring,routing", [("contiguous", "qnorm", "relative", "head"),
+                                                              ("rope_pairs", "unit", "absolute", "head"),
+                                                              ("contiguous", "qnorm", "expected", "head"),
+                                                              ("contiguous", "qnorm", "expected", "group")])
+def test_selection_matches_csattention_search(device, layout, weighting, scoring, routing):
     hq, hkv, d, n, streamed = 6, 2, 32, 600, 5
     params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, list_fraction=0.25, layout=layout, weighting=weighting,
-                               scoring=scoring)
+                               scoring=scoring, routing=routing)
     method = CSAttention(params)
     q_pre, k, v = torch.randn(hq, n, d), torch.randn(hkv, n + streamed, d), torch.randn(hkv, n + streamed, d)
     q = torch.randn(hq, d)
@@ -45,12 +46,14 @@ def test_selection_matches_csattention_search(device, layout, weighting, scoring
         assert _overlap(got[h], want[h]) >= 0.97  # fp sums in another order may swap near-ties
 
 
-@pytest.mark.parametrize("layout,score_dtype", [("contiguous", "float16"), ("rope_pairs", "float16"),
-                                                ("contiguous", "int8")])
-def test_dense_selection_matches_csattention_search(device, layout, score_dtype):
+@pytest.mark.parametrize("layout,score_dtype,routing,score_keys", [
+    ("contiguous", "float16", "head", "fp32"), ("rope_pairs", "float16", "head", "fp16"),
+    ("contiguous", "int8", "head", "fp16"), ("contiguous", "float16", "group", "fp16"),
+    ("rope_pairs", "float16", "group", "fp32")])
+def test_dense_selection_matches_csattention_search(device, layout, score_dtype, routing, score_keys):
     """Dense full-list tables (the default layout): GPU selection vs CSAttention.search."""
     hq, hkv, d, n, streamed = 6, 2, 32, 600, 5
-    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout)
+    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout, routing=routing)
     method = CSAttention(params)
     q_pre, k, v = torch.randn(hq, n, d), torch.randn(hkv, n + streamed, d), torch.randn(hkv, n + streamed, d)
     q = torch.randn(hq, d)
@@ -63,7 +66,7 @@ def test_dense_selection_matches_csattention_search(device, layout, score_dtype)
     lo, hi = budget.region(total)
     want = method.search(state, q, k, lo, hi, budget.top_k(total))
 
-    sel = GpuSelector(params, 1, hq, hkv, d, total, budget.top_k(total), device)
+    sel = GpuSelector(params, 1, hq, hkv, d, total, budget.top_k(total), device, score_keys=score_keys)
     tables = stack_tables([state.tables], [n], max_new=8, device=device, score_dtype=score_dtype)
     assert isinstance(tables, GpuDenseTables)
     for t in range(streamed):
@@ -74,7 +77,8 @@ def test_dense_selection_matches_csattention_search(device, layout, score_dtype)
     kk = torch.tensor([budget.top_k(total)], dtype=torch.int32, device=device)
     got = sel.select(q[None].to(device), tables, lo_t, hi_t, kk)[0].cpu()
     assert ((got[:, :kk[0]] == n + 1).sum(1) == 1).all()
-    # fp16: only summation order differs; int8 storage (0.4% of a row's range) may swap near-ties
+    # fp16: only summation order (and with fp16 keys, rounding ties) differs; int8 storage (0.4%
+    # of a row's range) may swap near-ties
     floor = 0.97 if score_dtype == "float16" else 0.85
     for h in range(hkv):
         assert _overlap(got[h, :kk[0]], want[h]) >= floor
