@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 
 from ctxcache.artifact import ContextArtifact, LayerArtifact
 from ctxcache.generation import prefill
-from ctxcache.methods import SparseMethod
+from ctxcache.methods import SparseMethod, Tables
+from ctxcache.methods.csattention import CSAttention
 from ctxcache.models.attention import QueryCapture
 from ctxcache.models.loader import LoadedModel
 
@@ -54,9 +55,9 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     layers = []
     for layer in tqdm(range(args.n_layers), desc=f"index ({method.name})", unit="layer",
                       disable=not config.progress):
-        k, v = cache.k[layer][0, :, :n].cpu(), cache.v[layer][0, :, :n].cpu()
         q = capture.queries(layer)
-        tables = method.build_layer(q, k, v, layer, args.n_layers)
+        tables = index_layer(method, q, cache.k[layer][0, :, :n], cache.v[layer][0, :, :n], layer, args.n_layers)
+        k, v = cache.k[layer][0, :, :n].cpu(), cache.v[layer][0, :, :n].cpu()
         kept = q[:, query_positions(n, config.store_queries)].half() if config.store_queries else None
         layers.append(LayerArtifact(k=k.to(dtype), v=v.to(dtype), tables=tables, queries=kept))
         capture.chunks[layer] = []  # free the queries as we go
@@ -64,6 +65,17 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
         method_params=method.params.to_dict(), tokens=ids.cpu(), last_logits=logits[0].float().cpu(),
         layers=layers, kv_dtype=config.kv_dtype)
+
+
+def index_layer(method: SparseMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                n_layers: int) -> Tables:
+    """One layer's tables, on the CPU. On a GPU, CSAttention (contiguous subspaces) builds there
+    (kernels.kmeans: device k-means, a fraction of the prefill); every other case on the CPU."""
+    if k.is_cuda and isinstance(method, CSAttention) and method.params.layout == "contiguous":
+        from ctxcache.kernels.kmeans import build_tables_gpu  # the kernels package only where a GPU is
+        tables = build_tables_gpu(method.params, q.to(k.device), k)
+        return {name: t.cpu() for name, t in tables.items()}
+    return method.build_layer(q.cpu(), k.float().cpu(), v.float().cpu(), layer, n_layers)
 
 
 def query_positions(n: int, keep: int) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""CSAttention table build on the GPU: batched cosine k-means + list Top-L, all device-resident.
+"""CSAttention table build on the GPU: batched cosine k-means + tables, all device-resident.
 
-Same algorithm as ctxcache.methods.kmeans (k-means++ seeding, Lloyd iterations) and
-CSAttention.build (scores of every key against every centroid, keep the top L), but with
-every tensor on the input's device and the random draws from a device generator, so build
-cost is a few matrix products per layer instead of a CPU round trip. Not bit-identical to the
-CPU build (other random streams); the test checks Lloyd steps and lists against torch."""
+Same algorithm as ctxcache.methods.kmeans (k-means++ seeding from a subsample of 16 C points,
+Lloyd iterations) and CSAttention.build (group-sum or per-head queries, dense rows of every
+key's score or Top-L lists), but with every tensor on the input's device and the random draws
+from a device generator. The C - 1 sequential seed draws are the launch-bound part (measured
+32 ms per layer on the H100 with torch.multinomial over all 4096 sampled queries), so each
+draw is an inverse-CDF lookup (cumsum + searchsorted) over the subsample. Not bit-identical to
+the CPU build (other random streams); the tests check Lloyd steps and tables against torch."""
 
 from __future__ import annotations
 
@@ -24,39 +26,55 @@ def lloyd_step(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
     return F.normalize(torch.where(hits[..., None] > 0, sums, cent), dim=-1)
 
 
-def kmeans_gpu(x: torch.Tensor, n_clusters: int, iters: int, seed: int = 0) -> torch.Tensor:
-    """Cosine k-means of x [B, n, d] (n >= n_clusters) -> unit centroids [B, C, d] fp32."""
-    x = F.normalize(x.float(), dim=-1)
+def kmeans_pp_seeds(x: torch.Tensor, n_clusters: int, gen: torch.Generator) -> torch.Tensor:
+    """Cosine k-means++ seeds [B, C, d] of unit rows x [B, n, d], drawn from a subsample of
+    16 C points (as ctxcache.methods.kmeans does)."""
     b, n, _ = x.shape
-    gen = torch.Generator(device=x.device).manual_seed(seed)
+    if n > 16 * n_clusters:
+        x = x[:, torch.randperm(n, device=x.device, generator=gen)[:16 * n_clusters]]
+        n = x.shape[1]
     rows = torch.arange(b, device=x.device)
     cent = [x[rows, torch.randint(n, (b,), device=x.device, generator=gen)]]
     nearest = 1.0 - (x @ cent[0][..., None])[..., 0]
-    for _ in range(1, n_clusters):  # k-means++ seeding
-        pick = torch.multinomial(nearest.clamp_min(0) + 1e-12, 1, generator=gen)[:, 0]
+    draws = torch.rand(b, n_clusters, 1, device=x.device, generator=gen)
+    for i in range(1, n_clusters):
+        cdf = torch.cumsum(nearest.clamp_min(0) + 1e-12, dim=1)
+        pick = torch.searchsorted(cdf, draws[:, i] * cdf[:, -1:]).clamp_max(n - 1)[:, 0]
         cent.append(x[rows, pick])
         nearest = torch.minimum(nearest, 1.0 - (x @ cent[-1][..., None])[..., 0])
-    cent = torch.stack(cent, dim=1)
+    return torch.stack(cent, dim=1)
+
+
+def kmeans_gpu(x: torch.Tensor, n_clusters: int, iters: int, seed: int = 0) -> torch.Tensor:
+    """Cosine k-means of x [B, n, d] (n >= n_clusters) -> unit centroids [B, C, d] fp32."""
+    x = F.normalize(x.float(), dim=-1)
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    cent = kmeans_pp_seeds(x, n_clusters, gen)
     for _ in range(iters):
         cent = lloyd_step(x, cent)
     return cent
 
 
 def build_tables_gpu(params: CSAttentionParams, q: torch.Tensor, k: torch.Tensor) -> dict[str, torch.Tensor]:
-    """CSAttention tables from q [Hq, N, D], k [Hkv, N, D] on their device (contiguous layout)."""
+    """CSAttention tables from q [Hq, N, D], k [Hkv, N, D] on their device (contiguous layout):
+    dense_score [Hkv, m, C, N] fp16 for full lists (list_fraction 1), else Top-L lists."""
     if params.layout != "contiguous":
         raise ValueError(f"layout={params.layout!r}: the GPU build supports 'contiguous' only")
     hkv, n, d = k.shape
     m = params.subspaces
-    gq = q.unflatten(0, (hkv, -1)).flatten(1, 2)  # [Hkv, G*N, D]
+    gq = q.unflatten(0, (hkv, -1))  # [Hkv, G, N, D]
+    gq = gq.float().sum(1) if params.routing == "group" else gq.flatten(1, 2)  # [Hkv, N or G*N, D]
     if params.max_queries is not None and gq.shape[1] > params.max_queries:
         gen = torch.Generator(device=q.device).manual_seed(params.seed)
         gq = gq[:, torch.randperm(gq.shape[1], device=q.device, generator=gen)[:params.max_queries]]
     sub_q = gq.unflatten(-1, (m, -1)).permute(0, 2, 1, 3).flatten(0, 1)  # [Hkv*m, Nq, d_b]
     cent = kmeans_gpu(sub_q, params.centroids, params.kmeans_iters, params.seed).view(hkv, m, params.centroids, -1)
-    sub_k = k.unflatten(-1, (m, -1)).permute(0, 2, 1, 3).float()  # [Hkv, m, N, d_b]
-    scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k)
+    sub_k = k.unflatten(-1, (m, -1)).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
+    if params.list_length(n) == n:  # the dense layout: fp16 products (fp32 accumulate) straight out
+        dense = torch.matmul(cent.half(), sub_k.half().transpose(2, 3))
+        return {"centroids": cent.half(), "dense_score": dense}
+    scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k.float())
     top = torch.topk(scores, params.list_length(n), dim=-1)
     absent_mean = (scores.sum(-1) - top.values.sum(-1)) / max(n - top.values.shape[-1], 1)
-    return {"list_absent_mean": absent_mean.half(), "centroids": cent.half(), "list_idx": top.indices.int(), "list_score": top.values.half(),
-            "list_floor": top.values[..., -1].half().contiguous()}
+    return {"list_absent_mean": absent_mean.half(), "centroids": cent.half(), "list_idx": top.indices.int(),
+            "list_score": top.values.half(), "list_floor": top.values[..., -1].half().contiguous()}

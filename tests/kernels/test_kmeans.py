@@ -36,3 +36,30 @@ def test_build_lists_are_top_scores(device):
     # lists were scored with fp32 centroids, the check uses their fp16 copies: 1e-2 covers the rounding
     torch.testing.assert_close(t["list_score"].float(), top, rtol=1e-2, atol=1e-2)
     assert (t["list_score"][..., 1:] <= t["list_score"][..., :-1]).all()
+
+
+def test_build_dense_layout_scores_every_key(device):
+    """Full lists (the default): dense_score rows are every key's fp16 score against each
+    centroid, as CSAttention.build stores them; group routing clusters the group sums."""
+    for routing in ("head", "group"):
+        p = CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2, routing=routing)
+        q, k = torch.randn(4, 300, 32), torch.randn(2, 300, 32)
+        t = {n: v.cpu() for n, v in build_tables_gpu(p, q.to(device), k.to(device)).items()}
+        ref = CSAttention(p).build(q, k, k)
+        assert set(t) == set(ref) == {"centroids", "dense_score"}
+        assert t["dense_score"].shape == ref["dense_score"].shape and t["dense_score"].dtype == torch.float16
+        sub_k = CSAttention(p)._split(k).permute(0, 2, 1, 3)
+        want = torch.einsum("hmcd,hmnd->hmcn", t["centroids"].float(), sub_k)
+        torch.testing.assert_close(t["dense_score"].float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_group_routing_clusters_the_group_sums(device):
+    """Queries whose group sum points one of two ways give centroids near those two ways."""
+    p = CSAttentionParams(subspaces=1, centroids=2, kmeans_iters=5, routing="group")
+    dirs = F.normalize(torch.randn(2, 16), dim=-1)
+    n = 200
+    pick = torch.arange(n) % 2
+    noise = torch.randn(2, n, 16)  # two query heads whose noise cancels in the sum
+    q = torch.stack([dirs[pick] + noise[0], dirs[pick] - noise[0]])  # [Hq=2, N, D], Hkv=1
+    cent = build_tables_gpu(p, q.to(device), torch.randn(1, n, 16).to(device))["centroids"].float().cpu()
+    assert ((cent[0, 0] @ dirs.T).max(1).values > 0.99).all()
