@@ -65,7 +65,8 @@ def sdpa_dense(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "default"
 
 
-def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev: str) -> list[dict]:
+def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev: str,
+              list_layout: bool = False) -> list[dict]:
     q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -81,77 +82,99 @@ def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev
     sd = choose_splits(batch * HKV, n)
     g = capture(lambda: sparse_decode_attention(q, k, v, nt, splits=sd))
     rows.append({**base, "method": "dense_splitk", "time_us": time_us(g.replay), "splits": sd})
-    tables = random_tables(batch, n, params, dev)
-    sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), dev)
-    ss = choose_splits(batch * HKV, int(kk[0]) + budget.sinks + budget.recent)
+    if list_layout:
+        rows += bench_list(q, k, v, nt, lo, hi, kk, params, budget, base)
+    for suffix, variant in DENSE_VARIANTS.items():
+        rows += bench_dense(q, k, v, nt, lo, hi, kk, budget, base, suffix, *variant)
+    del k, v
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_list(q, k, v, nt, lo, hi, kk, params: CSAttentionParams, budget: Budget, base: dict) -> list[dict]:
+    """List layout (L = alpha N) selection, broken down, + sparse attention."""
+    batch, n = q.shape[0], k.shape[2]
+    tables = random_tables(batch, n, params, q.device)
+    sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device)
+    ss = attn_splits(batch, int(kk[0]), budget)
     idx = sel.select(q, tables, lo, hi, kk)
     parts = {
         "select_route_scatter": lambda: sel.route_scatter(q, tables),
         "select_topk": lambda: radix_topk(sel.acc, lo, hi, kk, sel.idx, sel.ws),
         "select": lambda: sel.select(q, tables, lo, hi, kk),
-        "sparse_attn": lambda: sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=ss),
+        "sparse_attn": lambda: sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent,
+                                                       splits=ss, block_n=ATTN_CFG["block_n"]),
     }
+    rows = []
     for name, fn in parts.items():
         g = capture(fn)
         rows.append({**base, "method": f"cs_{name}", "time_us": time_us(g.replay)})
 
     def total():
         i = sel.select(q, tables, lo, hi, kk)
-        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss)
+        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss, block_n=ATTN_CFG["block_n"])
     g = capture(total)
     rows.append({**base, "method": "csattention", "time_us": time_us(g.replay),
                  "list_len": params.list_length(n), "top_k": int(kk[0]), "splits": ss})
-    del tables, sel
-    torch.cuda.empty_cache()
-    for score_dtype in ("float16", "int8"):
-        rows += bench_dense(q, k, v, nt, lo, hi, kk, budget, score_dtype, base)
-    del k, v
-    torch.cuda.empty_cache()
     return rows
 
 
+# Dense-layout variants, row suffix -> (routing, score keys, table dtype). "" is the earlier
+# default (a route per query head, fp32 scores, four radix passes); "_g16" the default now.
+DENSE_VARIANTS = {"": ("head", "fp32", "float16"), "_g": ("group", "fp32", "float16"),
+                  "_g16": ("group", "fp16", "float16"), "_g16_int8": ("group", "fp16", "int8")}
 DENSE_CFG = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # replaced by tune_dense's pick
+ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 64}  # replaced by tune_attention's pick
 
 
-def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, score_dtype: str, base: dict) -> list[dict]:
-    """Dense-layout selection (broken down) + sparse attention, one storage dtype."""
+def attn_splits(batch: int, top_k: int, budget: Budget) -> int:
+    return choose_splits(batch * HKV, top_k + budget.sinks + budget.recent, min_keys=ATTN_CFG["min_keys"],
+                         waves=ATTN_CFG["waves"])
+
+
+def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str, routing: str,
+                score_keys: str, score_dtype: str) -> list[dict]:
+    """Dense-layout selection (broken down) + sparse attention, one variant."""
     batch, n = q.shape[0], k.shape[2]
-    params = CSAttentionParams()  # list_fraction = 1: the dense layout
+    params = CSAttentionParams(routing=routing)  # list_fraction = 1: the dense layout
     tables = random_dense_tables(batch, n, params, q.device, score_dtype)
-    sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device)
+    sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys)
     sel.dense_cfg = dict(DENSE_CFG)
-    ss = choose_splits(batch * HKV, int(kk[0]) + budget.sinks + budget.recent)
+    ss = attn_splits(batch, int(kk[0]), budget)
     idx = sel.select(q, tables, lo, hi, kk)
+    scores = sel.route_dense(q, tables, lo, hi, kk)
     ws_after_pass0 = sel.ws.clone()
-    sel.route_dense(q, tables, lo, hi, kk)
-    ws_after_pass0.copy_(sel.ws)
-    suffix = "" if score_dtype == "float16" else "_int8"
-    score_bytes = batch * HQ * params.subspaces * n * tables.dense_score.element_size()
+    routed = HKV if routing == "group" else HQ
+    score_bytes = batch * routed * params.subspaces * n * tables.dense_score.element_size()
 
     def topk_only():  # restore pass 0's histogram (4 KB per row) so replays stay valid
         sel.ws.copy_(ws_after_pass0)
-        radix_topk(sel.acc, lo, hi, kk, sel.idx, sel.ws, block=sel.topk_block, hist0_done=True)
+        radix_topk(scores, lo, hi, kk, sel.idx, sel.ws, block=sel.topk_block, hist0_done=True)
+
+    def attn():
+        sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=ss,
+                                block_n=ATTN_CFG["block_n"])
 
     def total():
         i = sel.select(q, tables, lo, hi, kk)
-        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss)
-    parts = {
-        "cs_dense_score": lambda: sel.route_dense(q, tables, lo, hi, kk),
-        "cs_dense_topk": topk_only,
-        "cs_dense_select": lambda: sel.select(q, tables, lo, hi, kk),
-        "csattention_dense": total,
-    }
+        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss, block_n=ATTN_CFG["block_n"])
+    parts = {"cs_dense_score": lambda: sel.route_dense(q, tables, lo, hi, kk), "cs_dense_topk": topk_only,
+             "cs_dense_select": lambda: sel.select(q, tables, lo, hi, kk), "csattention_dense": total}
+    if suffix == "":
+        parts["cs_sparse_attn"] = attn
     rows = []
     for name, fn in parts.items():
         g = capture(fn)
-        row = {**base, "method": name + suffix, "time_us": time_us(g.replay), "score_dtype": score_dtype}
+        row = {**base, "method": name + suffix, "time_us": time_us(g.replay), "routing": routing,
+               "score_keys": score_keys, "score_dtype": score_dtype}
         if name == "cs_dense_score":
-            row["rows_bytes"] = score_bytes  # G*m routed rows of N per KV head (repeats counted)
+            row["rows_bytes"] = score_bytes  # routed rows of N per KV head (repeats counted)
             row["gb_per_s"] = score_bytes / row["time_us"] / 1e3
         if name == "cs_dense_topk":
-            row["note"] = "radix passes 1-3 + collect, plus a 4 KB-per-row workspace restore copy"
-        if name == "csattention_dense":
-            row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(DENSE_CFG), topk_block=sel.topk_block)
+            row["note"] = "radix passes after pass 0 + collect, plus a 4 KB-per-row workspace restore copy"
+        if name in ("csattention_dense", "cs_sparse_attn"):
+            row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(DENSE_CFG), attn_cfg=dict(ATTN_CFG),
+                       topk_block=sel.topk_block)
         rows.append(row)
     del tables, sel, idx
     torch.cuda.empty_cache()
@@ -159,29 +182,60 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, score_dtype: str, base:
 
 
 def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
-    """Score-kernel configs at context n; sets DENSE_CFG to the best summed over batches."""
+    """Score-kernel configs of the default variant at context n; sets DENSE_CFG to the best
+    summed over batches."""
     rows, total = [], {}
-    params = CSAttentionParams()
+    routing, score_keys, score_dtype = DENSE_VARIANTS["_g16"]
+    params = CSAttentionParams(routing=routing)
     for batch in batches:
         q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
         nt = torch.full((batch,), n, dtype=torch.int32, device=dev)
         lo, hi = region(nt, budget.sinks, budget.recent)
         kk = torch.full((batch,), budget.top_k(n), dtype=torch.int32, device=dev)
-        tables = random_dense_tables(batch, n, params, dev)
-        sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), dev)
-        for block in (512, 1024, 2048):
-            for r_chunk in (8, 32):
-                for warps in (4, 8):
-                    cfg = {"block": block, "r_chunk": r_chunk, "num_warps": warps}
-                    sel.dense_cfg = cfg
-                    g = capture(lambda: sel.route_dense(q, tables, lo, hi, kk))
-                    t = time_us(g.replay)
-                    total[tuple(cfg.items())] = total.get(tuple(cfg.items()), 0.0) + t
-                    rows.append({"context": n, "batch": batch, "method": f"cs_dense_score_b{block}_r{r_chunk}_w{warps}",
-                                 "time_us": t, **cfg})
+        tables = random_dense_tables(batch, n, params, dev, score_dtype)
+        sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), dev, score_keys=score_keys)
+        for block in (1024, 2048, 4096):
+            for warps in (4, 8):
+                cfg = {"block": block, "r_chunk": 8, "num_warps": warps}
+                sel.dense_cfg = cfg
+                g = capture(lambda: sel.route_dense(q, tables, lo, hi, kk))
+                t = time_us(g.replay)
+                total[tuple(cfg.items())] = total.get(tuple(cfg.items()), 0.0) + t
+                rows.append({"context": n, "batch": batch, "method": f"cs_dense_score_g16_b{block}_w{warps}",
+                             "time_us": t, **cfg})
         del tables, sel
         torch.cuda.empty_cache()
     DENSE_CFG.update(dict(min(total, key=total.get)))
+    return rows
+
+
+def tune_attention(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
+    """Split count (waves over the SMs, keys per split) and key block of the sparse attention
+    over a 5% selection at context n; sets ATTN_CFG to the best summed over batches."""
+    rows, total = [], {}
+    for batch in batches:
+        q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        nt = torch.full((batch,), n, dtype=torch.int32, device=dev)
+        k_sel = budget.top_k(n)
+        kk = torch.full((batch,), k_sel, dtype=torch.int32, device=dev)
+        idx = torch.stack([torch.randperm(n - 64, device=dev)[:k_sel] + 4 for _ in range(batch * HKV)])
+        idx = idx.view(batch, HKV, k_sel).int()
+        for waves in (2, 4, 8):
+            for min_keys in (32, 64, 128):
+                for block_n in (32, 64):
+                    cfg = {"waves": waves, "min_keys": min_keys, "block_n": block_n}
+                    ss = choose_splits(batch * HKV, k_sel + budget.sinks + budget.recent, min_keys=min_keys, waves=waves)
+                    g = capture(lambda: sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent,
+                                                                splits=ss, block_n=block_n))
+                    t = time_us(g.replay)
+                    total[tuple(cfg.items())] = total.get(tuple(cfg.items()), 0.0) + t
+                    rows.append({"context": n, "batch": batch, "method": f"sparse_attn_w{waves}_k{min_keys}_b{block_n}",
+                                 "time_us": t, "splits": ss, **cfg})
+        del k, v
+        torch.cuda.empty_cache()
+    ATTN_CFG.update(dict(min(total, key=total.get)))
     return rows
 
 
@@ -203,8 +257,10 @@ def sweep_list_len(n: int, params: CSAttentionParams, budget: Budget, dev: str) 
 
 
 def sweep_topk_block(n: int, budget: Budget, dev: str) -> list[dict]:
-    """Radix Top-K alone at batch 1 for several chunk sizes (programs per row = N / block)."""
+    """Radix Top-K alone at batch 1 for several chunk sizes (programs per row = N / block), over
+    fp32 scores (four passes) and 16-bit keys (two passes)."""
     x = torch.rand(1, HKV, n, device=dev)
+    x16 = torch.randint(0, 1 << 16, (1, HKV, n), dtype=torch.int32, device=dev).to(torch.int16).view(torch.uint16)
     nt = torch.full((1,), n, dtype=torch.int32, device=dev)
     lo, hi = region(nt, budget.sinks, budget.recent)
     kk = torch.full((1,), budget.top_k(n), dtype=torch.int32, device=dev)
@@ -213,6 +269,8 @@ def sweep_topk_block(n: int, budget: Budget, dev: str) -> list[dict]:
     for block in (1024, 4096, 16384):
         g = capture(lambda: radix_topk(x, lo, hi, kk, out, block=block))
         rows.append({"context": n, "batch": 1, "method": f"topk_block{block}", "time_us": time_us(g.replay)})
+        g = capture(lambda: radix_topk(x16, lo, hi, kk, out, block=block))
+        rows.append({"context": n, "batch": 1, "method": f"topk16_block{block}", "time_us": time_us(g.replay)})
     k_int = int(kk[0])  # host value outside the captured region
     g = capture(lambda: torch.topk(x[:, :, budget.sinks:n - budget.recent], k_int, dim=-1, sorted=False))
     rows.append({"context": n, "batch": 1, "method": "torch_topk", "time_us": time_us(g.replay)})
@@ -221,19 +279,18 @@ def sweep_topk_block(n: int, budget: Budget, dev: str) -> list[dict]:
 
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
-    keys = sorted({(r["context"], r["batch"]) for r in rows if r["method"] == "csattention"})
-    for n, b in keys:
+    for n, b in sorted({(r["context"], r["batch"]) for r in rows if r["method"].startswith("csattention_dense")}):
         t = {r["method"]: r["time_us"] for r in rows if r["context"] == n and r["batch"] == b}
         dense = next(v for m, v in t.items() if m.startswith("dense_sdpa"))
-        out.append({"context": n, "batch": b, "sdpa_us": dense, "splitk_us": t["dense_splitk"],
-                    "select_us": t["cs_select"], "attn_us": t["cs_sparse_attn"], "cs_us": t["csattention"],
-                    "speedup": dense / t["csattention"],
-                    "dense_score_us": t.get("cs_dense_score"), "dense_topk_us": t.get("cs_dense_topk"),
-                    "dense_select_us": t.get("cs_dense_select"), "cs_dense_us": t.get("csattention_dense"),
-                    "speedup_dense": dense / t["csattention_dense"] if "csattention_dense" in t else None,
-                    "dense_select_int8_us": t.get("cs_dense_select_int8"),
-                    "cs_dense_int8_us": t.get("csattention_dense_int8"),
-                    "speedup_dense_int8": dense / t["csattention_dense_int8"] if "csattention_dense_int8" in t else None})
+        row = {"context": n, "batch": b, "sdpa_us": dense, "splitk_us": t["dense_splitk"],
+               "attn_us": t.get("cs_sparse_attn")}
+        for suffix in DENSE_VARIANTS:
+            tag = suffix or "_h32"
+            row[f"select{tag}_us"] = t.get(f"cs_dense_select{suffix}")
+            row[f"cs{tag}_us"] = t.get(f"csattention_dense{suffix}")
+            row[f"speedup{tag}"] = dense / row[f"cs{tag}_us"] if row[f"cs{tag}_us"] else None
+        row.update(score_g16_us=t.get("cs_dense_score_g16"), topk_g16_us=t.get("cs_dense_topk_g16"))
+        out.append(row)
     return out
 
 
@@ -242,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="8192,16384,32768,65536,131072")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--keep", type=float, default=0.05)
+    ap.add_argument("--list-layout", action="store_true", help="also time the L = N/4 list layout")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -249,29 +307,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     params, budget = CSAttentionParams(list_fraction=0.25), Budget(keep=args.keep)
     n_max = max(int(x) for x in args.contexts.split(","))
-    rows = tune_dense(n_max, [int(x) for x in args.batches.split(",")], budget, "cuda")
-    print("dense score config", DENSE_CFG, flush=True)
-    for b in (int(x) for x in args.batches.split(",")):
+    batches = [int(x) for x in args.batches.split(",")]
+    rows = tune_dense(n_max, batches, budget, "cuda") + tune_attention(n_max, batches, budget, "cuda")
+    print("dense score config", DENSE_CFG, "attention config", ATTN_CFG, flush=True)
+    for b in batches:
         for n in (int(x) for x in args.contexts.split(",")):
-            rows += bench_one(n, b, params, budget, "cuda")
-            print(rows[-1], flush=True)
-    rows += sweep_list_len(n_max, params, budget, "cuda")
-    rows += sweep_topk_block(n_max, budget, "cuda") + sweep_topk_block(8192, budget, "cuda")
+            rows += bench_one(n, b, params, budget, "cuda", args.list_layout)
+            print([(r["method"], round(r["time_us"], 1)) for r in rows if r["context"] == n and r["batch"] == b],
+                  flush=True)
+    if args.list_layout:
+        rows += sweep_list_len(n_max, params, budget, "cuda")
+    rows += sweep_topk_block(n_max, budget, "cuda")
     summary = summarize(rows)
-    cross = {b: next((s["context"] for s in summary if s["batch"] == b and s["speedup"] > 1), None)
-             for b in sorted({s["batch"] for s in summary})}
-    cross_dense = {b: next((s["context"] for s in summary if s["batch"] == b and (s["speedup_dense"] or 0) > 1), None)
-                   for b in sorted({s["batch"] for s in summary})}
-    path = write_results("attention", rows, {"summary": summary, "crossover_context": cross,
-                                             "crossover_context_dense": cross_dense, "dense_cfg": DENSE_CFG,
-                                             "params": params.to_dict(), "keep": args.keep}, args.out)
-    print_table([r for r in rows if r["method"].startswith(("cs_select_alpha", "topk", "torch_topk"))],
-                ["context", "list_len", "method", "time_us"])
-    print_table(summary, ["context", "batch", "sdpa_us", "splitk_us", "select_us", "attn_us", "cs_us", "speedup"])
-    print_table(summary, ["context", "batch", "sdpa_us", "dense_score_us", "dense_topk_us", "dense_select_us",
-                          "cs_dense_us", "speedup_dense", "dense_select_int8_us", "speedup_dense_int8"])
-    print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) list {cross}, "
-          f"dense {cross_dense}; dense cfg {DENSE_CFG}; wrote {path}")
+    cross = {tag: {b: next((s["context"] for s in summary if s["batch"] == b and (s[f"speedup{tag}"] or 0) > 1), None)
+                   for b in batches} for tag in ("_h32", "_g16")}
+    path = write_results("attention", rows, {"summary": summary, "crossover_context": cross, "dense_cfg": DENSE_CFG,
+                                             "attn_cfg": ATTN_CFG, "variants": DENSE_VARIANTS, "keep": args.keep}, args.out)
+    print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk", "sparse_attn_", "cs_dense_score_g16_b"))],
+                ["context", "batch", "method", "splits", "time_us"])
+    print_table(summary, ["context", "batch", "sdpa_us", "attn_us", "select_h32_us", "cs_h32_us", "speedup_h32",
+                          "select_g_us", "cs_g_us", "speedup_g"])
+    print_table(summary, ["context", "batch", "sdpa_us", "score_g16_us", "topk_g16_us", "select_g16_us", "cs_g16_us",
+                          "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
+    print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) {cross}; "
+          f"dense cfg {DENSE_CFG}; attention cfg {ATTN_CFG}; wrote {path}")
     return 0
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -56,7 +58,8 @@ def tokens_per_s(model, cache, attn, batch: int, n: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - t0)
 
 
-def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, budget: Budget, steps: int) -> list[dict]:
+def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, budget: Budget, steps: int,
+                 attn_cfg: dict | None = None) -> list[dict]:
     model = random_model(layers, n + steps + 8)
     a = model.args
     cache = model.new_cache(batch, max_len=n + steps + 8)
@@ -68,15 +71,17 @@ def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, bud
                                           batch, n, steps)}]
     if params.list_length(n) == n:
         tabs = dense_layer_tables(batch, n, layers, params, steps)
-        info = {"method": "csattention_dense_graph", "tables_shared_across_batch_rows": True,
+        info = {"method": f"csattention_dense_graph_{params.routing}", "tables_shared_across_batch_rows": True,
                 "tables_distinct_buffers": min(DENSE_BUFFERS, layers), "tables_rotated_across_layers": True}
     else:
         tab = random_tables(batch, n, params, "cuda")
         tab.new_scores = torch.zeros(*tab.new_scores.shape[:4], steps + 8, device="cuda")
         tabs = [tab] * layers
         info = {"method": "csattention_graph", "tables_shared_across_layers": True}
-    attn = GpuSparseAttention(params, tabs, budget, batch, a.n_heads, a.n_kv_heads, a.head_dim, cache.max_len)
-    rows.append({**base, **info, "list_len": params.list_length(n),
+    attn = GpuSparseAttention(params, tabs, budget, batch, a.n_heads, a.n_kv_heads, a.head_dim, cache.max_len,
+                              attn_cfg=attn_cfg)
+    rows.append({**base, **info, "list_len": params.list_length(n), "routing": params.routing,
+                 "attn_splits": attn.splits, "attn_block_n": attn.block_n,
                  "tokens_per_s": tokens_per_s(model, cache, attn, batch, n, steps)})
     del model, cache, tabs, attn
     torch.cuda.empty_cache()
@@ -115,7 +120,10 @@ class _GpuCapture:
 
 
 @torch.inference_mode()
-def bench_build(n: int, params: CSAttentionParams, chunk: int = 4096) -> list[dict]:
+def bench_build(n: int, variants: list[CSAttentionParams], chunk: int = 4096) -> list[dict]:
+    """Prefill of n tokens (plain, and keeping every layer's queries), then the GPU table build
+    of all 32 layers for each parameter set (kernels.kmeans.build_tables_gpu, what the indexer
+    runs on a GPU; tables stay on the device, their copy to the host is not timed)."""
     model = random_model(32, n + 8)
     cache = model.new_cache(1, max_len=n)
     tokens = torch.randint(0, model.args.vocab_size, (1, n), device="cuda")
@@ -132,35 +140,36 @@ def bench_build(n: int, params: CSAttentionParams, chunk: int = 4096) -> list[di
             cache.lengths += chunk
         torch.cuda.synchronize()
         times[name] = time.perf_counter() - t0
-    cap = attn
-    qs = [torch.cat(cap.chunks[layer], dim=1) for layer in range(32)]
-    cap.chunks = []
-    build_tables_gpu(params, qs[0], cache.k[0][0, :, :n])  # warm-up
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for layer in range(32):
-        build_tables_gpu(params, qs[layer], cache.k[layer][0, :, :n])
-    torch.cuda.synchronize()
-    times["build"] = time.perf_counter() - t0
-    from ctxcache.kernels.kmeans import kmeans_gpu
-    sub = qs[0].unflatten(0, (8, -1)).flatten(1, 2)[:, :params.max_queries].unflatten(-1, (8, -1))
-    t0 = time.perf_counter()
-    kmeans_gpu(sub.permute(0, 2, 1, 3).flatten(0, 1), params.centroids, params.kmeans_iters)
-    torch.cuda.synchronize()
-    times["build_kmeans_one_layer"] = time.perf_counter() - t0
-    del model, cache
-    torch.cuda.empty_cache()
+    qs = [torch.cat(attn.chunks[layer], dim=1) for layer in range(32)]
+    attn.chunks = []
     base = {"context": n, "batch": 1, "layers": 32}
-    return [{**base, "method": k, "time_us": v * 1e6} for k, v in times.items()] + [
-        {**base, "method": "build_over_prefill", "ratio": times["build"] / times["prefill"]},
-        {**base, "method": "build_over_prefill_with_capture", "ratio": times["build"] / times["prefill_capture"]}]
+    rows = [{**base, "method": k, "time_us": v * 1e6} for k, v in times.items()]
+    for params in variants:
+        build_tables_gpu(params, qs[0], cache.k[0][0, :, :n])  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for layer in range(32):
+            build_tables_gpu(params, qs[layer], cache.k[layer][0, :, :n])
+        torch.cuda.synchronize()
+        build = time.perf_counter() - t0
+        tag = {"routing": params.routing, "list_fraction": params.list_fraction}
+        rows += [{**base, **tag, "method": f"build_{params.routing}", "time_us": build * 1e6},
+                 {**base, **tag, "method": f"build_over_prefill_{params.routing}", "ratio": build / times["prefill"]},
+                 {**base, **tag, "method": f"build_over_prefill_with_capture_{params.routing}",
+                  "ratio": build / times["prefill_capture"]}]
+    del model, cache, qs
+    torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ctxcache bench decode")
     ap.add_argument("--configs", default="131072x1x32,131072x8x8,32768x1x32,32768x8x32",
                     help="context x batch x layers, comma separated")
-    ap.add_argument("--list-fractions", default="0.25,0.015625,1.0", help="1.0: the dense layout")
+    ap.add_argument("--list-fractions", default="1.0", help="1.0: the dense layout; e.g. 0.25,0.015625,1.0")
+    ap.add_argument("--routings", default="head,group", help="CSAttention routing variants (dense layout)")
+    ap.add_argument("--attn-cfg", default=None,
+                    help="sparse attention config as JSON, or a path to an attention bench JSON (its tuned attn_cfg)")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--build-context", type=int, default=32768)
     ap.add_argument("--out", default="bench/results")
@@ -169,17 +178,24 @@ def main(argv: list[str] | None = None) -> int:
         print("bench decode needs a CUDA GPU")
         return 2
     budget, rows = Budget(), []
+    attn_cfg = None
+    if args.attn_cfg:
+        attn_cfg = json.loads(args.attn_cfg) if args.attn_cfg.lstrip().startswith("{") else \
+            json.loads(Path(args.attn_cfg).read_text())["attn_cfg"]
+    variants = [(float(a), r) for a in args.list_fractions.split(",")
+                for r in (args.routings.split(",") if float(a) == 1.0 else ["head"])]
     for cfg in args.configs.split(","):
         n, b, layers = (int(x) for x in cfg.split("x"))
-        for alpha in (float(x) for x in args.list_fractions.split(",")):
-            got = bench_decode(n, b, layers, CSAttentionParams(list_fraction=alpha), budget, args.steps)
-            rows += got if alpha == float(args.list_fractions.split(",")[0]) else got[1:]
+        for i, (alpha, routing) in enumerate(variants):
+            got = bench_decode(n, b, layers, CSAttentionParams(list_fraction=alpha, routing=routing), budget,
+                               args.steps, attn_cfg)
+            rows += got if i == 0 else got[1:]  # the dense baseline once per config
             for r in got:
                 r["list_fraction"] = alpha
             print(got, flush=True)
     if args.build_context:
-        rows += bench_build(args.build_context, CSAttentionParams())
-    path = write_results("decode", rows, {"budget": dataclasses.asdict(budget)}, args.out)
+        rows += bench_build(args.build_context, [CSAttentionParams(routing=r) for r in args.routings.split(",")])
+    path = write_results("decode", rows, {"budget": dataclasses.asdict(budget), "attn_cfg": attn_cfg}, args.out)
     print_table(rows, ["context", "batch", "layers", "method", "list_fraction", "tokens_per_s", "time_us", "ratio"])
     print(f"device {device_info()['name']}; wrote {path}")
     return 0

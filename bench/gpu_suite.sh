@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: kernel tests on the GPU, then the benchmarks; logs and JSON under $OUT.
 # usage (device): bash bench/gpu_suite.sh [attention] [decode] [tests] [check] [offload_tests] [offload]
+# DECODE_ARGS (env) passes extra arguments to the decode bench, e.g. --attn-cfg '{"waves": 4, ...}'.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -14,9 +15,9 @@ for what in "${@:-tests attention}"; do
   case $what in
     tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels 2>&1 | tee "$OUT/tests.log" | tail -5 ;;
     attention) python3 -m ctxcache.bench.attention --out "$OUT" 2>&1 | tee "$OUT/attention.log" ;;
-    decode) python3 -m ctxcache.bench.decode --out "$OUT" 2>&1 | tee "$OUT/decode.log" ;;
+    decode) eval python3 -m ctxcache.bench.decode --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" ;;
     offload_tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_offload_attention.py 2>&1 | tee "$OUT/offload_tests.log" | tail -5 ;;
     offload) python3 -m ctxcache.bench.offload --out "$OUT" 2>&1 | tee "$OUT/offload.log" ;;
-    check) python3 -m ctxcache.decoder.gpu.check --out "$OUT" 2>&1 | tee "$OUT/check.log" ;;
+    check) python3 -m ctxcache.decoder.gpu.check --out "$OUT" 2>&1 | grep -v "it/s" | tee "$OUT/check.log" ;;
   esac
 done
