@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.methods.budget import fp16_keys
+
 _BINS = 256
 _PASSES = 4
 
@@ -40,10 +42,7 @@ def _keys16(x):
     return tl.where((bits >> 15) == 1, bits ^ 0xFFFF, bits | 0x8000)
 
 
-def keys16_ref(x: torch.Tensor) -> torch.Tensor:
-    """Torch reference of _keys16, as int32 in [0, 65536) (same order as x.half())."""
-    bits = (x.float() + 0.0).half().view(torch.int16).int() & 0xFFFF
-    return torch.where(bits >= 0x8000, bits ^ 0xFFFF, bits | 0x8000)
+keys16_ref = fp16_keys  # torch reference of _keys16, int32 in [0, 65536)
 
 
 @triton.jit
@@ -109,6 +108,86 @@ def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sw
     slot_eq = base_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
     tl.store(out_ptr + r * so_r + slot_gt, offs, mask=gt)
     tl.store(out_ptr + r * so_r + (k - need) + slot_eq, offs, mask=eq & (slot_eq < need))
+
+
+@triton.jit
+def _tail16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r,
+                   CHUNK: tl.constexpr):
+    """One program per row of 16-bit keys whose pass-0 histogram is in ws[:256]: radix pass 1
+    and the collect in index order (so ties go to the lowest indices, deterministically), then
+    zero ws[:256] for the next select. Each loop loads the next chunk before it processes the
+    current one, so a load's latency overlaps the work."""
+    r = tl.program_id(0)
+    b = r // HKV
+    lo = tl.load(lo_ptr + b)
+    hi = tl.load(hi_ptr + b)
+    k = tl.load(k_ptr + b)
+    ws = ws_ptr + r * sws_r
+    row = x_ptr + r * sx_r
+    bins = tl.arange(0, 256)
+    prefix, krem = _walk(ws, k, 1, 8)
+    top = prefix >> 8
+    h1 = tl.zeros((256,), tl.int32)
+    offs = lo + tl.arange(0, CHUNK)
+    nxt = tl.load(row + offs, mask=(offs < hi) & (k > 0), other=0)
+    for s in range(lo, hi, CHUNK):
+        key = nxt.to(tl.uint32)
+        valid = (offs < hi) & (k > 0)
+        offs += CHUNK
+        nxt = tl.load(row + offs, mask=(offs < hi) & (k > 0), other=0)
+        h1 += tl.histogram((key & 255).to(tl.int32), 256, mask=valid & ((key >> 8) == top))
+    ge = tl.sum(h1, axis=0) - tl.cumsum(h1, axis=0) + h1  # count with low byte >= d
+    d = tl.max(tl.where(ge >= krem, bins, -1), axis=0)
+    need = krem - tl.sum(tl.where(bins > d, h1, 0), axis=0)
+    thresh = prefix | d.to(tl.uint32)
+    n_gt = 0
+    n_eq = 0
+    offs = lo + tl.arange(0, CHUNK)
+    nxt = tl.load(row + offs, mask=(offs < hi) & (k > 0), other=0)
+    for s in range(lo, hi, CHUNK):
+        key = nxt.to(tl.uint32)
+        valid = (offs < hi) & (k > 0)
+        gt = valid & (key > thresh)
+        eq = valid & (key == thresh)
+        slot_gt = n_gt + tl.cumsum(gt.to(tl.int32), axis=0) - 1
+        slot_eq = n_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        # the masks bound every write by k even if the histogram were stale
+        tl.store(out_ptr + r * so_r + slot_gt, offs, mask=gt & (slot_gt < k - need))
+        tl.store(out_ptr + r * so_r + (k - need) + slot_eq, offs, mask=eq & (slot_eq < need))
+        n_gt += tl.sum(gt.to(tl.int32), axis=0)
+        n_eq += tl.sum(eq.to(tl.int32), axis=0)
+        offs += CHUNK
+        nxt = tl.load(row + offs, mask=(offs < hi) & (k > 0), other=0)
+    tl.store(ws + bins, tl.zeros((256,), tl.int32))
+
+
+def topk16_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
+    """Reference of select16_tail for keys [R, N] (int32 16-bit codes): per row the k[r]
+    largest keys in [lo[r], hi[r]), ties to the lowest indices (sorted by index)."""
+    out = []
+    for r in range(keys.shape[0]):
+        lo_r, hi_r = int(lo[r]), int(hi[r])
+        n = keys.shape[1]
+        rank = keys[r].long() * (1 << 32) + ((1 << 32) - 1 - torch.arange(n, device=keys.device))
+        out.append(torch.topk(rank[lo_r:hi_r], int(k[r])).indices.sort().values + lo_r)
+    return out
+
+
+def select16_tail(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
+                  ws: torch.Tensor, chunk: int = 4096, num_warps: int = 8) -> torch.Tensor:
+    """Finish a Top-K over uint16 keys [B, Hkv, N] whose pass-0 histogram a producer added to ws
+    (dense_select.dense_scores): one launch, one program per row; leaves ws[:, :256] zeroed, so
+    a workspace zeroed once at allocation stays ready across selects. -> out [B, Hkv, K_max]."""
+    if keys.dim() != 3 or keys.dtype != torch.uint16 or keys.stride(2) != 1:
+        raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [B, Hkv, N] contiguous in N")
+    b, hkv, _ = keys.shape
+    if out.shape[:2] != (b, hkv) or out.dtype != torch.int32 or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be int32 [{b}, {hkv}, K_max]")
+    if keys.stride(0) != hkv * keys.stride(1) or out.stride(0) != hkv * out.stride(1) or ws.shape[0] != b * hkv:
+        raise ValueError("keys, out and ws must have their (B, Hkv) dims mergeable into rows")
+    _tail16_kernel[(b * hkv,)](keys, lo, hi, k, ws, out, hkv, keys.stride(1), ws.stride(0), out.stride(1),
+                               CHUNK=chunk, num_warps=num_warps)
+    return out
 
 
 def workspace(rows: int, device: torch.device | str) -> torch.Tensor:

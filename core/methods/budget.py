@@ -45,6 +45,21 @@ def topk_in_region(scores: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tens
     return torch.topk(scores[..., lo:hi], k, dim=-1, sorted=False).indices + lo
 
 
+def fp16_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Order-preserving int32 codes in [0, 65536) of scores rounded to fp16 (-0 and +0 equal):
+    the 16-bit keys the GPU selection ranks (kernels/topk.py)."""
+    bits = (scores.float() + 0.0).half().view(torch.int16).int() & 0xFFFF
+    return torch.where(bits >= 0x8000, bits ^ 0xFFFF, bits | 0x8000)
+
+
+def fp16_rank(scores: torch.Tensor) -> torch.Tensor:
+    """int64 [..., n] ranking scores [..., n] by their fp16 keys, ties to the lower index: the
+    order CSAttention's GPU selection produces, so both paths pick the same keys."""
+    n = scores.shape[-1]
+    idx = torch.arange(n, device=scores.device)
+    return fp16_keys(scores).long() * (1 << 32) + ((1 << 32) - 1 - idx)
+
+
 def distinct_valid(idx: torch.Tensor) -> torch.Tensor:
     """Distinct indices >= 0 per row of idx [..., K] -> [...] long: the keys really read when
     rows are padded by repeating an index (estimators) or by -1."""

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxcache.methods.base import Capabilities, LayerState, MethodParams, SparseMethod, Tables
-from ctxcache.methods.budget import topk_in_region
+from ctxcache.methods.budget import fp16_rank, topk_in_region
 from ctxcache.methods.kmeans import kmeans
 
 _CHOICES = {
@@ -168,7 +168,9 @@ class CSAttention(SparseMethod):
     def search(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int,
                k: int) -> torch.Tensor:
         est = self.estimate(state, q, n=keys.shape[1])  # [Hkv, G, n]
-        return topk_in_region(self._combine(est, q.shape[-1]), lo, hi, k)
+        # rank fp16-rounded estimates, ties to the lower index: deterministic, and what the GPU
+        # selection computes (its radix select runs over 16-bit keys), so both paths agree
+        return topk_in_region(fp16_rank(self._combine(est, q.shape[-1])), lo, hi, k)
 
     def estimate(self, state: LayerState, q: torch.Tensor, n: int) -> torch.Tensor:
         """Estimated (offset) logits [Hkv, G, n] of every cached key for q [Hq, D]."""

@@ -3,8 +3,10 @@
 List layout (list_fraction < 1): route -> scatter lists -> add streamed keys -> radix Top-K.
 Dense layout (list_fraction = 1, the measured default): route -> weighted sum of the G * m
 routed rows of dense_score (m rows with routing="group") with streamed keys and radix pass 0
-fused (dense_select), written as 16-bit keys of the fp16-rounded scores -> radix pass 1 +
-collect (score_keys="fp32": fp32 scores and passes 1-3 + collect).
+fused (dense_select), written as 16-bit keys of the fp16-rounded scores -> one program per row
+finishes the select (topk.select16_tail: pass 1 + collect, ties to the lowest index, as
+CSAttention.search ranks) and re-zeroes its workspace row, so a step is three launches
+(score_keys="fp32": fp32 scores, workspace zeroing and radix passes 1-3 + collect).
 
 Static buffers sized once (rows, heads, max context, max K), so a step is a fixed sequence of
 launches that a CUDA graph can capture. Matches CSAttention.search with tau = 1 (no backoff)
@@ -20,7 +22,7 @@ from ctxcache.kernels.dense_select import dense_scores, quantize_rows
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
 from ctxcache.kernels.stream import add_streamed, stream_insert
-from ctxcache.kernels.topk import radix_topk, workspace
+from ctxcache.kernels.topk import radix_topk, select16_tail, workspace
 from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
 
 
@@ -173,12 +175,14 @@ class GpuSelector:
         n_pad = -(-n_max // 4096) * 4096
         self.acc = torch.zeros(batch, n_kv, n_pad, device=device)
         self.keys = torch.empty(batch, n_kv, n_pad, dtype=torch.uint16, device=device) if score_keys == "fp16" else None
-        self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # tuned on the H100 (bench)
+        self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 8}  # tuned on the H100 (bench attention)
         # radix Top-K chunk: the passes are latency-bound, so more, smaller programs while the
         # grid stays within ~2048 programs (each adds 256 histogram atomics per pass)
         rows = batch * n_kv
         self.topk_block = next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096)
         self.ws = workspace(batch * n_kv, device)
+        self.ws_zero = True  # the 16-bit tail leaves pass 0's histogram zeroed; radix_topk does not
+        self.tail_cfg = {"chunk": 4096, "num_warps": 8}
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
 
     def route_scatter(self, q: torch.Tensor, t: GpuTables) -> torch.Tensor:
@@ -196,7 +200,8 @@ class GpuSelector:
         """Dense layout: scores [B, Hkv, n_max] of q [B, Hq, D] (self.keys: uint16 keys, or
         self.acc: fp32), radix pass 0 into ws."""
         self._route(q, t)
-        self.ws.zero_()
+        if self.keys is None or not self.ws_zero:
+            self.ws.zero_()
         out = self.keys if self.keys is not None else self.acc
         return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
                             t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg)
@@ -212,6 +217,15 @@ class GpuSelector:
         """-> idx [B, Hkv, k_max] int32; row b's first k[b] entries are its selection."""
         if isinstance(t, GpuDenseTables):
             scores = self.route_dense(q, t, lo, hi, k)
-            return radix_topk(scores, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True)
+            return self.finish(scores, lo, hi, k)
         self.route_scatter(q, t)
+        self.ws_zero = False
         return radix_topk(self.acc, lo, hi, k, self.idx, self.ws)
+
+    def finish(self, scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The Top-K after route_dense: the one-launch tail over 16-bit keys, or radix passes 1-3."""
+        if scores.dtype == torch.uint16:
+            self.ws_zero = True
+            return select16_tail(scores, lo, hi, k, self.idx, self.ws, **self.tail_cfg)
+        self.ws_zero = False
+        return radix_topk(scores, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True)

@@ -138,3 +138,30 @@ def test_radix_topk_on_16bit_keys(device, ties):
         got = out.view(b * hkv, -1)[r, :kk].long().cpu()
         assert got.unique().numel() == kk and lo_r <= int(got.min()) and int(got.max()) < hi_r
         assert torch.equal(flat[r][got].sort().values, flat[r][refs[r]].sort().values)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_select16_tail_is_exact_and_deterministic(device, ties):
+    """Pass 0 (as the score kernel adds it) + the one-program tail = the k largest keys, ties to
+    the lowest indices, and the workspace is left zeroed for the next select."""
+    from ctxcache.kernels.topk import _BINS, select16_tail, topk16_ref, workspace
+
+    b, hkv, n = 2, 3, 5000
+    x = torch.randint(0, 7, (b, hkv, n)).float() if ties else torch.randn(b, hkv, n) * 30
+    keys = keys16_ref(x)
+    lo = torch.tensor([4, 0], dtype=torch.int32)
+    hi = torch.tensor([n - 32, 2900], dtype=torch.int32)
+    k = torch.tensor([250, 45], dtype=torch.int32)
+    ws = workspace(b * hkv, "cpu")
+    for r in range(b * hkv):  # pass 0 over [lo, hi), as dense_scores adds it
+        seg = keys.view(b * hkv, n)[r, int(lo[r // hkv]):int(hi[r // hkv])]
+        ws[r, :_BINS] = torch.bincount(seg >> 8, minlength=_BINS).int()
+    out = torch.full((b, hkv, 250), -1, dtype=torch.int32, device=device)
+    ws = ws.to(device)
+    select16_tail(as_u16(keys).to(device), lo.to(device), hi.to(device), k.to(device), out, ws, chunk=1024)
+    refs = topk16_ref(keys.view(b * hkv, n), lo.repeat_interleave(hkv), hi.repeat_interleave(hkv),
+                      k.repeat_interleave(hkv))
+    for r in range(b * hkv):
+        got = out.view(b * hkv, -1)[r, :int(k[r // hkv])].long().cpu()
+        assert torch.equal(got.sort().values, refs[r])
+    assert int(ws[:, :_BINS].abs().sum()) == 0
