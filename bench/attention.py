@@ -125,6 +125,7 @@ DENSE_VARIANTS = {"": ("head", "fp32", "float16"), "_g": ("group", "fp32", "floa
                   "_g16": ("group", "fp16", "float16"), "_g16_int8": ("group", "fp16", "int8")}
 DENSE_CFG = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # replaced by tune_dense's pick
 ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 64}  # replaced by tune_attention's pick
+TAIL_CFG = {"chunk": 4096, "num_warps": 8}  # replaced by tune_tail's pick
 
 
 def attn_splits(batch: int, top_k: int, budget: Budget) -> int:
@@ -139,17 +140,18 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     params = CSAttentionParams(routing=routing)  # list_fraction = 1: the dense layout
     tables = random_dense_tables(batch, n, params, q.device, score_dtype)
     sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys)
-    sel.dense_cfg = dict(DENSE_CFG)
+    sel.dense_cfg, sel.tail_cfg = dict(DENSE_CFG), dict(TAIL_CFG)
     ss = attn_splits(batch, int(kk[0]), budget)
     idx = sel.select(q, tables, lo, hi, kk)
     scores = sel.route_dense(q, tables, lo, hi, kk)
     ws_after_pass0 = sel.ws.clone()
+    sel.finish(scores, lo, hi, kk)
     routed = HKV if routing == "group" else HQ
     score_bytes = batch * routed * params.subspaces * n * tables.dense_score.element_size()
 
     def topk_only():  # restore pass 0's histogram (4 KB per row) so replays stay valid
         sel.ws.copy_(ws_after_pass0)
-        radix_topk(scores, lo, hi, kk, sel.idx, sel.ws, block=sel.topk_block, hist0_done=True)
+        sel.finish(scores, lo, hi, kk)
 
     def attn():
         sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=ss,
@@ -158,12 +160,17 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     def total():
         i = sel.select(q, tables, lo, hi, kk)
         sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss, block_n=ATTN_CFG["block_n"])
-    parts = {"cs_dense_score": lambda: sel.route_dense(q, tables, lo, hi, kk), "cs_dense_topk": topk_only,
+    def score_only():  # zeroes the workspace itself (one memset launch more than in a select)
+        sel.ws_zero = False
+        sel.route_dense(q, tables, lo, hi, kk)
+    parts = {"cs_dense_score": score_only, "cs_dense_topk": topk_only,
              "cs_dense_select": lambda: sel.select(q, tables, lo, hi, kk), "csattention_dense": total}
     if suffix == "":
         parts["cs_sparse_attn"] = attn
     rows = []
     for name, fn in parts.items():
+        sel.ws.zero_()
+        sel.ws_zero = True
         g = capture(fn)
         row = {**base, "method": name + suffix, "time_us": time_us(g.replay), "routing": routing,
                "score_keys": score_keys, "score_dtype": score_dtype}
@@ -171,10 +178,10 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
             row["rows_bytes"] = score_bytes  # routed rows of N per KV head (repeats counted)
             row["gb_per_s"] = score_bytes / row["time_us"] / 1e3
         if name == "cs_dense_topk":
-            row["note"] = "radix passes after pass 0 + collect, plus a 4 KB-per-row workspace restore copy"
+            row["note"] = "Top-K after pass 0 (16-bit tail, or passes 1-3 + collect) + a 4 KB-per-row workspace restore copy"
         if name in ("csattention_dense", "cs_sparse_attn"):
             row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(DENSE_CFG), attn_cfg=dict(ATTN_CFG),
-                       topk_block=sel.topk_block)
+                       tail_cfg=dict(TAIL_CFG), topk_block=sel.topk_block)
         rows.append(row)
     del tables, sel, idx
     torch.cuda.empty_cache()
@@ -209,6 +216,37 @@ def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dic
     return rows
 
 
+def tune_tail(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
+    """Chunk and warps of the one-program-per-row Top-K tail over 16-bit keys at context n
+    (pass 0 restored before each replay); sets TAIL_CFG to the best summed over batches."""
+    from ctxcache.kernels.topk import _BINS, select16_tail, workspace
+    rows, total = [], {}
+    for batch in batches:
+        keys = torch.randint(0, 1 << 16, (batch, HKV, n), dtype=torch.int32, device=dev)
+        nt = torch.full((batch,), n, dtype=torch.int32, device=dev)
+        lo, hi = region(nt, budget.sinks, budget.recent)
+        kk = torch.full((batch,), budget.top_k(n), dtype=torch.int32, device=dev)
+        hist0 = workspace(batch * HKV, dev)
+        hist0[:, :_BINS] = torch.stack([torch.bincount(r >> 8, minlength=_BINS) for r in
+                                        keys.view(batch * HKV, n)[:, int(lo[0]):int(hi[0])]]).int()
+        ws, out = hist0.clone(), torch.zeros(batch, HKV, int(kk[0]), dtype=torch.int32, device=dev)
+        keys16 = keys.to(torch.int16).view(torch.uint16)
+        for chunk in (2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                cfg = {"chunk": chunk, "num_warps": warps}
+
+                def fn():
+                    ws.copy_(hist0)
+                    select16_tail(keys16, lo, hi, kk, out, ws, chunk=chunk, num_warps=warps)
+                g = capture(fn)
+                t = time_us(g.replay)
+                total[tuple(cfg.items())] = total.get(tuple(cfg.items()), 0.0) + t
+                rows.append({"context": n, "batch": batch, "method": f"topk16_tail_c{chunk}_w{warps}",
+                             "time_us": t, **cfg, "note": "includes a 4 KB-per-row workspace restore copy"})
+    TAIL_CFG.update(dict(min(total, key=total.get)))
+    return rows
+
+
 def tune_attention(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
     """Split count (waves over the SMs, keys per split) and key block of the sparse attention
     over a 5% selection at context n; sets ATTN_CFG to the best summed over batches."""
@@ -223,8 +261,8 @@ def tune_attention(n: int, batches: list[int], budget: Budget, dev: str) -> list
         idx = torch.stack([torch.randperm(n - 64, device=dev)[:k_sel] + 4 for _ in range(batch * HKV)])
         idx = idx.view(batch, HKV, k_sel).int()
         for waves in (2, 4, 8):
-            for min_keys in (32, 64, 128):
-                for block_n in (32, 64):
+            for min_keys in (64, 128):
+                for block_n in (32, 64, 128):
                     cfg = {"waves": waves, "min_keys": min_keys, "block_n": block_n}
                     ss = choose_splits(batch * HKV, k_sel + budget.sinks + budget.recent, min_keys=min_keys, waves=waves)
                     g = capture(lambda: sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent,
@@ -308,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     params, budget = CSAttentionParams(list_fraction=0.25), Budget(keep=args.keep)
     n_max = max(int(x) for x in args.contexts.split(","))
     batches = [int(x) for x in args.batches.split(",")]
-    rows = tune_dense(n_max, batches, budget, "cuda") + tune_attention(n_max, batches, budget, "cuda")
-    print("dense score config", DENSE_CFG, "attention config", ATTN_CFG, flush=True)
+    rows = (tune_dense(n_max, batches, budget, "cuda") + tune_tail(n_max, batches, budget, "cuda")
+            + tune_attention(n_max, batches, budget, "cuda"))
+    print("dense score config", DENSE_CFG, "tail config", TAIL_CFG, "attention config", ATTN_CFG, flush=True)
     for b in batches:
         for n in (int(x) for x in args.contexts.split(",")):
             rows += bench_one(n, b, params, budget, "cuda", args.list_layout)
@@ -322,15 +361,17 @@ def main(argv: list[str] | None = None) -> int:
     cross = {tag: {b: next((s["context"] for s in summary if s["batch"] == b and (s[f"speedup{tag}"] or 0) > 1), None)
                    for b in batches} for tag in ("_h32", "_g16")}
     path = write_results("attention", rows, {"summary": summary, "crossover_context": cross, "dense_cfg": DENSE_CFG,
-                                             "attn_cfg": ATTN_CFG, "variants": DENSE_VARIANTS, "keep": args.keep}, args.out)
-    print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk", "sparse_attn_", "cs_dense_score_g16_b"))],
+                                             "attn_cfg": ATTN_CFG, "tail_cfg": TAIL_CFG, "variants": DENSE_VARIANTS,
+                                             "keep": args.keep}, args.out)
+    print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk", "sparse_attn_", "cs_dense_score_g16_b"))
+                 and (r["batch"] == 1 or not r["method"].startswith("sparse_attn_"))],
                 ["context", "batch", "method", "splits", "time_us"])
     print_table(summary, ["context", "batch", "sdpa_us", "attn_us", "select_h32_us", "cs_h32_us", "speedup_h32",
                           "select_g_us", "cs_g_us", "speedup_g"])
     print_table(summary, ["context", "batch", "sdpa_us", "score_g16_us", "topk_g16_us", "select_g16_us", "cs_g16_us",
                           "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
     print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) {cross}; "
-          f"dense cfg {DENSE_CFG}; attention cfg {ATTN_CFG}; wrote {path}")
+          f"dense cfg {DENSE_CFG}; tail cfg {TAIL_CFG}; attention cfg {ATTN_CFG}; wrote {path}")
     return 0
 
 

@@ -79,9 +79,12 @@ def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, bud
         tabs = [tab] * layers
         info = {"method": "csattention_graph", "tables_shared_across_layers": True}
     attn = GpuSparseAttention(params, tabs, budget, batch, a.n_heads, a.n_kv_heads, a.head_dim, cache.max_len,
-                              attn_cfg=attn_cfg)
+                              attn_cfg=(attn_cfg or {}).get("attn"))
+    attn.selector.dense_cfg.update((attn_cfg or {}).get("dense", {}))
+    attn.selector.tail_cfg.update((attn_cfg or {}).get("tail", {}))
     rows.append({**base, **info, "list_len": params.list_length(n), "routing": params.routing,
-                 "attn_splits": attn.splits, "attn_block_n": attn.block_n,
+                 "attn_splits": attn.splits, "attn_block_n": attn.block_n, "dense_cfg": dict(attn.selector.dense_cfg),
+                 "tail_cfg": dict(attn.selector.tail_cfg),
                  "tokens_per_s": tokens_per_s(model, cache, attn, batch, n, steps)})
     del model, cache, tabs, attn
     torch.cuda.empty_cache()
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list-fractions", default="1.0", help="1.0: the dense layout; e.g. 0.25,0.015625,1.0")
     ap.add_argument("--routings", default="head,group", help="CSAttention routing variants (dense layout)")
     ap.add_argument("--attn-cfg", default=None,
-                    help="sparse attention config as JSON, or a path to an attention bench JSON (its tuned attn_cfg)")
+                    help='tuned configs as JSON {"attn": .., "dense": .., "tail": ..}, or a path to an attention '
+                         'bench JSON (its attn_cfg, dense_cfg, tail_cfg)')
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--build-context", type=int, default=32768)
     ap.add_argument("--out", default="bench/results")
@@ -180,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     budget, rows = Budget(), []
     attn_cfg = None
     if args.attn_cfg:
-        attn_cfg = json.loads(args.attn_cfg) if args.attn_cfg.lstrip().startswith("{") else \
-            json.loads(Path(args.attn_cfg).read_text())["attn_cfg"]
+        if args.attn_cfg.lstrip().startswith("{"):
+            attn_cfg = json.loads(args.attn_cfg)
+        else:
+            tuned = json.loads(Path(args.attn_cfg).read_text())
+            attn_cfg = {"attn": tuned["attn_cfg"], "dense": tuned["dense_cfg"], "tail": tuned.get("tail_cfg", {})}
     variants = [(float(a), r) for a in args.list_fractions.split(",")
                 for r in (args.routings.split(",") if float(a) == 1.0 else ["head"])]
     for cfg in args.configs.split(","):
