@@ -125,7 +125,7 @@ DENSE_VARIANTS = {"": ("head", "fp32", "float16"), "_g": ("group", "fp32", "floa
                   "_g16": ("group", "fp16", "float16"), "_g16_int8": ("group", "fp16", "int8")}
 DENSE_CFG = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # replaced by tune_dense's pick
 ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 64}  # replaced by tune_attention's pick
-TAIL_CFG = {"chunk": 4096, "num_warps": 8}  # replaced by tune_tail's pick
+TOPK16_BLOCK = {"block": None}  # replaced by tune_topk16's pick (None: GpuSelector's default)
 
 
 def attn_splits(batch: int, top_k: int, budget: Budget) -> int:
@@ -140,7 +140,9 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     params = CSAttentionParams(routing=routing)  # list_fraction = 1: the dense layout
     tables = random_dense_tables(batch, n, params, q.device, score_dtype)
     sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys)
-    sel.dense_cfg, sel.tail_cfg = dict(DENSE_CFG), dict(TAIL_CFG)
+    sel.dense_cfg = dict(DENSE_CFG)
+    if TOPK16_BLOCK["block"] and score_keys == "fp16":
+        sel.set_topk_block(TOPK16_BLOCK["block"])
     ss = attn_splits(batch, int(kk[0]), budget)
     idx = sel.select(q, tables, lo, hi, kk)
     scores = sel.route_dense(q, tables, lo, hi, kk)
@@ -178,10 +180,11 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
             row["rows_bytes"] = score_bytes  # routed rows of N per KV head (repeats counted)
             row["gb_per_s"] = score_bytes / row["time_us"] / 1e3
         if name == "cs_dense_topk":
-            row["note"] = "Top-K after pass 0 (16-bit tail, or passes 1-3 + collect) + a 4 KB-per-row workspace restore copy"
+            row["note"] = ("Top-K after pass 0 (16-bit keys: pass 1 + collect; fp32: passes 1-3 + collect) "
+                           "+ a copy restoring the workspace (4 KB per row + block histograms)")
         if name in ("csattention_dense", "cs_sparse_attn"):
             row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(DENSE_CFG), attn_cfg=dict(ATTN_CFG),
-                       tail_cfg=dict(TAIL_CFG), topk_block=sel.topk_block)
+                       topk_block=sel.topk_block)
         rows.append(row)
     del tables, sel, idx
     torch.cuda.empty_cache()
@@ -216,34 +219,46 @@ def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dic
     return rows
 
 
-def tune_tail(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
-    """Chunk and warps of the one-program-per-row Top-K tail over 16-bit keys at context n
-    (pass 0 restored before each replay); sets TAIL_CFG to the best summed over batches."""
-    from ctxcache.kernels.topk import _BINS, select16_tail, workspace
+def tune_topk16(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
+    """Keys per program of the radix Top-K over 16-bit keys after pass 0 (pass 1 + collect; pass
+    0 restored before each replay) at context n; sets TOPK16_BLOCK to the best over batches.
+    Also the score kernel of the default variant without its fused pass-0 histogram."""
+    from ctxcache.kernels.topk import _BINS, blocks16, workspace
     rows, total = [], {}
     for batch in batches:
         keys = torch.randint(0, 1 << 16, (batch, HKV, n), dtype=torch.int32, device=dev)
         nt = torch.full((batch,), n, dtype=torch.int32, device=dev)
         lo, hi = region(nt, budget.sinks, budget.recent)
         kk = torch.full((batch,), budget.top_k(n), dtype=torch.int32, device=dev)
-        hist0 = workspace(batch * HKV, dev)
-        hist0[:, :_BINS] = torch.stack([torch.bincount(r >> 8, minlength=_BINS) for r in
-                                        keys.view(batch * HKV, n)[:, int(lo[0]):int(hi[0])]]).int()
-        ws, out = hist0.clone(), torch.zeros(batch, HKV, int(kk[0]), dtype=torch.int32, device=dev)
+        out = torch.zeros(batch, HKV, int(kk[0]), dtype=torch.int32, device=dev)
+        hist0 = torch.stack([torch.bincount(r >> 8, minlength=_BINS) for r in
+                             keys.view(batch * HKV, n)[:, int(lo[0]):int(hi[0])]]).int()
         keys16 = keys.to(torch.int16).view(torch.uint16)
-        for chunk in (2048, 4096, 8192):
-            for warps in (4, 8, 16):
-                cfg = {"chunk": chunk, "num_warps": warps}
+        for block in (512, 1024, 2048, 4096):
+            ws = workspace(batch * HKV, dev, blocks16(n, block))
 
-                def fn():
-                    ws.copy_(hist0)
-                    select16_tail(keys16, lo, hi, kk, out, ws, chunk=chunk, num_warps=warps)
-                g = capture(fn)
-                t = time_us(g.replay)
-                total[tuple(cfg.items())] = total.get(tuple(cfg.items()), 0.0) + t
-                rows.append({"context": n, "batch": batch, "method": f"topk16_tail_c{chunk}_w{warps}",
-                             "time_us": t, **cfg, "note": "includes a 4 KB-per-row workspace restore copy"})
-    TAIL_CFG.update(dict(min(total, key=total.get)))
+            def fn():
+                ws.zero_()
+                ws[:, :_BINS].copy_(hist0)
+                radix_topk(keys16, lo, hi, kk, out, ws, block=block, hist0_done=True)
+            g = capture(fn)
+            t = time_us(g.replay)
+            total[block] = total.get(block, 0.0) + t
+            rows.append({"context": n, "batch": batch, "method": f"topk16_after_pass0_b{block}", "time_us": t,
+                         "block": block, "note": "includes the workspace zero + pass-0 restore copy"})
+        routing, score_keys, score_dtype = DENSE_VARIANTS["_g16"]
+        params = CSAttentionParams(routing=routing)
+        tables = random_dense_tables(batch, n, params, dev, score_dtype)
+        sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), dev, score_keys=score_keys)
+        sel.dense_cfg = dict(DENSE_CFG)
+        q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
+        for hist0_on in (True, False):
+            g = capture(lambda: sel.route_dense(q, tables, lo, hi, kk, hist0=hist0_on))
+            rows.append({"context": n, "batch": batch, "method": f"cs_dense_score_g16_hist0_{hist0_on}",
+                         "time_us": time_us(g.replay), "note": "route + workspace zero + score kernel"})
+        del tables, sel
+        torch.cuda.empty_cache()
+    TOPK16_BLOCK["block"] = min(total, key=total.get)
     return rows
 
 
@@ -346,9 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     params, budget = CSAttentionParams(list_fraction=0.25), Budget(keep=args.keep)
     n_max = max(int(x) for x in args.contexts.split(","))
     batches = [int(x) for x in args.batches.split(",")]
-    rows = (tune_dense(n_max, batches, budget, "cuda") + tune_tail(n_max, batches, budget, "cuda")
+    rows = (tune_dense(n_max, batches, budget, "cuda") + tune_topk16(n_max, batches, budget, "cuda")
             + tune_attention(n_max, batches, budget, "cuda"))
-    print("dense score config", DENSE_CFG, "tail config", TAIL_CFG, "attention config", ATTN_CFG, flush=True)
+    print("dense score config", DENSE_CFG, "top-K block", TOPK16_BLOCK, "attention config", ATTN_CFG, flush=True)
     for b in batches:
         for n in (int(x) for x in args.contexts.split(",")):
             rows += bench_one(n, b, params, budget, "cuda", args.list_layout)
@@ -361,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     cross = {tag: {b: next((s["context"] for s in summary if s["batch"] == b and (s[f"speedup{tag}"] or 0) > 1), None)
                    for b in batches} for tag in ("_h32", "_g16")}
     path = write_results("attention", rows, {"summary": summary, "crossover_context": cross, "dense_cfg": DENSE_CFG,
-                                             "attn_cfg": ATTN_CFG, "tail_cfg": TAIL_CFG, "variants": DENSE_VARIANTS,
+                                             "attn_cfg": ATTN_CFG, "topk16_block": TOPK16_BLOCK["block"], "variants": DENSE_VARIANTS,
                                              "keep": args.keep}, args.out)
-    print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk", "sparse_attn_", "cs_dense_score_g16_b"))
+    print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk", "sparse_attn_", "cs_dense_score_g16_"))
                  and (r["batch"] == 1 or not r["method"].startswith("sparse_attn_"))],
                 ["context", "batch", "method", "splits", "time_us"])
     print_table(summary, ["context", "batch", "sdpa_us", "attn_us", "select_h32_us", "cs_h32_us", "speedup_h32",
@@ -371,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, ["context", "batch", "sdpa_us", "score_g16_us", "topk_g16_us", "select_g16_us", "cs_g16_us",
                           "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
     print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) {cross}; "
-          f"dense cfg {DENSE_CFG}; tail cfg {TAIL_CFG}; attention cfg {ATTN_CFG}; wrote {path}")
+          f"dense cfg {DENSE_CFG}; top-K block {TOPK16_BLOCK}; attention cfg {ATTN_CFG}; wrote {path}")
     return 0
 
 

@@ -25,7 +25,8 @@ from ctxcache.bench.attention import random_dense_tables, random_tables
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.timing import device_info, print_table, write_results
-from ctxcache.kernels.kmeans import build_tables_gpu
+from ctxcache.kernels.kmeans import build_tables_gpu_layers
+from ctxcache.indexer.build import GPU_LAYER_GROUP
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.attention import dense_attention
@@ -81,10 +82,11 @@ def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, bud
     attn = GpuSparseAttention(params, tabs, budget, batch, a.n_heads, a.n_kv_heads, a.head_dim, cache.max_len,
                               attn_cfg=(attn_cfg or {}).get("attn"))
     attn.selector.dense_cfg.update((attn_cfg or {}).get("dense", {}))
-    attn.selector.tail_cfg.update((attn_cfg or {}).get("tail", {}))
+    if (attn_cfg or {}).get("topk16_block") and params.list_length(n) == n:
+        attn.selector.set_topk_block(attn_cfg["topk16_block"])
     rows.append({**base, **info, "list_len": params.list_length(n), "routing": params.routing,
                  "attn_splits": attn.splits, "attn_block_n": attn.block_n, "dense_cfg": dict(attn.selector.dense_cfg),
-                 "tail_cfg": dict(attn.selector.tail_cfg),
+                 "topk_block": attn.selector.topk_block,
                  "tokens_per_s": tokens_per_s(model, cache, attn, batch, n, steps)})
     del model, cache, tabs, attn
     torch.cuda.empty_cache()
@@ -125,8 +127,9 @@ class _GpuCapture:
 @torch.inference_mode()
 def bench_build(n: int, variants: list[CSAttentionParams], chunk: int = 4096) -> list[dict]:
     """Prefill of n tokens (plain, and keeping every layer's queries), then the GPU table build
-    of all 32 layers for each parameter set (kernels.kmeans.build_tables_gpu, what the indexer
-    runs on a GPU; tables stay on the device, their copy to the host is not timed)."""
+    of all 32 layers for each parameter set (kernels.kmeans.build_tables_gpu_layers, what the indexer
+    runs on a GPU, GPU_LAYER_GROUP layers per k-means; tables stay on the device, their copy to
+    the host is not timed)."""
     model = random_model(32, n + 8)
     cache = model.new_cache(1, max_len=n)
     tokens = torch.randint(0, model.args.vocab_size, (1, n), device="cuda")
@@ -147,12 +150,13 @@ def bench_build(n: int, variants: list[CSAttentionParams], chunk: int = 4096) ->
     attn.chunks = []
     base = {"context": n, "batch": 1, "layers": 32}
     rows = [{**base, "method": k, "time_us": v * 1e6} for k, v in times.items()]
+    ks = [cache.k[layer][0, :, :n] for layer in range(32)]
     for params in variants:
-        build_tables_gpu(params, qs[0], cache.k[0][0, :, :n])  # warm-up
+        build_tables_gpu_layers(params, qs[:1], ks[:1])  # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for layer in range(32):
-            build_tables_gpu(params, qs[layer], cache.k[layer][0, :, :n])
+        for first in range(0, 32, GPU_LAYER_GROUP):  # as the indexer groups layers
+            build_tables_gpu_layers(params, qs[first:first + GPU_LAYER_GROUP], ks[first:first + GPU_LAYER_GROUP])
         torch.cuda.synchronize()
         build = time.perf_counter() - t0
         tag = {"routing": params.routing, "list_fraction": params.list_fraction}
@@ -160,7 +164,7 @@ def bench_build(n: int, variants: list[CSAttentionParams], chunk: int = 4096) ->
                  {**base, **tag, "method": f"build_over_prefill_{params.routing}", "ratio": build / times["prefill"]},
                  {**base, **tag, "method": f"build_over_prefill_with_capture_{params.routing}",
                   "ratio": build / times["prefill_capture"]}]
-    del model, cache, qs
+    del model, cache, qs, ks
     torch.cuda.empty_cache()
     return rows
 
@@ -172,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list-fractions", default="1.0", help="1.0: the dense layout; e.g. 0.25,0.015625,1.0")
     ap.add_argument("--routings", default="head,group", help="CSAttention routing variants (dense layout)")
     ap.add_argument("--attn-cfg", default=None,
-                    help='tuned configs as JSON {"attn": .., "dense": .., "tail": ..}, or a path to an attention '
-                         'bench JSON (its attn_cfg, dense_cfg, tail_cfg)')
+                    help='tuned configs as JSON {"attn": .., "dense": .., "topk16_block": ..}, or a path to an '
+                         'attention bench JSON (its attn_cfg, dense_cfg, topk16_block)')
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--build-context", type=int, default=32768)
     ap.add_argument("--out", default="bench/results")
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             attn_cfg = json.loads(args.attn_cfg)
         else:
             tuned = json.loads(Path(args.attn_cfg).read_text())
-            attn_cfg = {"attn": tuned["attn_cfg"], "dense": tuned["dense_cfg"], "tail": tuned.get("tail_cfg", {})}
+            attn_cfg = {"attn": tuned["attn_cfg"], "dense": tuned["dense_cfg"], "topk16_block": tuned.get("topk16_block")}
     variants = [(float(a), r) for a in args.list_fractions.split(",")
                 for r in (args.routings.split(",") if float(a) == 1.0 else ["head"])]
     for cfg in args.configs.split(","):

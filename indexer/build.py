@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -53,12 +54,13 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         logits = prefill(lm.model, ids[None].to(device), cache, capture, config.chunk, bar.update)
     dtype = _DTYPES[config.kv_dtype]
     layers = []
+    built = layer_tables(method, capture, cache, n, args.n_layers)
     for layer in tqdm(range(args.n_layers), desc=f"index ({method.name})", unit="layer",
                       disable=not config.progress):
         q = capture.queries(layer)
-        tables = index_layer(method, q, cache.k[layer][0, :, :n], cache.v[layer][0, :, :n], layer, args.n_layers)
+        tables = next(built)
         k, v = cache.k[layer][0, :, :n].cpu(), cache.v[layer][0, :, :n].cpu()
-        kept = q[:, query_positions(n, config.store_queries)].half() if config.store_queries else None
+        kept = q[:, query_positions(n, config.store_queries).to(q.device)].half().cpu() if config.store_queries else None
         layers.append(LayerArtifact(k=k.to(dtype), v=v.to(dtype), tables=tables, queries=kept))
         capture.chunks[layer] = []  # free the queries as we go
     return ContextArtifact(
@@ -67,15 +69,26 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         layers=layers, kv_dtype=config.kv_dtype)
 
 
-def index_layer(method: SparseMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                n_layers: int) -> Tables:
-    """One layer's tables, on the CPU. On a GPU, CSAttention (contiguous subspaces) builds there
-    (kernels.kmeans: device k-means, a fraction of the prefill); every other case on the CPU."""
-    if k.is_cuda and isinstance(method, CSAttention) and method.params.layout == "contiguous":
-        from ctxcache.kernels.kmeans import build_tables_gpu  # the kernels package only where a GPU is
-        tables = build_tables_gpu(method.params, q.to(k.device), k)
-        return {name: t.cpu() for name, t in tables.items()}
-    return method.build_layer(q.cpu(), k.float().cpu(), v.float().cpu(), layer, n_layers)
+GPU_LAYER_GROUP = 8  # layers clustered together on a GPU (their seed draws share launches)
+
+
+def layer_tables(method: SparseMethod, capture: QueryCapture, cache, n: int, n_layers: int) -> Iterator[Tables]:
+    """Each layer's tables, in order, on the CPU. On a GPU, CSAttention (contiguous subspaces)
+    builds there, GPU_LAYER_GROUP layers per k-means (kernels.kmeans: a fraction of the
+    prefill); every other case builds on the CPU, layer by layer."""
+    k_of = [cache.k[layer][0, :, :n] for layer in range(n_layers)]
+    if k_of[0].is_cuda and isinstance(method, CSAttention) and method.params.layout == "contiguous":
+        from ctxcache.kernels.kmeans import build_tables_gpu_layers  # the kernels package only where a GPU is
+        for first in range(0, n_layers, GPU_LAYER_GROUP):
+            group = range(first, min(first + GPU_LAYER_GROUP, n_layers))
+            qs = [capture.queries(layer).to(k_of[0].device) for layer in group]
+            for tables in build_tables_gpu_layers(method.params, qs, [k_of[layer] for layer in group]):
+                yield {name: t.cpu() for name, t in tables.items()}
+        return
+    for layer in range(n_layers):
+        v = cache.v[layer][0, :, :n]
+        yield method.build_layer(capture.queries(layer).cpu(), k_of[layer].float().cpu(), v.float().cpu(),
+                                 layer, n_layers)
 
 
 def query_positions(n: int, keep: int) -> torch.Tensor:

@@ -58,18 +58,41 @@ def kmeans_gpu(x: torch.Tensor, n_clusters: int, iters: int, seed: int = 0) -> t
 def build_tables_gpu(params: CSAttentionParams, q: torch.Tensor, k: torch.Tensor) -> dict[str, torch.Tensor]:
     """CSAttention tables from q [Hq, N, D], k [Hkv, N, D] on their device (contiguous layout):
     dense_score [Hkv, m, C, N] fp16 for full lists (list_fraction 1), else Top-L lists."""
+    return build_tables_gpu_layers(params, [q], [k])[0]
+
+
+def build_tables_gpu_layers(params: CSAttentionParams, qs: list[torch.Tensor], ks: list[torch.Tensor]
+                            ) -> list[dict[str, torch.Tensor]]:
+    """Tables of several layers (q [Hq, N, D], k [Hkv, N, D] each) with one batched k-means:
+    the C - 1 sequential seed draws are launch-bound, so clustering L layers together costs
+    about what one layer costs."""
     if params.layout != "contiguous":
         raise ValueError(f"layout={params.layout!r}: the GPU build supports 'contiguous' only")
-    hkv, n, d = k.shape
-    m = params.subspaces
+    if len(qs) != len(ks) or not qs:
+        raise ValueError(f"need as many query as key tensors (got {len(qs)} and {len(ks)}), at least one")
+    hkv, m = ks[0].shape[0], params.subspaces
+    subs = [_cluster_input(params, q, hkv) for q in qs]  # [Hkv*m, Nq, d_b] each
+    if len({s.shape for s in subs}) > 1:
+        raise ValueError(f"layers disagree in shape: {sorted({tuple(s.shape) for s in subs})}")
+    cent = kmeans_gpu(torch.cat(subs), params.centroids, params.kmeans_iters, params.seed)
+    cent = cent.view(len(qs), hkv, m, params.centroids, -1)
+    return [_tables(params, c, k) for c, k in zip(cent, ks)]
+
+
+def _cluster_input(params: CSAttentionParams, q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """The queries a layer clusters (group sums or every head's, sampled) -> [Hkv*m, Nq, d_b]."""
     gq = q.unflatten(0, (hkv, -1))  # [Hkv, G, N, D]
     gq = gq.float().sum(1) if params.routing == "group" else gq.flatten(1, 2)  # [Hkv, N or G*N, D]
     if params.max_queries is not None and gq.shape[1] > params.max_queries:
         gen = torch.Generator(device=q.device).manual_seed(params.seed)
         gq = gq[:, torch.randperm(gq.shape[1], device=q.device, generator=gen)[:params.max_queries]]
-    sub_q = gq.unflatten(-1, (m, -1)).permute(0, 2, 1, 3).flatten(0, 1)  # [Hkv*m, Nq, d_b]
-    cent = kmeans_gpu(sub_q, params.centroids, params.kmeans_iters, params.seed).view(hkv, m, params.centroids, -1)
-    sub_k = k.unflatten(-1, (m, -1)).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
+    return gq.unflatten(-1, (params.subspaces, -1)).permute(0, 2, 1, 3).flatten(0, 1)
+
+
+def _tables(params: CSAttentionParams, cent: torch.Tensor, k: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tables of one layer from its centroids [Hkv, m, C, d_b] and keys [Hkv, N, D]."""
+    n = k.shape[1]
+    sub_k = k.unflatten(-1, (params.subspaces, -1)).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
     if params.list_length(n) == n:  # the dense layout: fp16 products (fp32 accumulate) straight out
         dense = torch.matmul(cent.half(), sub_k.half().transpose(2, 3))
         return {"centroids": cent.half(), "dense_score": dense}

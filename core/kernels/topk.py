@@ -2,9 +2,12 @@
 
 Histogram passes of 8 bits over order-preserving keys find the K-th largest key T; a collect
 pass writes every index with key > T and as many ties == T as K needs. Rows are fp32 scores
-(32-bit keys, four passes) or 16-bit keys that a producer already wrote (`keys16`: the
-order-preserving code of the score rounded to fp16, two passes: half the dependent launches
-and half the bytes; ties are then scores equal in fp16).
+(32-bit keys, four passes, ties in atomic order) or 16-bit keys that a producer already wrote
+(`keys16`: the order-preserving code of the score rounded to fp16): two passes, and ties go
+to the lowest indices, deterministically, as CSAttention.search ranks. Pass 1 then counts
+only the keys in the K-th key's pass-0 bin (element atomics, no full-block histogram), into
+the row's histogram and its block's own, so the collect knows how many ties lie in the
+blocks before it.
 Each pass is one launch over (row, chunk) programs; histograms merge by global atomics and
 every program re-derives the prefix from the finished histograms (no host round trip, so the
 whole select is graph-capturable). Output order is unspecified (like topk(sorted=False)).
@@ -20,6 +23,7 @@ from ctxcache.methods.budget import fp16_keys
 
 _BINS = 256
 _PASSES = 4
+_HEAD = _PASSES * _BINS + 2  # per-row workspace: 4 histograms + 2 counters, then block histograms
 
 
 def topk_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
@@ -111,59 +115,39 @@ def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sw
 
 
 @triton.jit
-def _tail16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r,
-                   CHUNK: tl.constexpr):
-    """One program per row of 16-bit keys whose pass-0 histogram is in ws[:256]: radix pass 1
-    and the collect in index order (so ties go to the lowest indices, deterministically), then
-    zero ws[:256] for the next select. Each loop loads the next chunk before it processes the
-    current one, so a load's latency overlaps the work."""
+def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEAD, BLOCK: tl.constexpr):
+    key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
+                                                BLOCK, True)
+    prefix, krem = _walk(hist_ptr, k, 1, 8)
+    cand = valid & ((key >> 8) == (prefix >> 8))
+    low = (key & 255).to(tl.int32)
+    tl.atomic_add(hist_ptr + 256 + low, 1, mask=cand, sem="relaxed")
+    tl.atomic_add(hist_ptr + HEAD + tl.program_id(1) * 256 + low, 1, mask=cand, sem="relaxed")
+
+
+@triton.jit
+def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r, HEAD,
+                      BLOCK: tl.constexpr, NB_PAD: tl.constexpr):
+    key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
+                                                BLOCK, True)
     r = tl.program_id(0)
-    b = r // HKV
-    lo = tl.load(lo_ptr + b)
-    hi = tl.load(hi_ptr + b)
-    k = tl.load(k_ptr + b)
-    ws = ws_ptr + r * sws_r
-    row = x_ptr + r * sx_r
-    bins = tl.arange(0, 256)
-    prefix, krem = _walk(ws, k, 1, 8)
-    top = prefix >> 8
-    h1 = tl.zeros((256,), tl.int32)
-    offs = lo + tl.arange(0, CHUNK)
-    nxt = tl.load(row + offs, mask=(offs < hi) & (k > 0), other=0)
-    for s in range(lo, hi, CHUNK):
-        key = nxt.to(tl.uint32)
-        valid = (offs < hi) & (k > 0)
-        offs += CHUNK
-        nxt = tl.load(row + offs, mask=(offs < hi) & (k > 0), other=0)
-        h1 += tl.histogram((key & 255).to(tl.int32), 256, mask=valid & ((key >> 8) == top))
-    ge = tl.sum(h1, axis=0) - tl.cumsum(h1, axis=0) + h1  # count with low byte >= d
-    d = tl.max(tl.where(ge >= krem, bins, -1), axis=0)
-    need = krem - tl.sum(tl.where(bins > d, h1, 0), axis=0)
-    thresh = prefix | d.to(tl.uint32)
-    n_gt = 0
-    n_eq = 0
-    offs = lo + tl.arange(0, CHUNK)
-    nxt = tl.load(row + offs, mask=(offs < hi) & (k > 0), other=0)
-    for s in range(lo, hi, CHUNK):
-        key = nxt.to(tl.uint32)
-        valid = (offs < hi) & (k > 0)
-        gt = valid & (key > thresh)
-        eq = valid & (key == thresh)
-        slot_gt = n_gt + tl.cumsum(gt.to(tl.int32), axis=0) - 1
-        slot_eq = n_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        # the masks bound every write by k even if the histogram were stale
-        tl.store(out_ptr + r * so_r + slot_gt, offs, mask=gt & (slot_gt < k - need))
-        tl.store(out_ptr + r * so_r + (k - need) + slot_eq, offs, mask=eq & (slot_eq < need))
-        n_gt += tl.sum(gt.to(tl.int32), axis=0)
-        n_eq += tl.sum(eq.to(tl.int32), axis=0)
-        offs += CHUNK
-        nxt = tl.load(row + offs, mask=(offs < hi) & (k > 0), other=0)
-    tl.store(ws + bins, tl.zeros((256,), tl.int32))
+    blk = tl.program_id(1)
+    thresh, need = _walk(hist_ptr, k, 2, 8)
+    gt = valid & (key > thresh)
+    eq = valid & (key == thresh)
+    base_gt = tl.atomic_add(hist_ptr + 4 * 256, tl.sum(gt.to(tl.int32), axis=0), sem="relaxed")
+    bs = tl.arange(0, NB_PAD)  # ties in the blocks before this one, from their pass-1 histograms
+    eq_before = tl.sum(tl.load(hist_ptr + HEAD + bs * 256 + (thresh & 255).to(tl.int32), mask=bs < blk, other=0),
+                       axis=0)
+    slot_gt = base_gt + tl.cumsum(gt.to(tl.int32), axis=0) - 1
+    slot_eq = eq_before + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + r * so_r + slot_gt, offs, mask=gt & (slot_gt < k - need))
+    tl.store(out_ptr + r * so_r + (k - need) + slot_eq, offs, mask=eq & (slot_eq < need))
 
 
 def topk16_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
-    """Reference of select16_tail for keys [R, N] (int32 16-bit codes): per row the k[r]
-    largest keys in [lo[r], hi[r]), ties to the lowest indices (sorted by index)."""
+    """Reference of radix_topk over 16-bit keys [R, N] (int32 codes): per row the k[r] largest
+    keys in [lo[r], hi[r]), ties to the lowest indices (sorted by index)."""
     out = []
     for r in range(keys.shape[0]):
         lo_r, hi_r = int(lo[r]), int(hi[r])
@@ -173,32 +157,21 @@ def topk16_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.
     return out
 
 
-def select16_tail(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
-                  ws: torch.Tensor, chunk: int = 4096, num_warps: int = 8) -> torch.Tensor:
-    """Finish a Top-K over uint16 keys [B, Hkv, N] whose pass-0 histogram a producer added to ws
-    (dense_select.dense_scores): one launch, one program per row; leaves ws[:, :256] zeroed, so
-    a workspace zeroed once at allocation stays ready across selects. -> out [B, Hkv, K_max]."""
-    if keys.dim() != 3 or keys.dtype != torch.uint16 or keys.stride(2) != 1:
-        raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [B, Hkv, N] contiguous in N")
-    b, hkv, _ = keys.shape
-    if out.shape[:2] != (b, hkv) or out.dtype != torch.int32 or out.stride(2) != 1:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be int32 [{b}, {hkv}, K_max]")
-    if keys.stride(0) != hkv * keys.stride(1) or out.stride(0) != hkv * out.stride(1) or ws.shape[0] != b * hkv:
-        raise ValueError("keys, out and ws must have their (B, Hkv) dims mergeable into rows")
-    _tail16_kernel[(b * hkv,)](keys, lo, hi, k, ws, out, hkv, keys.stride(1), ws.stride(0), out.stride(1),
-                               CHUNK=chunk, num_warps=num_warps)
-    return out
+def workspace(rows: int, device: torch.device | str, blocks: int = 0) -> torch.Tensor:
+    """Histograms (4 x 256) and two counters per row, then `blocks` block histograms of 256
+    (16-bit keys: one per radix block); must be zero before each select."""
+    return torch.zeros(rows, _HEAD + blocks * _BINS, dtype=torch.int32, device=device)
 
 
-def workspace(rows: int, device: torch.device | str) -> torch.Tensor:
-    """Histograms (4 x 256) and two counters per row; must be zero before each select."""
-    return torch.zeros(rows, _PASSES * _BINS + 2, dtype=torch.int32, device=device)
+def blocks16(n: int, block: int) -> int:
+    """Radix blocks of a row of n 16-bit keys (the workspace needs this many block histograms)."""
+    return triton.cdiv(n, block)
 
 
 def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
                ws: torch.Tensor | None = None, block: int = 4096, hist0_done: bool = False) -> torch.Tensor:
-    """x [B, Hkv, N] fp32 scores, or uint16 keys (keys16); lo, hi, k [B] int32 (k <= hi - lo)
-    -> out [B, Hkv, K_max] int32.
+    """x [B, Hkv, N] fp32 scores, or uint16 keys (keys16: ties to the lowest index); lo, hi,
+    k [B] int32 (k <= hi - lo) -> out [B, Hkv, K_max] int32.
 
     Row (b, h) gets its k[b] indices in out[b, h, :k[b]]; the rest of out is left as is.
     `ws` (see `workspace`) is zeroed here; pass a static one inside a captured graph.
@@ -216,11 +189,21 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
         raise ValueError("x and out must have their (B, Hkv) dims mergeable into rows")
     if hist0_done and ws is None:
         raise ValueError("hist0_done needs the workspace that holds pass 0")
-    if not hist0_done:
-        ws = workspace(b * hkv, x.device) if ws is None else ws.zero_()
     key16 = x.dtype == torch.uint16
-    passes, top = (2, 8) if key16 else (_PASSES, 24)
-    grid = (b * hkv, triton.cdiv(n, block))
+    nb = triton.cdiv(n, block)
+    if not hist0_done:
+        ws = workspace(b * hkv, x.device, nb if key16 else 0) if ws is None else ws.zero_()
+    if key16 and (ws.shape[1] < _HEAD + nb * _BINS or ws.stride(1) != 1):
+        raise ValueError(f"ws {tuple(ws.shape)} needs {_HEAD + nb * _BINS} columns for {nb} blocks of 16-bit keys")
+    grid = (b * hkv, nb)
+    if key16:
+        if not hist0_done:
+            _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=0, BLOCK=block, KEY16=True, TOP=8)
+        _pass1_16_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), _HEAD, BLOCK=block)
+        _collect16_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), _HEAD,
+                                BLOCK=block, NB_PAD=triton.next_power_of_2(nb))
+        return out
+    passes, top = _PASSES, 24
     for p in range(1 if hist0_done else 0, passes):
         _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=p, BLOCK=block, KEY16=key16,
                            TOP=top)

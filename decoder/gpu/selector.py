@@ -3,10 +3,9 @@
 List layout (list_fraction < 1): route -> scatter lists -> add streamed keys -> radix Top-K.
 Dense layout (list_fraction = 1, the measured default): route -> weighted sum of the G * m
 routed rows of dense_score (m rows with routing="group") with streamed keys and radix pass 0
-fused (dense_select), written as 16-bit keys of the fp16-rounded scores -> one program per row
-finishes the select (topk.select16_tail: pass 1 + collect, ties to the lowest index, as
-CSAttention.search ranks) and re-zeroes its workspace row, so a step is three launches
-(score_keys="fp32": fp32 scores, workspace zeroing and radix passes 1-3 + collect).
+fused (dense_select), written as 16-bit keys of the fp16-rounded scores -> radix pass 1 +
+collect (ties to the lowest index, as CSAttention.search ranks); score_keys="fp32": fp32
+scores and passes 1-3 + collect (ties in atomic order).
 
 Static buffers sized once (rows, heads, max context, max K), so a step is a fixed sequence of
 launches that a CUDA graph can capture. Matches CSAttention.search with tau = 1 (no backoff)
@@ -22,7 +21,7 @@ from ctxcache.kernels.dense_select import dense_scores, quantize_rows
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
 from ctxcache.kernels.stream import add_streamed, stream_insert
-from ctxcache.kernels.topk import radix_topk, select16_tail, workspace
+from ctxcache.kernels.topk import blocks16, radix_topk, workspace
 from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
 
 
@@ -179,11 +178,14 @@ class GpuSelector:
         # radix Top-K chunk: the passes are latency-bound, so more, smaller programs while the
         # grid stays within ~2048 programs (each adds 256 histogram atomics per pass)
         rows = batch * n_kv
-        self.topk_block = next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096)
-        self.ws = workspace(batch * n_kv, device)
-        self.ws_zero = True  # the 16-bit tail leaves pass 0's histogram zeroed; radix_topk does not
-        self.tail_cfg = {"chunk": 4096, "num_warps": 8}
+        self.n_pad = n_pad
+        self.set_topk_block(next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096))
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
+
+    def set_topk_block(self, block: int) -> None:
+        """Keys per radix program; the workspace holds one histogram per block (16-bit keys)."""
+        self.topk_block = block
+        self.ws = workspace(self.acc.shape[0] * self.acc.shape[1], self.acc.device, blocks16(self.n_pad, block))
 
     def route_scatter(self, q: torch.Tensor, t: GpuTables) -> torch.Tensor:
         """Estimated scores acc [B, Hkv, n_max] of q [B, Hq, D]."""
@@ -196,15 +198,14 @@ class GpuSelector:
         return self.acc
 
     def route_dense(self, q: torch.Tensor, t: GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
-                    k: torch.Tensor) -> torch.Tensor:
+                    k: torch.Tensor, hist0: bool = True) -> torch.Tensor:
         """Dense layout: scores [B, Hkv, n_max] of q [B, Hq, D] (self.keys: uint16 keys, or
         self.acc: fp32), radix pass 0 into ws."""
         self._route(q, t)
-        if self.keys is None or not self.ws_zero:
-            self.ws.zero_()
+        self.ws.zero_()
         out = self.keys if self.keys is not None else self.acc
         return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
-                            t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg)
+                            t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg, hist0=hist0)
 
     def _route(self, q: torch.Tensor, t: GpuTables | GpuDenseTables) -> None:
         qs = q[..., self.perm] if self.perm is not None else q
@@ -219,13 +220,8 @@ class GpuSelector:
             scores = self.route_dense(q, t, lo, hi, k)
             return self.finish(scores, lo, hi, k)
         self.route_scatter(q, t)
-        self.ws_zero = False
         return radix_topk(self.acc, lo, hi, k, self.idx, self.ws)
 
     def finish(self, scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """The Top-K after route_dense: the one-launch tail over 16-bit keys, or radix passes 1-3."""
-        if scores.dtype == torch.uint16:
-            self.ws_zero = True
-            return select16_tail(scores, lo, hi, k, self.idx, self.ws, **self.tail_cfg)
-        self.ws_zero = False
+        """The Top-K after route_dense (which added pass 0 to the workspace)."""
         return radix_topk(scores, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True)

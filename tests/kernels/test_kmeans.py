@@ -1,5 +1,6 @@
 """GPU k-means / table build against the torch references of ctxcache.methods."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -63,3 +64,39 @@ def test_group_routing_clusters_the_group_sums(device):
     q = torch.stack([dirs[pick] + noise[0], dirs[pick] - noise[0]])  # [Hq=2, N, D], Hkv=1
     cent = build_tables_gpu(p, q.to(device), torch.randn(1, n, 16).to(device))["centroids"].float().cpu()
     assert ((cent[0, 0] @ dirs.T).max(1).values > 0.99).all()
+
+
+def test_layers_built_together_match_one_by_one_shapes_and_scores(device):
+    """One batched k-means over several layers gives each layer tables of the single-layer
+    kind: dense rows = its own keys scored against its own centroids."""
+    from ctxcache.kernels.kmeans import build_tables_gpu_layers
+
+    p = CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2)
+    qs = [torch.randn(4, 300, 32).to(device) for _ in range(3)]
+    ks = [torch.randn(2, 300, 32).to(device) for _ in range(3)]
+    out = build_tables_gpu_layers(p, qs, ks)
+    assert len(out) == 3
+    for t, k in zip(out, ks):
+        sub_k = CSAttention(p)._split(k.cpu()).permute(0, 2, 1, 3)
+        want = torch.einsum("hmcd,hmnd->hmcn", t["centroids"].float().cpu(), sub_k)
+        torch.testing.assert_close(t["dense_score"].float().cpu(), want, rtol=1e-2, atol=1e-2)
+    assert not torch.equal(out[0]["centroids"], out[1]["centroids"])  # each layer its own clusters
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the indexer's GPU build path needs a GPU")
+def test_indexer_builds_csattention_tables_on_the_gpu():
+    from ctxcache.indexer.build import IndexerConfig, build_artifact
+    from ctxcache.models.loader import load_model
+
+    lm = load_model("random:tiny", seed=3)
+    lm.model.to("cuda")
+    tokens = torch.randint(0, lm.args.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    art = build_artifact(lm, tokens, CSAttention(), IndexerConfig(kv_dtype="float32", progress=False))
+    hkv = lm.args.n_kv_heads
+    for layer in art.layers:
+        t = layer.tables
+        ds = t["dense_score"]
+        assert ds.device.type == "cpu" and ds.shape[0] == hkv and ds.shape[-1] == 300
+        sub_k = CSAttention()._split(layer.k.float()).permute(0, 2, 1, 3)
+        want = torch.einsum("hmcd,hmnd->hmcn", t["centroids"].float(), sub_k)
+        torch.testing.assert_close(t["dense_score"].float(), want, rtol=2e-2, atol=2e-2)

@@ -141,27 +141,38 @@ def test_radix_topk_on_16bit_keys(device, ties):
 
 
 @pytest.mark.parametrize("ties", [False, True])
-def test_select16_tail_is_exact_and_deterministic(device, ties):
-    """Pass 0 (as the score kernel adds it) + the one-program tail = the k largest keys, ties to
-    the lowest indices, and the workspace is left zeroed for the next select."""
-    from ctxcache.kernels.topk import _BINS, select16_tail, topk16_ref, workspace
+@pytest.mark.parametrize("hist0_done", [False, True])
+def test_radix_topk_16bit_is_exact_and_deterministic(device, ties, hist0_done):
+    """Over 16-bit keys: the k largest keys, ties to the lowest indices (every run the same set),
+    with pass 0 done here or added beforehand as the score kernel does."""
+    from ctxcache.kernels.topk import _BINS, blocks16, topk16_ref, workspace
 
-    b, hkv, n = 2, 3, 5000
+    b, hkv, n, block = 2, 3, 5000, 512
     x = torch.randint(0, 7, (b, hkv, n)).float() if ties else torch.randn(b, hkv, n) * 30
     keys = keys16_ref(x)
     lo = torch.tensor([4, 0], dtype=torch.int32)
     hi = torch.tensor([n - 32, 2900], dtype=torch.int32)
     k = torch.tensor([250, 45], dtype=torch.int32)
-    ws = workspace(b * hkv, "cpu")
-    for r in range(b * hkv):  # pass 0 over [lo, hi), as dense_scores adds it
-        seg = keys.view(b * hkv, n)[r, int(lo[r // hkv]):int(hi[r // hkv])]
-        ws[r, :_BINS] = torch.bincount(seg >> 8, minlength=_BINS).int()
+    ws = workspace(b * hkv, "cpu", blocks16(n, block))
+    if hist0_done:
+        for r in range(b * hkv):  # pass 0 over [lo, hi), as dense_scores adds it
+            seg = keys.view(b * hkv, n)[r, int(lo[r // hkv]):int(hi[r // hkv])]
+            ws[r, :_BINS] = torch.bincount(seg >> 8, minlength=_BINS).int()
     out = torch.full((b, hkv, 250), -1, dtype=torch.int32, device=device)
-    ws = ws.to(device)
-    select16_tail(as_u16(keys).to(device), lo.to(device), hi.to(device), k.to(device), out, ws, chunk=1024)
+    radix_topk(as_u16(keys).to(device), lo.to(device), hi.to(device), k.to(device), out, ws.to(device),
+               block=block, hist0_done=hist0_done)
     refs = topk16_ref(keys.view(b * hkv, n), lo.repeat_interleave(hkv), hi.repeat_interleave(hkv),
                       k.repeat_interleave(hkv))
     for r in range(b * hkv):
         got = out.view(b * hkv, -1)[r, :int(k[r // hkv])].long().cpu()
         assert torch.equal(got.sort().values, refs[r])
-    assert int(ws[:, :_BINS].abs().sum()) == 0
+
+
+def test_radix_topk_16bit_needs_block_histograms(device):
+    from ctxcache.kernels.topk import workspace
+
+    keys = torch.zeros(1, 1, 3000, dtype=torch.int16, device=device).view(torch.uint16)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="block"):
+        radix_topk(keys, one * 0, one * 3000, one * 10, torch.zeros(1, 1, 10, dtype=torch.int32, device=device),
+                   workspace(1, device), block=1024, hist0_done=True)
