@@ -162,17 +162,12 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     def total():
         i = sel.select(q, tables, lo, hi, kk)
         sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss, block_n=ATTN_CFG["block_n"])
-    def score_only():  # zeroes the workspace itself (one memset launch more than in a select)
-        sel.ws_zero = False
-        sel.route_dense(q, tables, lo, hi, kk)
-    parts = {"cs_dense_score": score_only, "cs_dense_topk": topk_only,
+    parts = {"cs_dense_score": lambda: sel.route_dense(q, tables, lo, hi, kk), "cs_dense_topk": topk_only,
              "cs_dense_select": lambda: sel.select(q, tables, lo, hi, kk), "csattention_dense": total}
     if suffix == "":
         parts["cs_sparse_attn"] = attn
     rows = []
     for name, fn in parts.items():
-        sel.ws.zero_()
-        sel.ws_zero = True
         g = capture(fn)
         row = {**base, "method": name + suffix, "time_us": time_us(g.replay), "routing": routing,
                "score_keys": score_keys, "score_dtype": score_dtype}
@@ -255,7 +250,7 @@ def tune_topk16(n: int, batches: list[int], budget: Budget, dev: str) -> list[di
         for hist0_on in (True, False):
             g = capture(lambda: sel.route_dense(q, tables, lo, hi, kk, hist0=hist0_on))
             rows.append({"context": n, "batch": batch, "method": f"cs_dense_score_g16_hist0_{hist0_on}",
-                         "time_us": time_us(g.replay), "note": "route + workspace zero + score kernel"})
+                         "time_us": time_us(g.replay), "note": "route (zeroing the workspace) + score kernel"})
         del tables, sel
         torch.cuda.empty_cache()
     TOPK16_BLOCK["block"] = min(total, key=total.get)

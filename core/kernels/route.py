@@ -31,9 +31,15 @@ def route_ref(q: torch.Tensor, centroids: torch.Tensor, group: bool = False) -> 
 @triton.jit
 def _route_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, HO, G, M, C, DB,
                   sq_r, sq_h, sc_r, sc_h, sc_m, sc_c, so_r, so_h,
-                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
+                  z_ptr, Z_PER, ZN, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+                  ZERO: tl.constexpr, Z_CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     mm = tl.program_id(1)
+    if ZERO:  # side job: this program's share of a buffer the next kernels need zeroed
+        z0 = (pid * M + mm) * Z_PER
+        for s in range(z0, tl.minimum(z0 + Z_PER, ZN), Z_CHUNK):
+            offs_z = s + tl.arange(0, Z_CHUNK)
+            tl.store(z_ptr + offs_z, tl.zeros((Z_CHUNK,), tl.int32), mask=offs_z < tl.minimum(z0 + Z_PER, ZN))
     r = pid // HO  # HO output heads per row: Hq, or Hkv when routing group sums
     h = pid % HO
     offs_d = tl.arange(0, BLOCK_D)
@@ -58,8 +64,10 @@ def _route_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, HO, G, M, C, DB,
 
 
 def route(q: torch.Tensor, centroids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-          group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher; `out` (ids, qnorm) lets a captured graph reuse static buffers."""
+          group: bool = False, zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher; `out` (ids, qnorm) lets a captured graph reuse static buffers. `zero`, a
+    contiguous int32 buffer (the Top-K workspace), is zeroed by the same launch: one launch
+    less per step than a separate memset."""
     if q.dim() != 3 or centroids.dim() != 5:
         raise ValueError(f"q {tuple(q.shape)} must be [R, Hq, D], centroids {tuple(centroids.shape)} [R, Hkv, m, C, d_b]")
     r, hq, d = q.shape
@@ -74,10 +82,14 @@ def route(q: torch.Tensor, centroids: torch.Tensor, out: tuple[torch.Tensor, tor
         torch.empty(r, ho, m, dtype=torch.float32, device=q.device))
     if not (ids.is_contiguous() and w.is_contiguous() and ids.shape == (r, ho, m) == w.shape):
         raise ValueError(f"outputs must be contiguous [{r}, {ho}, {m}]")
+    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous()):
+        raise ValueError(f"zero {zero.dtype} must be a contiguous int32 buffer")
+    zn = zero.numel() if zero is not None else 0
     sc = centroids.stride()
     _route_kernel[(r * ho, m)](q, centroids, ids, w, ho, hq // hkv, m, c, db,
                                q.stride(0), q.stride(1), sc[0], sc[1], sc[2], sc[3],
-                               ids.stride(0), ids.stride(1),
+                               ids.stride(0), ids.stride(1), zero if zero is not None else ids,
+                               max(1, -(-zn // (r * ho * m))), zn,
                                BLOCK_C=triton.next_power_of_2(c), BLOCK_D=max(16, triton.next_power_of_2(db)),
-                               GROUP=group)
+                               GROUP=group, ZERO=zero is not None, Z_CHUNK=1024)
     return ids, w

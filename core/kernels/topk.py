@@ -93,7 +93,7 @@ def _hist_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
         valid = valid & ((key >> (TOP + 8 - 8 * P)) == (prefix >> (TOP + 8 - 8 * P)))
     digit = ((key >> (TOP - 8 * P)) & 255).to(tl.int32)
     h = tl.histogram(digit, 256, mask=valid)
-    tl.atomic_add(hist_ptr + P * 256 + tl.arange(0, 256), h, sem="relaxed")
+    tl.atomic_add(hist_ptr + P * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")  # skip empty bins
 
 
 @triton.jit

@@ -201,15 +201,14 @@ class GpuSelector:
                     k: torch.Tensor, hist0: bool = True) -> torch.Tensor:
         """Dense layout: scores [B, Hkv, n_max] of q [B, Hq, D] (self.keys: uint16 keys, or
         self.acc: fp32), radix pass 0 into ws."""
-        self._route(q, t)
-        self.ws.zero_()
+        self._route(q, t, zero=self.ws)
         out = self.keys if self.keys is not None else self.acc
         return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
                             t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg, hist0=hist0)
 
-    def _route(self, q: torch.Tensor, t: GpuTables | GpuDenseTables) -> None:
+    def _route(self, q: torch.Tensor, t: GpuTables | GpuDenseTables, zero: torch.Tensor | None = None) -> None:
         qs = q[..., self.perm] if self.perm is not None else q
-        route(qs.contiguous(), t.centroids, out=(self.ids, self.w), group=self.group)
+        route(qs.contiguous(), t.centroids, out=(self.ids, self.w), group=self.group, zero=zero)
         if self.params.weighting == "unit":
             self.w.fill_(1.0)
 

@@ -176,3 +176,14 @@ def test_radix_topk_16bit_needs_block_histograms(device):
     with pytest.raises(ValueError, match="block"):
         radix_topk(keys, one * 0, one * 3000, one * 10, torch.zeros(1, 1, 10, dtype=torch.int32, device=device),
                    workspace(1, device), block=1024, hist0_done=True)
+
+
+def test_route_zeroes_a_side_buffer(device):
+    """The route launch also zeroes the Top-K workspace (every element, none beyond it)."""
+    q = torch.randn(2, 6, 32, device=device)
+    cent = F.normalize(torch.randn(2, 2, 4, 13, 8), dim=-1).half().to(device)
+    buf = torch.full((3 * 1000 + 7 + 5,), 7, dtype=torch.int32, device=device)
+    ids, w = route(q, cent, group=True, zero=buf[:-5])
+    assert int(buf[:-5].abs().sum()) == 0 and (buf[-5:] == 7).all()
+    ids_ref, _ = route_ref(q, cent, group=True)
+    assert (ids == ids_ref).float().mean() >= 0.99
