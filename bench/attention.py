@@ -125,7 +125,7 @@ DENSE_VARIANTS = {"": ("head", "fp32", "float16"), "_g": ("group", "fp32", "floa
                   "_g16": ("group", "fp16", "float16"), "_g16_int8": ("group", "fp16", "int8")}
 DENSE_CFG = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # replaced by tune_dense's pick
 ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 64}  # replaced by tune_attention's pick
-TOPK16_BLOCK = {"block": None}  # replaced by tune_topk16's pick (None: GpuSelector's default)
+TOPK16_BLOCK = {"block": None, "num_warps": 4}  # replaced by tune_topk16's pick (None: GpuSelector's default)
 
 
 def attn_splits(batch: int, top_k: int, budget: Budget) -> int:
@@ -142,7 +142,7 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys)
     sel.dense_cfg = dict(DENSE_CFG)
     if TOPK16_BLOCK["block"] and score_keys == "fp16":
-        sel.set_topk_block(TOPK16_BLOCK["block"])
+        sel.set_topk_block(TOPK16_BLOCK["block"], TOPK16_BLOCK["num_warps"])
     ss = attn_splits(batch, int(kk[0]), budget)
     idx = sel.select(q, tables, lo, hi, kk)
     scores = sel.route_dense(q, tables, lo, hi, kk)
@@ -200,7 +200,7 @@ def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dic
         tables = random_dense_tables(batch, n, params, dev, score_dtype)
         sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), dev, score_keys=score_keys)
         for block in (1024, 2048, 4096):
-            for warps in (4, 8):
+            for warps in (4, 8, 16):
                 cfg = {"block": block, "r_chunk": 8, "num_warps": warps}
                 sel.dense_cfg = cfg
                 g = capture(lambda: sel.route_dense(q, tables, lo, hi, kk))
@@ -229,18 +229,19 @@ def tune_topk16(n: int, batches: list[int], budget: Budget, dev: str) -> list[di
         hist0 = torch.stack([torch.bincount(r >> 8, minlength=_BINS) for r in
                              keys.view(batch * HKV, n)[:, int(lo[0]):int(hi[0])]]).int()
         keys16 = keys.to(torch.int16).view(torch.uint16)
-        for block in (512, 1024, 2048, 4096):
+        for block, warps in [(b, w) for b in (1024, 2048, 4096) for w in (2, 4, 8)]:
             ws = workspace(batch * HKV, dev, blocks16(n, block))
 
             def fn():
                 ws.zero_()
                 ws[:, :_BINS].copy_(hist0)
-                radix_topk(keys16, lo, hi, kk, out, ws, block=block, hist0_done=True)
+                radix_topk(keys16, lo, hi, kk, out, ws, block=block, hist0_done=True, num_warps=warps)
             g = capture(fn)
             t = time_us(g.replay)
-            total[block] = total.get(block, 0.0) + t
-            rows.append({"context": n, "batch": batch, "method": f"topk16_after_pass0_b{block}", "time_us": t,
-                         "block": block, "note": "includes the workspace zero + pass-0 restore copy"})
+            total[(block, warps)] = total.get((block, warps), 0.0) + t
+            rows.append({"context": n, "batch": batch, "method": f"topk16_after_pass0_b{block}_w{warps}",
+                         "time_us": t, "block": block, "num_warps": warps,
+                         "note": "includes the workspace zero + pass-0 restore copy"})
         routing, score_keys, score_dtype = DENSE_VARIANTS["_g16"]
         params = CSAttentionParams(routing=routing)
         tables = random_dense_tables(batch, n, params, dev, score_dtype)
@@ -253,7 +254,7 @@ def tune_topk16(n: int, batches: list[int], budget: Budget, dev: str) -> list[di
                          "time_us": time_us(g.replay), "note": "route (zeroing the workspace) + score kernel"})
         del tables, sel
         torch.cuda.empty_cache()
-    TOPK16_BLOCK["block"] = min(total, key=total.get)
+    TOPK16_BLOCK["block"], TOPK16_BLOCK["num_warps"] = min(total, key=total.get)
     return rows
 
 
@@ -371,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     cross = {tag: {b: next((s["context"] for s in summary if s["batch"] == b and (s[f"speedup{tag}"] or 0) > 1), None)
                    for b in batches} for tag in ("_h32", "_g16")}
     path = write_results("attention", rows, {"summary": summary, "crossover_context": cross, "dense_cfg": DENSE_CFG,
-                                             "attn_cfg": ATTN_CFG, "topk16_block": TOPK16_BLOCK["block"], "variants": DENSE_VARIANTS,
+                                             "attn_cfg": ATTN_CFG, "topk16_block": TOPK16_BLOCK["block"],
+                                             "topk16_warps": TOPK16_BLOCK["num_warps"], "variants": DENSE_VARIANTS,
                                              "keep": args.keep}, args.out)
     print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk", "sparse_attn_", "cs_dense_score_g16_"))
                  and (r["batch"] == 1 or not r["method"].startswith("sparse_attn_"))],

@@ -83,7 +83,7 @@ def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, bud
                               attn_cfg=(attn_cfg or {}).get("attn"))
     attn.selector.dense_cfg.update((attn_cfg or {}).get("dense", {}))
     if (attn_cfg or {}).get("topk16_block") and params.list_length(n) == n:
-        attn.selector.set_topk_block(attn_cfg["topk16_block"])
+        attn.selector.set_topk_block(attn_cfg["topk16_block"], attn_cfg.get("topk16_warps") or 4)
     rows.append({**base, **info, "list_len": params.list_length(n), "routing": params.routing,
                  "attn_splits": attn.splits, "attn_block_n": attn.block_n, "dense_cfg": dict(attn.selector.dense_cfg),
                  "topk_block": attn.selector.topk_block,
@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             attn_cfg = json.loads(args.attn_cfg)
         else:
             tuned = json.loads(Path(args.attn_cfg).read_text())
-            attn_cfg = {"attn": tuned["attn_cfg"], "dense": tuned["dense_cfg"], "topk16_block": tuned.get("topk16_block")}
+            attn_cfg = {"attn": tuned["attn_cfg"], "dense": tuned["dense_cfg"], "topk16_block": tuned.get("topk16_block"),
+                        "topk16_warps": tuned.get("topk16_warps")}
     variants = [(float(a), r) for a in args.list_fractions.split(",")
                 for r in (args.routings.split(",") if float(a) == 1.0 else ["head"])]
     for cfg in args.configs.split(","):

@@ -169,14 +169,16 @@ def blocks16(n: int, block: int) -> int:
 
 
 def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
-               ws: torch.Tensor | None = None, block: int = 4096, hist0_done: bool = False) -> torch.Tensor:
+               ws: torch.Tensor | None = None, block: int = 4096, hist0_done: bool = False,
+               num_warps: int = 4) -> torch.Tensor:
     """x [B, Hkv, N] fp32 scores, or uint16 keys (keys16: ties to the lowest index); lo, hi,
     k [B] int32 (k <= hi - lo) -> out [B, Hkv, K_max] int32.
 
     Row (b, h) gets its k[b] indices in out[b, h, :k[b]]; the rest of out is left as is.
     `ws` (see `workspace`) is zeroed here; pass a static one inside a captured graph.
     hist0_done: the producer of x already zeroed ws and added pass 0's histogram
-    (dense_select.dense_scores does, fused with the scores), so start at pass 1."""
+    (dense_select.dense_scores does, fused with the scores), so start at pass 1. num_warps
+    applies to the 16-bit passes."""
     if x.dim() != 3 or x.dtype not in (torch.float32, torch.uint16) or x.stride(2) != 1:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be fp32 or uint16 [B, Hkv, N] contiguous in N")
     b, hkv, n = x.shape
@@ -198,10 +200,12 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
     grid = (b * hkv, nb)
     if key16:
         if not hist0_done:
-            _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=0, BLOCK=block, KEY16=True, TOP=8)
-        _pass1_16_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), _HEAD, BLOCK=block)
+            _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=0, BLOCK=block, KEY16=True, TOP=8,
+                               num_warps=num_warps)
+        _pass1_16_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), _HEAD, BLOCK=block,
+                               num_warps=num_warps)
         _collect16_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), _HEAD,
-                                BLOCK=block, NB_PAD=triton.next_power_of_2(nb))
+                                BLOCK=block, NB_PAD=triton.next_power_of_2(nb), num_warps=num_warps)
         return out
     passes, top = _PASSES, 24
     for p in range(1 if hist0_done else 0, passes):

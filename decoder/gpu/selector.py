@@ -182,9 +182,10 @@ class GpuSelector:
         self.set_topk_block(next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096))
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
 
-    def set_topk_block(self, block: int) -> None:
-        """Keys per radix program; the workspace holds one histogram per block (16-bit keys)."""
-        self.topk_block = block
+    def set_topk_block(self, block: int, num_warps: int = 4) -> None:
+        """Keys (and warps) per radix program; the workspace holds one histogram per block
+        (16-bit keys)."""
+        self.topk_block, self.topk_warps = block, num_warps
         self.ws = workspace(self.acc.shape[0] * self.acc.shape[1], self.acc.device, blocks16(self.n_pad, block))
 
     def route_scatter(self, q: torch.Tensor, t: GpuTables) -> torch.Tensor:
@@ -223,4 +224,5 @@ class GpuSelector:
 
     def finish(self, scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The Top-K after route_dense (which added pass 0 to the workspace)."""
-        return radix_topk(scores, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True)
+        return radix_topk(scores, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True,
+                          num_warps=self.topk_warps)
