@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    result = {}
+    from ctxcache.decoder.gpu.timing import device_info
+    result: dict = {"device": device_info()}
     if Path(args.captured).exists():
         rows = check_captured(args.captured, device)
         result["captured"] = {
@@ -130,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         print({k: v for k, v in result["captured"].items() if k != "rows"})
     result["greedy"] = check_greedy(device)
     print({k: v for k, v in result["greedy"].items() if k not in ("ref", "gpu")})
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "check.json").write_text(json.dumps(result, indent=1))
+    import datetime
+    tag = result["device"]["name"].replace(" ", "-").replace("/", "-")
+    path = Path(args.out) / f"check_{tag}_{datetime.date.today().isoformat()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"bench": "check", "date": datetime.date.today().isoformat(), **result}, indent=1))
+    print(f"wrote {path}")
     return 0
 
 
