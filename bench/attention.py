@@ -186,6 +186,11 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     return rows
 
 
+# (block, warps, register cap): ncu saw the score kernel at 126 registers and 25% occupancy
+SCORE_SWEEP = [(1024, 4, None), (1024, 4, 64), (1024, 8, None), (1024, 8, 64), (1024, 8, 80), (1024, 8, 96),
+               (4096, 8, None), (2048, 16, None)]
+
+
 def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
     """Score-kernel configs of the default variant at context n; sets DENSE_CFG to the best
     summed over batches."""
@@ -199,15 +204,14 @@ def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dic
         kk = torch.full((batch,), budget.top_k(n), dtype=torch.int32, device=dev)
         tables = random_dense_tables(batch, n, params, dev, score_dtype)
         sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), dev, score_keys=score_keys)
-        for block in (1024, 2048, 4096):
-            for warps in (4, 8, 16):
-                cfg = {"block": block, "r_chunk": 8, "num_warps": warps}
-                sel.dense_cfg = cfg
-                g = capture(lambda: sel.route_dense(q, tables, lo, hi, kk))
-                t = time_us(g.replay)
-                total[tuple(cfg.items())] = total.get(tuple(cfg.items()), 0.0) + t
-                rows.append({"context": n, "batch": batch, "method": f"cs_dense_score_g16_b{block}_w{warps}",
-                             "time_us": t, **cfg})
+        for block, warps, maxnreg in SCORE_SWEEP:
+            cfg = {"block": block, "r_chunk": 8, "num_warps": warps, "maxnreg": maxnreg}
+            sel.dense_cfg = cfg
+            g = capture(lambda: sel.route_dense(q, tables, lo, hi, kk))
+            t = time_us(g.replay)
+            total[tuple(cfg.items())] = total.get(tuple(cfg.items()), 0.0) + t
+            rows.append({"context": n, "batch": batch, "method": f"cs_dense_score_g16_b{block}_w{warps}_r{maxnreg}",
+                         "time_us": t, **cfg})
         del tables, sel
         torch.cuda.empty_cache()
     DENSE_CFG.update(dict(min(total, key=total.get)))

@@ -130,11 +130,12 @@ def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, sta
 def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: torch.Tensor | None,
                  new_scores: torch.Tensor, n_ctx: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, acc: torch.Tensor, ws: torch.Tensor,
-                 block: int = 1024, r_chunk: int = 8, num_warps: int = 4, hist0: bool = True) -> torch.Tensor:
+                 block: int = 1024, r_chunk: int = 8, num_warps: int = 4, hist0: bool = True,
+                 maxnreg: int | None = None) -> torch.Tensor:
     """Write scores into acc [B, Hkv, N_max] fp32 (N_max a multiple of `block`), or their 16-bit
     keys (topk.keys16_ref) if acc is uint16, and add radix pass 0 into ws (topk.workspace,
     zeroed by the caller; hist0=False skips it). ids/w [B, Hq, m] per query head, or [B, Hkv, m]
-    for group routing.
+    for group routing. maxnreg caps registers per thread (compiled GPU code only).
     Shapes as in dense_scores_ref."""
     b, hq, m = ids.shape
     bd, hkv, m2, c, n = dense.shape
@@ -172,5 +173,6 @@ def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale:
         hkv, hq // hkv, m, ids.stride(0), ids.stride(1), sd[0], sd[1], sd[2], sd[3], *ss,
         sn[0], sn[1], sn[2], sn[3], acc.stride(0), acc.stride(1), ws.stride(0),
         GM_PAD=gm_pad, R_CHUNK=min(r_chunk, gm_pad), BLOCK=block, SCALED=scale is not None,
-        KEY16=acc.dtype == torch.uint16, HIST0=hist0, num_warps=num_warps)
+        KEY16=acc.dtype == torch.uint16, HIST0=hist0, num_warps=num_warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}))  # a register cap buys occupancy (ncu: 126 regs, 25%)
     return acc

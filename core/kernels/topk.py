@@ -136,13 +136,14 @@ def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, 
     gt = valid & (key > thresh)
     eq = valid & (key == thresh)
     base_gt = tl.atomic_add(hist_ptr + 4 * 256, tl.sum(gt.to(tl.int32), axis=0), sem="relaxed")
-    bs = tl.arange(0, NB_PAD)  # ties in the blocks before this one, from their pass-1 histograms
-    eq_before = tl.sum(tl.load(hist_ptr + HEAD + bs * 256 + (thresh & 255).to(tl.int32), mask=bs < blk, other=0),
-                       axis=0)
     slot_gt = base_gt + tl.cumsum(gt.to(tl.int32), axis=0) - 1
-    slot_eq = eq_before + tl.cumsum(eq.to(tl.int32), axis=0) - 1
     tl.store(out_ptr + r * so_r + slot_gt, offs, mask=gt & (slot_gt < k - need))
-    tl.store(out_ptr + r * so_r + (k - need) + slot_eq, offs, mask=eq & (slot_eq < need))
+    if tl.sum(eq.to(tl.int32), axis=0) > 0:  # most blocks hold no key equal to the threshold
+        bs = tl.arange(0, NB_PAD)  # ties in the blocks before this one, from their pass-1 histograms
+        eq_before = tl.sum(tl.load(hist_ptr + HEAD + bs * 256 + (thresh & 255).to(tl.int32), mask=bs < blk,
+                                   other=0), axis=0)
+        slot_eq = eq_before + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + r * so_r + (k - need) + slot_eq, offs, mask=eq & (slot_eq < need))
 
 
 def topk16_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
