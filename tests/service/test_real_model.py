@@ -12,6 +12,7 @@ from ctxcache.service.demo_text import TEXT
 from ctxcache.service.gen.v1 import context_pb2 as pb
 
 from service_helpers import ask
+from test_every_method import CASES
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +49,32 @@ def test_smollm2_put_then_generate_answers_from_the_context(smollm2, tmp_path, s
     finally:
         client.close()
         srv.stop(1)
+
+
+@pytest.fixture(scope="module")
+def smollm2_client(smollm2, tmp_path_factory):
+    """One server on the default model (default method parameters) for the per-method test."""
+    from ctxcache.service.client import Client
+    from ctxcache.service.server import create_server
+    cfg = ServiceConfig(server=ServerConfig(port=0), model=ModelConfig("smollm2"),
+                        store=StoreSettings(Path(tmp_path_factory.mktemp("every") / "d"), 4 * GiB),
+                        indexer=IndexerSettings())
+    srv, port = create_server(cfg, smollm2)
+    client = Client(f"127.0.0.1:{port}")
+    yield client
+    client.close()
+    srv.stop(1)
+
+
+@pytest.mark.parametrize("name,params", CASES, ids=[f"{n}{'-psaw' if p else ''}" for n, p in CASES])
+def test_every_method_on_smollm2(smollm2_client, name, params):
+    """Issue 5: each method through PutContext -> Generate on the default model, default params."""
+    spec = pb.MethodSpec(name=name)
+    if params:
+        spec.params.update(params)
+    info = smollm2_client.put(pb.PutContextRequest(text=TEXT, wait=True, method=spec), timeout=300).context
+    assert info.state == pb.CONTEXT_STATE_READY, info.error
+    assert info.method == name.removesuffix("-paper") and 300 <= info.n_tokens <= 600  # an alias names its method
+    _, final = ask(smollm2_client, info.context_id, "Who was the longest-serving keeper?", max_tokens=8,
+                   timeout=120)
+    assert final.usage.cached_tokens == info.n_tokens and 0 < final.usage.generated_tokens <= 8 and final.text
