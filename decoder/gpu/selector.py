@@ -176,13 +176,11 @@ class GpuSelector:
         self.keys = torch.empty(batch, n_kv, n_pad, dtype=torch.uint16, device=device) if score_keys == "fp16" else None
         # tuned on the H100 at 128K, batch 1 and 8 (bench attention; the register cap lifts occupancy)
         self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 8, "maxnreg": 80}
-        # radix Top-K chunk: the passes are latency-bound, so more, smaller programs while the
-        # grid stays within ~2048 programs (each adds 256 histogram atomics per pass)
-        rows = batch * n_kv
         self.n_pad = n_pad
         if score_keys == "fp16":  # measured best at 128K, batch 1 and 8, on the H100 (bench attention)
             self.set_topk_block(2048, num_warps=4)
-        else:
+        else:  # fp32 passes are latency-bound: more, smaller programs while the grid stays <= ~2048
+            rows = batch * n_kv
             self.set_topk_block(next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096))
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
 
