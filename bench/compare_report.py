@@ -140,7 +140,13 @@ def plot(merged: dict, rows: list[dict], path: Path) -> None:
     config = merged["config"]
     texts, lengths = config["texts"], [str(n) for n in config["task_lengths"]]
     panels = len(texts) + len(lengths)
-    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.2))
+    rows_n = 1 if panels <= 3 else 2
+    cols_n = -(-panels // rows_n)
+    fig, grid = plt.subplots(rows_n, cols_n, figsize=(5 * cols_n, 4.2 * rows_n), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[panels:]:
+        ax.axis("off")
+    axes = axes[:panels]
     task_axes = dict(zip(lengths, axes[len(texts):]))
     by_method: dict[str, list[dict]] = {}
     for r in rows:

@@ -1,0 +1,69 @@
+"""`ctxcache bench compare`: method specs, cells, and the merge of shard JSONs into one report."""
+
+import argparse
+import json
+
+import pytest
+
+from ctxcache.bench.compare import all_cells, config_of, method_specs, parse_args
+from ctxcache.bench.compare_report import merge
+
+
+def test_magicpig_expands_to_the_paper_configs_and_unknown_names_fail():
+    labels = [m.label for m in method_specs("full,csattention,magicpig")]
+    assert labels == ["full", "csattention", "magicpig-K8-L75", "magicpig-K9-L120", "magicpig-K10-L150"]
+    with pytest.raises(ValueError, match="nope"):
+        method_specs("csattention,nope")
+
+
+def test_cells_cover_texts_methods_tasks_and_seeds():
+    cfg = config_of(parse_args(["--methods", "full,csattention", "--tasks", "passkey,vt",
+                                "--task-lengths", "2048,4096", "--seeds", "0,1"]))
+    cells = all_cells(cfg)
+    assert len(cells) == 2 * 2 + 2 * 2 * 2  # fidelity: texts x methods; tasks: lengths x tasks x seeds
+    assert "fid:code:csattention" in cells and "task:4096:vt:1" in cells
+
+
+def _shard(path, cfg, cells):
+    path.write_text(json.dumps({"bench": "compare", "config": cfg, "machine": {"cpu": "test cpu", "cpu_count": 2},
+                                "date": "2026-11-22", "cells": cells}))
+
+
+def _fid(text, method, keep, recall):
+    return {"kind": "fidelity", "text": text, "method": method, "name": method, "params": {}, "keep": keep,
+            "mass_recall": recall, "top1_agreement": 0.9, "nll_delta_pct": 1.0, "search_us": 10.0}
+
+
+def _task(method, keep, score, task="passkey", length=2048):
+    return {"kind": "task", "task": task, "n_tokens": length, "filler": "prose", "method": method, "keep": keep,
+            "seed": 0, "score": score, "output": "", "length": length}
+
+
+def test_merge_writes_one_table_json_and_plot(tmp_path):
+    args = parse_args(["--methods", "full,csattention", "--keeps", "0.05", "--tasks", "passkey",
+                       "--task-lengths", "2048", "--seeds", "0"])
+    cfg = config_of(args)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    _shard(shards / "a.json", cfg, {"fid:prose:csattention": {"rows": [_fid("prose", "csattention", 0.05, 0.9)],
+                                                              "seconds": 1.0}})
+    _shard(shards / "b.json", cfg, {"task:2048:passkey:0": {"rows": [_task("full", None, 1.0),
+                                                                     _task("csattention", 0.05, 0.5)],
+                                                            "seconds": 2.0}})
+    paths = merge(argparse.Namespace(merge=str(shards), results=str(tmp_path / "out"), name=None))
+    report = json.loads(paths["json"].read_text())
+    cs = next(r for r in report["rows"] if r["method"] == "csattention")
+    assert cs["fidelity"]["prose"]["mass_recall"] == 0.9 and cs["tasks"]["2048"]["mean"] == 0.5
+    assert set(report["missing_cells"]) == {"fid:prose:full", "fid:code:full", "fid:code:csattention"}
+    md = paths["md"].read_text()
+    assert "| csattention | 0.05 |" in md and "INCOMPLETE: 3 cells missing" in md
+    assert paths["png"].stat().st_size > 0
+
+
+def test_merge_refuses_shards_of_other_configurations(tmp_path):
+    a = config_of(parse_args(["--keeps", "0.05"]))
+    b = config_of(parse_args(["--keeps", "0.10"]))
+    _shard(tmp_path / "a.json", a, {})
+    _shard(tmp_path / "b.json", b, {})
+    with pytest.raises(ValueError, match="same configuration"):
+        merge(argparse.Namespace(merge=str(tmp_path), results=str(tmp_path / "out"), name=None))
