@@ -11,50 +11,21 @@ Each variant is captured in a CUDA graph and timed by replay (median, L2 flushed
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
 
-from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables
+from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
 from ctxcache.kernels.topk import radix_topk
 from ctxcache.kernels.sparse_attention import choose_splits, region, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 
-HQ, HKV, D = 32, 8, 128
+from ctxcache.bench import attention_tune as tune
+from ctxcache.bench.attention_tune import DENSE_VARIANTS
+from ctxcache.bench.gpu_inputs import D, HKV, HQ, random_dense_tables, random_tables
 
-
-def random_tables(batch: int, n: int, params: CSAttentionParams, device: str) -> GpuTables:
-    """Random tables with CSAttention's shapes and invariants (unit centroids, descending scores)."""
-    m, c, l = params.subspaces, params.centroids, params.list_length(n)
-    cent = F.normalize(torch.randn(batch, HKV, m, c, D // m, device=device), dim=-1).half()
-    idx = torch.randint(0, n, (batch, HKV, m, c, l), dtype=torch.int32, device=device)
-    # descending by construction (a sort of 2^31 entries at batch 8 x 128K would need 20 GB)
-    ramp = torch.linspace(1.0, -1.0, l, device=device)
-    score = (ramp + torch.randn(batch, HKV, m, c, 1, device=device)).half()
-    floor = score[..., -1].contiguous()
-    return GpuTables(cent, idx, score, floor, torch.zeros(batch, HKV, m, c, 1, device=device),
-                     torch.full((batch,), n, dtype=torch.int32, device=device),
-                     torch.zeros(batch, dtype=torch.int32, device=device), (floor - 0.5).contiguous())
-
-
-def random_dense_tables(batch: int, n: int, params: CSAttentionParams, device: str, score_dtype: str = "float16",
-                        max_new: int = 1) -> GpuDenseTables:
-    """Random dense-layout tables (unit centroids, scores ~ N(0, 1)), generated in place in their
-    storage dtype (an fp32 temporary of 17 GB at batch 8 x 128K would not fit)."""
-    m, c = params.subspaces, params.centroids
-    cent = F.normalize(torch.randn(batch, HKV, m, c, D // m, device=device), dim=-1).half()
-    scale = None
-    if score_dtype == "int8":
-        dense = torch.randint(-127, 128, (batch, HKV, m, c, n), dtype=torch.int8, device=device)
-        scale = torch.rand(batch, HKV, m, c, device=device) / 127 + 1e-3
-    else:
-        dense = torch.empty(batch, HKV, m, c, n, dtype=torch.float16, device=device).normal_()
-    nt = torch.full((batch,), n, dtype=torch.int32, device=device)
-    return GpuDenseTables(cent, dense, scale, nt, torch.zeros(batch, HKV, m, c, max_new, device=device),
-                          nt.clone(), torch.zeros(batch, dtype=torch.int32, device=device))
 
 
 def sdpa_dense(q, k, v):
@@ -103,7 +74,7 @@ def bench_list(q, k, v, nt, lo, hi, kk, params: CSAttentionParams, budget: Budge
         "select_topk": lambda: radix_topk(sel.acc, lo, hi, kk, sel.idx, sel.ws),
         "select": lambda: sel.select(q, tables, lo, hi, kk),
         "sparse_attn": lambda: sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent,
-                                                       splits=ss, block_n=ATTN_CFG["block_n"]),
+                                                       splits=ss, block_n=tune.ATTN_CFG["block_n"]),
     }
     rows = []
     for name, fn in parts.items():
@@ -112,25 +83,16 @@ def bench_list(q, k, v, nt, lo, hi, kk, params: CSAttentionParams, budget: Budge
 
     def total():
         i = sel.select(q, tables, lo, hi, kk)
-        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss, block_n=ATTN_CFG["block_n"])
+        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss, block_n=tune.ATTN_CFG["block_n"])
     g = capture(total)
     rows.append({**base, "method": "csattention", "time_us": time_us(g.replay),
                  "list_len": params.list_length(n), "top_k": int(kk[0]), "splits": ss})
     return rows
 
 
-# Dense-layout variants, row suffix -> (routing, score keys, table dtype). "" is the earlier
-# default (a route per query head, fp32 scores, four radix passes); "_g16" the default now.
-DENSE_VARIANTS = {"": ("head", "fp32", "float16"), "_g": ("group", "fp32", "float16"),
-                  "_g16": ("group", "fp16", "float16"), "_g16_int8": ("group", "fp16", "int8")}
-DENSE_CFG = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # replaced by tune_dense's pick
-ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 64}  # replaced by tune_attention's pick
-TOPK16_BLOCK = {"block": None, "num_warps": 4}  # replaced by tune_topk16's pick (None: GpuSelector's default)
-
-
 def attn_splits(batch: int, top_k: int, budget: Budget) -> int:
-    return choose_splits(batch * HKV, top_k + budget.sinks + budget.recent, min_keys=ATTN_CFG["min_keys"],
-                         waves=ATTN_CFG["waves"])
+    return choose_splits(batch * HKV, top_k + budget.sinks + budget.recent, min_keys=tune.ATTN_CFG["min_keys"],
+                         waves=tune.ATTN_CFG["waves"])
 
 
 def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str, routing: str,
@@ -140,9 +102,9 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     params = CSAttentionParams(routing=routing)  # list_fraction = 1: the dense layout
     tables = random_dense_tables(batch, n, params, q.device, score_dtype)
     sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys)
-    sel.dense_cfg = dict(DENSE_CFG)
-    if TOPK16_BLOCK["block"] and score_keys == "fp16":
-        sel.set_topk_block(TOPK16_BLOCK["block"], TOPK16_BLOCK["num_warps"])
+    sel.dense_cfg = dict(tune.DENSE_CFG)
+    if tune.TOPK16_BLOCK["block"] and score_keys == "fp16":
+        sel.set_topk_block(tune.TOPK16_BLOCK["block"], tune.TOPK16_BLOCK["num_warps"])
     ss = attn_splits(batch, int(kk[0]), budget)
     idx = sel.select(q, tables, lo, hi, kk)
     scores = sel.route_dense(q, tables, lo, hi, kk)
@@ -157,11 +119,11 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
 
     def attn():
         sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=ss,
-                                block_n=ATTN_CFG["block_n"])
+                                block_n=tune.ATTN_CFG["block_n"])
 
     def total():
         i = sel.select(q, tables, lo, hi, kk)
-        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss, block_n=ATTN_CFG["block_n"])
+        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss, block_n=tune.ATTN_CFG["block_n"])
     parts = {"cs_dense_score": lambda: sel.route_dense(q, tables, lo, hi, kk), "cs_dense_topk": topk_only,
              "cs_dense_select": lambda: sel.select(q, tables, lo, hi, kk), "csattention_dense": total}
     if suffix == "":
@@ -178,117 +140,11 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
             row["note"] = ("Top-K after pass 0 (16-bit keys: pass 1 + collect; fp32: passes 1-3 + collect) "
                            "+ a copy restoring the workspace (4 KB per row + block histograms)")
         if name in ("csattention_dense", "cs_sparse_attn"):
-            row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(DENSE_CFG), attn_cfg=dict(ATTN_CFG),
+            row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(tune.DENSE_CFG), attn_cfg=dict(tune.ATTN_CFG),
                        topk_block=sel.topk_block)
         rows.append(row)
     del tables, sel, idx
     torch.cuda.empty_cache()
-    return rows
-
-
-# (block, warps, register cap): ncu saw the score kernel at 126 registers and 25% occupancy
-SCORE_SWEEP = [(1024, 4, None), (1024, 4, 64), (1024, 8, None), (1024, 8, 64), (1024, 8, 80), (1024, 8, 96),
-               (4096, 8, None), (2048, 16, None)]
-
-
-def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
-    """Score-kernel configs of the default variant at context n; sets DENSE_CFG to the best
-    summed over batches."""
-    rows, total = [], {}
-    routing, score_keys, score_dtype = DENSE_VARIANTS["_g16"]
-    params = CSAttentionParams(routing=routing)
-    for batch in batches:
-        q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
-        nt = torch.full((batch,), n, dtype=torch.int32, device=dev)
-        lo, hi = region(nt, budget.sinks, budget.recent)
-        kk = torch.full((batch,), budget.top_k(n), dtype=torch.int32, device=dev)
-        tables = random_dense_tables(batch, n, params, dev, score_dtype)
-        sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), dev, score_keys=score_keys)
-        for block, warps, maxnreg in SCORE_SWEEP:
-            cfg = {"block": block, "r_chunk": 8, "num_warps": warps, "maxnreg": maxnreg}
-            sel.dense_cfg = cfg
-            g = capture(lambda: sel.route_dense(q, tables, lo, hi, kk))
-            t = time_us(g.replay)
-            total[tuple(cfg.items())] = total.get(tuple(cfg.items()), 0.0) + t
-            rows.append({"context": n, "batch": batch, "method": f"cs_dense_score_g16_b{block}_w{warps}_r{maxnreg}",
-                         "time_us": t, **cfg})
-        del tables, sel
-        torch.cuda.empty_cache()
-    DENSE_CFG.update(dict(min(total, key=total.get)))
-    return rows
-
-
-def tune_topk16(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
-    """Keys per program of the radix Top-K over 16-bit keys after pass 0 (pass 1 + collect; pass
-    0 restored before each replay) at context n; sets TOPK16_BLOCK to the best over batches.
-    Also the score kernel of the default variant without its fused pass-0 histogram."""
-    from ctxcache.kernels.topk import _BINS, blocks16, workspace
-    rows, total = [], {}
-    for batch in batches:
-        keys = torch.randint(0, 1 << 16, (batch, HKV, n), dtype=torch.int32, device=dev)
-        nt = torch.full((batch,), n, dtype=torch.int32, device=dev)
-        lo, hi = region(nt, budget.sinks, budget.recent)
-        kk = torch.full((batch,), budget.top_k(n), dtype=torch.int32, device=dev)
-        out = torch.zeros(batch, HKV, int(kk[0]), dtype=torch.int32, device=dev)
-        hist0 = torch.stack([torch.bincount(r >> 8, minlength=_BINS) for r in
-                             keys.view(batch * HKV, n)[:, int(lo[0]):int(hi[0])]]).int()
-        keys16 = keys.to(torch.int16).view(torch.uint16)
-        for block, warps in [(b, w) for b in (1024, 2048, 4096) for w in (2, 4, 8)]:
-            ws = workspace(batch * HKV, dev, blocks16(n, block))
-
-            def fn():
-                ws.zero_()
-                ws[:, :_BINS].copy_(hist0)
-                radix_topk(keys16, lo, hi, kk, out, ws, block=block, hist0_done=True, num_warps=warps)
-            g = capture(fn)
-            t = time_us(g.replay)
-            total[(block, warps)] = total.get((block, warps), 0.0) + t
-            rows.append({"context": n, "batch": batch, "method": f"topk16_after_pass0_b{block}_w{warps}",
-                         "time_us": t, "block": block, "num_warps": warps,
-                         "note": "includes the workspace zero + pass-0 restore copy"})
-        routing, score_keys, score_dtype = DENSE_VARIANTS["_g16"]
-        params = CSAttentionParams(routing=routing)
-        tables = random_dense_tables(batch, n, params, dev, score_dtype)
-        sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), dev, score_keys=score_keys)
-        sel.dense_cfg = dict(DENSE_CFG)
-        q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
-        for hist0_on in (True, False):
-            g = capture(lambda: sel.route_dense(q, tables, lo, hi, kk, hist0=hist0_on))
-            rows.append({"context": n, "batch": batch, "method": f"cs_dense_score_g16_hist0_{hist0_on}",
-                         "time_us": time_us(g.replay), "note": "route (zeroing the workspace) + score kernel"})
-        del tables, sel
-        torch.cuda.empty_cache()
-    TOPK16_BLOCK["block"], TOPK16_BLOCK["num_warps"] = min(total, key=total.get)
-    return rows
-
-
-def tune_attention(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
-    """Split count (waves over the SMs, keys per split) and key block of the sparse attention
-    over a 5% selection at context n; sets ATTN_CFG to the best summed over batches."""
-    rows, total = [], {}
-    for batch in batches:
-        q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        nt = torch.full((batch,), n, dtype=torch.int32, device=dev)
-        k_sel = budget.top_k(n)
-        kk = torch.full((batch,), k_sel, dtype=torch.int32, device=dev)
-        idx = torch.stack([torch.randperm(n - 64, device=dev)[:k_sel] + 4 for _ in range(batch * HKV)])
-        idx = idx.view(batch, HKV, k_sel).int()
-        for waves in (2, 4, 8):
-            for min_keys in (64, 128):
-                for block_n in (32, 64, 128):
-                    cfg = {"waves": waves, "min_keys": min_keys, "block_n": block_n}
-                    ss = choose_splits(batch * HKV, k_sel + budget.sinks + budget.recent, min_keys=min_keys, waves=waves)
-                    g = capture(lambda: sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent,
-                                                                splits=ss, block_n=block_n))
-                    t = time_us(g.replay)
-                    total[tuple(cfg.items())] = total.get(tuple(cfg.items()), 0.0) + t
-                    rows.append({"context": n, "batch": batch, "method": f"sparse_attn_w{waves}_k{min_keys}_b{block_n}",
-                                 "time_us": t, "splits": ss, **cfg})
-        del k, v
-        torch.cuda.empty_cache()
-    ATTN_CFG.update(dict(min(total, key=total.get)))
     return rows
 
 
@@ -361,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     params, budget = CSAttentionParams(list_fraction=0.25), Budget(keep=args.keep)
     n_max = max(int(x) for x in args.contexts.split(","))
     batches = [int(x) for x in args.batches.split(",")]
-    rows = (tune_dense(n_max, batches, budget, "cuda") + tune_topk16(n_max, batches, budget, "cuda")
-            + tune_attention(n_max, batches, budget, "cuda"))
-    print("dense score config", DENSE_CFG, "top-K block", TOPK16_BLOCK, "attention config", ATTN_CFG, flush=True)
+    rows = (tune.tune_dense(n_max, batches, budget, "cuda") + tune.tune_topk16(n_max, batches, budget, "cuda")
+            + tune.tune_attention(n_max, batches, budget, "cuda"))
+    print("dense score config", tune.DENSE_CFG, "top-K block", tune.TOPK16_BLOCK, "attention config", tune.ATTN_CFG, flush=True)
     for b in batches:
         for n in (int(x) for x in args.contexts.split(",")):
             rows += bench_one(n, b, params, budget, "cuda", args.list_layout)
@@ -375,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows)
     cross = {tag: {b: next((s["context"] for s in summary if s["batch"] == b and (s[f"speedup{tag}"] or 0) > 1), None)
                    for b in batches} for tag in ("_h32", "_g16")}
-    path = write_results("attention", rows, {"summary": summary, "crossover_context": cross, "dense_cfg": DENSE_CFG,
-                                             "attn_cfg": ATTN_CFG, "topk16_block": TOPK16_BLOCK["block"],
-                                             "topk16_warps": TOPK16_BLOCK["num_warps"], "variants": DENSE_VARIANTS,
+    path = write_results("attention", rows, {"summary": summary, "crossover_context": cross, "dense_cfg": tune.DENSE_CFG,
+                                             "attn_cfg": tune.ATTN_CFG, "topk16_block": tune.TOPK16_BLOCK["block"],
+                                             "topk16_warps": tune.TOPK16_BLOCK["num_warps"], "variants": DENSE_VARIANTS,
                                              "keep": args.keep}, args.out)
     print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk", "sparse_attn_", "cs_dense_score_g16_"))
                  and (r["batch"] == 1 or not r["method"].startswith("sparse_attn_"))],
@@ -387,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, ["context", "batch", "sdpa_us", "score_g16_us", "topk_g16_us", "select_g16_us", "cs_g16_us",
                           "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
     print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) {cross}; "
-          f"dense cfg {DENSE_CFG}; top-K block {TOPK16_BLOCK}; attention cfg {ATTN_CFG}; wrote {path}")
+          f"dense cfg {tune.DENSE_CFG}; top-K block {tune.TOPK16_BLOCK}; attention cfg {tune.ATTN_CFG}; wrote {path}")
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ctxcache.bench.attention import random_dense_tables, random_tables
+from ctxcache.bench.gpu_inputs import random_dense_tables, random_tables
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.timing import device_info, print_table, write_results

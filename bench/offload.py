@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from ctxcache.bench.attention import D, HKV, HQ, random_tables, sdpa_dense
+from ctxcache.bench.attention import sdpa_dense
+from ctxcache.bench.gpu_inputs import D, HKV, HQ, random_tables
 from ctxcache.decoder.gpu.offload import OffloadAttention, pinned_empty, plan_slots
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results

@@ -1,0 +1,42 @@
+"""Random inputs of CSAttention's shapes for the GPU benchmarks (Llama-3.1-8B attention shapes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuTables
+from ctxcache.methods.csattention import CSAttentionParams
+
+HQ, HKV, D = 32, 8, 128
+
+
+def random_tables(batch: int, n: int, params: CSAttentionParams, device: str) -> GpuTables:
+    """Random tables with CSAttention's shapes and invariants (unit centroids, descending scores)."""
+    m, c, l = params.subspaces, params.centroids, params.list_length(n)
+    cent = F.normalize(torch.randn(batch, HKV, m, c, D // m, device=device), dim=-1).half()
+    idx = torch.randint(0, n, (batch, HKV, m, c, l), dtype=torch.int32, device=device)
+    # descending by construction (a sort of 2^31 entries at batch 8 x 128K would need 20 GB)
+    ramp = torch.linspace(1.0, -1.0, l, device=device)
+    score = (ramp + torch.randn(batch, HKV, m, c, 1, device=device)).half()
+    floor = score[..., -1].contiguous()
+    return GpuTables(cent, idx, score, floor, torch.zeros(batch, HKV, m, c, 1, device=device),
+                     torch.full((batch,), n, dtype=torch.int32, device=device),
+                     torch.zeros(batch, dtype=torch.int32, device=device), (floor - 0.5).contiguous())
+
+
+def random_dense_tables(batch: int, n: int, params: CSAttentionParams, device: str, score_dtype: str = "float16",
+                        max_new: int = 1) -> GpuDenseTables:
+    """Random dense-layout tables (unit centroids, scores ~ N(0, 1)), generated in place in their
+    storage dtype (an fp32 temporary of 17 GB at batch 8 x 128K would not fit)."""
+    m, c = params.subspaces, params.centroids
+    cent = F.normalize(torch.randn(batch, HKV, m, c, D // m, device=device), dim=-1).half()
+    scale = None
+    if score_dtype == "int8":
+        dense = torch.randint(-127, 128, (batch, HKV, m, c, n), dtype=torch.int8, device=device)
+        scale = torch.rand(batch, HKV, m, c, device=device) / 127 + 1e-3
+    else:
+        dense = torch.empty(batch, HKV, m, c, n, dtype=torch.float16, device=device).normal_()
+    nt = torch.full((batch,), n, dtype=torch.int32, device=device)
+    return GpuDenseTables(cent, dense, scale, nt, torch.zeros(batch, HKV, m, c, max_new, device=device),
+                          nt.clone(), torch.zeros(batch, dtype=torch.int32, device=device))
