@@ -98,11 +98,12 @@ def _hist_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
 
 @triton.jit
 def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r,
-                    BLOCK: tl.constexpr, KEY16: tl.constexpr, PASSES: tl.constexpr, TOP: tl.constexpr):
+                    BLOCK: tl.constexpr):
+    """fp32 scores: every index above the threshold, then ties in atomic order."""
     key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
-                                                BLOCK, KEY16)
+                                                BLOCK, False)
     r = tl.program_id(0)
-    thresh, need = _walk(hist_ptr, k, PASSES, TOP)
+    thresh, need = _walk(hist_ptr, k, 4, 24)
     gt = valid & (key > thresh)
     eq = valid & (key == thresh)
     cnt_ptr = hist_ptr + 4 * 256
@@ -208,10 +209,7 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
         _collect16_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), _HEAD,
                                 BLOCK=block, NB_PAD=triton.next_power_of_2(nb), num_warps=num_warps)
         return out
-    passes, top = _PASSES, 24
-    for p in range(1 if hist0_done else 0, passes):
-        _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=p, BLOCK=block, KEY16=key16,
-                           TOP=top)
-    _collect_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), BLOCK=block,
-                          KEY16=key16, PASSES=passes, TOP=top)
+    for p in range(1 if hist0_done else 0, _PASSES):
+        _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=p, BLOCK=block, KEY16=False, TOP=24)
+    _collect_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), BLOCK=block)
     return out
