@@ -16,7 +16,7 @@ from ctxcache.models.attention import dense_attention
 from ctxcache.models.kv_cache import KVCache
 
 # Sparse attention split-K shape: splits cover the SMs `waves` times with >= min_keys keys each;
-# block_n keys per inner step (see bench/attention.py tune_attention).
+# block_n keys per inner step (see bench/attention_tune.py tune_attention).
 ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 128}  # measured best on the H100 at 128K
 
 
