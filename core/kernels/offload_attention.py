@@ -134,6 +134,6 @@ def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, 
         hkv, g, sinks, recent, d ** -0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), *k_host.stride()[:3], *k_cache.stride()[:3], idx.stride(0), idx.stride(1),
         SPLITS=splits, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n)
-    _merge_kernel[(b * hkv * g,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1),
+    _merge_kernel[(b * hkv * g,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1), USE_PDL=False,
                                   SPLITS=splits, G_PAD=g_pad, D=d)
     return out

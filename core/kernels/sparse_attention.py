@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.kernels.sync import arrive_last, compiled, launch_opts, pdl_launch_next, pdl_wait
 from ctxcache.models.attention import gqa_sparse_attention
 
 # Triton 3.6's CPU interpreter computes bf16 tl.dot wrongly (seen: errors of 1e10), so under
@@ -45,8 +46,12 @@ def sparse_attention_ref(q, k_cache, v_cache, idx, k_sel, n, sinks: int, recent:
 def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                   HKV, G, SINKS, RECENT, scale_log2,
                   sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, si_b, si_h,
+                  out_ptr, cnt_ptr, so_b, so_h,
                   SPLITS: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr,
-                  G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+                  G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  FUSE_MERGE: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_next(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row // HKV
@@ -101,26 +106,37 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
     tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc)
     tl.store(ml_ws + (base + offs_g) * 2, m_i)
     tl.store(ml_ws + (base + offs_g) * 2 + 1, l_i)
+    if FUSE_MERGE:  # the row's last split program merges (one launch less per step)
+        if arrive_last(cnt_ptr + row, SPLITS, GPU):
+            for g in range(G):
+                _merge_head(o_ws, ml_ws, out_ptr, row, g, HKV, G, so_b, so_h, SPLITS, G_PAD, D, ".cg")
+            tl.store(cnt_ptr + row, 0)
 
 
 @triton.jit
-def _merge_kernel(o_ws, ml_ws, out_ptr, HKV, G, so_b, so_h,
-                  SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr):
-    pid = tl.program_id(0)  # (row, g)
-    row = pid // G
-    g = pid % G
+def _merge_head(o_ws, ml_ws, out_ptr, row, g, HKV, G, so_b, so_h,
+                SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, CACHE: tl.constexpr):
+    """Combine the SPLITS partials (max, sum, output) of query head g of KV row `row`."""
     offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, D)
     base = (row * SPLITS + offs_s) * G_PAD + g
-    m = tl.load(ml_ws + base * 2)
-    l = tl.load(ml_ws + base * 2 + 1)
+    m = tl.load(ml_ws + base * 2, cache_modifier=CACHE)
+    l = tl.load(ml_ws + base * 2 + 1, cache_modifier=CACHE)
     m_all = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
-    o = tl.load(o_ws + base[:, None] * D + offs_d[None, :])
+    o = tl.load(o_ws + base[:, None] * D + offs_d[None, :], cache_modifier=CACHE)
     res = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     b = row // HKV
     h = (row % HKV) * G + g
     tl.store(out_ptr + b * so_b + h * so_h + offs_d, res.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _merge_kernel(o_ws, ml_ws, out_ptr, HKV, G, so_b, so_h,
+                  SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pid = tl.program_id(0)  # (row, g)
+    _merge_head(o_ws, ml_ws, out_ptr, pid // G, pid % G, HKV, G, so_b, so_h, SPLITS, G_PAD, D, "")
 
 
 def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128, waves: int = 2) -> int:
@@ -131,9 +147,14 @@ def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128,
 
 
 def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks: int = 0, recent: int = 0,
-                            splits: int = 16, out=None, ws=None, block_n: int = 64) -> torch.Tensor:
+                            splits: int = 16, out=None, ws=None, block_n: int = 64, merge_counter=None,
+                            pdl: bool = False) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [B, Hkv, S, D]; n [B] int32 (cached keys per row); idx [B, Hkv, K_max]
-    int32 and k_sel [B] int32 (selected middle keys; None: dense over [0, n)) -> [B, Hq, D]."""
+    int32 and k_sel [B] int32 (selected middle keys; None: dense over [0, n)) -> [B, Hq, D].
+
+    merge_counter: int32 [B * Hkv] zeros (left zeroed after each call): the last split program of
+    each row merges, instead of a second launch. pdl: programmatic dependent launch
+    (sync.pdl_available)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     if k_cache.shape[0] != b or v_cache.shape != k_cache.shape or k_cache.shape[3] != d or hq % hkv:
@@ -154,13 +175,19 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
         ws = (torch.empty(b * hkv * splits * g_pad * d, dtype=torch.float32, device=q.device),
               torch.empty(b * hkv * splits * g_pad * 2, dtype=torch.float32, device=q.device))
     out = torch.empty_like(q) if out is None else out
+    fuse = merge_counter is not None
+    if fuse and (merge_counter.shape != (b * hkv,) or merge_counter.dtype != torch.int32):
+        raise ValueError(f"merge_counter {tuple(merge_counter.shape)} must be int32 [{b * hkv}]")
     idx_t = idx if not dense else n  # unused pointer in dense mode
     si = idx.stride() if not dense else (0, 0)
     _split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, idx_t, k_sel if not dense else n, n, ws[0], ws[1],
         hkv, g, sinks, recent, d ** -0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], si[0], si[1],
-        SPLITS=splits, DENSE=dense, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n)
-    _merge_kernel[(b * hkv * g,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1),
-                                  SPLITS=splits, G_PAD=g_pad, D=d)
+        out, merge_counter if fuse else n, out.stride(0), out.stride(1),
+        SPLITS=splits, DENSE=dense, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n,
+        FUSE_MERGE=fuse, GPU=compiled(q), USE_PDL=pdl, **launch_opts(pdl))
+    if not fuse:
+        _merge_kernel[(b * hkv * g,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1),
+                                      SPLITS=splits, G_PAD=g_pad, D=d, USE_PDL=pdl, **launch_opts(pdl))
     return out

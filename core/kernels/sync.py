@@ -1,0 +1,72 @@
+"""Cross-program signalling shared by the fused decode kernels.
+
+Two mechanisms, both off under the CPU interpreter (it runs programs one after another and
+cannot execute inline PTX, so neither is needed there):
+
+- Programmatic dependent launch (Hopper+): a kernel launched with `launch_pdl=True` may start
+  while its predecessor drains; `pdl_wait()` blocks until the predecessor finished and its
+  writes are visible. Every kernel that uses it calls `pdl_wait()` before touching global
+  memory, so the overlap only hides launch latency, never a dependency.
+- "Last program of a row" hand-off: programs publish results with plain stores, `release()`
+  them, and count themselves in with an acq_rel atomic; the one that arrives last `acquire()`s
+  and finishes the row (Top-K resolve, split-K merge) instead of a separate launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pdl_available(device: torch.device | str) -> bool:
+    """Compiled code on a Hopper-or-newer GPU (griddepcontrol needs sm_90)."""
+    dev = torch.device(device)
+    return (not INTERPRET and dev.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(dev)[0] >= 9)
+
+
+def compiled(t: torch.Tensor) -> bool:
+    """True where kernels on t run compiled (the fence and PDL PTX exist there)."""
+    return t.is_cuda and not INTERPRET
+
+
+def launch_opts(pdl: bool) -> dict:
+    """Extra launch keywords: only compiled launches know `launch_pdl`."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_next(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _fence(GPU: tl.constexpr):
+    if GPU:  # every thread orders its own earlier global accesses (gpu scope)
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def arrive_last(counter_ptr, expected, GPU: tl.constexpr):
+    """Publish this program's stores and count it in; True in the program that arrives last
+    (`expected` programs in all), which then sees every other program's stores."""
+    _fence(GPU)
+    tl.debug_barrier()  # all threads' stores are fenced before the one arrival below
+    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = old == expected - 1
+    if last:
+        _fence(GPU)
+    return last
