@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.kernels.sync import launch_opts, pdl_launch_next, pdl_wait
 from ctxcache.kernels.topk import _keys, _keys16
 
 
@@ -76,7 +77,9 @@ def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, sta
                         si_b, si_h, sd_b, sd_h, sd_m, sd_c, ss_b, ss_h, ss_m,
                         sn_b, sn_h, sn_m, sn_c, sa_b, sa_h, sws_r,
                         GM_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                        SCALED: tl.constexpr, KEY16: tl.constexpr, HIST0: tl.constexpr):
+                        SCALED: tl.constexpr, KEY16: tl.constexpr, HIST0: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_next(USE_PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     b = row // HKV
@@ -131,7 +134,7 @@ def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale:
                  new_scores: torch.Tensor, n_ctx: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, acc: torch.Tensor, ws: torch.Tensor,
                  block: int = 1024, r_chunk: int = 8, num_warps: int = 4, hist0: bool = True,
-                 maxnreg: int | None = None) -> torch.Tensor:
+                 maxnreg: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Write scores into acc [B, Hkv, N_max] fp32 (N_max a multiple of `block`), or their 16-bit
     keys (topk.keys16_ref) if acc is uint16, and add radix pass 0 into ws (topk.workspace,
     zeroed by the caller; hist0=False skips it). ids/w [B, Hq, m] per query head, or [B, Hkv, m]
@@ -173,6 +176,6 @@ def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale:
         hkv, hq // hkv, m, ids.stride(0), ids.stride(1), sd[0], sd[1], sd[2], sd[3], *ss,
         sn[0], sn[1], sn[2], sn[3], acc.stride(0), acc.stride(1), ws.stride(0),
         GM_PAD=gm_pad, R_CHUNK=min(r_chunk, gm_pad), BLOCK=block, SCALED=scale is not None,
-        KEY16=acc.dtype == torch.uint16, HIST0=hist0, num_warps=num_warps,
+        KEY16=acc.dtype == torch.uint16, HIST0=hist0, num_warps=num_warps, USE_PDL=pdl, **launch_opts(pdl),
         **({"maxnreg": maxnreg} if maxnreg else {}))  # a register cap buys occupancy (ncu: 126 regs, 25%)
     return acc

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ctxcache.kernels.sync import launch_opts, pdl_launch_next, pdl_wait
+
 
 def route_ref(q: torch.Tensor, centroids: torch.Tensor, group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference matching CSAttention._route (tau = 1) and its qnorm weight."""
@@ -32,7 +34,9 @@ def route_ref(q: torch.Tensor, centroids: torch.Tensor, group: bool = False) -> 
 def _route_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, HO, G, M, C, DB,
                   sq_r, sq_h, sc_r, sc_h, sc_m, sc_c, so_r, so_h,
                   z_ptr, Z_PER, ZN, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-                  ZERO: tl.constexpr, Z_CHUNK: tl.constexpr):
+                  ZERO: tl.constexpr, Z_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_next(USE_PDL)
     pid = tl.program_id(0)
     mm = tl.program_id(1)
     if ZERO:  # side job: this program's share of a buffer the next kernels need zeroed
@@ -64,7 +68,7 @@ def _route_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, HO, G, M, C, DB,
 
 
 def route(q: torch.Tensor, centroids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-          group: bool = False, zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          group: bool = False, zero: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher; `out` (ids, qnorm) lets a captured graph reuse static buffers. `zero`, a
     contiguous int32 buffer (the Top-K workspace), is zeroed by the same launch: one launch
     less per step than a separate memset."""
@@ -91,5 +95,5 @@ def route(q: torch.Tensor, centroids: torch.Tensor, out: tuple[torch.Tensor, tor
                                ids.stride(0), ids.stride(1), zero if zero is not None else ids,
                                max(1, -(-zn // (r * ho * m))), zn,
                                BLOCK_C=triton.next_power_of_2(c), BLOCK_D=max(16, triton.next_power_of_2(db)),
-                               GROUP=group, ZERO=zero is not None, Z_CHUNK=1024)
+                               GROUP=group, ZERO=zero is not None, Z_CHUNK=1024, USE_PDL=pdl, **launch_opts(pdl))
     return ids, w

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.kernels.sync import launch_opts, pdl_launch_next, pdl_wait
 from ctxcache.methods.budget import fp16_keys
 
 _BINS = 256
@@ -116,7 +117,10 @@ def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sw
 
 
 @triton.jit
-def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEAD, BLOCK: tl.constexpr):
+def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEAD, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_next(USE_PDL)
     key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
                                                 BLOCK, True)
     prefix, krem = _walk(hist_ptr, k, 1, 8)
@@ -128,7 +132,9 @@ def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEA
 
 @triton.jit
 def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r, HEAD,
-                      BLOCK: tl.constexpr, NB_PAD: tl.constexpr):
+                      BLOCK: tl.constexpr, NB_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_next(USE_PDL)
     key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
                                                 BLOCK, True)
     r = tl.program_id(0)
@@ -172,7 +178,7 @@ def blocks16(n: int, block: int) -> int:
 
 def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
                ws: torch.Tensor | None = None, block: int = 4096, hist0_done: bool = False,
-               num_warps: int = 4) -> torch.Tensor:
+               num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """x [B, Hkv, N] fp32 scores, or uint16 keys (keys16: ties to the lowest index); lo, hi,
     k [B] int32 (k <= hi - lo) -> out [B, Hkv, K_max] int32.
 
@@ -180,7 +186,7 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
     `ws` (see `workspace`) is zeroed here; pass a static one inside a captured graph.
     hist0_done: the producer of x already zeroed ws and added pass 0's histogram
     (dense_select.dense_scores does, fused with the scores), so start at pass 1. num_warps
-    applies to the 16-bit passes."""
+    applies to the 16-bit passes; pdl (16-bit passes after pass 0): programmatic dependent launch."""
     if x.dim() != 3 or x.dtype not in (torch.float32, torch.uint16) or x.stride(2) != 1:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be fp32 or uint16 [B, Hkv, N] contiguous in N")
     b, hkv, n = x.shape
@@ -205,9 +211,10 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
             _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=0, BLOCK=block, KEY16=True, TOP=8,
                                num_warps=num_warps)
         _pass1_16_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), _HEAD, BLOCK=block,
-                               num_warps=num_warps)
+                               num_warps=num_warps, USE_PDL=pdl, **launch_opts(pdl))
         _collect16_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), _HEAD,
-                                BLOCK=block, NB_PAD=triton.next_power_of_2(nb), num_warps=num_warps)
+                                BLOCK=block, NB_PAD=triton.next_power_of_2(nb), num_warps=num_warps, USE_PDL=pdl,
+                                **launch_opts(pdl))
         return out
     for p in range(1 if hist0_done else 0, _PASSES):
         _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=p, BLOCK=block, KEY16=False, TOP=24)

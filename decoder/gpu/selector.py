@@ -7,6 +7,12 @@ fused (dense_select), written as 16-bit keys of the fp16-rounded scores -> radix
 collect (ties to the lowest index, as CSAttention.search ranks); score_keys="fp32": fp32
 scores and passes 1-3 + collect (ties in atomic order).
 
+The fused pipeline (opt-in, `fused=FusedConfig()`, for the dense layout with group routing and
+fp16 keys; measured slower than the radix pipeline on the H100, see bench/README.md) is two
+launches: dense_keys (route fused in, scores as 16-bit keys, radix statistics) ->
+select16 (exact Top-K, ties to the lowest index; the row's last program resolves the
+threshold), optionally chained by programmatic dependent launch.
+
 Static buffers sized once (rows, heads, max context, max K), so a step is a fixed sequence of
 launches that a CUDA graph can capture. Matches CSAttention.search with tau = 1 (no backoff)
 and group_combine = "sum"; other settings are refused rather than silently changed."""
@@ -17,10 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ctxcache.kernels.dense_keys import dense_keys
 from ctxcache.kernels.dense_select import dense_scores, quantize_rows
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
+from ctxcache.kernels.select16 import select16, workspace16
 from ctxcache.kernels.stream import add_streamed, stream_insert
+from ctxcache.kernels.sync import pdl_available
 from ctxcache.kernels.topk import blocks16, radix_topk, workspace
 from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
 
@@ -150,6 +159,31 @@ def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_n
     return GpuTables.stack(per_row, n_ctx, max_new, device)
 
 
+@dataclass(frozen=True)
+class FusedConfig:
+    """Shape of the fused dense pipeline. key_block: keys per score program (and per block
+    count); select_block: keys per select16 program (a multiple of key_block); fuse_route:
+    route inside the score kernel (else one route launch first)."""
+
+    key_block: int = 2048
+    select_block: int = 4096
+    fuse_route: bool = True
+    num_warps: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("key_block", "select_block"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1) or v > PAD:
+                raise ValueError(f"{name}={v} must be a power of two in [16, {PAD}]")
+        if self.select_block % self.key_block:
+            raise ValueError(f"select_block={self.select_block} must be a multiple of key_block={self.key_block}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
+
+
+PAD = 8192  # score rows are padded to a multiple of this (any power-of-two block up to it tiles them)
+
+
 class GpuSelector:
     """Reusable buffers for selecting up to k_max keys per (row, KV head) among n_max.
 
@@ -158,7 +192,8 @@ class GpuSelector:
     (four launches)."""
 
     def __init__(self, params: CSAttentionParams, batch: int, n_heads: int, n_kv: int, head_dim: int,
-                 n_max: int, k_max: int, device: torch.device | str, score_keys: str = "fp16") -> None:
+                 n_max: int, k_max: int, device: torch.device | str, score_keys: str = "fp16",
+                 fused: FusedConfig | None = None, pdl: bool | None = None) -> None:
         check_params(params)
         if score_keys not in ("fp16", "fp32"):
             raise ValueError(f"score_keys={score_keys!r} must be 'fp16' or 'fp32'")
@@ -170,9 +205,10 @@ class GpuSelector:
         routed = n_kv if self.group else n_heads
         self.ids = torch.zeros(batch, routed, m, dtype=torch.int32, device=device)
         self.w = torch.zeros(batch, routed, m, device=device)
-        # rounded up so that any power-of-two block <= 4096 of the dense kernel tiles it
-        n_pad = -(-n_max // 4096) * 4096
-        self.acc = torch.zeros(batch, n_kv, n_pad, device=device)
+        n_pad = -(-n_max // PAD) * PAD
+        self.rows, self.n_kv, self.device = batch * n_kv, n_kv, device
+        # fp32 scores (list layout, or score_keys="fp32") only where used: 32 MB at batch 8 x 128K
+        self.acc: torch.Tensor | None = None
         self.keys = torch.empty(batch, n_kv, n_pad, dtype=torch.uint16, device=device) if score_keys == "fp16" else None
         # tuned on the H100 at 128K, batch 1 and 8 (bench attention; the register cap lifts occupancy)
         self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 8, "maxnreg": 80}
@@ -183,48 +219,93 @@ class GpuSelector:
             rows = batch * n_kv
             self.set_topk_block(next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096))
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
+        # fused dense pipeline (group routing, fp16 keys); its buffers are made on first use
+        self.fused = fused if (fused is not None and self.group and score_keys == "fp16") else None
+        # programmatic dependent launch between the step's kernels (None: where the GPU has it)
+        self.pdl = pdl_available(device) if pdl is None else pdl
+        self._fused_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_fused(self, cfg: FusedConfig) -> None:
+        """Switch the fused pipeline's shape (before any graph capture)."""
+        if self.fused is None:
+            raise ValueError("this selector does not run the fused pipeline (needs group routing, fp16 keys)")
+        self.fused, self._fused_bufs = cfg, None
 
     def set_topk_block(self, block: int, num_warps: int = 4) -> None:
         """Keys (and warps) per radix program; the workspace holds one histogram per block
         (16-bit keys)."""
         self.topk_block, self.topk_warps = block, num_warps
-        self.ws = workspace(self.acc.shape[0] * self.acc.shape[1], self.acc.device, blocks16(self.n_pad, block))
+        self.ws = workspace(self.rows, self.device, blocks16(self.n_pad, block))
+
+    def _fp32_scores(self) -> torch.Tensor:
+        """The fp32 score buffer, allocated on first use (before any graph capture: the
+        capture helpers run the step first)."""
+        if self.acc is None:
+            self.acc = torch.zeros(self.rows // self.n_kv, self.n_kv, self.n_pad, device=self.device)
+        return self.acc
 
     def route_scatter(self, q: torch.Tensor, t: GpuTables) -> torch.Tensor:
         """Estimated scores acc [B, Hkv, n_max] of q [B, Hq, D]."""
         self._route(q, t)
         offset = t.offset(self.params.scoring)
-        self.acc.zero_()
-        scatter_lists(self.ids, self.w, t.list_idx, t.list_score, offset, self.acc, relative=True)
-        add_streamed(self.ids, self.w, t.new_scores, t.list_floor, t.stream_count, t.stream_start,
-                     self.acc, offset)
-        return self.acc
+        acc = self._fp32_scores()
+        acc.zero_()
+        scatter_lists(self.ids, self.w, t.list_idx, t.list_score, offset, acc, relative=True)
+        add_streamed(self.ids, self.w, t.new_scores, t.list_floor, t.stream_count, t.stream_start, acc, offset)
+        return acc
 
     def route_dense(self, q: torch.Tensor, t: GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
                     k: torch.Tensor, hist0: bool = True) -> torch.Tensor:
         """Dense layout: scores [B, Hkv, n_max] of q [B, Hq, D] (self.keys: uint16 keys, or
         self.acc: fp32), radix pass 0 into ws."""
         self._route(q, t, zero=self.ws)
-        out = self.keys if self.keys is not None else self.acc
+        out = self.keys if self.keys is not None else self._fp32_scores()
         return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
-                            t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg, hist0=hist0)
+                            t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg, hist0=hist0,
+                            pdl=self.pdl)
 
     def _route(self, q: torch.Tensor, t: GpuTables | GpuDenseTables, zero: torch.Tensor | None = None) -> None:
         qs = q[..., self.perm] if self.perm is not None else q
-        route(qs.contiguous(), t.centroids, out=(self.ids, self.w), group=self.group, zero=zero)
+        route(qs.contiguous(), t.centroids, out=(self.ids, self.w), group=self.group, zero=zero, pdl=self.pdl)
         if self.params.weighting == "unit":
             self.w.fill_(1.0)
+
+    def fused_keys(self, q: torch.Tensor, t: GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
+                   k: torch.Tensor) -> torch.Tensor:
+        """Fused pipeline, first launch: 16-bit keys [B, Hkv, n_pad] + radix statistics in ws16."""
+        cfg = self.fused
+        if self._fused_bufs is None:
+            self._fused_bufs = (workspace16(self.rows, self.n_pad, cfg.key_block, self.device),
+                                torch.zeros(self.rows // self.n_kv, self.n_kv, self.n_pad, dtype=torch.int32,
+                                            device=self.device))
+        qs = q[..., self.perm].contiguous() if self.perm is not None else q
+        routed = None
+        if not cfg.fuse_route:
+            route(qs.contiguous(), t.centroids, out=(self.ids, self.w), group=True, pdl=self.pdl)
+            routed = (self.ids, self.w)
+        return dense_keys(qs, t.centroids, t.dense_score, t.score_scale, t.new_scores, t.n_ctx, t.stream_start,
+                          t.stream_count, lo, hi, k, self.keys, self._fused_bufs[0], block=cfg.key_block,
+                          routed=routed, unit_weights=self.params.weighting == "unit", num_warps=cfg.num_warps,
+                          pdl=self.pdl)
+
+    def fused_topk(self, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Fused pipeline, second launch (after fused_keys): idx [B, Hkv, k_max]."""
+        ws, cand = self._fused_bufs
+        return select16(self.keys, lo, hi, k, ws, cand, self.idx, self.fused.key_block,
+                        block=self.fused.select_block, pdl=self.pdl)
 
     def select(self, q: torch.Tensor, t: GpuTables | GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
                k: torch.Tensor) -> torch.Tensor:
         """-> idx [B, Hkv, k_max] int32; row b's first k[b] entries are its selection."""
+        if isinstance(t, GpuDenseTables) and self.fused is not None:
+            self.fused_keys(q, t, lo, hi, k)
+            return self.fused_topk(lo, hi, k)
         if isinstance(t, GpuDenseTables):
             scores = self.route_dense(q, t, lo, hi, k)
             return self.finish(scores, lo, hi, k)
-        self.route_scatter(q, t)
-        return radix_topk(self.acc, lo, hi, k, self.idx, self.ws)
+        return radix_topk(self.route_scatter(q, t), lo, hi, k, self.idx, self.ws)
 
     def finish(self, scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The Top-K after route_dense (which added pass 0 to the workspace)."""
         return radix_topk(scores, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True,
-                          num_warps=self.topk_warps)
+                          num_warps=self.topk_warps, pdl=self.pdl)
