@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: kernel tests on the GPU, then the benchmarks; logs and JSON under $OUT.
-# usage (device): bash bench/gpu_suite.sh [attention] [decode] [tests] [check] [offload_tests] [offload]
+# usage (device): bash bench/gpu_suite.sh [fused] [attention] [decode] [tests] [check] [offload_tests] [offload]
 # DECODE_ARGS (env) passes extra arguments to the decode bench, e.g. --attn-cfg '{"waves": 4, ...}'.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -14,6 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee
 for what in "${@:-tests attention}"; do
   case $what in
     tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels 2>&1 | tee "$OUT/tests.log" | tail -5 ;;
+    fused) python3 -m ctxcache.bench.fused_tune --out "$OUT" ${FUSED_ARGS:-} 2>&1 | tee "$OUT/fused.log" ;;
     attention) python3 -m ctxcache.bench.attention --out "$OUT" 2>&1 | tee "$OUT/attention.log" ;;
     decode) eval python3 -m ctxcache.bench.decode --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" ;;
     offload_tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_offload_attention.py 2>&1 | tee "$OUT/offload_tests.log" | tail -5 ;;
