@@ -25,7 +25,7 @@ import triton.language as tl
 from ctxcache.kernels.dense_select import dense_scores_ref
 from ctxcache.kernels.route import route_ref
 from ctxcache.kernels.select16 import _BINS, _HEAD, BINS, HEAD
-from ctxcache.kernels.sync import launch_opts, pdl_launch_next, pdl_wait
+from ctxcache.kernels.sync import launch_opts, pdl_enter
 from ctxcache.kernels.topk import _keys16, keys16_ref
 
 
@@ -82,8 +82,7 @@ def _dense_keys_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, 
                        M_PAD: tl.constexpr, C_PAD: tl.constexpr, DB_PAD: tl.constexpr, BLOCK: tl.constexpr,
                        FUSE_ROUTE: tl.constexpr, UNIT_W: tl.constexpr, SCALED: tl.constexpr,
                        USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
-    pdl_launch_next(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     b = row // HKV

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sync import launch_opts, pdl_launch_next, pdl_wait
+from ctxcache.kernels.sync import launch_opts, pdl_enter
 from ctxcache.kernels.topk import _keys, _keys16
 
 
@@ -78,8 +78,7 @@ def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, sta
                         sn_b, sn_h, sn_m, sn_c, sa_b, sa_h, sws_r,
                         GM_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         SCALED: tl.constexpr, KEY16: tl.constexpr, HIST0: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
-    pdl_launch_next(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     b = row // HKV

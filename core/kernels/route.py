@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sync import launch_opts, pdl_launch_next, pdl_wait
+from ctxcache.kernels.sync import launch_opts, pdl_enter
 
 
 def route_ref(q: torch.Tensor, centroids: torch.Tensor, group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +35,7 @@ def _route_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, HO, G, M, C, DB,
                   sq_r, sq_h, sc_r, sc_h, sc_m, sc_c, so_r, so_h,
                   z_ptr, Z_PER, ZN, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
                   ZERO: tl.constexpr, Z_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
-    pdl_launch_next(USE_PDL)
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     mm = tl.program_id(1)
     if ZERO:  # side job: this program's share of a buffer the next kernels need zeroed

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sync import arrive_last, compiled, launch_opts, pdl_launch_next, pdl_wait
+from ctxcache.kernels.sync import arrive_last, compiled, launch_opts, pdl_enter
 
 BINS = 256
 HEAD = 2 * BINS + 8  # per row: hist0, hist1, arrival counter (+ pad), then the block ge counts
@@ -98,8 +98,7 @@ def _resolve(ws, cand_ptr, out_ptr, k, b0, g0, h0, bins, N_PAD, CHUNK: tl.conste
 def _select16_kernel(keys_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, cand_ptr, out_ptr, HKV, NB, N_PAD,
                      sk_r, sws_r, sc_r, so_r, PER: tl.constexpr, BLOCK: tl.constexpr,
                      NB_PAD: tl.constexpr, CHUNK: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
-    pdl_launch_next(USE_PDL)
+    pdl_enter(USE_PDL)
     r = tl.program_id(0)
     blk = tl.program_id(1)
     b = r // HKV

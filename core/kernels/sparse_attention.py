@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sync import arrive_last, compiled, launch_opts, pdl_launch_next, pdl_wait
+from ctxcache.kernels.sync import arrive_last, compiled, launch_opts, pdl_enter, pdl_wait
 from ctxcache.models.attention import gqa_sparse_attention
 
 # Triton 3.6's CPU interpreter computes bf16 tl.dot wrongly (seen: errors of 1e10), so under
@@ -50,8 +50,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                   SPLITS: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr,
                   G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   FUSE_MERGE: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
-    pdl_launch_next(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row // HKV

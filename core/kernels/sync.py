@@ -47,8 +47,11 @@ def pdl_wait(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def pdl_launch_next(USE_PDL: tl.constexpr):
+def pdl_enter(USE_PDL: tl.constexpr):
+    """A kernel's first statement: wait for the predecessor, then let the successor launch
+    (it waits for this kernel in turn before touching memory)."""
     if USE_PDL:
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
 

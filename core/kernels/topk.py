@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sync import launch_opts, pdl_launch_next, pdl_wait
+from ctxcache.kernels.sync import launch_opts, pdl_enter
 from ctxcache.methods.budget import fp16_keys
 
 _BINS = 256
@@ -119,8 +119,7 @@ def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sw
 @triton.jit
 def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEAD, BLOCK: tl.constexpr,
                      USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
-    pdl_launch_next(USE_PDL)
+    pdl_enter(USE_PDL)
     key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
                                                 BLOCK, True)
     prefix, krem = _walk(hist_ptr, k, 1, 8)
@@ -133,8 +132,7 @@ def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEA
 @triton.jit
 def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r, HEAD,
                       BLOCK: tl.constexpr, NB_PAD: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
-    pdl_launch_next(USE_PDL)
+    pdl_enter(USE_PDL)
     key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
                                                 BLOCK, True)
     r = tl.program_id(0)

@@ -281,7 +281,7 @@ class GpuSelector:
         qs = q[..., self.perm].contiguous() if self.perm is not None else q
         routed = None
         if not cfg.fuse_route:
-            route(qs.contiguous(), t.centroids, out=(self.ids, self.w), group=True, pdl=self.pdl)
+            route(qs, t.centroids, out=(self.ids, self.w), group=True, pdl=self.pdl)
             routed = (self.ids, self.w)
         return dense_keys(qs, t.centroids, t.dense_score, t.score_scale, t.new_scores, t.n_ctx, t.stream_start,
                           t.stream_count, lo, hi, k, self.keys, self._fused_bufs[0], block=cfg.key_block,
