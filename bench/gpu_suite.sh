@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: kernel tests on the GPU, then the benchmarks; logs and JSON under $OUT.
-# usage (device): bash bench/gpu_suite.sh [fused] [attention] [decode] [tests] [check] [offload_tests] [offload]
+# usage (device): bash bench/gpu_suite.sh [probe] [profile] [fused] [attention] [decode] [tests] [check] [offload_tests] [offload]
 # DECODE_ARGS (env) passes extra arguments to the decode bench, e.g. --attn-cfg '{"waves": 4, ...}'.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -147,13 +147,14 @@ def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128,
 
 def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks: int = 0, recent: int = 0,
                             splits: int = 16, out=None, ws=None, block_n: int = 64, merge_counter=None,
-                            pdl: bool = False) -> torch.Tensor:
+                            pdl: bool = False, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [B, Hkv, S, D]; n [B] int32 (cached keys per row); idx [B, Hkv, K_max]
     int32 and k_sel [B] int32 (selected middle keys; None: dense over [0, n)) -> [B, Hq, D].
 
     merge_counter: int32 [B * Hkv] zeros (left zeroed after each call): the last split program of
     each row merges, instead of a second launch. pdl: programmatic dependent launch
-    (sync.pdl_available)."""
+    (sync.pdl_available). num_warps / num_stages: the split kernel's launch shape (num_stages None:
+    Triton's default software-pipelining depth)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     if k_cache.shape[0] != b or v_cache.shape != k_cache.shape or k_cache.shape[3] != d or hq % hkv:
@@ -185,7 +186,8 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], si[0], si[1],
         out, merge_counter if fuse else n, out.stride(0), out.stride(1),
         SPLITS=splits, DENSE=dense, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n,
-        FUSE_MERGE=fuse, GPU=compiled(q), USE_PDL=pdl, **launch_opts(pdl))
+        FUSE_MERGE=fuse, GPU=compiled(q), USE_PDL=pdl, num_warps=num_warps, **launch_opts(pdl),
+        **({"num_stages": num_stages} if num_stages else {}))
     if not fuse:
         _merge_kernel[(b * hkv * g,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1),
                                       SPLITS=splits, G_PAD=g_pad, D=d, USE_PDL=pdl, **launch_opts(pdl))

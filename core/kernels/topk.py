@@ -59,9 +59,10 @@ def _walk(hist_ptr, k, P: tl.constexpr, TOP: tl.constexpr):
     bins = tl.arange(0, 256)
     for q in tl.static_range(P):
         hst = tl.load(hist_ptr + q * 256 + bins)
-        ge = tl.sum(hst, axis=0) - tl.cumsum(hst, axis=0) + hst  # count with digit >= d
+        ge = tl.cumsum(hst, axis=0, reverse=True)  # count with digit >= d: non-increasing in d
         d = tl.max(tl.where(ge >= krem, bins, -1), axis=0)
-        krem = krem - tl.sum(tl.where(bins > d, hst, 0), axis=0)
+        # the count above digit d is ge[d + 1], the largest ge below krem (0 when d = 255)
+        krem = krem - tl.max(tl.where(ge < krem, ge, 0), axis=0)
         prefix = prefix | (d.to(tl.uint32) << (TOP - 8 * q))
     return prefix, krem
 

@@ -1,0 +1,157 @@
+"""Launch-shape sweeps of the decode step's two heaviest kernels, the measured floor beside them,
+and the whole step with the picks against the defaults and SDPA, in one process.
+
+- attention: the split-K sparse attention's key block, warps, software-pipelining stages and
+  split count (waves over the SMs) over the default's own selection;
+- score: the score kernel's warps, register cap and keys per program (route + score, as
+  `bench attention`'s "score" column);
+- floor (bench/floor.py): dependent-launch chains, a stream of the table bytes, a gather of the
+  selected K/V;
+- step: route -> score -> radix pass 1 -> collect -> split-K -> merge for each of STEP_VARIANTS
+  (score kernel warps, radix block and warps), with the default attention config and the
+  attention sweep's pick, and the selection alone; `same_selection`: the variant selects the
+  default's key sets.
+
+`python -m ctxcache.bench.step_probe [--contexts 131072] [--batches 1,8] [--sweeps attention,score,floor]
+[--out DIR]`
+(`ctxcache bench step_probe`, `bench/gpu_suite.sh probe`)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from ctxcache.bench.floor import floor_rows
+from ctxcache.bench.fused_tune import Case
+from ctxcache.decoder.gpu.attention import ATTN_CFG
+from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
+from ctxcache.kernels.sparse_attention import choose_splits, sparse_decode_attention
+from ctxcache.methods import Budget
+
+ATTN_SWEEP = {"block_n": (64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4), "waves": (2, 4)}
+SCORE_SWEEP = {"num_warps": (4, 8), "maxnreg": (None, 64, 80), "block": (1024, 2048)}
+
+
+def grid(sweep: dict) -> list[dict]:
+    return [dict(zip(sweep, v)) for v in itertools.product(*sweep.values())]
+
+
+def timed(fn) -> float:
+    return time_us(capture(fn).replay)
+
+
+def attend(c: Case, idx: torch.Tensor, cfg: dict, pdl: bool) -> torch.Tensor:
+    splits = choose_splits(c.batch * 8, c.top_k + c.budget.sinks + c.budget.recent, min_keys=ATTN_CFG["min_keys"],
+                           waves=cfg["waves"])
+    return sparse_decode_attention(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget.sinks, c.budget.recent, splits=splits,
+                                   block_n=cfg["block_n"], pdl=pdl, num_warps=cfg["num_warps"],
+                                   num_stages=cfg["num_stages"])
+
+
+def sweep_attention(c: Case, base: dict) -> tuple[list[dict], dict]:
+    sel = c.selector(None, None)
+    idx = sel.select(c.q, c.tables, c.lo, c.hi, c.kk).clone()
+    rows = [{**base, "method": "attn_" + "_".join(f"{k}{v}" for k, v in cfg.items()), "part": "attention",
+             "time_us": timed(lambda: attend(c, idx, cfg, sel.pdl)), "cfg": cfg} for cfg in grid(ATTN_SWEEP)]
+    return rows, min(rows, key=lambda r: r["time_us"])["cfg"]
+
+
+def sweep_score(c: Case, base: dict) -> tuple[list[dict], dict]:
+    sel = c.selector(None, None)
+    default = dict(sel.dense_cfg)
+    rows = []
+    for cfg in grid(SCORE_SWEEP):
+        sel.dense_cfg = {**default, **cfg}
+        rows.append({**base, "method": "score_" + "_".join(f"{k}{v}" for k, v in cfg.items()), "part": "score",
+                     "time_us": timed(lambda: sel.route_dense(c.q, c.tables, c.lo, c.hi, c.kk)), "cfg": cfg})
+    best = min(rows, key=lambda r: r["time_us"])["cfg"]
+    sel.dense_cfg = {**default, **best}
+    rows.append({**base, "method": "score_best_without_hist0", "part": "score", "cfg": best,
+                 "time_us": timed(lambda: sel.route_dense(c.q, c.tables, c.lo, c.hi, c.kk, hist0=False))})
+    return rows, best
+
+
+# step variants: name -> selector settings (score kernel overrides, radix block and warps)
+STEP_VARIANTS = {
+    "default": {},
+    **{f"score_w{w}": {"dense_cfg": {"num_warps": w}} for w in (4, 8)},
+    **{f"topk{b}_w{w}": {"topk": (b, w)} for b, w in ((4096, 4), (4096, 8), (512, 1), (1024, 1), (2048, 1),
+                                                      (1024, 2), (2048, 2))},
+}
+
+
+def configured(c: Case, settings: dict):
+    sel = c.selector(None, None)
+    sel.dense_cfg = {**sel.dense_cfg, **settings.get("dense_cfg", {})}
+    if "topk" in settings:
+        sel.set_topk_block(*settings["topk"])
+    return sel
+
+
+def step_rows(c: Case, base: dict, attn_cfg: dict | None) -> list[dict]:
+    """The whole step per variant (default attention config, and the attention sweep's pick)."""
+    default_attn = {k: ATTN_CFG[k] for k in ATTN_SWEEP}
+    ref = c.selector(None, None)
+    want = ref.select(c.q, c.tables, c.lo, c.hi, c.kk)[..., :c.top_k].sort(-1).values.clone()
+    rows = []
+    for name, settings in STEP_VARIANTS.items():
+        sel = configured(c, settings)
+        same = torch.equal(sel.select(c.q, c.tables, c.lo, c.hi, c.kk)[..., :c.top_k].sort(-1).values, want)
+        for tag, a_cfg in (("", default_attn), ("_attn_pick", attn_cfg)):
+            if a_cfg is None or (tag and a_cfg == default_attn):
+                continue
+            t = timed(lambda: attend(c, sel.select(c.q, c.tables, c.lo, c.hi, c.kk), a_cfg, sel.pdl))
+            rows.append({**base, "method": f"step_{name}{tag}", "part": "step", "time_us": t, "settings": settings,
+                         "attn_cfg": a_cfg, "same_selection": same})
+        sel.select(c.q, c.tables, c.lo, c.hi, c.kk)
+        rows.append({**base, "method": f"select_{name}", "part": "select", "settings": settings,
+                     "time_us": timed(lambda: sel.select(c.q, c.tables, c.lo, c.hi, c.kk))})
+    from ctxcache.bench.attention import sdpa_dense
+    rows.append({**base, "method": "dense_sdpa_flash", "part": "step",
+                 "time_us": timed(lambda: sdpa_dense(c.q[:, :, None], c.k, c.v))})
+    return rows
+
+
+def summary(rows: list[dict], best: int = 3) -> list[dict]:
+    """The fastest `best` configs of each sweep, then every step and floor row."""
+    out = []
+    for part in ("attention", "score"):
+        out += sorted((r for r in rows if r.get("part") == part), key=lambda r: r["time_us"])[:best]
+    return out + [r for r in rows if r.get("part") in ("step", "select", None)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ctxcache.bench.step_probe")
+    ap.add_argument("--contexts", default="131072")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--sweeps", default="attention,score,floor", help="which of attention,score,floor to run")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    rows, budget = [], Budget()
+    for b in (int(x) for x in args.batches.split(",")):
+        for n in (int(x) for x in args.contexts.split(",")):
+            c = Case(n, b, budget)
+            base = {"context": n, "batch": b, "top_k": c.top_k}
+            sweeps = args.sweeps.split(",")
+            got, attn_pick = sweep_attention(c, base) if "attention" in sweeps else ([], None)
+            got += sweep_score(c, base)[0] if "score" in sweeps else []
+            got += step_rows(c, base, attn_pick)
+            table_bytes = b * 8 * 8 * n * 2  # 8 KV heads x m = 8 routed rows x N fp16
+            del c
+            torch.cuda.empty_cache()
+            if "floor" in sweeps:
+                got += floor_rows(n, b, budget.top_k(n), table_bytes)
+            print_table(summary(got), ["context", "batch", "method", "time_us"])
+            rows += got
+    path = write_results("step_probe", rows, {"attn_sweep": ATTN_SWEEP, "score_sweep": SCORE_SWEEP}, args.out)
+    print(f"device {device_info()['name']}; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
