@@ -14,6 +14,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee
 for what in "${@:-tests attention}"; do
   case $what in
     tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels 2>&1 | tee "$OUT/tests.log" | tail -5 ;;
+    probe) python3 -m ctxcache.bench.step_probe --out "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" ;;
+    profile) python3 -m ctxcache.bench.profile_decode --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     fused) python3 -m ctxcache.bench.fused_tune --out "$OUT" ${FUSED_ARGS:-} 2>&1 | tee "$OUT/fused.log" ;;
     attention) python3 -m ctxcache.bench.attention --out "$OUT" 2>&1 | tee "$OUT/attention.log" ;;
     decode) eval python3 -m ctxcache.bench.decode --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" ;;

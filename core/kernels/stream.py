@@ -43,9 +43,9 @@ def add_streamed_ref(ids, w, new_scores, list_floor, count, start, acc, offset=N
 
 
 @triton.jit
-def _insert_kernel(k_ptr, c_ptr, out_ptr, col_ptr, HKV, M, C, DB, sk_b, sk_h,
-                   sc_b, sc_h, sc_m, sc_c, so_b, so_h, so_m, so_c,
-                   BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+def _insert_kernel(k_ptr, perm_ptr, pos_ptr, start_ptr, count_ptr, c_ptr, out_ptr, HKV, M, C, DB,
+                   sk_b, sk_h, sk_s, sc_b, sc_h, sc_m, sc_c, so_b, so_h, so_m, so_c,
+                   BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PERM: tl.constexpr):
     pid = tl.program_id(0)
     mm = pid % M
     h = (pid // M) % HKV
@@ -53,31 +53,47 @@ def _insert_kernel(k_ptr, c_ptr, out_ptr, col_ptr, HKV, M, C, DB, sk_b, sk_h,
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < DB
-    kb = tl.load(k_ptr + b * sk_b + h * sk_h + mm * DB + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + b)
+    col = pos - tl.load(start_ptr + b)
+    dims = mm * DB + offs_d
+    if PERM:  # subspace j holds head dims perm[j * DB : (j + 1) * DB]
+        dims = tl.load(perm_ptr + dims, mask=dmask, other=0)
+    kb = tl.load(k_ptr + b.to(tl.int64) * sk_b + h * sk_h + pos.to(tl.int64) * sk_s + dims, mask=dmask,
+                 other=0.0).to(tl.float32)
     cent = tl.load(c_ptr + b * sc_b + h * sc_h + mm * sc_m + offs_c[:, None] * sc_c + offs_d[None, :],
                    mask=(offs_c[:, None] < C) & dmask[None, :], other=0.0).to(tl.float32)
-    col = tl.load(col_ptr + b)
     dots = tl.sum(cent * kb[None, :], axis=1)
     tl.store(out_ptr + b * so_b + h * so_h + mm * so_m + offs_c * so_c + col, dots, mask=offs_c < C)
+    if (h == 0) & (mm == 0):  # one program per row extends the row's streamed count
+        tl.store(count_ptr + b, tl.maximum(tl.load(count_ptr + b), col + 1))
 
 
-def stream_insert(k_new: torch.Tensor, centroids: torch.Tensor, new_scores: torch.Tensor,
-                  col: torch.Tensor) -> None:
-    """Write the scores of k_new [B, Hkv, D] into new_scores[b, :, :, :, col[b]] (col int32 [B])."""
-    b, hkv, d = k_new.shape
+def stream_insert(k: torch.Tensor, centroids: torch.Tensor, new_scores: torch.Tensor, pos: torch.Tensor,
+                  start: torch.Tensor, count: torch.Tensor, perm: torch.Tensor | None = None) -> None:
+    """Index the key at position pos[b] of each row into column pos[b] - start[b] of
+    new_scores, and raise count[b] to cover it (pos, start, count int32 [B]; one launch, so a
+    captured decode step pays one kernel per layer for it). k is the new keys [B, Hkv, D], or a
+    layer's cache [B, Hkv, S, D] whose row pos[b] holds the key (no gather launch first).
+    perm [D] (int): the subspace layout's dim order (None: contiguous subspaces)."""
+    b, hkv, d = k.shape[0], k.shape[1], k.shape[-1]
     _, hkv2, m, c, db = centroids.shape
-    if hkv2 != hkv or m * db != d or new_scores.shape[:4] != (b, hkv, m, c) or new_scores.dtype != torch.float32:
-        raise ValueError(f"k_new {tuple(k_new.shape)}, centroids {tuple(centroids.shape)}, "
+    if (k.dim() not in (3, 4) or hkv2 != hkv or m * db != d or new_scores.shape[:4] != (b, hkv, m, c)
+            or new_scores.dtype != torch.float32):
+        raise ValueError(f"k {tuple(k.shape)}, centroids {tuple(centroids.shape)}, "
                          f"new_scores {tuple(new_scores.shape)} {new_scores.dtype} disagree")
-    if k_new.stride(2) != 1 or centroids.stride(4) != 1 or new_scores.stride(4) != 1:
-        raise ValueError("k_new, centroids and new_scores need a contiguous last dimension")
-    if col.shape != (b,) or col.dtype != torch.int32:
-        raise ValueError(f"col {tuple(col.shape)} {col.dtype} must be int32 [{b}]")
+    if k.stride(-1) != 1 or centroids.stride(4) != 1 or new_scores.stride(4) != 1:
+        raise ValueError("k, centroids and new_scores need a contiguous last dimension")
+    for name, t in (("pos", pos), ("start", start), ("count", count)):
+        if t.shape != (b,) or t.dtype != torch.int32 or t.stride(0) != 1:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be contiguous int32 [{b}]")
+    if perm is not None and perm.shape != (d,):
+        raise ValueError(f"perm {tuple(perm.shape)} must be [{d}]")
     sc, so = centroids.stride(), new_scores.stride()
-    _insert_kernel[(b * hkv * m,)](k_new, centroids, new_scores, col, hkv, m, c, db,
-                                   k_new.stride(0), k_new.stride(1), sc[0], sc[1], sc[2], sc[3],
-                                   so[0], so[1], so[2], so[3],
-                                   BLOCK_C=triton.next_power_of_2(c), BLOCK_D=max(16, triton.next_power_of_2(db)))
+    _insert_kernel[(b * hkv * m,)](k, perm if perm is not None else pos, pos, start, count, centroids, new_scores,
+                                   hkv, m, c, db, k.stride(0), k.stride(1), k.stride(2) if k.dim() == 4 else 0,
+                                   sc[0], sc[1], sc[2], sc[3], so[0], so[1], so[2], so[3],
+                                   BLOCK_C=triton.next_power_of_2(c), BLOCK_D=max(16, triton.next_power_of_2(db)),
+                                   PERM=perm is not None)
 
 
 @triton.jit

@@ -72,10 +72,10 @@ class GpuSparseAttention:
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         if layer == 0 or not self._step:  # every layer of a step shares the rows, positions and limits
             n = (pos[:, 0] + 1).int()
-            self._step = (torch.arange(q.shape[0], device=q.device), pos.int(), n, *self._limits(n))
-        rows, pos32, n, lo, hi, k = self._step
+            self._step = (pos.int(), n, *self._limits(n))
+        pos32, n, lo, hi, k = self._step
         for t in range(pos.shape[1]):
-            self.tables[layer].insert(cache.k[layer][rows, :, pos[:, t]], pos32[:, t], self.selector.perm)
+            self.tables[layer].insert(cache.k[layer], pos32[:, t].contiguous(), self.selector.perm)
         if q.shape[2] > 1:
             return dense_attention(layer, q, cache, pos)
         if layer in self.dense_layers:

@@ -95,18 +95,10 @@ class GpuTables:
                    torch.tensor(n_ctx, dtype=torch.int32, **dev),
                    torch.zeros(len(per_row), dtype=torch.int32, **dev), absent)
 
-    def insert(self, k_new: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
-        """Index keys k_new [B, Hkv, D] written at positions pos [B] int32 (graph-safe)."""
-        _insert(self, k_new, pos, perm)
-
-
-def _insert(t: "GpuTables | GpuDenseTables", k_new: torch.Tensor, pos: torch.Tensor,
-            perm: torch.Tensor | None) -> None:
-    """Score new keys against every centroid into the streamed overlay (both layouts)."""
-    k = k_new[..., perm] if perm is not None else k_new
-    col = (pos - t.stream_start).int()
-    stream_insert(k.contiguous(), t.centroids, t.new_scores, col)
-    torch.maximum(t.stream_count, col + 1, out=t.stream_count)
+    def insert(self, k: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
+        """Index the keys at positions pos [B] int32: k is the new keys [B, Hkv, D] or the
+        layer's cache [B, Hkv, S, D] (graph-safe, one launch)."""
+        stream_insert(k, self.centroids, self.new_scores, pos, self.stream_start, self.stream_count, perm)
 
 
 @dataclass
@@ -144,9 +136,9 @@ class GpuDenseTables:
                    torch.zeros(len(per_row), hkv, m, c, max(max_new, 1), **dev), n.clone(),
                    torch.zeros(len(per_row), dtype=torch.int32, **dev))
 
-    def insert(self, k_new: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
-        """Index keys k_new [B, Hkv, D] written at positions pos [B] int32 (graph-safe)."""
-        _insert(self, k_new, pos, perm)
+    def insert(self, k: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
+        """As GpuTables.insert."""
+        stream_insert(k, self.centroids, self.new_scores, pos, self.stream_start, self.stream_count, perm)
 
 
 def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
@@ -210,8 +202,9 @@ class GpuSelector:
         # fp32 scores (list layout, or score_keys="fp32") only where used: 32 MB at batch 8 x 128K
         self.acc: torch.Tensor | None = None
         self.keys = torch.empty(batch, n_kv, n_pad, dtype=torch.uint16, device=device) if score_keys == "fp16" else None
-        # tuned on the H100 at 128K, batch 1 and 8 (bench attention; the register cap lifts occupancy)
-        self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 8, "maxnreg": 80}
+        # tuned on the H100 at 128K, batch 1 and 8 (bench attention; the register cap lifts occupancy);
+        # 4 warps measured 4-6 us faster at batch 8 (64 rows) and ~2 us slower at batch 1 (bench step_probe)
+        self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4 if batch * n_kv >= 64 else 8, "maxnreg": 80}
         self.n_pad = n_pad
         if score_keys == "fp16":  # measured best at 128K, batch 1 and 8, on the H100 (bench attention)
             self.set_topk_block(2048, num_warps=4)

@@ -95,19 +95,42 @@ def test_stream_insert_and_gain(device):
     cent, _, _, lf = _tables(b, hkv, m, c, db, 50, 10, device)
     new = torch.full((b, hkv, m, c, t_max), float("nan"), device=device)
     keys = torch.randn(3, b, hkv, m * db, device=device)
+    start = torch.tensor([40, 41], dtype=torch.int32, device=device)
+    count = torch.zeros(b, dtype=torch.int32, device=device)
     for t in range(3):
-        stream_insert(keys[t], cent, new, torch.tensor([t, t], dtype=torch.int32, device=device))
+        stream_insert(keys[t], cent, new, start + t, start, count)
         torch.testing.assert_close(new[..., t], stream_scores_ref(keys[t], cent), rtol=1e-5, atol=1e-5)
+        assert count.tolist() == [t + 1, t + 1]
     ids = torch.randint(0, c, (b, hq, m), dtype=torch.int32, device=device)
     w = torch.rand(b, hq, m, device=device)
     count = torch.tensor([3, 2], dtype=torch.int32, device=device)
-    start = torch.tensor([40, 41], dtype=torch.int32, device=device)
     acc = torch.randn(b, hkv, 50, device=device)
     offset = lf - torch.rand_like(lf.float()).half()  # e.g. the mean score of unlisted keys
     want = add_streamed_ref(ids.cpu(), w.cpu(), new.cpu(), lf.cpu(), count.cpu(), start.cpu(),
                             acc.cpu().clone(), offset.cpu())
     add_streamed(ids, w, new, lf, count, start, acc, offset, block_t=2)
     torch.testing.assert_close(acc.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "rope_pairs"])
+def test_stream_insert_reads_the_key_from_the_cache(device, layout):
+    """From a layer's cache [B, Hkv, S, D] at pos[b], with the layout's dim order: the same
+    scores as gathering and permuting the key first, in the right column, count raised."""
+    from ctxcache.methods.csattention import subspace_permutation
+    b, hkv, m, c, db, s = 2, 3, 4, 9, 8, 20
+    cent, _, _, _ = _tables(b, hkv, m, c, db, 50, 10, device)
+    cache = torch.randn(b, hkv, s, m * db, device=device).to(torch.bfloat16)
+    perm = subspace_permutation(m * db, m, layout).to(device)
+    pos = torch.tensor([17, 12], dtype=torch.int32, device=device)
+    start = torch.tensor([15, 10], dtype=torch.int32, device=device)
+    count = torch.tensor([1, 3], dtype=torch.int32, device=device)  # row 1 already covers column 2
+    new = torch.full((b, hkv, m, c, 4), float("nan"), device=device)
+    stream_insert(cache, cent, new, pos, start, count, None if layout == "contiguous" else perm)
+    key = cache[torch.arange(b), :, pos.long()][..., perm]  # [B, Hkv, D]
+    want = stream_scores_ref(key, cent)
+    for r in range(b):
+        torch.testing.assert_close(new[r, ..., int(pos[r] - start[r])], want[r], rtol=1e-4, atol=1e-4)
+    assert count.tolist() == [3, 3]
 
 
 def test_keys16_order_matches_fp16_values():
