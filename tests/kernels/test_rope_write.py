@@ -1,0 +1,39 @@
+"""The decode step's fused RoPE + KV-cache write against apply_rope + KVCache.write."""
+
+import pytest
+import torch
+
+from ctxcache.kernels.rope_write import rope_write, rope_write_ref
+from ctxcache.models.config import NAMED_CONFIGS
+from ctxcache.models.rope import rope_table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_matches_reference(device, dtype):
+    b, hq, hkv, d, s = 3, 8, 2, 64, 40
+    args = NAMED_CONFIGS["llama-3.1-8b"]  # Llama-3.1 scaled frequencies
+    # a model cast to bf16 casts its table too
+    table = rope_table(args.__class__(**{**args.__dict__, "max_seq_len": s, "head_dim": d}), device).to(dtype)
+    proj = torch.randn(b, (hq + 2 * hkv) * d, device=device).to(dtype)  # q, k, v as views of one output
+    q = proj[:, :hq * d].view(b, hq, d)
+    k = proj[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
+    v = proj[:, (hq + hkv) * d:].view(b, hkv, d)
+    pos = torch.tensor([0, 17, 39], device=device)
+    caches = [torch.full((b, hkv, s, d), float("nan"), device=device, dtype=dtype) for _ in range(4)]
+    got = rope_write(q, k, v, table, pos, caches[0], caches[1])
+    want = rope_write_ref(q, k, v, table, pos, caches[2], caches[3])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding here, one per product there
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for got_c, want_c in ((caches[0], caches[2]), (caches[1], caches[3])):
+        # written rows equal, every other row left untouched (still NaN)
+        torch.testing.assert_close(got_c.float(), want_c.float(), rtol=tol, atol=tol, equal_nan=True)
+        assert got_c.isnan().sum() == b * hkv * (s - 1) * d
+
+
+def test_rope_write_refuses_bad_shapes(device):
+    q = torch.randn(2, 4, 12, device=device)  # head_dim 12: half is not a power of two
+    k = v = torch.randn(2, 2, 12, device=device)
+    cache = torch.zeros(2, 2, 8, 12, device=device)
+    with pytest.raises(ValueError, match="power of two"):
+        rope_write(q, k, v, torch.zeros(8, 2, 6, device=device), torch.zeros(2, dtype=torch.long, device=device),
+                   cache, cache.clone())
