@@ -77,8 +77,7 @@ def sweep_score(c: Case, base: dict) -> tuple[list[dict], dict]:
 STEP_VARIANTS = {
     "default": {},
     **{f"score_w{w}": {"dense_cfg": {"num_warps": w}} for w in (4, 8)},
-    **{f"topk{b}_w{w}": {"topk": (b, w)} for b, w in ((4096, 4), (4096, 8), (512, 1), (1024, 1), (2048, 1),
-                                                      (1024, 2), (2048, 2))},
+    **{f"topk{b}_w{w}": {"topk": (b, w)} for b, w in ((4096, 4), (1024, 2))},
 }
 
 

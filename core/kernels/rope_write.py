@@ -17,11 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.models.rope import apply_rope
+
 
 def rope_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """Torch reference: apply_rope on q and k, KVCache.write of k and v (one token per row)."""
-    from ctxcache.models.rope import apply_rope  # the model imports this module: no cycle at import time
     p = pos.long()[:, None]
     qr = apply_rope(q[:, :, None], table, p)[:, :, 0]
     kr = apply_rope(k[:, :, None], table, p)[:, :, 0]

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ctxcache.kernels.rope_write import rope_write
 from ctxcache.models.config import ModelArgs
 from ctxcache.models.kv_cache import KVCache
 from ctxcache.models.rope import apply_rope, rope_table
@@ -57,6 +56,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         a = self.args
         if t == 1 and x.is_cuda:  # a decode step: RoPE + cache write in one launch
+            # imported here: CPU-only use of the model never loads Triton
+            from ctxcache.kernels.rope_write import rope_write
             q = self.q_proj(x).view(b, a.n_heads, a.head_dim)
             k = self.k_proj(x).view(b, a.n_kv_heads, a.head_dim)
             v = self.v_proj(x).view(b, a.n_kv_heads, a.head_dim)
