@@ -102,7 +102,7 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     params = CSAttentionParams(routing=routing)  # list_fraction = 1: the dense layout
     tables = random_dense_tables(batch, n, params, q.device, score_dtype)
     sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys)
-    sel.dense_cfg = dict(tune.DENSE_CFG)
+    # the selector's own score config (what the decoder runs; tune_dense's sweep is recorded beside)
     if tune.TOPK16_BLOCK["block"] and score_keys == "fp16":
         sel.set_topk_block(tune.TOPK16_BLOCK["block"], tune.TOPK16_BLOCK["num_warps"])
     ss = attn_splits(batch, int(kk[0]), budget)
@@ -117,13 +117,14 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
         sel.ws.copy_(ws_after_pass0)
         sel.finish(scores, lo, hi, kk)
 
-    def attn():
+    def attn():  # PDL as the decoder launches it (GpuSparseAttention)
         sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=ss,
-                                block_n=tune.ATTN_CFG["block_n"])
+                                block_n=tune.ATTN_CFG["block_n"], pdl=sel.pdl)
 
     def total():
         i = sel.select(q, tables, lo, hi, kk)
-        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss, block_n=tune.ATTN_CFG["block_n"])
+        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss,
+                                block_n=tune.ATTN_CFG["block_n"], pdl=sel.pdl)
     parts = {"cs_dense_score": lambda: sel.route_dense(q, tables, lo, hi, kk), "cs_dense_topk": topk_only,
              "cs_dense_select": lambda: sel.select(q, tables, lo, hi, kk), "csattention_dense": total}
     if suffix == "":
@@ -140,7 +141,7 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
             row["note"] = ("Top-K after pass 0 (16-bit keys: pass 1 + collect; fp32: passes 1-3 + collect) "
                            "+ a copy restoring the workspace (4 KB per row + block histograms)")
         if name in ("csattention_dense", "cs_sparse_attn"):
-            row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(tune.DENSE_CFG), attn_cfg=dict(tune.ATTN_CFG),
+            row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(sel.dense_cfg), attn_cfg=dict(tune.ATTN_CFG),
                        topk_block=sel.topk_block)
         rows.append(row)
     del tables, sel, idx

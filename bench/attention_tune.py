@@ -1,4 +1,6 @@
-"""Tuning sweeps of `ctxcache bench attention`: each sets the config the timed rows then use.
+"""Tuning sweeps of `ctxcache bench attention`: each sets the config the timed rows then use,
+except the score kernel's, whose pick is recorded only (the timed rows run GpuSelector's own
+config, which differs by batch size, as the decoder does).
 
 The dicts below hold the picks (module state, read by bench/attention.py) and are recorded in
 the result JSON; the measured best of a run on the H100 became GpuSelector's / ATTN_CFG's
@@ -21,14 +23,14 @@ from ctxcache.bench.gpu_inputs import D, HKV, HQ, random_dense_tables
 # default (a route per query head, fp32 scores, four radix passes); "_g16" the default now.
 DENSE_VARIANTS = {"": ("head", "fp32", "float16"), "_g": ("group", "fp32", "float16"),
                   "_g16": ("group", "fp16", "float16"), "_g16_int8": ("group", "fp16", "int8")}
-DENSE_CFG = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # replaced by tune_dense's pick
+DENSE_CFG = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # replaced by tune_dense's pick (recorded only)
 ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 64}  # replaced by tune_attention's pick
 TOPK16_BLOCK = {"block": None, "num_warps": 4}  # replaced by tune_topk16's pick (None: GpuSelector's default)
 
 
 # (block, warps, register cap): ncu saw the score kernel at 126 registers and 25% occupancy
-SCORE_SWEEP = [(1024, 4, None), (1024, 4, 64), (1024, 8, None), (1024, 8, 64), (1024, 8, 80), (1024, 8, 96),
-               (4096, 8, None), (2048, 16, None)]
+SCORE_SWEEP = [(1024, 4, None), (1024, 4, 64), (1024, 4, 80), (1024, 8, None), (1024, 8, 64), (1024, 8, 80),
+               (1024, 8, 96), (4096, 8, None), (2048, 16, None)]
 
 
 def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
