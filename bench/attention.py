@@ -24,7 +24,7 @@ from ctxcache.methods.csattention import CSAttentionParams
 
 from ctxcache.bench import attention_tune as tune
 from ctxcache.bench.attention_tune import DENSE_VARIANTS
-from ctxcache.bench.gpu_inputs import D, HKV, HQ, random_dense_tables, random_tables
+from ctxcache.bench.gpu_inputs import D, HKV, HQ, gpu_cli, random_dense_tables, random_tables
 
 
 
@@ -205,24 +205,20 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ctxcache bench attention")
-    ap.add_argument("--contexts", default="8192,16384,32768,65536,131072")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--keep", type=float, default=0.05)
-    ap.add_argument("--list-layout", action="store_true", help="also time the L = N/4 list layout")
-    ap.add_argument("--out", default="bench/results")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench attention needs a CUDA GPU")
+    def extra(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--keep", type=float, default=0.05)
+        ap.add_argument("--list-layout", action="store_true", help="also time the L = N/4 list layout")
+    args = gpu_cli("ctxcache bench attention", "8192,16384,32768,65536,131072", argv, extra)
+    if args is None:
         return 2
     params, budget = CSAttentionParams(list_fraction=0.25), Budget(keep=args.keep)
-    n_max = max(int(x) for x in args.contexts.split(","))
-    batches = [int(x) for x in args.batches.split(",")]
+    n_max = max(args.context_list)
+    batches = args.batch_list
     rows = (tune.tune_dense(n_max, batches, budget, "cuda") + tune.tune_topk16(n_max, batches, budget, "cuda")
             + tune.tune_attention(n_max, batches, budget, "cuda"))
     print("dense score config", tune.DENSE_CFG, "top-K block", tune.TOPK16_BLOCK, "attention config", tune.ATTN_CFG, flush=True)
     for b in batches:
-        for n in (int(x) for x in args.contexts.split(",")):
+        for n in args.context_list:
             rows += bench_one(n, b, params, budget, "cuda", args.list_layout)
             print([(r["method"], round(r["time_us"], 1)) for r in rows if r["context"] == n and r["batch"] == b],
                   flush=True)

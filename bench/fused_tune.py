@@ -8,12 +8,12 @@ select16 -> split-K). The fastest is then broken down into scores / select / att
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+from typing import Iterator
 
 import torch
 
-from ctxcache.bench.gpu_inputs import D, HKV, HQ, random_dense_tables
+from ctxcache.bench.gpu_inputs import D, HKV, HQ, gpu_cli, random_dense_tables
 from ctxcache.decoder.gpu.selector import FusedConfig, GpuSelector
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
 from ctxcache.kernels.sparse_attention import choose_splits, region, sparse_decode_attention
@@ -66,6 +66,15 @@ class Case:
         return self.attend(sel.select(self.q, self.tables, self.lo, self.hi, self.kk), fuse_merge, sel.pdl)
 
 
+def cases(args, budget: Budget) -> Iterator[Case]:
+    """One Case per (batch, context) of gpu_cli's arguments; the caching allocator is emptied
+    between them (batch 8 at 128K holds ~20 GB)."""
+    for b in args.batch_list:
+        for n in args.context_list:
+            yield Case(n, b, budget)
+            torch.cuda.empty_cache()
+
+
 def timed(fn) -> float:
     return time_us(capture(fn).replay)
 
@@ -106,25 +115,17 @@ def breakdown(c: Case, cfg: FusedConfig | None, pdl: bool, fuse_merge: bool) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ctxcache.bench.fused_tune")
-    ap.add_argument("--contexts", default="8192,32768,131072")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--out", default="bench/results")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    args = gpu_cli("ctxcache bench fused_tune", "8192,32768,131072", argv)
+    if args is None:
         return 2
-    rows, budget = [], Budget()
-    for b in (int(x) for x in args.batches.split(",")):
-        for n in (int(x) for x in args.contexts.split(",")):
-            c = Case(n, b, budget)
-            got = run_case(c)
-            best = min((r for r in got if r["method"].startswith("cs_")), key=lambda r: r["time_us"])
-            got += breakdown(c, FusedConfig(**best["cfg"]) if best["cfg"] else None, best["pdl"], best["fuse_merge"])
-            print_table(got, ["context", "batch", "method", "time_us"])
-            rows += got
-            del c
-            torch.cuda.empty_cache()
+    rows = []
+    for c in cases(args, Budget()):
+        got = run_case(c)
+        best = min((r for r in got if r["method"].startswith("cs_")), key=lambda r: r["time_us"])
+        got += breakdown(c, FusedConfig(**best["cfg"]) if best["cfg"] else None, best["pdl"], best["fuse_merge"])
+        print_table(got, ["context", "batch", "method", "time_us"])
+        rows += got
+        del c
     path = write_results("fused_tune", rows, {"variants": list(VARIANTS), "attn": ATTN}, args.out)
     print(f"device {device_info()['name']}; wrote {path}")
     return 0

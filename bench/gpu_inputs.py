@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -40,3 +43,22 @@ def random_dense_tables(batch: int, n: int, params: CSAttentionParams, device: s
     nt = torch.full((batch,), n, dtype=torch.int32, device=device)
     return GpuDenseTables(cent, dense, scale, nt, torch.zeros(batch, HKV, m, c, max_new, device=device),
                           nt.clone(), torch.zeros(batch, dtype=torch.int32, device=device))
+
+
+def gpu_cli(prog: str, contexts: str, argv: list[str] | None,
+            extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace | None:
+    """The GPU benches' shared arguments (--contexts, --batches, --out, plus `extra`'s); None,
+    after saying so, where there is no CUDA GPU."""
+    ap = argparse.ArgumentParser(prog=prog)
+    ap.add_argument("--contexts", default=contexts)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--out", default="bench/results")
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{prog} needs a CUDA GPU")
+        return None
+    args.batch_list = [int(x) for x in args.batches.split(",")]
+    args.context_list = [int(x) for x in args.contexts.split(",")]
+    return args

@@ -18,13 +18,13 @@ and the whole step with the picks against the defaults and SDPA, in one process.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import torch
 
 from ctxcache.bench.floor import floor_rows
-from ctxcache.bench.fused_tune import Case
+from ctxcache.bench.fused_tune import Case, cases
+from ctxcache.bench.gpu_inputs import gpu_cli
 from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
 from ctxcache.kernels.sparse_attention import choose_splits, sparse_decode_attention
@@ -122,31 +122,22 @@ def summary(rows: list[dict], best: int = 3) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ctxcache.bench.step_probe")
-    ap.add_argument("--contexts", default="131072")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--sweeps", default="attention,score,floor", help="which of attention,score,floor to run")
-    ap.add_argument("--out", default="bench/results")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    args = gpu_cli("ctxcache bench step_probe", "131072", argv, lambda ap: ap.add_argument(
+        "--sweeps", default="attention,score,floor", help="which of attention,score,floor to run"))
+    if args is None:
         return 2
-    rows, budget = [], Budget()
-    for b in (int(x) for x in args.batches.split(",")):
-        for n in (int(x) for x in args.contexts.split(",")):
-            c = Case(n, b, budget)
-            base = {"context": n, "batch": b, "top_k": c.top_k}
-            sweeps = args.sweeps.split(",")
-            got, attn_pick = sweep_attention(c, base) if "attention" in sweeps else ([], None)
-            got += sweep_score(c, base)[0] if "score" in sweeps else []
-            got += step_rows(c, base, attn_pick)
-            table_bytes = b * 8 * 8 * n * 2  # 8 KV heads x m = 8 routed rows x N fp16
-            del c
-            torch.cuda.empty_cache()
-            if "floor" in sweeps:
-                got += floor_rows(n, b, budget.top_k(n), table_bytes)
-            print_table(summary(got), ["context", "batch", "method", "time_us"])
-            rows += got
+    rows, budget, sweeps = [], Budget(), args.sweeps.split(",")
+    for c in cases(args, budget):
+        n, b = c.n, c.batch
+        base = {"context": n, "batch": b, "top_k": c.top_k}
+        got, attn_pick = sweep_attention(c, base) if "attention" in sweeps else ([], None)
+        got += sweep_score(c, base)[0] if "score" in sweeps else []
+        got += step_rows(c, base, attn_pick)
+        if "floor" in sweeps:
+            got += floor_rows(n, b, budget.top_k(n), table_bytes=b * 8 * 8 * n * 2)  # Hkv x m routed rows x N fp16
+        print_table(summary(got), ["context", "batch", "method", "time_us"])
+        rows += got
+        del c
     path = write_results("step_probe", rows, {"attn_sweep": ATTN_SWEEP, "score_sweep": SCORE_SWEEP}, args.out)
     print(f"device {device_info()['name']}; wrote {path}")
     return 0
