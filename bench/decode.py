@@ -1,5 +1,6 @@
 """End-to-end decode tokens/s of a random-weight Llama-3.1-8B-shaped model, dense vs CSAttention,
-both as CUDA-graph-captured steps; plus index build time vs prefill at 32K.
+both as CUDA-graph-captured steps; plus index build time vs prefill at 32K and the time to first
+token from a loaded artifact (bench/ttft.py).
 
 Memory decides the layer count: 8B bf16 weights are 16 GB and the KV of 128K tokens is 17 GB
 per batch row over 32 layers, so batch 8 at 128K (137 GB of KV) cannot run with 32 layers on
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                          'attention bench JSON (its attn_cfg, dense_cfg, topk16_block)')
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--build-context", type=int, default=32768)
+    ap.add_argument("--ttft-context", type=int, default=32768, help="time to first token from a loaded artifact (0: skip)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                         "topk16_warps": tuned.get("topk16_warps")}
     variants = [(float(a), r) for a in args.list_fractions.split(",")
                 for r in (args.routings.split(",") if float(a) == 1.0 else ["head"])]
-    for cfg in args.configs.split(","):
+    for cfg in filter(None, args.configs.split(",")):  # "" runs only the build / TTFT parts
         n, b, layers = (int(x) for x in cfg.split("x"))
         for i, (alpha, routing) in enumerate(variants):
             got = bench_decode(n, b, layers, CSAttentionParams(list_fraction=alpha, routing=routing), budget,
@@ -207,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             print(got, flush=True)
     if args.build_context:
         rows += bench_build(args.build_context, [CSAttentionParams(routing=r) for r in args.routings.split(",")])
+    if args.ttft_context:
+        from ctxcache.bench.ttft import ttft_rows
+        rows += ttft_rows(args.ttft_context)
+        print(rows[-3:], flush=True)
     path = write_results("decode", rows, {"budget": dataclasses.asdict(budget), "attn_cfg": attn_cfg}, args.out)
     print_table(rows, ["context", "batch", "layers", "method", "list_fraction", "tokens_per_s", "time_us", "ratio"])
     print(f"device {device_info()['name']}; wrote {path}")

@@ -84,7 +84,7 @@ def stream_insert(k: torch.Tensor, centroids: torch.Tensor, new_scores: torch.Te
     if k.stride(-1) != 1 or centroids.stride(4) != 1 or new_scores.stride(4) != 1:
         raise ValueError("k, centroids and new_scores need a contiguous last dimension")
     for name, t in (("pos", pos), ("start", start), ("count", count)):
-        if t.shape != (b,) or t.dtype != torch.int32 or t.stride(0) != 1:
+        if t.shape != (b,) or t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be contiguous int32 [{b}]")
     if perm is not None and perm.shape != (d,):
         raise ValueError(f"perm {tuple(perm.shape)} must be [{d}]")

@@ -133,6 +133,23 @@ def test_stream_insert_reads_the_key_from_the_cache(device, layout):
     assert count.tolist() == [3, 3]
 
 
+def test_stream_insert_takes_a_column_of_a_prompt_step(device):
+    """A one-row prompt step passes pos[:, t] of a [1, T] position tensor: a view whose stride is
+    T but which is contiguous (one element); the insert must take it."""
+    b, hkv, m, c, db, s, t_len = 1, 2, 4, 9, 8, 20, 5
+    cent, _, _, _ = _tables(b, hkv, m, c, db, 50, 10, device)
+    cache = torch.randn(b, hkv, s, m * db, device=device)
+    pos = torch.arange(10, 10 + t_len, dtype=torch.int32, device=device)[None]  # [1, T]
+    start = torch.tensor([10], dtype=torch.int32, device=device)
+    count = torch.zeros(1, dtype=torch.int32, device=device)
+    new = torch.full((b, hkv, m, c, t_len), float("nan"), device=device)
+    for t in range(t_len):
+        stream_insert(cache, cent, new, pos[:, t].contiguous(), start, count)
+    want = stream_scores_ref(cache[0, :, 10:10 + t_len].transpose(0, 1), cent.expand(t_len, *cent.shape[1:]))
+    torch.testing.assert_close(new[0].permute(3, 0, 1, 2), want, rtol=1e-4, atol=1e-4)
+    assert count.tolist() == [t_len]
+
+
 def test_keys16_order_matches_fp16_values():
     x = torch.tensor([-3e5, -2.0, -1e-8, -0.0, 0.0, 1e-8, 0.5, 0.5004, 2.0, 7e4])
     keys = keys16_ref(x)
