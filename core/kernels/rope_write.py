@@ -7,9 +7,10 @@ program per (row, head) rotates a query head, or rotates a key head and stores i
 head at the row's position.
 
 q [B, Hq, D], k/v [B, Hkv, D] (any strides, last dim contiguous), table [S, 2, D/2]
-(rope.rope_table; fp32, or the model's dtype once the model is cast), pos [B] int -> rotated q [B, Hq, D]; k_cache/v_cache [B, Hkv, S_max, D]
-receive the rotated k and v at pos[b]. Arithmetic in fp32, rounded once to the output dtype
-(the torch path rounds after each bf16 product)."""
+(rope.rope_table; fp32, or the model's dtype once the model is cast), pos [B] int -> rotated
+q [B, Hq, D]; k_cache/v_cache [B, Hkv, S_max, D] receive the rotated k and v at pos[b].
+Arithmetic in fp32, rounded once to the output dtype (the torch path rounds after each bf16
+product)."""
 
 from __future__ import annotations
 
