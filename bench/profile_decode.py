@@ -1,7 +1,7 @@
 """Where an end-to-end decode step's GPU time goes: the kernels of a few CUDA-graph replays of
 `bench decode`'s random-weight model (dense split-K and CSAttention), from the torch profiler,
 grouped by kernel name.
-`python -m ctxcache.bench.profile_decode [--context 131072] [--batch 8] [--layers 8] [--out DIR]`."""
+`ctxcache bench profile_decode [--contexts 131072] [--batches 8] [--layers 8] [--steps 8] [--out DIR]`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import torch
 
 from ctxcache.bench.decode import dense_layer_tables, random_model
+from ctxcache.bench.gpu_inputs import gpu_cli
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.timing import print_table, write_results
@@ -40,19 +41,9 @@ def kernel_times(dec: GraphDecoder, tok: torch.Tensor, steps: int) -> list[dict]
     return [wall] + sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ctxcache.bench.profile_decode")
-    ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--out", default="bench/results")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
-        return 2
-    n, b, steps = args.context, args.batch, args.steps
-    model = random_model(args.layers, n + 2 * steps + 8)
+def profile(n: int, b: int, layers: int, steps: int) -> list[dict]:
+    """Kernel rows of the dense and the CSAttention decode step at context n, batch b."""
+    model = random_model(layers, n + 2 * steps + 8)
     a = model.args
     cache = model.new_cache(b, max_len=n + 2 * steps + 8)
     for t in (*cache.k, *cache.v):
@@ -65,14 +56,29 @@ def main(argv: list[str] | None = None) -> int:
         if name == "dense":
             attn = GpuDenseAttention(b, a.n_kv_heads, cache.max_len)
         else:
-            tabs = dense_layer_tables(b, n, args.layers, params, 2 * steps + 8)
+            tabs = dense_layer_tables(b, n, layers, params, 2 * steps + 8)
             attn = GpuSparseAttention(params, tabs, budget, b, a.n_heads, a.n_kv_heads, a.head_dim, cache.max_len)
         rows = kernel_times(GraphDecoder(model, cache, attn), tok, steps)
         total = sum(r["us_per_step"] for r in rows[1:])
-        print(f"{name}: {total:.0f} us of kernels per step ({args.layers} layers, batch {b}, context {n})")
+        print(f"{name}: {total:.0f} us of kernels per step ({layers} layers, batch {b}, context {n})")
         print_table(rows[:25], ["kernel", "calls_per_step", "us_per_step"])
-        out += [{"context": n, "batch": b, "layers": args.layers, "method": name, **r} for r in rows]
-    write_results("profile_decode", out, {"steps": steps}, args.out)
+        out += [{"context": n, "batch": b, "layers": layers, "method": name, **r} for r in rows]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    def extra(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--layers", type=int, default=8)
+        ap.add_argument("--steps", type=int, default=8)
+    args = gpu_cli("ctxcache bench profile_decode", "131072", argv, extra)
+    if args is None:
+        return 2
+    rows = []
+    for b in args.batch_list:
+        for n in args.context_list:
+            rows += profile(n, b, args.layers, args.steps)
+            torch.cuda.empty_cache()
+    write_results("profile_decode", rows, {"steps": args.steps}, args.out)
     return 0
 
 

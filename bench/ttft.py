@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ctxcache.bench.decode import random_model
 from ctxcache.bench.gpu_inputs import random_dense_tables
 from ctxcache.decoder.gpu.attention import GpuSparseAttention
 from ctxcache.methods import Budget
@@ -32,7 +33,6 @@ def _seconds(fn) -> float:
 
 @torch.inference_mode()
 def ttft_rows(n: int, question: int = 32, layers: int = 32, repeats: int = 3) -> list[dict]:
-    from ctxcache.bench.decode import random_model
     model = random_model(layers, n + question + 8)
     a, params, budget = model.args, CSAttentionParams(), Budget()
     cache = model.new_cache(1, max_len=n + question + 8)

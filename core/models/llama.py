@@ -55,24 +55,19 @@ class Attention(nn.Module):
                 rope: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         b, t, _ = x.shape
         a = self.args
-        if t == 1 and x.is_cuda:  # a decode step: RoPE + cache write in one launch
-            # imported here: CPU-only use of the model never loads Triton
-            from ctxcache.kernels.rope_write import rope_write
-            q = self.q_proj(x).view(b, a.n_heads, a.head_dim)
-            k = self.k_proj(x).view(b, a.n_kv_heads, a.head_dim)
-            v = self.v_proj(x).view(b, a.n_kv_heads, a.head_dim)
-            if a.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q = rope_write(q, k, v, rope, pos[:, 0], cache.k[layer], cache.v[layer])
-            out = attn(layer, q[:, :, None], cache, pos)
-            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         q = self.q_proj(x).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope, pos), apply_rope(k, rope, pos)
-        cache.write(layer, k, v, pos)
+        if t == 1 and x.is_cuda:  # a decode step: RoPE + cache write in one launch
+            # imported here: CPU-only use of the model never loads Triton
+            from ctxcache.kernels.rope_write import rope_write
+            q = rope_write(q[:, :, 0], k[:, :, 0], v[:, :, 0], rope, pos[:, 0], cache.k[layer],
+                           cache.v[layer])[:, :, None]
+        else:
+            q, k = apply_rope(q, rope, pos), apply_rope(k, rope, pos)
+            cache.write(layer, k, v, pos)
         out = attn(layer, q, cache, pos)  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
