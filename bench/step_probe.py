@@ -27,7 +27,6 @@ from ctxcache.bench.fused_tune import Case, cases
 from ctxcache.bench.gpu_inputs import gpu_cli
 from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
-from ctxcache.kernels.select_attention import select_attention, select_buffers, selected_indices
 from ctxcache.kernels.sparse_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
 
@@ -109,35 +108,8 @@ def step_rows(c: Case, base: dict, attn_cfg: dict | None) -> list[dict]:
         rows.append({**base, "method": f"select_{name}", "part": "select", "settings": settings,
                      "time_us": timed(lambda: sel.select(c.q, c.tables, c.lo, c.hi, c.kk))})
     from ctxcache.bench.attention import sdpa_dense
-    rows += fused_collect_rows(c, base, want)
     rows.append({**base, "method": "dense_sdpa_flash", "part": "step",
                  "time_us": timed(lambda: sdpa_dense(c.q[:, :, None], c.k, c.v))})
-    return rows
-
-
-# the collect fused into the split-K attention (kernels/select_attention.py): radix block and
-# warps of the whole pipeline, the fused kernel's key chunk and warps
-FUSED_COLLECT = {"topk": ((1024, 2), (2048, 4), (4096, 4)), "block_n": (64, 128), "num_warps": (4, 8)}
-
-
-def fused_collect_rows(c: Case, base: dict, want: torch.Tensor) -> list[dict]:
-    """route -> score -> radix pass 1 -> select_attention -> merge (five launches), per shape."""
-    rows = []
-    for (blk, w), block_n, warps in itertools.product(*FUSED_COLLECT.values()):
-        sel = c.selector(None, None)
-        sel.set_topk_block(blk, w)
-        bufs = select_buffers(c.batch, c.q.shape[1], c.k.shape[1], sel.n_pad, blk, c.q.shape[-1], "cuda")
-
-        def step():
-            keys = sel.passes(c.q, c.tables, c.lo, c.hi, c.kk)
-            return select_attention(c.q, c.k, c.v, c.nt, keys, c.lo, c.hi, c.kk, sel.ws, blk, c.budget.sinks,
-                                    c.budget.recent, bufs=bufs, block_n=block_n, pdl=sel.pdl, num_warps=warps)
-
-        step()
-        same = torch.equal(selected_indices(*bufs[:2], c.top_k).sort(-1).values, want)
-        rows.append({**base, "method": f"step_fused_collect_topk{blk}_bn{block_n}_w{warps}", "part": "step",
-                     "time_us": timed(step), "same_selection": same})
-        del bufs
     return rows
 
 

@@ -43,54 +43,6 @@ def sparse_attention_ref(q, k_cache, v_cache, idx, k_sel, n, sinks: int, recent:
 
 
 @triton.jit
-def group_query(q_row, G, sq_h, G_PAD: tl.constexpr, D: tl.constexpr):
-    """The G query heads of a KV head (q_row: its first head), padded to G_PAD rows for tl.dot,
-    and an empty online-softmax state (max, sum, output)."""
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D)
-    q = tl.load(q_row + offs_g[:, None] * sq_h + offs_d[None, :], mask=(offs_g < G)[:, None], other=0.0)
-    return (q, tl.full((G_PAD,), float("-inf"), tl.float32), tl.zeros((G_PAD,), tl.float32),
-            tl.zeros((G_PAD, D), tl.float32))
-
-
-@triton.jit
-def attend_chunk(q, k_row, v_row, sk_s, sv_s, pos, valid, m_i, l_i, acc, scale_log2, D: tl.constexpr,
-                 IEEE: tl.constexpr):
-    """One online-softmax step of the group's queries q [G_PAD, D] over the keys at positions
-    pos [BLOCK_N] of one (row, KV head) (k_row / v_row point at its position 0; invalid lanes
-    are read at position 0 and masked out)."""
-    offs_d = tl.arange(0, D)
-    pos = tl.where(valid, pos, 0)
-    kb = tl.load(k_row + pos[:, None].to(tl.int64) * sk_s + offs_d[None, :])
-    vb = tl.load(v_row + pos[:, None].to(tl.int64) * sv_s + offs_d[None, :])
-    if IEEE:
-        s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(kb))
-    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def store_partial(o_ws, ml_ws, base, offs_g, g_limit, acc, m_i, l_i, D: tl.constexpr):
-    """Write a split's (output, max, sum) at partial slot `base` (= (row * SPLITS + split) *
-    G_PAD); padding heads (offs_g >= g_limit), which the merge never reads, are skipped."""
-    offs_d = tl.arange(0, D)
-    keep = offs_g < g_limit
-    tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc, mask=keep[:, None])
-    tl.store(ml_ws + (base + offs_g) * 2, m_i, mask=keep)
-    tl.store(ml_ws + (base + offs_g) * 2 + 1, l_i, mask=keep)
-
-
-@triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                   HKV, G, SINKS, RECENT, scale_log2,
                   sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, si_b, si_h,
@@ -115,8 +67,13 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
     chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, total)
-    q, m_i, l_i, acc = group_query(q_ptr + b * sq_b + hkv * G * sq_h, G, sq_h, G_PAD, D)
     offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sq_b + (hkv * G + offs_g)[:, None] * sq_h + offs_d[None, :],
+                mask=(offs_g < G)[:, None], other=0.0)
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D), tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         valid = t < end
@@ -127,9 +84,27 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
             sel = tl.load(idx_ptr + b * si_b + hkv * si_h + (t - n_static),
                           mask=valid & (t >= n_static), other=0)
             pos = tl.where(t < n_static, static_pos, sel)
-        m_i, l_i, acc = attend_chunk(q, k_ptr + b64 * sk_b + hkv * sk_h, v_ptr + b64 * sv_b + hkv * sv_h, sk_s, sv_s,
-                                     pos, valid, m_i, l_i, acc, scale_log2, D, IEEE)
-    store_partial(o_ws, ml_ws, (row * SPLITS + split) * G_PAD, offs_g, G, acc, m_i, l_i, D)
+        pos = tl.where(valid, pos, 0)
+        kb = tl.load(k_ptr + b64 * sk_b + hkv * sk_h + pos[:, None].to(tl.int64) * sk_s + offs_d[None, :])
+        vb = tl.load(v_ptr + b64 * sv_b + hkv * sv_h + pos[:, None].to(tl.int64) * sv_s + offs_d[None, :])
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kb))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        m_i = m_new
+    base = (row * SPLITS + split) * G_PAD
+    tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc)
+    tl.store(ml_ws + (base + offs_g) * 2, m_i)
+    tl.store(ml_ws + (base + offs_g) * 2 + 1, l_i)
     if FUSE_MERGE:  # the row's last split program merges (one launch less per step)
         if arrive_last(cnt_ptr + row, SPLITS, GPU):
             for g in range(G):
@@ -161,11 +136,6 @@ def _merge_kernel(o_ws, ml_ws, out_ptr, HKV, G, so_b, so_h,
     pdl_wait(USE_PDL)
     pid = tl.program_id(0)  # (row, g)
     _merge_head(o_ws, ml_ws, out_ptr, pid // G, pid % G, HKV, G, so_b, so_h, SPLITS, G_PAD, D, "")
-
-
-def group_pad(group: int) -> int:
-    """Rows of the padded query group (tl.dot needs >= 16)."""
-    return max(16, triton.next_power_of_2(group))
 
 
 def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128, waves: int = 2) -> int:
@@ -200,7 +170,7 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
     if splits & (splits - 1):
         raise ValueError(f"splits={splits} must be a power of two")
     g = hq // hkv
-    g_pad = group_pad(g)
+    g_pad = max(16, triton.next_power_of_2(g))
     if ws is None:
         ws = (torch.empty(b * hkv * splits * g_pad * d, dtype=torch.float32, device=q.device),
               torch.empty(b * hkv * splits * g_pad * 2, dtype=torch.float32, device=q.device))

@@ -175,17 +175,6 @@ def blocks16(n: int, block: int) -> int:
     return triton.cdiv(n, block)
 
 
-def radix_pass1_16(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, ws: torch.Tensor,
-                   block: int, num_warps: int = 4, pdl: bool = False) -> None:
-    """Radix pass 1 over 16-bit keys [B, Hkv, N] whose pass 0 is already in ws: the low-byte
-    histogram of the keys in the K-th key's top-byte bin, per row and per block of `block`
-    keys (the tie counts that the collect, or select_attention, reads). Shapes as radix_topk's."""
-    b, hkv, n = keys.shape
-    _pass1_16_kernel[(b * hkv, triton.cdiv(n, block))](keys, lo, hi, k, ws, hkv, keys.stride(1), ws.stride(0), _HEAD,
-                                                        BLOCK=block, num_warps=num_warps, USE_PDL=pdl,
-                                                        **launch_opts(pdl))
-
-
 def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
                ws: torch.Tensor | None = None, block: int = 4096, hist0_done: bool = False,
                num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
@@ -220,7 +209,8 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
         if not hist0_done:
             _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=0, BLOCK=block, KEY16=True, TOP=8,
                                num_warps=num_warps)
-        radix_pass1_16(x, lo, hi, k, ws, block, num_warps, pdl)
+        _pass1_16_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), _HEAD, BLOCK=block,
+                               num_warps=num_warps, USE_PDL=pdl, **launch_opts(pdl))
         _collect16_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), _HEAD,
                                 BLOCK=block, NB_PAD=triton.next_power_of_2(nb), num_warps=num_warps, USE_PDL=pdl,
                                 **launch_opts(pdl))

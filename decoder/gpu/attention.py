@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables
-from ctxcache.kernels.select_attention import select_attention, select_buffers, selected_indices
 from ctxcache.kernels.sparse_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
@@ -20,10 +19,8 @@ from ctxcache.models.kv_cache import KVCache
 # block_n keys per inner step (see bench/attention_tune.py tune_attention).
 # fuse_merge: the last split program of a row merges instead of a second launch (measured no
 # faster on the H100, bench/fused_tune.py, so off).
-# fuse_collect: the Top-K's collect and the split-K attention are one launch
-# (kernels/select_attention.py; dense tables only).
 ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 128, "fuse_merge": False,  # measured best on the H100 at 128K
-            "num_warps": 4, "num_stages": None, "fuse_collect": False}
+            "num_warps": 4, "num_stages": None}
 
 
 class GpuDenseAttention:
@@ -60,12 +57,6 @@ class GpuSparseAttention:
         self.launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
         self.merge_counter = torch.zeros(batch * n_kv, dtype=torch.int32, device=device) if cfg["fuse_merge"] else None
         self.dense = GpuDenseAttention(batch, n_kv, max_len)
-        self.select_bufs = None
-        if cfg["fuse_collect"]:
-            if not all(isinstance(t, GpuDenseTables) for t in tables):
-                raise ValueError("fuse_collect needs dense-layout tables (list_fraction=1.0)")
-            s = self.selector
-            self.select_bufs = select_buffers(batch, n_heads, n_kv, s.n_pad, s.topk_block, head_dim, device)
         self.last_idx: dict[int, torch.Tensor] = {}  # layer -> selection of the last step (for checks)
         self.record = False
         self._step: tuple[torch.Tensor, ...] = ()
@@ -89,24 +80,10 @@ class GpuSparseAttention:
             return dense_attention(layer, q, cache, pos)
         if layer in self.dense_layers:
             return self.dense(layer, q, cache, pos)
-        if self.select_bufs is not None:
-            return self._select_attend(layer, q, cache, n, lo, hi, k)
         idx = self.selector.select(q[:, :, 0], self.tables[layer], lo, hi, k)
         if self.record:
             self.last_idx[layer] = (idx.clone(), k.clone())
         out = sparse_decode_attention(q[:, :, 0], cache.k[layer], cache.v[layer], n, idx, k,
                                       self.budget.sinks, self.budget.recent, splits=self.splits, block_n=self.block_n,
                                       merge_counter=self.merge_counter, pdl=self.selector.pdl, **self.launch)
-        return out[:, :, None]
-
-    def _select_attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, lo: torch.Tensor,
-                       hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Scores and radix passes, then the collect and the attention in one launch."""
-        sel = self.selector
-        keys = sel.passes(q[:, :, 0], self.tables[layer], lo, hi, k)
-        out = select_attention(q[:, :, 0], cache.k[layer], cache.v[layer], n, keys, lo, hi, k, sel.ws, sel.topk_block,
-                               self.budget.sinks, self.budget.recent, bufs=self.select_bufs, block_n=self.block_n,
-                               pdl=sel.pdl, **self.launch)
-        if self.record:
-            self.last_idx[layer] = (selected_indices(*self.select_bufs[:2], self.k_max), k.clone())
         return out[:, :, None]

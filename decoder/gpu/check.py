@@ -17,7 +17,6 @@ import torch
 from ctxcache.decoder.gpu.attention import GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.selector import GpuSelector, stack_tables
-from ctxcache.kernels.select_attention import select_attention, select_buffers, selected_indices
 from ctxcache.kernels.sparse_attention import region, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
@@ -71,29 +70,11 @@ def check_captured(path: str, device: str, budget: Budget = Budget()) -> list[di
                 out = sparse_decode_attention(q[None].to(device, dt), kc, vc, nt, idx, kk,
                                               budget.sinks, budget.recent, splits=4)[0].double().cpu()
                 row[f"rel_err_{str(dt)[6:]}"] = ((out - ref_out).norm() / ref_out.norm()).item()
-            row.update(_check_fused_collect(sel, q[None].to(device), k[None, :, :n].to(device),
-                                            v[None, :, :n].to(device), gt, nt, lo, hi, kk, budget, ref_idx[:, n_static:],
-                                            ref_out))
             rows.append(row)
     return rows
 
 
-def _check_fused_collect(sel: GpuSelector, q, k, v, tables, n, lo, hi, kk, budget: Budget, ref_sel: torch.Tensor,
-                         ref_out: torch.Tensor) -> dict:
-    """The same step through select_attention (collect fused into the attention, fp32):
-    overlap of its selection with the reference's, and its output's relative error."""
-    keys = sel.passes(q, tables, lo, hi, kk)
-    bufs = select_buffers(1, q.shape[1], k.shape[1], keys.shape[2], sel.topk_block, q.shape[2], q.device)
-    out = select_attention(q, k, v, n, keys, lo, hi, kk, sel.ws, sel.topk_block, budget.sinks, budget.recent,
-                           bufs=bufs)[0].double().cpu()
-    got = selected_indices(*bufs[:2], int(kk[0]))[0].cpu()
-    return {"fused_overlap": min(_overlap(got[h], ref_sel[h]) for h in range(k.shape[1])),
-            "fused_rel_err_float32": ((out - ref_out).norm() / ref_out.norm()).item()}
-
-
-def check_greedy(device: str, steps: int = 64, n_ctx: int = 900, attn_cfg: dict | None = None) -> dict:
-    """Greedy tokens of the GPU graph decode (GpuSparseAttention with attn_cfg) vs the CPU
-    reference decode loop on a random-weight tiny model."""
+def check_greedy(device: str, steps: int = 64, n_ctx: int = 900) -> dict:
     from ctxcache.decoder.session import generate
     from ctxcache.decoder.sparse_attention import SparseConfig
     from ctxcache.generation import SamplingParams
@@ -113,7 +94,7 @@ def check_greedy(device: str, steps: int = 64, n_ctx: int = 900, attn_cfg: dict 
     a = lm.args
     tables = [stack_tables([l.tables], [n_ctx], steps, device) for l in art.layers]
     attn = GpuSparseAttention(method.params, tables, budget, 1, a.n_heads, a.n_kv_heads, a.head_dim,
-                              cache.max_len, attn_cfg=attn_cfg)
+                              cache.max_len)
     dec = GraphDecoder(model, cache, attn)
     logits = [art.last_logits.to(device)[None].float()]
     for _ in range(steps - 1):  # GraphDecoder.greedy, keeping each step's logits
@@ -146,14 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             "min_tie_overlap": min(r["tie_overlap"] for r in rows),
             "mean_tie_overlap": sum(r["tie_overlap"] for r in rows) / len(rows),
             "max_rel_err_float32": max(r["rel_err_float32"] for r in rows),
-            "max_rel_err_bfloat16": max(r["rel_err_bfloat16"] for r in rows),
-            "min_fused_overlap": min(r["fused_overlap"] for r in rows),
-            "max_fused_rel_err_float32": max(r["fused_rel_err_float32"] for r in rows), "rows": rows}
+            "max_rel_err_bfloat16": max(r["rel_err_bfloat16"] for r in rows), "rows": rows}
         print({k: v for k, v in result["captured"].items() if k != "rows"})
     result["greedy"] = check_greedy(device)
-    result["greedy_fuse_collect"] = check_greedy(device, attn_cfg={"fuse_collect": True})
-    for name in ("greedy", "greedy_fuse_collect"):
-        print(name, {k: v for k, v in result[name].items() if k not in ("ref", "gpu")})
+    print({k: v for k, v in result["greedy"].items() if k not in ("ref", "gpu")})
     import datetime
     tag = result["device"]["name"].replace(" ", "-").replace("/", "-")
     path = Path(args.out) / f"check_{tag}_{datetime.date.today().isoformat()}.json"

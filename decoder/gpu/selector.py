@@ -30,7 +30,7 @@ from ctxcache.kernels.scatter import scatter_lists
 from ctxcache.kernels.select16 import select16, workspace16
 from ctxcache.kernels.stream import add_streamed, stream_insert
 from ctxcache.kernels.sync import pdl_available
-from ctxcache.kernels.topk import blocks16, radix_pass1_16, radix_topk, workspace
+from ctxcache.kernels.topk import blocks16, radix_topk, workspace
 from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
 
 
@@ -297,16 +297,6 @@ class GpuSelector:
             scores = self.route_dense(q, t, lo, hi, k)
             return self.finish(scores, lo, hi, k)
         return radix_topk(self.route_scatter(q, t), lo, hi, k, self.idx, self.ws)
-
-    def passes(self, q: torch.Tensor, t: GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
-               k: torch.Tensor) -> torch.Tensor:
-        """Dense layout, 16-bit keys: route -> score (+ radix pass 0) -> radix pass 1. Returns the
-        keys; with self.ws they are what kernels.select_attention needs (block self.topk_block)."""
-        if self.keys is None or self.fused is not None:
-            raise ValueError("passes needs the radix pipeline over 16-bit keys (score_keys='fp16', not fused)")
-        keys = self.route_dense(q, t, lo, hi, k)
-        radix_pass1_16(keys, lo, hi, k, self.ws, self.topk_block, self.topk_warps, self.pdl)
-        return keys
 
     def finish(self, scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The Top-K after route_dense (which added pass 0 to the workspace)."""
