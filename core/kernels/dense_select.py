@@ -72,12 +72,24 @@ def dense_scores_ref(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, sc
 
 
 @triton.jit
+def _routed_chunk(ids_ptr, w_ptr, b, h, G, M, si_b, si_h, r0, R_CHUNK: tl.constexpr):
+    """Rows r0 .. r0 + R_CHUNK of the flattened (query head of the group, subspace) pairs: (in
+    range, subspace, routed centroid, weight)."""
+    gm = r0 + tl.arange(0, R_CHUNK)
+    ok = gm < G * M
+    j = gm % M
+    qoff = b * si_b + (h * G + gm // M) * si_h + j
+    return ok, j, tl.load(ids_ptr + qoff, mask=ok, other=0), tl.load(w_ptr + qoff, mask=ok, other=0.0)
+
+
+@triton.jit
 def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, start_ptr, cnt_ptr,
                         lo_ptr, hi_ptr, k_ptr, acc_ptr, ws_ptr, HKV, G, M,
                         si_b, si_h, sd_b, sd_h, sd_m, sd_c, ss_b, ss_h, ss_m,
                         sn_b, sn_h, sn_m, sn_c, sa_b, sa_h, sws_r,
                         GM_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                        SCALED: tl.constexpr, KEY16: tl.constexpr, HIST0: tl.constexpr, USE_PDL: tl.constexpr):
+                        SCALED: tl.constexpr, KEY16: tl.constexpr, HIST0: tl.constexpr, ALIGN16: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
@@ -88,25 +100,23 @@ def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, sta
     s0 = tl.load(start_ptr + b)
     cnt = tl.load(cnt_ptr + b)
     in_ctx = offs < nctx
+    # a load mask whose runs of 16 keys are provably whole lets Triton issue 16-byte vector
+    # loads (an exact mask at an unknown length gives one scalar load per key)
+    in_load = offs < (nctx + 15) // 16 * 16 if ALIGN16 else in_ctx
     t = offs - s0
     in_new = (t >= 0) & (t < cnt)
     has_new = (cnt > 0) & (s0 < blk * BLOCK + BLOCK) & (s0 + cnt > blk * BLOCK)  # block holds streamed keys
     acc = tl.zeros((BLOCK,), tl.float32)
     for r0 in tl.static_range(0, GM_PAD, R_CHUNK):
-        gm = r0 + tl.arange(0, R_CHUNK)  # flattened (query head of the group, subspace)
-        ok = gm < G * M
-        g = gm // M
-        j = gm % M
-        qoff = b * si_b + (h * G + g) * si_h + j
-        c = tl.load(ids_ptr + qoff, mask=ok, other=0)
-        w = tl.load(w_ptr + qoff, mask=ok, other=0.0)
+        ok, j, c, w = _routed_chunk(ids_ptr, w_ptr, b, h, G, M, si_b, si_h, r0, R_CHUNK)
         wq = w
         if SCALED:
             wq = w * tl.load(scale_ptr + b * ss_b + h * ss_h + j * ss_m + c, mask=ok, other=0.0)
         # int64: a batch of 128K-token tables exceeds 2^31 elements
         base = b.to(tl.int64) * sd_b + h.to(tl.int64) * sd_h + j * sd_m + c.to(tl.int64) * sd_c
-        x = tl.load(ds_ptr + base[:, None] + offs[None, :], mask=ok[:, None] & in_ctx[None, :], other=0)
-        acc += tl.sum(x.to(tl.float32) * wq[:, None], axis=0)
+        x = tl.load(ds_ptr + base[:, None] + offs[None, :], mask=ok[:, None] & in_load[None, :], other=0)
+        # keys read past the context by the rounded-up mask count as zero
+        acc += tl.sum(tl.where(in_ctx[None, :], x.to(tl.float32), 0.0) * wq[:, None], axis=0)
         if has_new:
             nbase = b * sn_b + h * sn_h + j * sn_m + c * sn_c
             y = tl.load(ns_ptr + nbase[:, None] + t[None, :], mask=ok[:, None] & in_new[None, :], other=0.0)
@@ -175,6 +185,7 @@ def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale:
         hkv, hq // hkv, m, ids.stride(0), ids.stride(1), sd[0], sd[1], sd[2], sd[3], *ss,
         sn[0], sn[1], sn[2], sn[3], acc.stride(0), acc.stride(1), ws.stride(0),
         GM_PAD=gm_pad, R_CHUNK=min(r_chunk, gm_pad), BLOCK=block, SCALED=scale is not None,
-        KEY16=acc.dtype == torch.uint16, HIST0=hist0, num_warps=num_warps, USE_PDL=pdl, **launch_opts(pdl),
+        KEY16=acc.dtype == torch.uint16, HIST0=hist0, ALIGN16=n % 16 == 0 and all(x % 16 == 0 for x in sd[:4]),
+        num_warps=num_warps, USE_PDL=pdl, **launch_opts(pdl),
         **({"maxnreg": maxnreg} if maxnreg else {}))  # a register cap buys occupancy (ncu: 126 regs, 25%)
     return acc
