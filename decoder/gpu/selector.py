@@ -119,11 +119,12 @@ class GpuDenseTables:
     @classmethod
     def stack(cls, per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
               device: torch.device | str, score_dtype: str = "float16") -> "GpuDenseTables":
-        """Stack rows' dense tables (zero-padded to the longest N; the kernel masks by n_ctx).
-        score_dtype "int8" quantizes each (head, subspace, centroid) row with its own scale."""
+        """Stack rows' dense tables (zero-padded to the longest N, rounded up to 16 keys so the
+        score kernel can use vector loads; the kernel masks by n_ctx). score_dtype "int8"
+        quantizes each (head, subspace, centroid) row with its own scale."""
         if score_dtype not in ("float16", "int8"):
             raise ValueError(f"score_dtype={score_dtype!r} must be float16 or int8")
-        n_max = max(t["dense_score"].shape[-1] for t in per_row)
+        n_max = -(-max(t["dense_score"].shape[-1] for t in per_row) // 16) * 16
         dense = torch.stack([torch.nn.functional.pad(t["dense_score"].half(), (0, n_max - t["dense_score"].shape[-1]))
                              for t in per_row]).to(device)
         scale = None

@@ -69,6 +69,7 @@ def test_dense_selection_matches_csattention_search(device, layout, score_dtype,
     sel = GpuSelector(params, 1, hq, hkv, d, total, budget.top_k(total), device, score_keys=score_keys)
     tables = stack_tables([state.tables], [n], max_new=8, device=device, score_dtype=score_dtype)
     assert isinstance(tables, GpuDenseTables)
+    assert tables.dense_score.shape[-1] == 608  # padded to whole 16-key runs (vector loads)
     for t in range(streamed):
         tables.insert(k[None, :, n + t].to(device), torch.tensor([n + t], dtype=torch.int32, device=device),
                       sel.perm)
