@@ -39,6 +39,7 @@ class Case:
     n: int
     batch: int
     budget: Budget
+    score_dtype: str = "float16"  # the dense tables' storage: float16, or int8 with a per-row scale
 
     def __post_init__(self) -> None:
         dev, b, n = "cuda", self.batch, self.n
@@ -49,7 +50,7 @@ class Case:
         self.lo, self.hi = region(self.nt, self.budget.sinks, self.budget.recent)
         self.top_k = min(self.budget.top_k(n), n - self.budget.sinks - self.budget.recent)
         self.kk = torch.full((b,), self.top_k, dtype=torch.int32, device=dev)
-        self.tables = random_dense_tables(b, n, CSAttentionParams(), dev)
+        self.tables = random_dense_tables(b, n, CSAttentionParams(), dev, self.score_dtype)
         self.splits = choose_splits(b * HKV, self.top_k + self.budget.sinks + self.budget.recent,
                                     min_keys=ATTN["min_keys"], waves=ATTN["waves"])
         self.counter = torch.zeros(b * HKV, dtype=torch.int32, device=dev)
@@ -66,12 +67,12 @@ class Case:
         return self.attend(sel.select(self.q, self.tables, self.lo, self.hi, self.kk), fuse_merge, sel.pdl)
 
 
-def cases(args, budget: Budget) -> Iterator[Case]:
+def cases(args, budget: Budget, score_dtype: str = "float16") -> Iterator[Case]:
     """One Case per (batch, context) of gpu_cli's arguments; the caching allocator is emptied
     between them (batch 8 at 128K holds ~20 GB)."""
     for b in args.batch_list:
         for n in args.context_list:
-            yield Case(n, b, budget)
+            yield Case(n, b, budget, score_dtype)
             torch.cuda.empty_cache()
 
 

@@ -13,11 +13,12 @@ and the whole step with the picks against the defaults and SDPA, in one process.
   default's key sets.
 
 `python -m ctxcache.bench.step_probe [--contexts 131072] [--batches 1,8] [--sweeps attention,score,floor]
-[--out DIR]`
+[--score-dtype float16|int8] [--out DIR]`
 (`ctxcache bench step_probe`, `bench/gpu_suite.sh probe`)."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
@@ -79,6 +80,13 @@ STEP_VARIANTS = {
     **{f"score_w{w}": {"dense_cfg": {"num_warps": w}} for w in (4, 8)},
     **{f"topk{b}_w{w}": {"topk": (b, w)} for b, w in ((4096, 4), (1024, 2))},
 }
+# int8 tables hold 16 keys per 16-byte load, twice fp16's registers per row chunk: fewer rows
+# per chunk and a higher register cap avoid the spills an sm_90 compile shows at the defaults
+INT8_VARIANTS = {
+    "int8_r4_nreg128": {"dense_cfg": {"r_chunk": 4, "maxnreg": 128}},
+    "int8_r2": {"dense_cfg": {"r_chunk": 2}},
+    "int8_r2_w8": {"dense_cfg": {"r_chunk": 2, "num_warps": 8}},
+}
 
 
 def configured(c: Case, settings: dict):
@@ -95,7 +103,8 @@ def step_rows(c: Case, base: dict, attn_cfg: dict | None) -> list[dict]:
     ref = c.selector(None, None)
     want = ref.select(c.q, c.tables, c.lo, c.hi, c.kk)[..., :c.top_k].sort(-1).values.clone()
     rows = []
-    for name, settings in STEP_VARIANTS.items():
+    variants = {**STEP_VARIANTS, **(INT8_VARIANTS if c.score_dtype == "int8" else {})}
+    for name, settings in variants.items():
         sel = configured(c, settings)
         same = torch.equal(sel.select(c.q, c.tables, c.lo, c.hi, c.kk)[..., :c.top_k].sort(-1).values, want)
         for tag, a_cfg in (("", default_attn), ("_attn_pick", attn_cfg)):
@@ -122,19 +131,23 @@ def summary(rows: list[dict], best: int = 3) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = gpu_cli("ctxcache bench step_probe", "131072", argv, lambda ap: ap.add_argument(
-        "--sweeps", default="attention,score,floor", help="which of attention,score,floor to run"))
+    def extra(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--sweeps", default="attention,score,floor", help="which of attention,score,floor to run")
+        ap.add_argument("--score-dtype", default="float16", choices=("float16", "int8"),
+                        help="the dense tables' storage (int8: per-row scale, and INT8_VARIANTS)")
+    args = gpu_cli("ctxcache bench step_probe", "131072", argv, extra)
     if args is None:
         return 2
     rows, budget, sweeps = [], Budget(), args.sweeps.split(",")
-    for c in cases(args, budget):
+    for c in cases(args, budget, args.score_dtype):
         n, b = c.n, c.batch
-        base = {"context": n, "batch": b, "top_k": c.top_k}
+        base = {"context": n, "batch": b, "top_k": c.top_k, "score_dtype": args.score_dtype}
         got, attn_pick = sweep_attention(c, base) if "attention" in sweeps else ([], None)
         got += sweep_score(c, base)[0] if "score" in sweeps else []
         got += step_rows(c, base, attn_pick)
         if "floor" in sweeps:
-            got += floor_rows(n, b, budget.top_k(n), table_bytes=b * 8 * 8 * n * 2)  # Hkv x m routed rows x N fp16
+            # Hkv x m routed rows x N of the tables' dtype
+            got += floor_rows(n, b, budget.top_k(n), table_bytes=b * 8 * 8 * n * c.tables.dense_score.element_size())
         print_table(summary(got), ["context", "batch", "method", "time_us"])
         rows += got
         del c
