@@ -78,7 +78,7 @@ def sweep_score(c: Case, base: dict) -> tuple[list[dict], dict]:
 STEP_VARIANTS = {
     "default": {},
     **{f"score_w{w}": {"dense_cfg": {"num_warps": w}} for w in (4, 8)},
-    **{f"topk{b}_w{w}": {"topk": (b, w)} for b, w in ((4096, 4), (1024, 2))},
+    **{f"topk{b}_w{w}": {"topk": (b, w)} for b, w in ((4096, 4), (2048, 4), (1024, 2))},
 }
 # int8 tables hold 16 keys per 16-byte load, twice fp16's registers per row chunk: fewer rows
 # per chunk and a higher register cap avoid the spills an sm_90 compile shows at the defaults
