@@ -207,7 +207,7 @@ class GpuSelector:
         # 4 warps measured 4-6 us faster at batch 8 (64 rows) and ~2 us slower at batch 1 (bench step_probe)
         self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4 if batch * n_kv >= 64 else 8, "maxnreg": 80}
         self.n_pad = n_pad
-        if score_keys == "fp16":  # measured on the H100 at 128K (bench step_probe, five calls): 1024 keys and
+        if score_keys == "fp16":  # measured on the H100 at 128K (bench step_probe, four calls): 1024 keys and
             # 2 warps per radix program are ~1.5 us faster with few rows (batch 1), 6-9 us slower with 64
             self.set_topk_block(*((1024, 2) if batch * n_kv < 64 else (2048, 4)))
         else:  # fp32 passes are latency-bound: more, smaller programs while the grid stays <= ~2048
