@@ -36,14 +36,21 @@ def sdpa_dense(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "default"
 
 
-def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev: str,
-              list_layout: bool = False) -> list[dict]:
+def step_inputs(n: int, batch: int, budget: Budget, dev: str) -> tuple[torch.Tensor, ...]:
+    """Random (q, k, v) of one decode step over n cached keys, and its lengths and limits
+    (n, lo, hi, k per row)."""
     q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     nt = torch.full((batch,), n, dtype=torch.int32, device=dev)
     lo, hi = region(nt, budget.sinks, budget.recent)
     kk = torch.full((batch,), min(budget.top_k(n), int(hi[0] - lo[0])), dtype=torch.int32, device=dev)
+    return q, k, v, nt, lo, hi, kk
+
+
+def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev: str,
+              list_layout: bool = False) -> list[dict]:
+    q, k, v, nt, lo, hi, kk = step_inputs(n, batch, budget, dev)
     base = {"context": n, "batch": batch}
     rows = []
     q4 = q[:, :, None]

@@ -16,9 +16,8 @@ import torch
 
 from ctxcache.bench import attention as bench
 from ctxcache.bench import attention_tune as tune
-from ctxcache.bench.gpu_inputs import D, HKV, HQ, gpu_cli
+from ctxcache.bench.gpu_inputs import gpu_cli
 from ctxcache.decoder.gpu.timing import device_info, print_table, write_results
-from ctxcache.kernels.sparse_attention import region
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 
@@ -26,14 +25,8 @@ STEP = "csattention_dense_g16"
 
 
 def alone(n: int, b: int, budget: Budget) -> list[dict]:
-    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(b, HKV, n, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    nt = torch.full((b,), n, dtype=torch.int32, device="cuda")
-    lo, hi = region(nt, budget.sinks, budget.recent)
-    kk = torch.full((b,), min(budget.top_k(n), int(hi[0] - lo[0])), dtype=torch.int32, device="cuda")
-    return bench.bench_dense(q, k, v, nt, lo, hi, kk, budget, {"context": n, "batch": b}, "_g16", "group", "fp16",
-                             "float16")
+    return bench.bench_dense(*bench.step_inputs(n, b, budget, "cuda"), budget, {"context": n, "batch": b}, "_g16",
+                             *bench.DENSE_VARIANTS["_g16"])
 
 
 def main(argv: list[str] | None = None) -> int:
