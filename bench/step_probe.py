@@ -8,9 +8,9 @@ and the whole step with the picks against the defaults and SDPA, in one process.
 - floor (bench/floor.py): dependent-launch chains, a stream of the table bytes, a gather of the
   selected K/V;
 - step: route -> score -> radix pass 1 -> collect -> split-K -> merge for each of STEP_VARIANTS
-  (score kernel warps, radix block and warps), with the default attention config and the
-  attention sweep's pick, and the selection alone; `same_selection`: the variant selects the
-  default's key sets.
+  (score kernel warps, radix block and warps), with the default attention
+  config and the attention sweep's pick, and the selection alone; `same_selection`: the
+  variant selects the default's key sets.
 
 `python -m ctxcache.bench.step_probe [--contexts 131072] [--batches 1,8] [--sweeps attention,score,floor]
 [--score-dtype float16|int8] [--out DIR]`
@@ -78,7 +78,7 @@ def sweep_score(c: Case, base: dict) -> tuple[list[dict], dict]:
 STEP_VARIANTS = {
     "default": {},
     **{f"score_w{w}": {"dense_cfg": {"num_warps": w}} for w in (4, 8)},
-    **{f"topk{b}_w{w}": {"topk": (b, w)} for b, w in ((4096, 4), (2048, 4), (1024, 2))},
+    **{f"topk{b}_w{w}": {"topk": (b, w)} for b, w in ((1024, 4), (2048, 4), (4096, 4), (4096, 8))},
 }
 # int8 tables hold 16 keys per 16-byte load, twice fp16's registers per row chunk: fewer rows
 # per chunk and a higher register cap avoid the spills an sm_90 compile shows at the defaults

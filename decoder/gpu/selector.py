@@ -207,12 +207,11 @@ class GpuSelector:
         # 4 warps measured 4-6 us faster at batch 8 (64 rows) and ~2 us slower at batch 1 (bench step_probe)
         self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4 if batch * n_kv >= 64 else 8, "maxnreg": 80}
         self.n_pad = n_pad
-        if score_keys == "fp16":  # measured on the H100 at 128K (bench step_probe, four calls): 1024 keys and
-            # 2 warps per radix program are ~1.5 us faster with few rows (batch 1), 6-9 us slower with 64
-            self.set_topk_block(*((1024, 2) if batch * n_kv < 64 else (2048, 4)))
-        else:  # fp32 passes are latency-bound: more, smaller programs while the grid stays <= ~2048
-            rows = batch * n_kv
-            self.set_topk_block(next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096))
+        # radix programs: the smallest block (>= 1024 keys) that keeps the grid within ~2048 programs;
+        # measured on the H100 for 16-bit keys at 8K-128K, batch 1 and 8 (bench step_probe), 4 warps
+        # (fp32 passes are latency-bound: more, smaller programs help them the same way)
+        rows = batch * n_kv
+        self.set_topk_block(next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096))
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
         # fused dense pipeline (group routing, fp16 keys); its buffers are made on first use
         self.fused = fused if (fused is not None and self.group and score_keys == "fp16") else None
