@@ -26,6 +26,7 @@ from ctxcache.methods.budget import fp16_keys
 _BINS = 256
 _PASSES = 4
 _HEAD = _PASSES * _BINS + 2  # per-row workspace: 4 histograms + 2 counters, then block histograms
+_WALK0 = tl.constexpr(2 * _BINS)  # 16-bit keys: pass 0's walk (prefix, krem) where pass 2's histogram would be
 
 
 def topk_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
@@ -55,10 +56,14 @@ keys16_ref = fp16_keys  # torch reference of _keys16, int32 in [0, 65536)
 def _walk(hist_ptr, k, P: tl.constexpr, TOP: tl.constexpr):
     """Prefix of the K-th largest key after P finished passes, and how many of that prefix are
     still needed. TOP: shift of the first digit (24 for 32-bit keys, 8 for 16-bit keys)."""
-    prefix = tl.zeros((), dtype=tl.uint32)
-    krem = k
+    return _walk_from(hist_ptr, tl.zeros((), dtype=tl.uint32), k, 0, P, TOP)
+
+
+@triton.jit
+def _walk_from(hist_ptr, prefix, krem, Q0: tl.constexpr, P: tl.constexpr, TOP: tl.constexpr):
+    """_walk resumed after pass Q0 - 1 from its (prefix, krem)."""
     bins = tl.arange(0, 256)
-    for q in tl.static_range(P):
+    for q in tl.static_range(Q0, P):
         hst = tl.load(hist_ptr + q * 256 + bins)
         ge = tl.cumsum(hst, axis=0, reverse=True)  # count with digit >= d: non-increasing in d
         d = tl.max(tl.where(ge >= krem, bins, -1), axis=0)
@@ -156,6 +161,9 @@ def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEA
     pdl_enter(USE_PDL)
     key, valid, offs, k, hist_ptr = _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
     prefix, krem = _walk(hist_ptr, k, 1, 8)
+    if tl.program_id(1) == 0:  # the collect resumes this walk (every program of the row has it)
+        tl.store(hist_ptr + _WALK0, prefix.to(tl.int32))
+        tl.store(hist_ptr + _WALK0 + 1, krem)
     cand = valid & ((key >> 8) == (prefix >> 8))
     low = (key & 255).to(tl.int32)
     tl.atomic_add(hist_ptr + 256 + low, 1, mask=cand, sem="relaxed")
@@ -169,7 +177,9 @@ def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, 
     key, valid, offs, k, hist_ptr = _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
     r = tl.program_id(0)
     blk = tl.program_id(1)
-    thresh, need = _walk(hist_ptr, k, 2, 8)
+    # pass 0's walk as pass 1 stored it, then pass 1's histogram
+    thresh, need = _walk_from(hist_ptr, tl.load(hist_ptr + _WALK0).to(tl.uint32), tl.load(hist_ptr + _WALK0 + 1),
+                              1, 2, 8)
     gt = valid & (key > thresh)
     eq = valid & (key == thresh)
     base_gt = tl.atomic_add(hist_ptr + 4 * 256, _count2d(gt), sem="relaxed")

@@ -204,8 +204,9 @@ class GpuSelector:
         self.acc: torch.Tensor | None = None
         self.keys = torch.empty(batch, n_kv, n_pad, dtype=torch.uint16, device=device) if score_keys == "fp16" else None
         # tuned on the H100 at 128K, batch 1 and 8 (bench attention; the register cap lifts occupancy);
-        # 4 warps measured 4-6 us faster at batch 8 (64 rows) and ~2 us slower at batch 1 (bench step_probe)
-        self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4 if batch * n_kv >= 64 else 8, "maxnreg": 80}
+        # 4 warps: 4-6 us faster than 8 at batch 8, and with the row-aligned radix blocks 0.3-1.7 us
+        # faster at batch 1 too (eight bench step_probe calls)
+        self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4, "maxnreg": 80}
         self.n_pad = n_pad
         # radix programs: the smallest block (>= 1024 keys) that keeps the grid within ~2048 programs;
         # measured on the H100 for 16-bit keys at 8K-128K, batch 1 and 8 (bench step_probe), 4 warps
