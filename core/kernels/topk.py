@@ -207,7 +207,8 @@ def topk16_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.
 
 def workspace(rows: int, device: torch.device | str, blocks: int = 0) -> torch.Tensor:
     """Histograms (4 x 256) and two counters per row, then `blocks` block histograms of 256
-    (16-bit keys: one per radix block); must be zero before each select."""
+    (16-bit keys: one per radix block; they use histograms 0 and 1, and pass 1 leaves its walk
+    of histogram 0 for the collect where histogram 2 would be); must be zero before each select."""
     return torch.zeros(rows, _HEAD + blocks * _BINS, dtype=torch.int32, device=device)
 
 
