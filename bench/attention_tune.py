@@ -1,6 +1,6 @@
 """Tuning sweeps of `ctxcache bench attention`: each sets the config the timed rows then use,
 except the score kernel's, whose pick is recorded only (the timed rows run GpuSelector's own
-config, which differs by batch size, as the decoder does).
+config, as the decoder does).
 
 The dicts below hold the picks (module state, read by bench/attention.py) and are recorded in
 the result JSON; the measured best of a run on the H100 became GpuSelector's / ATTN_CFG's

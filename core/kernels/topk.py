@@ -74,14 +74,18 @@ def _walk_from(hist_ptr, prefix, krem, Q0: tl.constexpr, P: tl.constexpr, TOP: t
 
 
 @triton.jit
+def _row_bounds(lo_ptr, hi_ptr, k_ptr, HKV):
+    """This program's row (batch element x KV head) and its batch element's lo, hi and k."""
+    r = tl.program_id(0)
+    b = r // HKV
+    return r, tl.load(lo_ptr + b), tl.load(hi_ptr + b), tl.load(k_ptr + b)
+
+
+@triton.jit
 def _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK: tl.constexpr,
                 KEY16: tl.constexpr):
     """This program's block of one row: (radix keys, valid mask, offsets, k, row workspace)."""
-    r = tl.program_id(0)
-    b = r // HKV
-    lo = tl.load(lo_ptr + b)
-    hi = tl.load(hi_ptr + b)
-    k = tl.load(k_ptr + b)
+    r, lo, hi, k = _row_bounds(lo_ptr, hi_ptr, k_ptr, HKV)
     offs = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = (offs < hi) & (k > 0)
     if KEY16:  # the producer stored keys already
@@ -130,11 +134,7 @@ def _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK:
     keys inside a thread before one short scan across threads (an sm_90 compile of the collect:
     1016 instructions instead of 1848 for a 1-D block at lo; H100: 207 vs 221 us per 128K step
     at batch 8, bench/README.md)."""
-    r = tl.program_id(0)
-    b = r // HKV
-    lo = tl.load(lo_ptr + b)
-    hi = tl.load(hi_ptr + b)
-    k = tl.load(k_ptr + b)
+    r, lo, hi, k = _row_bounds(lo_ptr, hi_ptr, k_ptr, HKV)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
     # a load mask of whole 16-key runs vectorizes; the exact [lo, hi) test comes after
     in_load = (offs >= lo // 16 * 16) & (offs < (hi + 15) // 16 * 16) & (k > 0)
