@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: kernel tests on the GPU, then the benchmarks; logs and JSON under $OUT.
-# usage (device): bash bench/gpu_suite.sh [probe] [gap] [profile] [fused] [attention] [decode] [tests] [check] [offload_tests] [offload]
+# usage (device): bash bench/gpu_suite.sh [probe] [gap] [profile] [fused] [attention] [decode] [tests] [check] [offload_tests] [offload] [stalls]
 # DECODE_ARGS (env) passes extra arguments to the decode bench, e.g. --attn-cfg '{"waves": 4, ...}'.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,6 +22,14 @@ for what in "${@:-tests attention}"; do
     decode) eval python3 -m ctxcache.bench.decode --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" ;;
     offload_tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_offload_attention.py 2>&1 | tee "$OUT/offload_tests.log" | tail -5 ;;
     offload) python3 -m ctxcache.bench.offload --out "$OUT" 2>&1 | tee "$OUT/offload.log" ;;
+    stalls)  # ncu warp-stall sampling per SASS line of the selection kernels, 128K, batch 8 and 1 (CSV)
+      for b in 8 1; do
+        ncu --clock-control none -k regex:'dense_score|pass1|collect16' --launch-skip 3 --launch-count 3 \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+          --section SourceCounters -f -o /tmp/ncu_b$b python3 -m ctxcache.bench.profile_step --batch $b > /dev/null
+        ncu -i /tmp/ncu_b$b.ncu-rep --page details --csv > "$OUT/ncu_b${b}_details.csv"
+        ncu -i /tmp/ncu_b$b.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_b${b}_sass.csv"
+      done ;;
     check) python3 -m ctxcache.decoder.gpu.check --out "$OUT" 2>&1 | grep -v "it/s" | tee "$OUT/check.log" ;;
   esac
 done

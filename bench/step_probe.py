@@ -32,7 +32,7 @@ from ctxcache.kernels.sparse_attention import choose_splits, sparse_decode_atten
 from ctxcache.methods import Budget
 
 ATTN_SWEEP = {"block_n": (64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4), "waves": (2, 4)}
-SCORE_SWEEP = {"num_warps": (4, 8), "maxnreg": (None, 64, 80), "block": (1024, 2048)}
+SCORE_SWEEP = {"num_warps": (4, 8), "maxnreg": (None, 64, 72, 80), "block": (1024, 2048)}
 
 
 def grid(sweep: dict) -> list[dict]:
