@@ -5,7 +5,9 @@ K/V/Q and random tables of the shapes CSAttention builds (m=8, C=128): the list 
 (L = alpha * N; rows cs_*, csattention) and the dense full-list layout, the measured default
 (dense_score [B, Hkv, m, C, N], distinct per batch row; rows cs_dense_*, csattention_dense,
 and *_int8 for int8 storage with a per-row scale).
-Each variant is captured in a CUDA graph and timed by replay (median, L2 flushed).
+Each variant is captured in a CUDA graph and timed by replay (median, L2 flushed). The timed
+rows run the decoder's own configs (GpuSelector's score and Top-K shapes, GpuSparseAttention's
+ATTN_CFG); the tuning sweeps are recorded beside them, with their picks.
 `ctxcache bench attention [--contexts 8192,...] [--batches 1,8] [--out DIR]`."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
 from ctxcache.kernels.topk import radix_topk
@@ -80,8 +83,7 @@ def bench_list(q, k, v, nt, lo, hi, kk, params: CSAttentionParams, budget: Budge
         "select_route_scatter": lambda: sel.route_scatter(q, tables),
         "select_topk": lambda: radix_topk(sel.acc, lo, hi, kk, sel.idx, sel.ws),
         "select": lambda: sel.select(q, tables, lo, hi, kk),
-        "sparse_attn": lambda: sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent,
-                                                       splits=ss, block_n=tune.ATTN_CFG["block_n"]),
+        "sparse_attn": lambda: attend(q, k, v, nt, idx, kk, budget, ss),
     }
     rows = []
     for name, fn in parts.items():
@@ -89,8 +91,7 @@ def bench_list(q, k, v, nt, lo, hi, kk, params: CSAttentionParams, budget: Budge
         rows.append({**base, "method": f"cs_{name}", "time_us": time_us(g.replay)})
 
     def total():
-        i = sel.select(q, tables, lo, hi, kk)
-        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss, block_n=tune.ATTN_CFG["block_n"])
+        attend(q, k, v, nt, sel.select(q, tables, lo, hi, kk), kk, budget, ss)
     g = capture(total)
     rows.append({**base, "method": "csattention", "time_us": time_us(g.replay),
                  "list_len": params.list_length(n), "top_k": int(kk[0]), "splits": ss})
@@ -98,8 +99,15 @@ def bench_list(q, k, v, nt, lo, hi, kk, params: CSAttentionParams, budget: Budge
 
 
 def attn_splits(batch: int, top_k: int, budget: Budget) -> int:
-    return choose_splits(batch * HKV, top_k + budget.sinks + budget.recent, min_keys=tune.ATTN_CFG["min_keys"],
-                         waves=tune.ATTN_CFG["waves"])
+    return choose_splits(batch * HKV, top_k + budget.sinks + budget.recent, min_keys=ATTN_CFG["min_keys"],
+                         waves=ATTN_CFG["waves"])
+
+
+def attend(q, k, v, nt, idx, kk, budget: Budget, splits: int, pdl: bool = False) -> torch.Tensor:
+    """The sparse attention as GpuSparseAttention launches it (ATTN_CFG)."""
+    return sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=splits,
+                                   block_n=ATTN_CFG["block_n"], num_warps=ATTN_CFG["num_warps"],
+                                   num_stages=ATTN_CFG["num_stages"], pdl=pdl)
 
 
 def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str, routing: str,
@@ -109,9 +117,7 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     params = CSAttentionParams(routing=routing)  # list_fraction = 1: the dense layout
     tables = random_dense_tables(batch, n, params, q.device, score_dtype)
     sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys)
-    # the selector's own score config (what the decoder runs; tune_dense's sweep is recorded beside)
-    if tune.TOPK16_BLOCK["block"] and score_keys == "fp16":
-        sel.set_topk_block(tune.TOPK16_BLOCK["block"], tune.TOPK16_BLOCK["num_warps"])
+    # the selector's own score and Top-K shapes, as the decoder runs them (the sweeps' picks are recorded only)
     ss = attn_splits(batch, int(kk[0]), budget)
     idx = sel.select(q, tables, lo, hi, kk)
     scores = sel.route_dense(q, tables, lo, hi, kk)
@@ -125,13 +131,10 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
         sel.finish(scores, lo, hi, kk)
 
     def attn():  # PDL as the decoder launches it (GpuSparseAttention)
-        sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=ss,
-                                block_n=tune.ATTN_CFG["block_n"], pdl=sel.pdl)
+        attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl)
 
     def total():
-        i = sel.select(q, tables, lo, hi, kk)
-        sparse_decode_attention(q, k, v, nt, i, kk, budget.sinks, budget.recent, splits=ss,
-                                block_n=tune.ATTN_CFG["block_n"], pdl=sel.pdl)
+        attend(q, k, v, nt, sel.select(q, tables, lo, hi, kk), kk, budget, ss, sel.pdl)
     parts = {"cs_dense_score": lambda: sel.route_dense(q, tables, lo, hi, kk), "cs_dense_topk": topk_only,
              "cs_dense_select": lambda: sel.select(q, tables, lo, hi, kk), "csattention_dense": total}
     if suffix == "":
@@ -148,8 +151,8 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
             row["note"] = ("Top-K after pass 0 (16-bit keys: pass 1 + collect; fp32: passes 1-3 + collect) "
                            "+ a copy restoring the workspace (4 KB per row + block histograms)")
         if name in ("csattention_dense", "cs_sparse_attn"):
-            row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(sel.dense_cfg), attn_cfg=dict(tune.ATTN_CFG),
-                       topk_block=sel.topk_block)
+            row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(sel.dense_cfg), attn_cfg=dict(ATTN_CFG),
+                       topk_block=sel.topk_block, topk_warps=sel.topk_warps)
         rows.append(row)
     del tables, sel, idx
     torch.cuda.empty_cache()
@@ -223,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = args.batch_list
     rows = (tune.tune_dense(n_max, batches, budget, "cuda") + tune.tune_topk16(n_max, batches, budget, "cuda")
             + tune.tune_attention(n_max, batches, budget, "cuda"))
-    print("dense score config", tune.DENSE_CFG, "top-K block", tune.TOPK16_BLOCK, "attention config", tune.ATTN_CFG, flush=True)
+    print("sweep picks (recorded, not applied): score", tune.DENSE_CFG, "top-K", tune.TOPK16_BLOCK, "attention",
+          tune.ATTN_PICK, "; timed rows run the decoder's configs, attention", ATTN_CFG, flush=True)
     for b in batches:
         for n in args.context_list:
             rows += bench_one(n, b, params, budget, "cuda", args.list_layout)
@@ -235,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows)
     cross = {tag: {b: next((s["context"] for s in summary if s["batch"] == b and (s[f"speedup{tag}"] or 0) > 1), None)
                    for b in batches} for tag in ("_h32", "_g16")}
-    path = write_results("attention", rows, {"summary": summary, "crossover_context": cross, "dense_cfg": tune.DENSE_CFG,
-                                             "attn_cfg": tune.ATTN_CFG, "topk16_block": tune.TOPK16_BLOCK["block"],
-                                             "topk16_warps": tune.TOPK16_BLOCK["num_warps"], "variants": DENSE_VARIANTS,
+    picks = {"dense_cfg": tune.DENSE_CFG, "attn_cfg": tune.ATTN_PICK, "topk16": tune.TOPK16_BLOCK}
+    path = write_results("attention", rows, {"summary": summary, "crossover_context": cross, "sweep_picks": picks,
+                                             "attn_cfg": ATTN_CFG, "variants": DENSE_VARIANTS,
                                              "keep": args.keep}, args.out)
     print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk", "sparse_attn_", "cs_dense_score_g16_"))
                  and (r["batch"] == 1 or not r["method"].startswith("sparse_attn_"))],
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, ["context", "batch", "sdpa_us", "score_g16_us", "topk_g16_us", "select_g16_us", "cs_g16_us",
                           "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
     print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) {cross}; "
-          f"dense cfg {tune.DENSE_CFG}; top-K block {tune.TOPK16_BLOCK}; attention cfg {tune.ATTN_CFG}; wrote {path}")
+          f"attention cfg {ATTN_CFG}; sweep picks (not applied) {picks}; wrote {path}")
     return 0
 
 

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batch_list:
             for n in args.context_list:
                 got = alone(n, b, budget) if phase == "alone" else bench.bench_one(n, b, params, budget, "cuda")
-                rows += [{**r, "phase": phase, "attn_cfg_now": dict(tune.ATTN_CFG), "topk16_now": dict(tune.TOPK16_BLOCK)}
+                rows += [{**r, "phase": phase, "attn_pick_now": dict(tune.ATTN_PICK), "topk16_now": dict(tune.TOPK16_BLOCK)}
                          for r in got if r["method"].endswith("_g16") or r["method"].startswith("dense_sdpa")]
                 torch.cuda.empty_cache()
     print_table(rows, ["context", "batch", "phase", "method", "time_us"])

@@ -1,10 +1,10 @@
-"""Tuning sweeps of `ctxcache bench attention`: each sets the config the timed rows then use,
-except the score kernel's, whose pick is recorded only (the timed rows run GpuSelector's own
-config, as the decoder does).
+"""Tuning sweeps of `ctxcache bench attention`. Their picks are recorded only: the timed rows run
+the decoder's own configs (GpuSelector's score and Top-K shapes, GpuSparseAttention's ATTN_CFG),
+so the bench times what a decode step runs.
 
 The dicts below hold the picks (module state, read by bench/attention.py) and are recorded in
-the result JSON; the measured best of a run on the H100 became GpuSelector's / ATTN_CFG's
-defaults."""
+the result JSON; where a pick measured better on the H100 in the whole step (bench step_probe),
+it became GpuSelector's / ATTN_CFG's default."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from ctxcache.bench.gpu_inputs import D, HKV, HQ, random_dense_tables
 # default (a route per query head, fp32 scores, four radix passes); "_g16" the default now.
 DENSE_VARIANTS = {"": ("head", "fp32", "float16"), "_g": ("group", "fp32", "float16"),
                   "_g16": ("group", "fp16", "float16"), "_g16_int8": ("group", "fp16", "int8")}
-DENSE_CFG = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # replaced by tune_dense's pick (recorded only)
-ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 64}  # replaced by tune_attention's pick
-TOPK16_BLOCK = {"block": None, "num_warps": 4}  # replaced by tune_topk16's pick (None: GpuSelector's default)
+DENSE_CFG = {"block": 1024, "r_chunk": 8, "num_warps": 4}  # tune_dense's pick
+ATTN_PICK = {"waves": 2, "min_keys": 128, "block_n": 64}  # tune_attention's pick
+TOPK16_BLOCK = {"block": None, "num_warps": 4}  # tune_topk16's pick (block None: not tuned yet)
 
 
 # (block, warps, register cap): ncu saw the score kernel at 126 registers and 25% occupancy
@@ -34,7 +34,7 @@ SCORE_SWEEP = [(1024, 4, None), (1024, 4, 64), (1024, 4, 80), (1024, 8, None), (
 
 
 def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
-    """Score-kernel configs of the default variant at context n; sets DENSE_CFG to the best
+    """Score-kernel configs of the default variant at context n; records in DENSE_CFG the best
     summed over batches."""
     rows, total = [], {}
     routing, score_keys, score_dtype = DENSE_VARIANTS["_g16"]
@@ -62,7 +62,7 @@ def tune_dense(n: int, batches: list[int], budget: Budget, dev: str) -> list[dic
 
 def tune_topk16(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
     """Keys per program of the radix Top-K over 16-bit keys after pass 0 (pass 1 + collect; pass
-    0 restored before each replay) at context n; sets TOPK16_BLOCK to the best over batches.
+    0 restored before each replay) at context n; records in TOPK16_BLOCK the best over batches.
     Also the score kernel of the default variant without its fused pass-0 histogram."""
     from ctxcache.kernels.topk import _BINS, blocks16, workspace
     rows, total = [], {}
@@ -106,7 +106,7 @@ def tune_topk16(n: int, batches: list[int], budget: Budget, dev: str) -> list[di
 
 def tune_attention(n: int, batches: list[int], budget: Budget, dev: str) -> list[dict]:
     """Split count (waves over the SMs, keys per split) and key block of the sparse attention
-    over a 5% selection at context n; sets ATTN_CFG to the best summed over batches."""
+    over a 5% selection at context n; records in ATTN_PICK the best summed over batches."""
     rows, total = [], {}
     for batch in batches:
         q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
@@ -130,5 +130,5 @@ def tune_attention(n: int, batches: list[int], budget: Budget, dev: str) -> list
                                  "time_us": t, "splits": ss, **cfg})
         del k, v
         torch.cuda.empty_cache()
-    ATTN_CFG.update(dict(min(total, key=total.get)))
+    ATTN_PICK.update(dict(min(total, key=total.get)))
     return rows
