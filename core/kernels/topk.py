@@ -139,7 +139,11 @@ def _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK:
     # a load mask of whole 16-key runs vectorizes; the exact [lo, hi) test comes after
     in_load = (offs >= lo // 16 * 16) & (offs < (hi + 15) // 16 * 16) & (k > 0)
     key = tl.load(x_ptr + r * sx_r + offs, mask=in_load, other=0).to(tl.uint32)
-    return key, (offs >= lo) & (offs < hi) & (k > 0), offs, k, ws_ptr + r * sws_r
+    # keys + 1, and 0 outside [lo, hi) (one unsigned compare): the passes then test keys alone.
+    # Masks kept as per-key booleans cost a predicate each, which an sm_90 build of the collect
+    # spilled to registers and back (P2R / ISETP) around every use.
+    inside = (offs - lo).to(tl.uint32) < (hi - lo).to(tl.uint32)
+    return tl.where(inside, key + 1, 0), offs, k, ws_ptr + r * sws_r
 
 
 @triton.jit
@@ -159,12 +163,13 @@ def _rank2d(m):
 def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEAD, BLOCK: tl.constexpr,
                      USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
-    key, valid, offs, k, hist_ptr = _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
+    key1, offs, k, hist_ptr = _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
     prefix, krem = _walk(hist_ptr, k, 1, 8)
     if tl.program_id(1) == 0:  # the collect resumes this walk (every program of the row has it)
         tl.store(hist_ptr + _WALK0, prefix.to(tl.int32))
         tl.store(hist_ptr + _WALK0 + 1, krem)
-    cand = valid & ((key >> 8) == (prefix >> 8))
+    key = key1 - 1  # 0xFFFFFFFF outside [lo, hi): its top digit matches no prefix
+    cand = (key >> 8) == (prefix >> 8)
     low = (key & 255).to(tl.int32)
     tl.atomic_add(hist_ptr + 256 + low, 1, mask=cand, sem="relaxed")
     tl.atomic_add(hist_ptr + HEAD + tl.program_id(1) * 256 + low, 1, mask=cand, sem="relaxed")
@@ -174,14 +179,15 @@ def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEA
 def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r, HEAD,
                       BLOCK: tl.constexpr, NB_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
-    key, valid, offs, k, hist_ptr = _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
+    key1, offs, k, hist_ptr = _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
     r = tl.program_id(0)
     blk = tl.program_id(1)
     # pass 0's walk as pass 1 stored it, then pass 1's histogram
     thresh, need = _walk_from(hist_ptr, tl.load(hist_ptr + _WALK0).to(tl.uint32), tl.load(hist_ptr + _WALK0 + 1),
                               1, 2, 8)
-    gt = valid & (key > thresh)
-    eq = valid & (key == thresh)
+    # in key1's space (k = 0 loads no keys and its empty histograms walk to 0xFFFF: nothing passes)
+    gt = key1 > thresh + 1
+    eq = key1 == thresh + 1
     base_gt = tl.atomic_add(hist_ptr + 4 * 256, _count2d(gt), sem="relaxed")
     slot_gt = base_gt + _rank2d(gt)
     tl.store(out_ptr + r * so_r + slot_gt, offs, mask=gt & (slot_gt < k - need))

@@ -208,6 +208,32 @@ def test_radix_topk_16bit_is_exact_and_deterministic(device, ties, hist0_done):
         assert torch.equal(got.sort().values, refs[r])
 
 
+@pytest.mark.parametrize("hist0_done", [False, True])
+def test_radix_topk_16bit_with_k_zero_writes_nothing(device, hist0_done):
+    """A row with k = 0 over a non-empty [lo, hi) selects nothing: its out row stays as it was,
+    and the other row is still exact (keys include 0, the lowest code)."""
+    from ctxcache.kernels.topk import _BINS, blocks16, topk16_ref, workspace
+
+    b, hkv, n, block = 2, 2, 3000, 512
+    keys = keys16_ref(torch.randn(b, hkv, n) * 30)
+    keys[:, :, ::7] = 0
+    lo = torch.tensor([4, 0], dtype=torch.int32)
+    hi = torch.tensor([n - 32, 2000], dtype=torch.int32)
+    k = torch.tensor([0, 60], dtype=torch.int32)
+    ws = workspace(b * hkv, "cpu", blocks16(n, block))
+    if hist0_done:
+        for r in range(b * hkv):
+            seg = keys.view(b * hkv, n)[r, int(lo[r // hkv]):int(hi[r // hkv])]
+            ws[r, :_BINS] = torch.bincount(seg >> 8, minlength=_BINS).int() * int(k[r // hkv] > 0)
+    out = torch.full((b, hkv, 60), -1, dtype=torch.int32, device=device)
+    radix_topk(as_u16(keys).to(device), lo.to(device), hi.to(device), k.to(device), out, ws.to(device),
+               block=block, hist0_done=hist0_done)
+    assert (out[0] == -1).all()
+    refs = topk16_ref(keys[1], lo[1:].repeat(hkv), hi[1:].repeat(hkv), k[1:].repeat(hkv))
+    for h in range(hkv):
+        assert torch.equal(out[1, h].long().cpu().sort().values, refs[h])
+
+
 def test_radix_topk_16bit_needs_block_histograms(device):
     from ctxcache.kernels.topk import workspace
 
