@@ -26,6 +26,7 @@ from ctxcache.methods.budget import fp16_keys
 _BINS = 256
 _PASSES = 4
 _HEAD = _PASSES * _BINS + 2  # per-row workspace: 4 histograms + 2 counters, then block histograms
+MAX_ROW = 1 << 22  # keys per row: the walk packs a count of bins and a count of keys in 32 bits
 _WALK0 = tl.constexpr(2 * _BINS)  # 16-bit keys: pass 0's walk (prefix, krem) where pass 2's histogram would be
 
 
@@ -66,16 +67,21 @@ def _walk_from(hist_ptr, prefix, krem, Q0: tl.constexpr, P: tl.constexpr, TOP: t
     for q in tl.static_range(Q0, P):
         hst = tl.load(hist_ptr + q * 256 + bins)
         ge = tl.cumsum(hst, axis=0, reverse=True)  # count with digit >= d: non-increasing in d
-        d = tl.max(tl.where(ge >= krem, bins, -1), axis=0)
-        # the count above digit d is ge[d + 1], the largest ge below krem (0 when d = 255)
-        krem = krem - tl.max(tl.where(ge < krem, ge, 0), axis=0)
+        hit = ge >= krem
+        # the bins with ge >= krem are 0..d, so they number d + 1; the count above digit d,
+        # ge[d + 1], is the sum of the other bins. Both in one reduction (counts < 2^22 per row,
+        # radix_topk checks): one cross-warp reduction less than two maxima.
+        both = tl.sum(hit.to(tl.int32) + (tl.where(hit, 0, hst) << 9), axis=0)
+        d = (both & 511) - 1
+        krem = krem - (both >> 9)
         prefix = prefix | (d.to(tl.uint32) << (TOP - 8 * q))
     return prefix, krem
 
 
 @triton.jit
 def _row_bounds(lo_ptr, hi_ptr, k_ptr, HKV):
-    """This program's row (batch element x KV head) and its batch element's lo, hi and k."""
+    """This program's row (batch element x KV head) and its batch element's lo, hi and k (the
+    kernels take HKV as a constexpr: the division is then a shift ahead of the first loads)."""
     r = tl.program_id(0)
     b = r // HKV
     return r, tl.load(lo_ptr + b), tl.load(hi_ptr + b), tl.load(k_ptr + b)
@@ -96,7 +102,7 @@ def _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK: t
 
 
 @triton.jit
-def _hist_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
+def _hist_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV: tl.constexpr, sx_r, sws_r,
                  P: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr, TOP: tl.constexpr):
     key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
                                                 BLOCK, KEY16)
@@ -109,7 +115,7 @@ def _hist_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
 
 
 @triton.jit
-def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r,
+def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV: tl.constexpr, sx_r, sws_r, so_r,
                     BLOCK: tl.constexpr):
     """fp32 scores: every index above the threshold, then ties in atomic order."""
     key, valid, offs, k, hist_ptr = _block_keys(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r,
@@ -147,20 +153,15 @@ def _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK:
 
 
 @triton.jit
-def _count2d(m):
-    return tl.sum(tl.sum(m.to(tl.int32), axis=1), axis=0)
-
-
-@triton.jit
-def _rank2d(m):
-    """Exclusive index-order rank of each true element of the 2-D mask m among the true ones."""
-    x = m.to(tl.int32)
+def _rank2d(x):
+    """Exclusive index-order prefix sums of the 2-D int tensor x, and its total: a scan of the 8
+    keys inside a thread, then one short scan across threads."""
     row = tl.sum(x, axis=1)
-    return tl.cumsum(x, axis=1) + (tl.cumsum(row, axis=0) - row)[:, None] - 1
+    return tl.cumsum(x, axis=1) - x + (tl.cumsum(row, axis=0) - row)[:, None], tl.sum(row, axis=0)
 
 
 @triton.jit
-def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEAD, BLOCK: tl.constexpr,
+def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV: tl.constexpr, sx_r, sws_r, HEAD, BLOCK: tl.constexpr,
                      USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     key1, offs, k, hist_ptr = _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
@@ -182,7 +183,7 @@ def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, HEA
 
 
 @triton.jit
-def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, sws_r, so_r, HEAD,
+def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV: tl.constexpr, sx_r, sws_r, so_r, HEAD,
                       BLOCK: tl.constexpr, NB_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     key1, offs, k, hist_ptr = _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
@@ -194,14 +195,19 @@ def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV, sx_r, 
     # in key1's space (k = 0 loads no keys and its empty histograms walk to 0xFFFF: nothing passes)
     gt = key1 > thresh + 1
     eq = key1 == thresh + 1
-    base_gt = tl.atomic_add(hist_ptr + 4 * 256, _count2d(gt), sem="relaxed")
-    slot_gt = base_gt + _rank2d(gt)
+    # keys above and keys equal ranked in one scan, equal ones in the high half (a block holds
+    # fewer than 2^16 keys): about half the blocks hold ties (ncu at 128K), which then needed a
+    # second scan
+    tl.static_assert(BLOCK < 65536)
+    rank, total = _rank2d(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
+    base_gt = tl.atomic_add(hist_ptr + 4 * 256, total & 0xFFFF, sem="relaxed")
+    slot_gt = base_gt + (rank & 0xFFFF)
     tl.store(out_ptr + r * so_r + slot_gt, offs, mask=gt & (slot_gt < k - need))
-    if _count2d(eq) > 0:  # most blocks hold no key equal to the threshold
+    if total > 0xFFFF:  # this block holds keys equal to the threshold
         bs = tl.arange(0, NB_PAD)  # ties in the blocks before this one, from their pass-1 histograms
         eq_before = tl.sum(tl.load(hist_ptr + HEAD + bs * 256 + (thresh & 255).to(tl.int32), mask=bs < blk,
                                    other=0), axis=0)
-        slot_eq = eq_before + _rank2d(eq)
+        slot_eq = eq_before + (rank >> 16)
         tl.store(out_ptr + r * so_r + (k - need) + slot_eq, offs, mask=eq & (slot_eq < need))
 
 
@@ -243,6 +249,8 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
     if x.dim() != 3 or x.dtype not in (torch.float32, torch.uint16) or x.stride(2) != 1:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be fp32 or uint16 [B, Hkv, N] contiguous in N")
     b, hkv, n = x.shape
+    if n >= MAX_ROW:
+        raise ValueError(f"rows of {n} keys: the radix walk packs counts below {MAX_ROW} per row")
     for name, t in (("lo", lo), ("hi", hi), ("k", k)):
         if t.shape != (b,) or t.dtype != torch.int32:
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be int32 [{b}]")

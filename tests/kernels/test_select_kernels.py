@@ -234,6 +234,15 @@ def test_radix_topk_16bit_with_k_zero_writes_nothing(device, hist0_done):
         assert torch.equal(out[1, h].long().cpu().sort().values, refs[h])
 
 
+def test_radix_topk_refuses_rows_its_walk_cannot_count(device):
+    from ctxcache.kernels.topk import MAX_ROW
+
+    keys = torch.zeros(1, 1, MAX_ROW, dtype=torch.int16, device=device).view(torch.uint16)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="radix walk"):
+        radix_topk(keys, one * 0, one * MAX_ROW, one, torch.zeros(1, 1, 1, dtype=torch.int32, device=device))
+
+
 def test_radix_topk_16bit_needs_block_histograms(device):
     from ctxcache.kernels.topk import workspace
 
