@@ -79,6 +79,7 @@ STEP_VARIANTS = {
     "default": {},
     **{f"score_w{w}": {"dense_cfg": {"num_warps": w}} for w in (4, 8)},
     **{f"topk{b}_w{w}": {"topk": (b, w)} for b, w in ((1024, 4), (2048, 4), (4096, 4), (4096, 8))},
+    "score_rows_evict_normal": {"dense_cfg": {"evict_first": False}},
 }
 # int8 tables hold 16 keys per 16-byte load, twice fp16's registers per row chunk: fewer rows
 # per chunk and a higher register cap avoid the spills an sm_90 compile shows at the defaults
