@@ -201,8 +201,10 @@ def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV: tl.con
     tl.static_assert(BLOCK < 65536)
     rank, total = _rank2d(gt.to(tl.int32) + (eq.to(tl.int32) << 16))
     base_gt = tl.atomic_add(hist_ptr + 4 * 256, total & 0xFFFF, sem="relaxed")
-    slot_gt = base_gt + (rank & 0xFFFF)
-    tl.store(out_ptr + r * so_r + slot_gt, offs, mask=gt & (slot_gt < k - need))
+    # the row holds exactly k - need keys above the threshold, so the slots stay below k - need;
+    # checked once per block (not per key) to keep out's other entries safe from a bad workspace
+    in_bounds = base_gt + (total & 0xFFFF) <= k - need
+    tl.store(out_ptr + r * so_r + base_gt + (rank & 0xFFFF), offs, mask=gt & in_bounds)
     if total > 0xFFFF:  # this block holds keys equal to the threshold
         bs = tl.arange(0, NB_PAD)  # ties in the blocks before this one, from their pass-1 histograms
         eq_before = tl.sum(tl.load(hist_ptr + HEAD + bs * 256 + (thresh & 255).to(tl.int32), mask=bs < blk,

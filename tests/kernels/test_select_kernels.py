@@ -243,6 +243,26 @@ def test_radix_topk_refuses_rows_its_walk_cannot_count(device):
         radix_topk(keys, one * 0, one * MAX_ROW, one, torch.zeros(1, 1, 1, dtype=torch.int32, device=device))
 
 
+def test_radix_topk_16bit_keeps_writes_in_bounds_on_a_wrong_pass0(device):
+    """A pass-0 histogram that disagrees with the keys (here: all keys claimed by one bin) makes
+    the threshold wrong, but the collect still writes no slot at or past k; a good row beside it
+    stays exact."""
+    from ctxcache.kernels.topk import _BINS, blocks16, topk16_ref, workspace
+
+    n, k, block = 5000, 10, 512
+    keys = torch.randint(0, 1 << 16, (2, 1, n), dtype=torch.int32)
+    lo, hi = torch.zeros(2, dtype=torch.int32), torch.full((2,), n, dtype=torch.int32)
+    kk = torch.full((2,), k, dtype=torch.int32)
+    ws = workspace(2, "cpu", blocks16(n, block))
+    ws[0, 200] = n  # wrong: "every key's top byte is 200"
+    ws[1, :_BINS] = torch.bincount(keys[1, 0] >> 8, minlength=_BINS).int()
+    buf = torch.full((2, 1, 2000), -1, dtype=torch.int32, device=device)
+    radix_topk(as_u16(keys).to(device), lo.to(device), hi.to(device), kk.to(device), buf[..., :k], ws.to(device),
+               block=block, hist0_done=True)
+    assert (buf[:, :, k:] == -1).all()
+    assert torch.equal(buf[1, 0, :k].long().cpu().sort().values, topk16_ref(keys[1], lo[1:], hi[1:], kk[1:])[0])
+
+
 def test_radix_topk_16bit_needs_block_histograms(device):
     from ctxcache.kernels.topk import workspace
 
