@@ -5,9 +5,9 @@ pass writes every index with key > T and as many ties == T as K needs. Rows are 
 (32-bit keys, four passes, ties in atomic order) or 16-bit keys that a producer already wrote
 (`keys16`: the order-preserving code of the score rounded to fp16): two passes, and ties go
 to the lowest indices, deterministically, as CSAttention.search ranks. Pass 1 then counts
-only the keys in the K-th key's pass-0 bin (element atomics, no full-block histogram), into
-the row's histogram and its block's own, so the collect knows how many ties lie in the
-blocks before it.
+only the keys in the K-th key's pass-0 bin (element atomics, no full-block histogram) into its
+block's histogram, then adds that to the row's, so the collect knows how many ties lie in the
+blocks before it. Rows hold fewer than MAX_ROW keys.
 Each pass is one launch over (row, chunk) programs (the 16-bit passes' chunks sit at multiples
 of the block, from key 0, for vector loads); histograms merge by global atomics and
 every program re-derives the prefix from the finished histograms (no host round trip, so the
@@ -136,7 +136,8 @@ def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV: tl.const
 @triton.jit
 def _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK: tl.constexpr):
     """_block_keys for 16-bit keys, in blocks at multiples of BLOCK (not at lo) shaped
-    [BLOCK / 8, 8]: the loads are 16-byte vectors, and an index-order rank (_rank2d) scans 8
+    [BLOCK / 8, 8], as (keys + 1 inside [lo, hi) and 0 outside, offsets, k, row workspace):
+    the loads are 16-byte vectors, and an index-order rank (_rank2d) scans 8
     keys inside a thread before one short scan across threads (an sm_90 compile of the collect:
     1016 instructions instead of 1848 for a 1-D block at lo; H100: 207 vs 221 us per 128K step
     at batch 8, bench/README.md)."""

@@ -30,7 +30,7 @@ from ctxcache.kernels.scatter import scatter_lists
 from ctxcache.kernels.select16 import select16, workspace16
 from ctxcache.kernels.stream import add_streamed, stream_insert
 from ctxcache.kernels.sync import pdl_available
-from ctxcache.kernels.topk import blocks16, radix_topk, workspace
+from ctxcache.kernels.topk import MAX_ROW, blocks16, radix_topk, workspace
 from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
 
 
@@ -199,6 +199,8 @@ class GpuSelector:
         self.ids = torch.zeros(batch, routed, m, dtype=torch.int32, device=device)
         self.w = torch.zeros(batch, routed, m, device=device)
         n_pad = -(-n_max // PAD) * PAD
+        if n_pad >= MAX_ROW:
+            raise ValueError(f"n_max={n_max}: the radix Top-K takes rows of fewer than {MAX_ROW} keys")
         self.rows, self.n_kv, self.device = batch * n_kv, n_kv, device
         # fp32 scores (list layout, or score_keys="fp32") only where used: 32 MB at batch 8 x 128K
         self.acc: torch.Tensor | None = None

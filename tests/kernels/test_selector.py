@@ -88,3 +88,10 @@ def test_dense_selection_matches_csattention_search(device, layout, score_dtype,
 def test_selector_refuses_backoff(device):
     with pytest.raises(ValueError, match="backoff"):
         GpuSelector(CSAttentionParams(backoff_cos=0.5), 1, 4, 2, 32, 64, 8, device)
+
+
+def test_selector_refuses_rows_the_radix_walk_cannot_count(device):
+    from ctxcache.kernels.topk import MAX_ROW
+
+    with pytest.raises(ValueError, match="fewer than"):
+        GpuSelector(CSAttentionParams(), 1, 4, 2, 16, MAX_ROW, 10, device)
