@@ -98,16 +98,16 @@ def bench_list(q, k, v, nt, lo, hi, kk, params: CSAttentionParams, budget: Budge
     return rows
 
 
-def attn_splits(batch: int, top_k: int, budget: Budget) -> int:
-    return choose_splits(batch * HKV, top_k + budget.sinks + budget.recent, min_keys=ATTN_CFG["min_keys"],
-                         waves=ATTN_CFG["waves"])
+def attn_splits(batch: int, top_k: int, budget: Budget, cfg: dict = ATTN_CFG) -> int:
+    return choose_splits(batch * HKV, top_k + budget.sinks + budget.recent, min_keys=cfg["min_keys"],
+                         waves=cfg["waves"])
 
 
-def attend(q, k, v, nt, idx, kk, budget: Budget, splits: int, pdl: bool = False) -> torch.Tensor:
-    """The sparse attention as GpuSparseAttention launches it (ATTN_CFG)."""
+def attend(q, k, v, nt, idx, kk, budget: Budget, splits: int, pdl: bool = False, cfg: dict = ATTN_CFG) -> torch.Tensor:
+    """The sparse attention as GpuSparseAttention launches it (ATTN_CFG, or a swept shape)."""
     return sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=splits,
-                                   block_n=ATTN_CFG["block_n"], num_warps=ATTN_CFG["num_warps"],
-                                   num_stages=ATTN_CFG["num_stages"], pdl=pdl)
+                                   block_n=cfg["block_n"], num_warps=cfg["num_warps"],
+                                   num_stages=cfg["num_stages"], pdl=pdl)
 
 
 def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str, routing: str,

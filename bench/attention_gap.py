@@ -6,7 +6,8 @@ histories.
 - bench_one: inside bench attention's per-context routine (SDPA, dense split-K and every table
   variant before it);
 - after_tune: bench_one again after bench attention's tuning sweeps (score kernel, radix block,
-  split-K shape), as `bench attention` runs it.
+  split-K shape), as `bench attention` runs it. Since the sweeps' picks are recorded only (the
+  timed rows run the decoder's configs), this phase measures the history alone.
 
 `python -m ctxcache.bench.attention_gap [--contexts 131072] [--batches 1] [--out DIR]`."""
 

@@ -23,12 +23,12 @@ import itertools
 
 import torch
 
+from ctxcache.bench.attention import attend as attend_as_decoder, attn_splits, sdpa_dense
 from ctxcache.bench.floor import floor_rows
 from ctxcache.bench.fused_tune import Case, cases
 from ctxcache.bench.gpu_inputs import gpu_cli
 from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
-from ctxcache.kernels.sparse_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
 
 ATTN_SWEEP = {"block_n": (64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4), "waves": (2, 4)}
@@ -44,11 +44,10 @@ def timed(fn) -> float:
 
 
 def attend(c: Case, idx: torch.Tensor, cfg: dict, pdl: bool) -> torch.Tensor:
-    splits = choose_splits(c.batch * 8, c.top_k + c.budget.sinks + c.budget.recent, min_keys=ATTN_CFG["min_keys"],
-                           waves=cfg["waves"])
-    return sparse_decode_attention(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget.sinks, c.budget.recent, splits=splits,
-                                   block_n=cfg["block_n"], pdl=pdl, num_warps=cfg["num_warps"],
-                                   num_stages=cfg["num_stages"])
+    """bench attention's launch with a swept shape (min_keys stays ATTN_CFG's)."""
+    cfg = {**ATTN_CFG, **cfg}
+    splits = attn_splits(c.batch, c.top_k, c.budget, cfg)
+    return attend_as_decoder(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, pdl, cfg)
 
 
 def sweep_attention(c: Case, base: dict) -> tuple[list[dict], dict]:
@@ -117,7 +116,6 @@ def step_rows(c: Case, base: dict, attn_cfg: dict | None) -> list[dict]:
         sel.select(c.q, c.tables, c.lo, c.hi, c.kk)
         rows.append({**base, "method": f"select_{name}", "part": "select", "settings": settings,
                      "time_us": timed(lambda: sel.select(c.q, c.tables, c.lo, c.hi, c.kk))})
-    from ctxcache.bench.attention import sdpa_dense
     rows.append({**base, "method": "dense_sdpa_flash", "part": "step",
                  "time_us": timed(lambda: sdpa_dense(c.q[:, :, None], c.k, c.v))})
     return rows
