@@ -33,15 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sync import launch_opts, pdl_enter
+from ctxcache.kernels.smem_hist import smem_hist_add
+from ctxcache.kernels.sync import compiled, launch_opts, pdl_enter
 from ctxcache.kernels.topk import _keys, _keys16
-
-
-def quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 dense_score [..., N] -> (int8 [..., N], scale [...] fp32), symmetric per row."""
-    scale = dense.float().abs().amax(-1).clamp_min(1e-8) / 127.0
-    q = torch.round(dense.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+from ctxcache.methods.int8_tables import quantize_rows  # noqa: F401 (re-exported: the int8 storage)
 
 
 def dense_scores_ref(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: torch.Tensor | None,
@@ -91,7 +86,7 @@ def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, sta
                         # index arithmetic becomes shifts (sm_90 build: 1840 -> 1424 instructions)
                         GM_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         SCALED: tl.constexpr, KEY16: tl.constexpr, HIST0: tl.constexpr, ALIGN16: tl.constexpr,
-                        USE_PDL: tl.constexpr, ROW_EVICT: tl.constexpr):
+                        USE_PDL: tl.constexpr, ROW_EVICT: tl.constexpr, SMEM: tl.constexpr):
     pdl_enter(USE_PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
@@ -101,10 +96,10 @@ def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, sta
     nctx = tl.load(nctx_ptr + b)
     s0 = tl.load(start_ptr + b)
     cnt = tl.load(cnt_ptr + b)
-    if HIST0:  # loaded up front: after the key store below, these loads would wait behind it
-        lo = tl.load(lo_ptr + b)
-        hi = tl.load(hi_ptr + b)
-        k = tl.load(k_ptr + b)
+    # loaded up front: after the key store below, these loads would wait behind it
+    lo = tl.load(lo_ptr + b)
+    hi = tl.load(hi_ptr + b)
+    k = tl.load(k_ptr + b)
     in_ctx = offs < nctx
     # a load mask whose runs of 16 keys are provably whole lets Triton issue 16-byte vector
     # loads (an exact mask at an unknown length gives one scalar load per key)
@@ -128,26 +123,43 @@ def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, sta
             nbase = b * sn_b + h * sn_h + j * sn_m + c * sn_c
             y = tl.load(ns_ptr + nbase[:, None] + t[None, :], mask=ok[:, None] & in_new[None, :], other=0.0)
             acc += tl.sum(y * w[:, None], axis=0)
-    # radix pass 0 (top 8 bits of the order-preserving key) over this block's share of [lo, hi)
     if KEY16:
-        key = _keys16(acc)
-        tl.store(acc_ptr + b * sa_b + h * sa_h + offs, key)
-        digit = (key >> 8).to(tl.int32)
+        store_keys16(acc, offs, acc_ptr + b * sa_b + h * sa_h, ws_ptr + row * sws_r, lo, hi, k, HIST0, SMEM)
     else:
         tl.store(acc_ptr + b * sa_b + h * sa_h + offs, acc)
-        digit = (_keys(acc) >> 24).to(tl.int32)
-    if HIST0:
-        valid = (offs >= lo) & (offs < hi) & (k > 0)
+        if HIST0:
+            _add_hist0((_keys(acc) >> 24).to(tl.int32), offs, ws_ptr + row * sws_r, lo, hi, k, SMEM)
+
+
+@triton.jit
+def _add_hist0(digit, offs, hist_ptr, lo, hi, k, SMEM: tl.constexpr):
+    """Radix pass 0 (the key's top 8 bits) over this block's share of [lo, hi), added to the row's
+    histogram: by shared-memory atomics where compiled (SMEM), else tl.histogram."""
+    valid = (offs >= lo) & (offs < hi) & (k > 0)
+    if SMEM:
+        smem_hist_add(digit, valid, hist_ptr, offs.shape[0])
+    else:
         hist = tl.histogram(digit, 256, mask=valid)
         # a block's keys fill few of the 256 bins: skipping empty ones saves most global atomics
-        tl.atomic_add(ws_ptr + row * sws_r + tl.arange(0, 256), hist, mask=hist > 0, sem="relaxed")
+        tl.atomic_add(hist_ptr + tl.arange(0, 256), hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def store_keys16(acc, offs, key_row_ptr, hist_ptr, lo, hi, k, HIST0: tl.constexpr, SMEM: tl.constexpr):
+    """Store the 16-bit keys of a block's fp32 scores at key_row_ptr + offs; with HIST0, add
+    their radix pass 0 to the row's histogram at hist_ptr."""
+    key = _keys16(acc)
+    tl.store(key_row_ptr + offs, key)
+    if HIST0:
+        _add_hist0((key >> 8).to(tl.int32), offs, hist_ptr, lo, hi, k, SMEM)
 
 
 def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: torch.Tensor | None,
                  new_scores: torch.Tensor, n_ctx: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, acc: torch.Tensor, ws: torch.Tensor,
                  block: int = 1024, r_chunk: int = 8, num_warps: int = 4, hist0: bool = True,
-                 maxnreg: int | None = None, pdl: bool = False, evict_first: bool = True) -> torch.Tensor:
+                 maxnreg: int | None = None, pdl: bool = False, evict_first: bool = True,
+                 smem_hist: bool | None = None) -> torch.Tensor:
     """Write scores into acc [B, Hkv, N_max] fp32 (N_max a multiple of `block`), or their 16-bit
     keys (topk.keys16_ref) if acc is uint16, and add radix pass 0 into ws (topk.workspace,
     zeroed by the caller; hist0=False skips it). ids/w [B, Hq, m] per query head, or [B, Hkv, m]
@@ -193,6 +205,7 @@ def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale:
         sn[0], sn[1], sn[2], sn[3], acc.stride(0), acc.stride(1), ws.stride(0),
         HKV=hkv, G=hq // hkv, M=m, GM_PAD=gm_pad, R_CHUNK=min(r_chunk, gm_pad), BLOCK=block, SCALED=scale is not None,
         KEY16=acc.dtype == torch.uint16, HIST0=hist0, ALIGN16=n % 16 == 0 and all(x % 16 == 0 for x in sd[:4]),
-        num_warps=num_warps, USE_PDL=pdl, ROW_EVICT="evict_first" if evict_first else "", **launch_opts(pdl),
+        num_warps=num_warps, USE_PDL=pdl, ROW_EVICT="evict_first" if evict_first else "",
+        SMEM=compiled(acc) if smem_hist is None else smem_hist, **launch_opts(pdl),
         **({"maxnreg": maxnreg} if maxnreg else {}))  # a register cap buys occupancy (ncu: 126 regs, 25%)
     return acc

@@ -138,3 +138,25 @@ def test_quantize_rows_error_is_small():
     q, s = quantize_rows(x)
     err = (q.float() * s[..., None] - x.float()).abs().max()
     assert err <= s.max() / 2 + 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the shared-memory histogram is inline PTX")
+@pytest.mark.parametrize("block,warps,r_chunk", [(128, 4, 4), (1024, 4, 8), (1024, 8, 8), (2048, 4, 8)])
+def test_shared_memory_pass0_equals_tl_histogram(block, warps, r_chunk):
+    """Pass 0 by shared-memory atomics counts what tl.histogram counts, whatever the launch
+    shape (small blocks hold keys in several threads: the replication is divided out)."""
+    ids, w, dense, new, n_ctx, start, count = _setup("cuda", n=4000)
+    b, hkv = ids.shape[0], dense.shape[1]
+    n_max = 4096
+    lo = torch.full((b,), 4, dtype=torch.int32, device="cuda")
+    hi = (n_ctx + count - 2).int()
+    k = torch.tensor([370, 200], dtype=torch.int32, device="cuda")
+    out = []
+    for smem in (True, False):
+        keys = torch.empty(b, hkv, n_max, dtype=torch.uint16, device="cuda")
+        ws = workspace(b * hkv, "cuda", blocks=4)
+        dense_scores(ids, w, dense, None, new, n_ctx, start, count, lo, hi, k, keys, ws, block=block,
+                     r_chunk=r_chunk, num_warps=warps, smem_hist=smem)
+        out.append((keys, ws[:, :_BINS].clone()))
+    assert torch.equal(out[0][0], out[1][0])
+    assert torch.equal(out[0][1], out[1][1]) and int(out[0][1].sum()) > 0

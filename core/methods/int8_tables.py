@@ -1,0 +1,51 @@
+"""int8 dense tables (CSAttention table_dtype="int8"): the quantization and the integer score.
+
+The dense layout stores every key's score against every centroid: at Llama-3.1-8B shapes that
+is 4x the KV bytes in fp16, and streaming the routed rows is most of a decode step's selection.
+int8 rows with a per-row scale halve both. The estimate is then an integer dot product: the
+routed weights (times each row's scale) are quantized too, with one power-of-two scale per KV
+head, so every product and sum is exact and the GPU kernel (kernels/dense_dot8, dp4a) computes
+bitwise the same scores as this torch code. Pure torch: the CPU method and the kernel tests
+share it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 dense_score [..., N] -> (int8 [..., N], scale [...] fp32), symmetric per row."""
+    scale = dense.float().abs().amax(-1).clamp_min(1e-8) / 127.0
+    q = torch.round(dense.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def weight_scale(ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2^-e, 2^e) per row set from max |ws| over the last dim, read from the fp32 exponent bits
+    so that max |ws| * 2^-e lies in [64, 128); sets whose largest weight is below 2^-120 get
+    (0, 0) (all their weights quantize to 0)."""
+    big = ws.abs().amax(-1).float().view(torch.int32)
+    e_bits = (big >> 23) & 0xFF
+    ok = e_bits >= 7
+    inv = torch.where(ok, (260 - e_bits) << 23, 0).view(torch.float32)
+    deq = torch.where(ok, (e_bits - 6) << 23, 0).view(torch.float32)
+    return inv, deq
+
+
+def quantize_weights(ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 weights [..., R] -> (integer-valued fp32 weights in [-127, 127], 2^e [...]): exact
+    arithmetic (a power-of-two scale, floor(x + 0.5)), so every implementation agrees bitwise."""
+    inv, deq = weight_scale(ws)
+    return torch.floor(ws.float() * inv[..., None] + 0.5).clamp(-127, 127), deq
+
+
+def int_dot_scores(rows: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """Scores [..., N] = 2^e * sum_r wq_r * rows[..., r, N] for int8 rows [..., R, N] and their
+    weights ws [..., R] (routed weight x row scale). The fp32 matmul is exact: integers below
+    2^24 (R * 127 * 127 for R <= 1040)."""
+    if rows.shape[-2] * 127 * 127 >= 1 << 24:
+        raise ValueError(f"{rows.shape[-2]} rows: the integer sum could exceed fp32's exact range")
+    wq, deq = quantize_weights(ws)
+    isum = (wq.unsqueeze(-2) @ rows.float()).squeeze(-2)
+    return isum * deq[..., None]
