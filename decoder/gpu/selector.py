@@ -5,7 +5,9 @@ Dense layout (list_fraction = 1, the measured default): route -> weighted sum of
 routed rows of dense_score (m rows with routing="group") with streamed keys and radix pass 0
 fused (dense_select), written as 16-bit keys of the fp16-rounded scores -> radix pass 1 +
 collect (ties to the lowest index, as CSAttention.search ranks); score_keys="fp32": fp32
-scores and passes 1-3 + collect (ties in atomic order).
+scores and passes 1-3 + collect (ties in atomic order). int8 tables (score_dtype="int8", half
+the bytes) with 16-bit keys are scored by integer dot products against int8-quantized routed
+weights (dense_dot8) instead of dense_select's fp32 arithmetic.
 
 The fused pipeline (opt-in, `fused=FusedConfig()`, for the dense layout with group routing and
 fp16 keys; measured slower than the radix pipeline on the H100, see bench/README.md) is two
@@ -22,8 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ctxcache.kernels.dense_keys import dense_keys
+from ctxcache.kernels.dense_dot8 import dense_dot8
 from ctxcache.kernels.dense_select import dense_scores, quantize_rows
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
@@ -121,15 +125,23 @@ class GpuDenseTables:
               device: torch.device | str, score_dtype: str = "float16") -> "GpuDenseTables":
         """Stack rows' dense tables (zero-padded to the longest N, rounded up to 16 keys so the
         score kernel can use vector loads; the kernel masks by n_ctx). score_dtype "int8"
-        quantizes each (head, subspace, centroid) row with its own scale."""
+        quantizes fp16 tables' (head, subspace, centroid) rows each with its own scale; tables
+        built as int8 (with "dense_scale") are used as stored, whatever score_dtype says."""
         if score_dtype not in ("float16", "int8"):
             raise ValueError(f"score_dtype={score_dtype!r} must be float16 or int8")
         n_max = -(-max(t["dense_score"].shape[-1] for t in per_row) // 16) * 16
-        dense = torch.stack([torch.nn.functional.pad(t["dense_score"].half(), (0, n_max - t["dense_score"].shape[-1]))
-                             for t in per_row]).to(device)
-        scale = None
-        if score_dtype == "int8":
-            dense, scale = quantize_rows(dense)
+        stored8 = ["dense_scale" in t for t in per_row]
+        if any(stored8) and not all(stored8):
+            raise ValueError("rows mix int8 and fp16 dense tables")
+        pad = [(0, n_max - t["dense_score"].shape[-1]) for t in per_row]
+        if all(stored8):  # built as int8 (CSAttention table_dtype="int8"): used as stored
+            dense = torch.stack([F.pad(t["dense_score"], p) for t, p in zip(per_row, pad)]).to(device)
+            scale = torch.stack([t["dense_scale"].float() for t in per_row]).to(device)
+        else:
+            dense = torch.stack([F.pad(t["dense_score"].half(), p) for t, p in zip(per_row, pad)]).to(device)
+            scale = None
+            if score_dtype == "int8":
+                dense, scale = quantize_rows(dense)
         hkv, m, c = dense.shape[1:4]
         dev = dict(device=device)
         n = torch.tensor(n_ctx, dtype=torch.int32, **dev)
@@ -177,6 +189,18 @@ class FusedConfig:
 PAD = 8192  # score rows are padded to a multiple of this (any power-of-two block up to it tiles them)
 
 
+def radix_shape(rows: int, n_max: int, keys16: bool = True) -> tuple[int, int]:
+    """(keys, warps) per radix program. The smallest block (>= 1024 keys, 4 warps) that keeps the
+    grid within ~2048 programs, measured on the H100 for 16-bit keys at 8K-128K, batch 1 and 8
+    (bench step_probe; fp32 passes are latency-bound: more, smaller programs help them the same
+    way). Few rows (<= 8, batch 1) over long contexts (>= 64 programs of 4096 keys) take 4096 keys
+    and 8 warps (16-bit keys): the 128K step 0.7-1.4 us faster in six comparisons over five
+    calls, 32K 1.0-1.3 us (three), 64K 0.9 us (one); 8K slower."""
+    if keys16 and rows <= 8 and rows * -(-n_max // 4096) >= 64:
+        return 4096, 8
+    return next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096), 4
+
+
 class GpuSelector:
     """Reusable buffers for selecting up to k_max keys per (row, KV head) among n_max.
 
@@ -209,12 +233,11 @@ class GpuSelector:
         # 4 warps: 4-6 us faster than 8 at batch 8, and with the row-aligned radix blocks 0.3-1.7 us
         # faster at batch 1 too (eight bench step_probe calls)
         self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4, "maxnreg": 80}
+        # int8 tables with 16-bit keys: integer dot products (kernels/dense_dot8), 8 keys per thread;
+        # the cap (from 128 registers) measured 5 us faster at 128K batch 8, 1 us at batch 1 (H100)
+        self.dot8_cfg = {"block": 1024, "num_warps": 4, "maxnreg": 96}
         self.n_pad = n_pad
-        # radix programs: the smallest block (>= 1024 keys) that keeps the grid within ~2048 programs;
-        # measured on the H100 for 16-bit keys at 8K-128K, batch 1 and 8 (bench step_probe), 4 warps
-        # (fp32 passes are latency-bound: more, smaller programs help them the same way)
-        rows = batch * n_kv
-        self.set_topk_block(next((b for b in (1024, 2048) if rows * -(-n_max // b) <= 2048), 4096))
+        self.set_topk_block(*radix_shape(batch * n_kv, n_max, keys16=score_keys == "fp16"))
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
         # fused dense pipeline (group routing, fp16 keys); its buffers are made on first use
         self.fused = fused if (fused is not None and self.group and score_keys == "fp16") else None
@@ -256,6 +279,9 @@ class GpuSelector:
         """Dense layout: scores [B, Hkv, n_max] of q [B, Hq, D] (self.keys: uint16 keys, or
         self.acc: fp32), radix pass 0 into ws."""
         self._route(q, t, zero=self.ws)
+        if self.keys is not None and t.score_scale is not None:
+            return dense_dot8(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx, t.stream_start,
+                              t.stream_count, lo, hi, k, self.keys, self.ws, **self.dot8_cfg, hist0=hist0, pdl=self.pdl)
         out = self.keys if self.keys is not None else self._fp32_scores()
         return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
                             t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg, hist0=hist0,

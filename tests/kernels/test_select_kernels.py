@@ -182,12 +182,13 @@ def test_radix_topk_on_16bit_keys(device, ties):
 
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("hist0_done", [False, True])
-def test_radix_topk_16bit_is_exact_and_deterministic(device, ties, hist0_done):
+@pytest.mark.parametrize("block,warps", [(512, 4), (4096, 8)])  # 4096 / 8: the selector's batch-1 shape
+def test_radix_topk_16bit_is_exact_and_deterministic(device, ties, hist0_done, block, warps):
     """Over 16-bit keys: the k largest keys, ties to the lowest indices (every run the same set),
     with pass 0 done here or added beforehand as the score kernel does."""
     from ctxcache.kernels.topk import _BINS, blocks16, topk16_ref, workspace
 
-    b, hkv, n, block = 2, 3, 5000, 512
+    b, hkv, n = 2, 3, 5000
     x = torch.randint(0, 7, (b, hkv, n)).float() if ties else torch.randn(b, hkv, n) * 30
     keys = keys16_ref(x)
     lo = torch.tensor([4, 0], dtype=torch.int32)
@@ -200,7 +201,7 @@ def test_radix_topk_16bit_is_exact_and_deterministic(device, ties, hist0_done):
             ws[r, :_BINS] = torch.bincount(seg >> 8, minlength=_BINS).int()
     out = torch.full((b, hkv, 250), -1, dtype=torch.int32, device=device)
     radix_topk(as_u16(keys).to(device), lo.to(device), hi.to(device), k.to(device), out, ws.to(device),
-               block=block, hist0_done=hist0_done)
+               block=block, hist0_done=hist0_done, num_warps=warps)
     refs = topk16_ref(keys.view(b * hkv, n), lo.repeat_interleave(hkv), hi.repeat_interleave(hkv),
                       k.repeat_interleave(hkv))
     for r in range(b * hkv):

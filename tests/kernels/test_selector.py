@@ -49,17 +49,22 @@ def test_selection_matches_csattention_search(device, layout, weighting, scoring
 @pytest.mark.parametrize("layout,score_dtype,routing,score_keys", [
     ("contiguous", "float16", "head", "fp32"), ("rope_pairs", "float16", "head", "fp16"),
     ("contiguous", "int8", "head", "fp16"), ("contiguous", "float16", "group", "fp16"),
-    ("rope_pairs", "float16", "group", "fp32")])
+    ("rope_pairs", "float16", "group", "fp32"), ("contiguous", "built-int8", "group", "fp16"),
+    ("rope_pairs", "built-int8", "head", "fp16")])
 def test_dense_selection_matches_csattention_search(device, layout, score_dtype, routing, score_keys):
-    """Dense full-list tables (the default layout): GPU selection vs CSAttention.search."""
+    """Dense full-list tables (the default layout): GPU selection vs CSAttention.search.
+    "int8": fp16 tables quantized on the GPU only; "built-int8": CSAttention table_dtype="int8"
+    (both paths run the same integer estimate)."""
     hq, hkv, d, n, streamed = 6, 2, 32, 600, 5
-    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout, routing=routing)
+    built8 = score_dtype == "built-int8"
+    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout, routing=routing,
+                               table_dtype="int8" if built8 else "float16")
     method = CSAttention(params)
     q_pre, k, v = torch.randn(hq, n, d), torch.randn(hkv, n + streamed, d), torch.randn(hkv, n + streamed, d)
     q = torch.randn(hq, d)
     k[:, n + 1] = 4 * q.view(hkv, -1, d).sum(1)  # a streamed key the query should find
     state = method.open(method.build(q_pre, k[:, :n], v[:, :n]))
-    assert "dense_score" in state.tables
+    assert "dense_score" in state.tables and ("dense_scale" in state.tables) == built8
     method.append(state, k[:, n:n + streamed], n)
     budget = Budget(keep=0.05, sinks=4, recent=2)
     total = n + streamed
@@ -67,7 +72,7 @@ def test_dense_selection_matches_csattention_search(device, layout, score_dtype,
     want = method.search(state, q, k, lo, hi, budget.top_k(total))
 
     sel = GpuSelector(params, 1, hq, hkv, d, total, budget.top_k(total), device, score_keys=score_keys)
-    tables = stack_tables([state.tables], [n], max_new=8, device=device, score_dtype=score_dtype)
+    tables = stack_tables([state.tables], [n], max_new=8, device=device, score_dtype="float16" if built8 else score_dtype)
     assert isinstance(tables, GpuDenseTables)
     assert tables.dense_score.shape[-1] == 608  # padded to whole 16-key runs (vector loads)
     for t in range(streamed):
@@ -80,7 +85,7 @@ def test_dense_selection_matches_csattention_search(device, layout, score_dtype,
     assert ((got[:, :kk[0]] == n + 1).sum(1) == 1).all()
     # fp16: only summation order (and with fp16 keys, rounding ties) differs; int8 storage (0.4%
     # of a row's range) may swap near-ties
-    floor = 0.97 if score_dtype == "float16" else 0.85
+    floor = 0.85 if score_dtype == "int8" else 0.97
     for h in range(hkv):
         assert _overlap(got[h, :kk[0]], want[h]) >= floor
 
