@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxcache.methods.csattention import CSAttentionParams
+from ctxcache.methods.int8_tables import quantize_rows
 
 
 def lloyd_step(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
@@ -95,6 +96,9 @@ def _tables(params: CSAttentionParams, cent: torch.Tensor, k: torch.Tensor) -> d
     sub_k = k.unflatten(-1, (params.subspaces, -1)).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
     if params.list_length(n) == n:  # the dense layout: fp16 products (fp32 accumulate) straight out
         dense = torch.matmul(cent.half(), sub_k.half().transpose(2, 3))
+        if params.int8_tables:
+            dense8, scale = quantize_rows(dense)
+            return {"centroids": cent.half(), "dense_score": dense8, "dense_scale": scale}
         return {"centroids": cent.half(), "dense_score": dense}
     scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k.float())
     top = torch.topk(scores, params.list_length(n), dim=-1)

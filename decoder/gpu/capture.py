@@ -10,7 +10,7 @@ import argparse
 import torch
 
 from ctxcache.generation import prefill
-from ctxcache.methods.csattention import CSAttention
+from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 from ctxcache.models.attention import QueryCapture
 from ctxcache.models.loader import load_model
 
@@ -25,7 +25,7 @@ def capture(n_ctx: int, n_dec: int, layers: list[int], text: str = "prose") -> d
     cache = lm.model.new_cache(1, max_len=n_ctx + n_dec)
     cap = QueryCapture(lm.args.n_layers)
     prefill(lm.model, ids, cache, cap, chunk=512)
-    method = CSAttention()
+    method = CSAttention(CSAttentionParams(table_dtype="float16"))  # the check quantizes them for int8
     out = {"n_ctx": n_ctx, "layers": layers, "params": method.params.to_dict(), "data": []}
     for layer in layers:
         q = cap.queries(layer)

@@ -4,7 +4,8 @@
    query, the GPU selection vs CSAttention.select (overlap of the searched middle) and the
    GPU attention output vs gqa_sparse_attention (relative L2 error).
 2. A random-weight model: 64 greedy tokens from the GPU graph decode vs the CPU reference
-   decode loop (decoder.session.generate), same artifact."""
+   decode loop (decoder.session.generate), same artifact.
+Both for fp16 and for int8 dense tables (CSAttention table_dtype, results under "*_int8")."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ctxcache.decoder.gpu.selector import GpuSelector, stack_tables
 from ctxcache.kernels.sparse_attention import region, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
+from ctxcache.methods.int8_tables import quantize_rows
 from ctxcache.models.attention import gqa_sparse_attention
 
 
@@ -37,16 +39,25 @@ def _tie_overlap(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor) ->
     return min(1.0, (len(set(got.tolist()) & set(want.tolist())) + len(extra)) / max(1, want.numel()))
 
 
-def check_captured(path: str, device: str, budget: Budget = Budget()) -> list[dict]:
+def as_int8(tables: dict) -> dict:
+    """fp16 dense tables as CSAttention(table_dtype="int8") builds them (the same quantization)."""
+    if "dense_scale" in tables:
+        return tables
+    dense, scale = quantize_rows(tables["dense_score"])
+    return {**tables, "dense_score": dense, "dense_scale": scale}
+
+
+def check_captured(path: str, device: str, budget: Budget = Budget(), table_dtype: str = "float16") -> list[dict]:
     blob = torch.load(path, weights_only=False)
-    params = CSAttentionParams(**blob["params"])
+    params = CSAttentionParams(**{**blob["params"], "table_dtype": table_dtype})
     method, n_ctx, rows = CSAttention(params), blob["n_ctx"], []
     for layer, d in zip(blob["layers"], blob["data"]):
         q_dec, k, v = d["q_dec"], d["k"], d["v"]
         hq, n_dec, hd = q_dec.shape
         hkv = k.shape[0]
-        state = method.open(d["tables"])
-        gt = stack_tables([d["tables"]], [n_ctx], n_dec, device)
+        tables = as_int8(d["tables"]) if params.int8_tables else d["tables"]
+        state = method.open(tables)
+        gt = stack_tables([tables], [n_ctx], n_dec, device)
         sel = GpuSelector(params, 1, hq, hkv, hd, k.shape[1], budget.top_k(k.shape[1]), device)
         for j in range(n_dec):
             n = n_ctx + j + 1
@@ -74,7 +85,7 @@ def check_captured(path: str, device: str, budget: Budget = Budget()) -> list[di
     return rows
 
 
-def check_greedy(device: str, steps: int = 64, n_ctx: int = 900) -> dict:
+def check_greedy(device: str, steps: int = 64, n_ctx: int = 900, table_dtype: str = "float16") -> dict:
     from ctxcache.decoder.session import generate
     from ctxcache.decoder.sparse_attention import SparseConfig
     from ctxcache.generation import SamplingParams
@@ -83,7 +94,7 @@ def check_greedy(device: str, steps: int = 64, n_ctx: int = 900) -> dict:
 
     lm = load_model("random:tiny", seed=3)
     tokens = torch.randint(0, lm.args.vocab_size, (n_ctx,), generator=torch.Generator().manual_seed(0))
-    method = CSAttention()
+    method = CSAttention(CSAttentionParams(table_dtype=table_dtype))
     art = build_artifact(lm, tokens, method, IndexerConfig(kv_dtype="float32", progress=False))
     budget = Budget()
     ref = torch.stack([t for t, _ in generate(lm, [art], [[]], SamplingParams(max_tokens=steps),
@@ -120,17 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     from ctxcache.decoder.gpu.timing import device_info
     result: dict = {"device": device_info()}
-    if Path(args.captured).exists():
-        rows = check_captured(args.captured, device)
-        result["captured"] = {
-            "min_overlap": min(r["overlap"] for r in rows), "mean_overlap": sum(r["overlap"] for r in rows) / len(rows),
-            "min_tie_overlap": min(r["tie_overlap"] for r in rows),
-            "mean_tie_overlap": sum(r["tie_overlap"] for r in rows) / len(rows),
-            "max_rel_err_float32": max(r["rel_err_float32"] for r in rows),
-            "max_rel_err_bfloat16": max(r["rel_err_bfloat16"] for r in rows), "rows": rows}
-        print({k: v for k, v in result["captured"].items() if k != "rows"})
-    result["greedy"] = check_greedy(device)
-    print({k: v for k, v in result["greedy"].items() if k not in ("ref", "gpu")})
+    for dtype, tag in (("float16", ""), ("int8", "_int8")):  # the dense tables' storage
+        if Path(args.captured).exists():
+            rows = check_captured(args.captured, device, table_dtype=dtype)
+            result["captured" + tag] = {
+                "min_overlap": min(r["overlap"] for r in rows),
+                "mean_overlap": sum(r["overlap"] for r in rows) / len(rows),
+                "min_tie_overlap": min(r["tie_overlap"] for r in rows),
+                "mean_tie_overlap": sum(r["tie_overlap"] for r in rows) / len(rows),
+                "max_rel_err_float32": max(r["rel_err_float32"] for r in rows),
+                "max_rel_err_bfloat16": max(r["rel_err_bfloat16"] for r in rows), "rows": rows}
+            print(dtype, {k: v for k, v in result["captured" + tag].items() if k != "rows"})
+        result["greedy" + tag] = check_greedy(device, table_dtype=dtype)
+        print(dtype, {k: v for k, v in result["greedy" + tag].items() if k not in ("ref", "gpu")})
     import datetime
     tag = result["device"]["name"].replace(" ", "-").replace("/", "-")
     path = Path(args.out) / f"check_{tag}_{datetime.date.today().isoformat()}.json"

@@ -68,8 +68,9 @@ def _naive_cs_scores(params, tables, q):
         for b in range(params.subspaces):
             j = int((torch.nn.functional.normalize(sub[b], dim=0) @ cent[kv, b].T).argmax())
             w = sub[b].norm() if params.weighting == "qnorm" else 1.0
-            if "dense_score" in tables:
-                out[kv] += w * tables["dense_score"][kv, b, j].float()
+            if "dense_score" in tables:  # int8 rows dequantized by their scale
+                scale = tables["dense_scale"][kv, b, j] if "dense_scale" in tables else 1.0
+                out[kv] += w * tables["dense_score"][kv, b, j].float() * scale
                 continue
             off = {"absolute": 0.0, "relative": float(tables["list_floor"][kv, b, j]),
                    "expected": float(tables["list_absent_mean"][kv, b, j])}[params.scoring]
@@ -82,7 +83,8 @@ def _naive_cs_scores(params, tables, q):
     {"list_fraction": 0.25, "weighting": "unit", "scoring": "absolute"},  # the paper, literally
     {"list_fraction": 0.3, "scoring": "relative"},
     {"list_fraction": 0.3, "scoring": "expected", "layout": "rope_pairs"},
-    {},  # defaults: dense layout
+    {},  # defaults: dense layout, int8 tables
+    {"table_dtype": "float16"},
     {"routing": "group"},
     {"routing": "group", "list_fraction": 0.3, "scoring": "expected"},
 ])
@@ -94,7 +96,11 @@ def test_csattention_estimate_matches_naive_loops(overrides):
     tables = m.build(q, k, k)
     qt = torch.randn(4, 16)
     got = m.estimate(m.open(tables), qt, n=120).sum(1)
-    torch.testing.assert_close(got, _naive_cs_scores(params, tables, qt), atol=2e-3, rtol=2e-3)
+    want = _naive_cs_scores(params, tables, qt)
+    if params.int8_tables:  # the estimate also quantizes the weights (within 1/128 of the largest)
+        assert "dense_scale" in tables and (got - want).abs().max() <= 0.02 * want.abs().max()
+    else:
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("routing", ["head", "group"])
@@ -143,3 +149,35 @@ def test_method_registry_errors_name_the_problem():
         make_method("csattention", {"centroidz": 3})
     with pytest.raises(ValueError, match="scoring='x'"):
         make_method("csattention", {"scoring": "x"})
+
+
+@pytest.mark.parametrize("routing", ["head", "group"])
+def test_int8_tables_estimate_close_to_fp16(routing):
+    """table_dtype="int8": half the table bytes; the estimate (group sum) stays within the
+    quantization error of the fp16 tables' and selects nearly the same keys."""
+    torch.manual_seed(4)
+    q, k = torch.randn(4, 400, 16), torch.randn(2, 400, 16)
+    qt = torch.randn(4, 16)
+    est, sel = {}, {}
+    for dtype in ("float16", "int8"):
+        m = CSAttention(CSAttentionParams(subspaces=4, centroids=8, routing=routing, table_dtype=dtype))
+        tables = m.build(q, k, k)
+        assert tables["dense_score"].dtype == (torch.int8 if dtype == "int8" else torch.float16)
+        state = m.open(tables)
+        est[dtype] = m.estimate(state, qt, n=400).sum(1)
+        sel[dtype] = m.search(state, qt, k, 4, 368, 40)
+    span = est["float16"].abs().amax(-1, keepdim=True)
+    assert ((est["int8"] - est["float16"]).abs() <= 0.05 * span).all()
+    assert (est["int8"] - est["float16"]).abs().max() > 0  # really quantized
+    for h in range(2):
+        overlap = len(set(sel["int8"][h].tolist()) & set(sel["float16"][h].tolist())) / 40
+        assert overlap >= 0.8
+
+
+def test_int8_tables_need_the_dense_layout_and_the_sum():
+    with pytest.raises(ValueError, match="table_dtype='int8'"):
+        CSAttentionParams(table_dtype="int8", list_fraction=0.5)
+    with pytest.raises(ValueError, match="table_dtype='int8'"):
+        CSAttentionParams(table_dtype="int8", routing="head", group_combine="max")
+    with pytest.raises(ValueError, match="table_dtype"):
+        CSAttentionParams(table_dtype="bf16")

@@ -40,10 +40,10 @@ def test_build_lists_are_top_scores(device):
 
 
 def test_build_dense_layout_scores_every_key(device):
-    """Full lists (the default): dense_score rows are every key's fp16 score against each
-    centroid, as CSAttention.build stores them; group routing clusters the group sums."""
+    """Full lists (the default) in fp16: dense_score rows are every key's fp16 score against
+    each centroid, as CSAttention.build stores them; group routing clusters the group sums."""
     for routing in ("head", "group"):
-        p = CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2, routing=routing)
+        p = CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2, routing=routing, table_dtype="float16")
         q, k = torch.randn(4, 300, 32), torch.randn(2, 300, 32)
         t = {n: v.cpu() for n, v in build_tables_gpu(p, q.to(device), k.to(device)).items()}
         ref = CSAttention(p).build(q, k, k)
@@ -52,6 +52,20 @@ def test_build_dense_layout_scores_every_key(device):
         sub_k = CSAttention(p)._split(k).permute(0, 2, 1, 3)
         want = torch.einsum("hmcd,hmnd->hmcn", t["centroids"].float(), sub_k)
         torch.testing.assert_close(t["dense_score"].float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_build_int8_tables_quantize_the_dense_rows(device):
+    """table_dtype="int8": the same keys as CSAttention.build's int8 tables (int8 rows + a
+    per-row scale), within the quantization step of the fp16 scores."""
+    p = CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2, table_dtype="int8")
+    q, k = torch.randn(4, 300, 32), torch.randn(2, 300, 32)
+    t = {n: v.cpu() for n, v in build_tables_gpu(p, q.to(device), k.to(device)).items()}
+    assert set(t) == set(CSAttention(p).build(q, k, k)) == {"centroids", "dense_score", "dense_scale"}
+    assert t["dense_score"].dtype == torch.int8 and t["dense_scale"].shape == t["dense_score"].shape[:3]
+    sub_k = CSAttention(p)._split(k).permute(0, 2, 1, 3)
+    want = torch.einsum("hmcd,hmnd->hmcn", t["centroids"].float(), sub_k)
+    got = t["dense_score"].float() * t["dense_scale"][..., None]
+    assert ((got - want).abs() <= t["dense_scale"][..., None] * 0.5 + 2e-2).all()
 
 
 def test_group_routing_clusters_the_group_sums(device):
@@ -71,7 +85,7 @@ def test_layers_built_together_match_one_by_one_shapes_and_scores(device):
     kind: dense rows = its own keys scored against its own centroids."""
     from ctxcache.kernels.kmeans import build_tables_gpu_layers
 
-    p = CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2)
+    p = CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2, table_dtype="float16")
     qs = [torch.randn(4, 300, 32).to(device) for _ in range(3)]
     ks = [torch.randn(2, 300, 32).to(device) for _ in range(3)]
     out = build_tables_gpu_layers(p, qs, ks)
@@ -99,4 +113,6 @@ def test_indexer_builds_csattention_tables_on_the_gpu():
         assert ds.device.type == "cpu" and ds.shape[0] == hkv and ds.shape[-1] == 300
         sub_k = CSAttention()._split(layer.k.float()).permute(0, 2, 1, 3)
         want = torch.einsum("hmcd,hmnd->hmcn", t["centroids"].float(), sub_k)
-        torch.testing.assert_close(t["dense_score"].float(), want, rtol=2e-2, atol=2e-2)
+        assert ds.dtype == torch.int8  # the default table_dtype for the dense layout
+        step = t["dense_scale"][..., None]
+        assert ((ds.float() * step - want).abs() <= step / 2 + 2e-2).all()
