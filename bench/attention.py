@@ -3,8 +3,9 @@
 Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128, bf16), one layer, random
 K/V/Q and random tables of the shapes CSAttention builds (m=8, C=128): the list layout
 (L = alpha * N; rows cs_*, csattention) and the dense full-list layout, the measured default
-(dense_score [B, Hkv, m, C, N], distinct per batch row; rows cs_dense_*, csattention_dense,
-and *_int8 for int8 storage with a per-row scale).
+(dense_score [B, Hkv, m, C, N], distinct per batch row; rows cs_dense_*, csattention_dense;
+*_g16 for fp16 tables, *_g16_int8 for int8 tables with a per-row scale, CSAttention's default
+table_dtype, scored by integer dot products).
 Each variant is captured in a CUDA graph and timed by replay (median, L2 flushed). The timed
 rows run the decoder's own configs (GpuSelector's score and Top-K shapes, GpuSparseAttention's
 ATTN_CFG); the tuning sweeps are recorded beside them, with their picks.
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += sweep_topk_block(n_max, budget, "cuda")
     summary = summarize(rows)
     cross = {tag: {b: next((s["context"] for s in summary if s["batch"] == b and (s[f"speedup{tag}"] or 0) > 1), None)
-                   for b in batches} for tag in ("_h32", "_g16")}
+                   for b in batches} for tag in ("_h32", "_g16", "_g16_int8")}
     picks = {"dense_cfg": tune.DENSE_CFG, "attn_cfg": tune.ATTN_PICK, "topk16": tune.TOPK16_BLOCK}
     path = write_results("attention", rows, {"summary": summary, "crossover_context": cross, "sweep_picks": picks,
                                              "attn_cfg": ATTN_CFG, "variants": DENSE_VARIANTS,

@@ -73,7 +73,8 @@ def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, bud
                                           batch, n, steps)}]
     if params.list_length(n) == n:
         tabs = dense_layer_tables(batch, n, layers, params, steps)
-        info = {"method": f"csattention_dense_graph_{params.routing}", "tables_shared_across_batch_rows": True,
+        int8 = "_int8" if params.int8_tables else ""
+        info = {"method": f"csattention_dense_graph_{params.routing}{int8}", "tables_shared_across_batch_rows": True,
                 "tables_distinct_buffers": min(DENSE_BUFFERS, layers), "tables_rotated_across_layers": True}
     else:
         tab = random_tables(batch, n, params, "cuda")
@@ -100,13 +101,15 @@ DENSE_BUFFERS = 4
 def dense_layer_tables(batch: int, n: int, layers: int, params: CSAttentionParams, steps: int) -> list:
     """Per-layer dense tables: DENSE_BUFFERS distinct [1, ...] tables expanded over the batch
     (stride 0) and rotated across layers; each layer keeps its own streamed overlay."""
-    bufs = [random_dense_tables(1, n, params, "cuda") for _ in range(min(DENSE_BUFFERS, layers))]
+    dtype = "int8" if params.int8_tables else "float16"
+    bufs = [random_dense_tables(1, n, params, "cuda", dtype) for _ in range(min(DENSE_BUFFERS, layers))]
     out = []
     for layer in range(layers):
         src = bufs[layer % len(bufs)]
         out.append(dataclasses.replace(
             src, centroids=src.centroids.expand(batch, *src.centroids.shape[1:]),
             dense_score=src.dense_score.expand(batch, *src.dense_score.shape[1:]),
+            score_scale=None if src.score_scale is None else src.score_scale.expand(batch, *src.score_scale.shape[1:]),
             n_ctx=torch.full((batch,), n, dtype=torch.int32, device="cuda"),
             new_scores=torch.zeros(batch, *src.new_scores.shape[1:4], steps + 8, device="cuda"),
             stream_start=torch.full((batch,), n, dtype=torch.int32, device="cuda"),
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="context x batch x layers, comma separated")
     ap.add_argument("--list-fractions", default="1.0", help="1.0: the dense layout; e.g. 0.25,0.015625,1.0")
     ap.add_argument("--routings", default="head,group", help="CSAttention routing variants (dense layout)")
+    ap.add_argument("--table-dtypes", default="int8,float16", help="dense tables' storage (int8: the default)")
     ap.add_argument("--attn-cfg", default=None,
                     help='tuned configs as JSON {"attn": .., "dense": .., "topk16_block": ..}, or a path to an '
                          'attention bench JSON (its attn_cfg, dense_cfg, topk16_block)')
@@ -196,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
             tuned = json.loads(Path(args.attn_cfg).read_text())
             attn_cfg = {"attn": tuned["attn_cfg"], "dense": tuned["dense_cfg"], "topk16_block": tuned.get("topk16_block"),
                         "topk16_warps": tuned.get("topk16_warps")}
-    variants = [(float(a), r) for a in args.list_fractions.split(",")
-                for r in (args.routings.split(",") if float(a) == 1.0 else ["head"])]
+    variants = [(float(a), r, dt) for a in args.list_fractions.split(",")
+                for r in (args.routings.split(",") if float(a) == 1.0 else ["head"])
+                for dt in (args.table_dtypes.split(",") if float(a) == 1.0 else ["float16"])]
     for cfg in filter(None, args.configs.split(",")):  # "" runs only the build / TTFT parts
         n, b, layers = (int(x) for x in cfg.split("x"))
-        for i, (alpha, routing) in enumerate(variants):
-            got = bench_decode(n, b, layers, CSAttentionParams(list_fraction=alpha, routing=routing), budget,
-                               args.steps, attn_cfg)
+        for i, (alpha, routing, dtype) in enumerate(variants):
+            params = CSAttentionParams(list_fraction=alpha, routing=routing, table_dtype=dtype)
+            got = bench_decode(n, b, layers, params, budget, args.steps, attn_cfg)
             rows += got if i == 0 else got[1:]  # the dense baseline once per config
             for r in got:
                 r["list_fraction"] = alpha

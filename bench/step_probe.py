@@ -79,19 +79,26 @@ STEP_VARIANTS = {
     **{f"score_w{w}": {"dense_cfg": {"num_warps": w}} for w in (4, 8)},
     **{f"topk{b}_w{w}": {"topk": (b, w)} for b, w in ((1024, 4), (2048, 4), (4096, 4), (4096, 8))},
     "score_rows_evict_normal": {"dense_cfg": {"evict_first": False}},
+    "score_tl_histogram": {"dense_cfg": {"smem_hist": False}},  # pass 0 by tl.histogram (the earlier default)
 }
-# int8 tables hold 16 keys per 16-byte load, twice fp16's registers per row chunk: fewer rows
-# per chunk and a higher register cap avoid the spills an sm_90 compile shows at the defaults
+# int8 tables (with 16-bit keys: the integer-dot kernel, kernels/dense_dot8): its launch shapes,
+# the shift path instead of the PTX dp4a, and normal eviction of the rows
 INT8_VARIANTS = {
-    "int8_r4_nreg128": {"dense_cfg": {"r_chunk": 4, "maxnreg": 128}},
-    "int8_r2": {"dense_cfg": {"r_chunk": 2}},
-    "int8_r2_w8": {"dense_cfg": {"r_chunk": 2, "num_warps": 8}},
+    **{f"dot8_b{b}_w{w}": {"dot8_cfg": {"block": b, "num_warps": w}} for b, w in ((1024, 4), (2048, 8), (2048, 4),
+                                                                                 (512, 2), (1024, 2))},
+    "dot8_shift": {"dot8_cfg": {"asm": False}},
+    "dot8_evict_normal": {"dot8_cfg": {"evict_first": False}},
+    "dot8_topk4096_w8": {"topk": (4096, 8)},
+    "dot8_tl_histogram": {"dot8_cfg": {"smem_hist": False}},
+    "dot8_nreg80": {"dot8_cfg": {"maxnreg": 80}},  # the default caps at 96
+    "dot8_nocap": {"dot8_cfg": {"maxnreg": None}},
 }
 
 
 def configured(c: Case, settings: dict):
     sel = c.selector(None, None)
     sel.dense_cfg = {**sel.dense_cfg, **settings.get("dense_cfg", {})}
+    sel.dot8_cfg = {**sel.dot8_cfg, **settings.get("dot8_cfg", {})}
     if "topk" in settings:
         sel.set_topk_block(*settings["topk"])
     return sel
@@ -103,7 +110,8 @@ def step_rows(c: Case, base: dict, attn_cfg: dict | None) -> list[dict]:
     ref = c.selector(None, None)
     want = ref.select(c.q, c.tables, c.lo, c.hi, c.kk)[..., :c.top_k].sort(-1).values.clone()
     rows = []
-    variants = {**STEP_VARIANTS, **(INT8_VARIANTS if c.score_dtype == "int8" else {})}
+    # int8 tables: the fp16 score kernel's settings do not apply
+    variants = STEP_VARIANTS if c.score_dtype != "int8" else {"default": {}, **INT8_VARIANTS}
     for name, settings in variants.items():
         sel = configured(c, settings)
         same = torch.equal(sel.select(c.q, c.tables, c.lo, c.hi, c.kk)[..., :c.top_k].sort(-1).values, want)
@@ -133,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     def extra(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--sweeps", default="attention,score,floor", help="which of attention,score,floor to run")
         ap.add_argument("--score-dtype", default="float16", choices=("float16", "int8"),
-                        help="the dense tables' storage (int8: per-row scale, and INT8_VARIANTS)")
+                        help="the dense tables' storage (int8: per-row scale; runs INT8_VARIANTS)")
     args = gpu_cli("ctxcache bench step_probe", "131072", argv, extra)
     if args is None:
         return 2
