@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.dense_select import _routed_chunk, store_keys16
+from ctxcache.kernels.dense_select import _routed_chunk, score_program, store_keys16
 from ctxcache.kernels.sync import INTERPRET, launch_opts, pdl_enter
 from ctxcache.methods.int8_tables import int_dot_scores
 
@@ -128,16 +128,7 @@ def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, star
                        R_CHUNK: tl.constexpr, BLOCK: tl.constexpr, HIST0: tl.constexpr, ASM: tl.constexpr,
                        SMEM: tl.constexpr, USE_PDL: tl.constexpr, ROW_EVICT: tl.constexpr):
     pdl_enter(USE_PDL)
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    b = row // HKV
-    h = row % HKV
-    nctx = tl.load(nctx_ptr + b)
-    s0 = tl.load(start_ptr + b)
-    cnt = tl.load(cnt_ptr + b)
-    lo = tl.load(lo_ptr + b)
-    hi = tl.load(hi_ptr + b)
-    k = tl.load(k_ptr + b)
+    row, blk, b, h, nctx, s0, cnt, lo, hi, k = score_program(nctx_ptr, start_ptr, cnt_ptr, lo_ptr, hi_ptr, k_ptr, HKV)
     QW: tl.constexpr = BLOCK // 4
     words = blk * QW + tl.arange(0, QW)
     in_load = words < (nctx + 15) // 16 * 4  # whole 16-key runs: 16-byte vector loads

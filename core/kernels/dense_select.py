@@ -17,14 +17,16 @@ KV head at Llama-3.1-8B shapes). Query heads of a group that routed to the same 
 not merged: the repeated row is served from L1/L2 within the same program.
 
 The same program writes the fp32 scores and adds its block's histogram of the top 8 radix
-bits inside [lo, hi) to the Top-K workspace, so the radix select (topk.radix_topk with
-hist0_done=True) starts at pass 1: one launch and one read of the scores saved. With a uint16
+bits inside [lo, hi) to the Top-K workspace (by shared-memory atomics where compiled), so the
+radix select (topk.radix_topk with hist0_done=True) starts at pass 1: one launch and one read
+of the scores saved. With a uint16
 output it writes 16-bit order-preserving keys of the fp16-rounded scores instead, so the
 select needs one more histogram pass and the collect (two launches instead of four).
 
 Optional int8 storage: dense_score int8 with a per-(row, head, subspace, centroid) scale
 [B, Hkv, m, C] fp32 (absmax / 127); the scale folds into the row's weight, so the kernel reads
-half the bytes for the same arithmetic.
+half the bytes for the same arithmetic. (The selector scores int8 tables with 16-bit keys by
+integer dot products instead, kernels/dense_dot8: CSAttention's reference arithmetic.)
 """
 
 from __future__ import annotations
@@ -78,6 +80,18 @@ def _routed_chunk(ids_ptr, w_ptr, b, h, G, M, si_b, si_h, r0, R_CHUNK: tl.conste
 
 
 @triton.jit
+def score_program(nctx_ptr, start_ptr, cnt_ptr, lo_ptr, hi_ptr, k_ptr, HKV: tl.constexpr):
+    """A score program's (row, key block, batch row, KV head) and its row's lengths: keys in the
+    table, streamed keys' start and count, the Top-K region [lo, hi) and k. All loaded up front:
+    after the key store, these loads would wait behind it."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = row // HKV
+    return (row, blk, b, row % HKV, tl.load(nctx_ptr + b), tl.load(start_ptr + b), tl.load(cnt_ptr + b),
+            tl.load(lo_ptr + b), tl.load(hi_ptr + b), tl.load(k_ptr + b))
+
+
+@triton.jit
 def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, start_ptr, cnt_ptr,
                         lo_ptr, hi_ptr, k_ptr, acc_ptr, ws_ptr,
                         si_b, si_h, sd_b, sd_h, sd_m, sd_c, ss_b, ss_h, ss_m,
@@ -88,18 +102,8 @@ def _dense_score_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, sta
                         SCALED: tl.constexpr, KEY16: tl.constexpr, HIST0: tl.constexpr, ALIGN16: tl.constexpr,
                         USE_PDL: tl.constexpr, ROW_EVICT: tl.constexpr, SMEM: tl.constexpr):
     pdl_enter(USE_PDL)
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    b = row // HKV
-    h = row % HKV
+    row, blk, b, h, nctx, s0, cnt, lo, hi, k = score_program(nctx_ptr, start_ptr, cnt_ptr, lo_ptr, hi_ptr, k_ptr, HKV)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
-    nctx = tl.load(nctx_ptr + b)
-    s0 = tl.load(start_ptr + b)
-    cnt = tl.load(cnt_ptr + b)
-    # loaded up front: after the key store below, these loads would wait behind it
-    lo = tl.load(lo_ptr + b)
-    hi = tl.load(hi_ptr + b)
-    k = tl.load(k_ptr + b)
     in_ctx = offs < nctx
     # a load mask whose runs of 16 keys are provably whole lets Triton issue 16-byte vector
     # loads (an exact mask at an unknown length gives one scalar load per key)
@@ -167,7 +171,8 @@ def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale:
     the table rows, read once, leave L2 first, so the keys written here are still there for the
     radix passes that read them next (H100, 128K batch 8: selection 104.9 -> 98.7 us, but the
     whole step only ~1 us faster: the keys' write-back to DRAM then falls in the attention).
-    Shapes as in dense_scores_ref."""
+    smem_hist: pass 0 by shared-memory atomics (kernels/smem_hist) rather than tl.histogram;
+    None: where compiled. Shapes as in dense_scores_ref."""
     b, hq, m = ids.shape
     bd, hkv, m2, c, n = dense.shape
     if m2 != m or hq % hkv or bd != b or dense.stride(4) != 1 or dense.dtype not in (torch.float16, torch.int8):

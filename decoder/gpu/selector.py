@@ -5,9 +5,10 @@ Dense layout (list_fraction = 1, the measured default): route -> weighted sum of
 routed rows of dense_score (m rows with routing="group") with streamed keys and radix pass 0
 fused (dense_select), written as 16-bit keys of the fp16-rounded scores -> radix pass 1 +
 collect (ties to the lowest index, as CSAttention.search ranks); score_keys="fp32": fp32
-scores and passes 1-3 + collect (ties in atomic order). int8 tables (score_dtype="int8", half
-the bytes) with 16-bit keys are scored by integer dot products against int8-quantized routed
-weights (dense_dot8) instead of dense_select's fp32 arithmetic.
+scores and passes 1-3 + collect (ties in atomic order). int8 tables (CSAttention's default
+table_dtype, or fp16 tables stacked with score_dtype="int8"; half the bytes) with 16-bit keys
+are scored by integer dot products against int8-quantized routed weights (dense_dot8), the
+reference's arithmetic, instead of dense_select's fp32 arithmetic.
 
 The fused pipeline (opt-in, `fused=FusedConfig()`, for the dense layout with group routing and
 fp16 keys; measured slower than the radix pipeline on the H100, see bench/README.md) is two

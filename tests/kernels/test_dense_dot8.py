@@ -6,9 +6,9 @@ import torch
 from ctxcache.kernels.dense_dot8 import dense_dot8, dense_dot8_ref
 from ctxcache.methods.int8_tables import weight_scale
 from ctxcache.kernels.dense_select import dense_scores_ref, quantize_rows
-from ctxcache.kernels.topk import _BINS, keys16_ref, radix_topk, topk16_ref, workspace
+from ctxcache.kernels.topk import _BINS, keys16_ref, workspace
 
-from test_dense_select import _setup
+from test_dense_select import _setup, check_pass0_and_topk
 from test_select_kernels import from_u16
 
 
@@ -48,15 +48,7 @@ def test_dense_dot8_keys_match_reference(device, group, shared):
         assert torch.equal(got[r, :, :nc], want[r, :, :nc])
         assert ((got[r, :, nc:nc + cnt] - want[r, :, nc:nc + cnt]).abs() <= 1).all()
         assert torch.equal(got[r, :, nc + cnt:], want[r, :, nc + cnt:])  # padding: score 0
-        for h in range(hkv):
-            row = got[r, h, int(lo[r]):int(hi[r])]
-            assert torch.equal(ws.view(b, hkv, -1)[r, h, :_BINS].cpu(), torch.bincount(row >> 8, minlength=_BINS).int())
-    out = torch.full((b, hkv, 37), -1, dtype=torch.int32, device=device)
-    radix_topk(keys, lo, hi, k, out, ws, block=256, hist0_done=True)
-    refs = topk16_ref(got.view(b * hkv, -1), lo.repeat_interleave(hkv), hi.repeat_interleave(hkv),
-                      k.repeat_interleave(hkv))
-    for r in range(b * hkv):
-        assert torch.equal(out.view(b * hkv, -1)[r, :int(k[r // hkv])].long().cpu().sort().values, refs[r])
+    check_pass0_and_topk(keys, ws, lo, hi, k)
 
 
 def test_dense_dot8_blocks_tile_the_row(device):

@@ -100,14 +100,22 @@ def test_dense_scores_16bit_keys(device, group):
     got = from_u16(keys.cpu())
     # equal up to fp32 summation order at an fp16 rounding boundary (one key step)
     assert (got - want).abs().max() <= 1 and (got == want).float().mean() > 0.99
+    check_pass0_and_topk(keys, ws, lo, hi, k)
+
+
+def check_pass0_and_topk(keys, ws, lo, hi, k) -> None:
+    """The score kernel's pass 0 in ws counts its own 16-bit keys in [lo, hi), and the radix
+    Top-K after it (blocks of 256) selects the reference Top-K of those keys."""
+    b, hkv = keys.shape[:2]
+    got = from_u16(keys.cpu())
     for r in range(b):
         for h in range(hkv):
             row = got[r, h, int(lo[r]):int(hi[r])]
             assert torch.equal(ws.view(b, hkv, -1)[r, h, :_BINS].cpu(), torch.bincount(row >> 8, minlength=_BINS).int())
-    out = torch.full((b, hkv, 37), -1, dtype=torch.int32, device=device)
+    out = torch.full((b, hkv, int(k.max())), -1, dtype=torch.int32, device=keys.device)
     radix_topk(keys, lo, hi, k, out, ws, block=256, hist0_done=True)
-    refs = topk16_ref(got.view(b * hkv, -1), lo.repeat_interleave(hkv), hi.repeat_interleave(hkv),
-                      k.repeat_interleave(hkv))
+    refs = topk16_ref(got.view(b * hkv, -1), lo.repeat_interleave(hkv).cpu(), hi.repeat_interleave(hkv).cpu(),
+                      k.repeat_interleave(hkv).cpu())
     for r in range(b * hkv):
         kk = int(k[r // hkv])
         assert torch.equal(out.view(b * hkv, -1)[r, :kk].long().cpu().sort().values, refs[r])
