@@ -87,10 +87,10 @@ def run(args) -> dict:
     text = _context_text(lm.tokenizer, args.tokens)
     cfg = ServiceConfig(server=ServerConfig(port=0, max_streams=32, threads=64), model=ModelConfig(args.model),
                         store=StoreSettings(Path(tempfile.mkdtemp(prefix="ctxcache-bench-")), 8 * GiB),
-                        indexer=IndexerSettings(method=args.method))
+                        indexer=IndexerSettings(method=args.method, method_params=json.loads(args.params)))
     server, port = create_server(cfg, lm)
     client = Client(f"127.0.0.1:{port}")
-    out: dict = {"model": lm.model_id, "method": args.method}
+    out: dict = {"model": lm.model_id, "method": args.method, "method_params": json.loads(args.params)}
     try:
         t0 = time.perf_counter()
         info = client.put(pb.PutContextRequest(text=text, wait=True), timeout=3600).context
@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--method", default="csattention")
+    ap.add_argument("--params", default="{}", help='JSON method parameters, e.g. {"table_dtype": "float16"}')
     ap.add_argument("--tokens", type=int, default=4000, help="context length in tokens")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per stream in the throughput runs")
     ap.add_argument("--repeats", type=int, default=5)
