@@ -79,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({**base, "method": "stream_torch_sum", "bytes": nbytes,
                      "time_us": time_us(capture(lambda: x.sum(dtype=torch.float32)).replay)})
         rows.append({**base, "method": "stream_floor_kernel", "bytes": nbytes, "time_us": stream(nbytes)})
-        del x, ki, vi
         print_table(rows[-12:], ["context", "batch", "method", "time_us"])
     path = write_results("kv_layout_gather", rows, None, args.out)
     print(f"device {device_info()['name']}; wrote {path}")

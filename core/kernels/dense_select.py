@@ -38,7 +38,6 @@ import triton.language as tl
 from ctxcache.kernels.smem_hist import smem_hist_add
 from ctxcache.kernels.sync import compiled, launch_opts, pdl_enter
 from ctxcache.kernels.topk import _keys, _keys16
-from ctxcache.methods.int8_tables import quantize_rows  # noqa: F401 (re-exported: the int8 storage)
 
 
 def dense_scores_ref(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: torch.Tensor | None,

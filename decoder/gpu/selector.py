@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ctxcache.kernels.dense_keys import dense_keys
 from ctxcache.kernels.dense_dot8 import dense_dot8
-from ctxcache.kernels.dense_select import dense_scores, quantize_rows
+from ctxcache.kernels.dense_select import dense_scores
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
 from ctxcache.kernels.select16 import select16, workspace16
@@ -37,6 +37,7 @@ from ctxcache.kernels.stream import add_streamed, stream_insert
 from ctxcache.kernels.sync import pdl_available
 from ctxcache.kernels.topk import MAX_ROW, blocks16, radix_topk, workspace
 from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
+from ctxcache.methods.int8_tables import quantize_rows
 
 
 def check_params(p: CSAttentionParams) -> None:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ctxcache.kernels.dense_dot8 import dense_dot8, dense_dot8_ref
-from ctxcache.methods.int8_tables import weight_scale
-from ctxcache.kernels.dense_select import dense_scores_ref, quantize_rows
+from ctxcache.methods.int8_tables import quantize_rows, weight_scale
+from ctxcache.kernels.dense_select import dense_scores_ref
 from ctxcache.kernels.topk import _BINS, keys16_ref, workspace
 
 from test_dense_select import _setup, check_pass0_and_topk
@@ -40,7 +40,7 @@ def test_dense_dot8_keys_match_reference(device, group, shared):
     case = _int8_case(device, group, shared)
     ids, w, dense, scale, new, n_ctx, start, count = case
     keys, ws, lo, hi, k = _run(device, case)
-    b, hkv = ids.shape[0], dense.shape[1]
+    b = ids.shape[0]
     want = keys16_ref(dense_dot8_ref(*case, 768)).cpu()
     got = from_u16(keys.cpu())
     for r in range(b):

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ctxcache.kernels.dense_select import dense_scores, dense_scores_ref, quantize_rows
+from ctxcache.kernels.dense_select import dense_scores, dense_scores_ref
+from ctxcache.methods.int8_tables import quantize_rows
 from ctxcache.kernels.route import route
 from ctxcache.kernels.topk import _BINS, keys16_ref, radix_topk, topk16_ref, topk_ref, workspace
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxcache.kernels.dense_keys import block_counts_ref, dense_keys, dense_keys_ref
-from ctxcache.kernels.dense_select import quantize_rows
+from ctxcache.methods.int8_tables import quantize_rows
 from ctxcache.kernels.route import route
 from ctxcache.kernels.select16 import BINS, HEAD, select16, select16_ref, workspace16
 from ctxcache.kernels.sparse_attention import sparse_attention_ref, sparse_decode_attention
