@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.dense_select import _routed_chunk, score_program, store_keys16
-from ctxcache.kernels.sync import INTERPRET, launch_opts, pdl_enter
+from ctxcache.kernels.dense_select import _routed_chunk, check_routed_inputs, score_program, store_keys16
+from ctxcache.kernels.sync import compiled, launch_opts, pdl_enter
 from ctxcache.methods.int8_tables import int_dot_scores
 
 _DOT4_PTX = tl.constexpr("""{
@@ -194,31 +194,25 @@ def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: t
     multiple of `block`) and add radix pass 0 into ws (as dense_select.dense_scores). dense:
     int8 [B, Hkv, m, C, N] with N a multiple of 16 and its scale [B, Hkv, m, C] fp32. asm: the
     dp4a PTX, smem_hist: pass 0 by shared-memory atomics (kernels/smem_hist); None: where compiled."""
+    check_routed_inputs(ids, w, dense, new_scores, n_ctx=n_ctx, start=start, count=count, lo=lo, hi=hi, k=k)
     b, hr, m = ids.shape
-    bd, hkv, m2, c, n = dense.shape
+    hkv, n = dense.shape[1], dense.shape[4]
     if dense.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 or scale.shape != dense.shape[:4]:
         raise ValueError(f"dense {dense.dtype} must be int8 with an fp32 scale {tuple(dense.shape[:4])}")
-    if m2 != m or bd != b or hr % hkv or dense.stride(4) != 1 or scale.stride(3) != 1:
-        raise ValueError(f"ids {tuple(ids.shape)}, dense {tuple(dense.shape)}, scale: disagree (contiguous in N, C)")
+    if scale.stride(3) != 1:
+        raise ValueError("scale must be contiguous in C")
     if n % 16 or any(s % 16 for s in dense.stride()[:4]):
         raise ValueError(f"dense rows must hold whole 16-key runs (N={n}, strides {dense.stride()})")
     if keys.dtype != torch.uint16 or keys.shape[:2] != (b, hkv) or keys.stride(2) != 1 or keys.shape[2] % block:
         raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [{b}, {hkv}, k x {block}]")
     if block < 64 or block & (block - 1):
         raise ValueError(f"block={block} must be a power of two >= 64")
-    if not (ids.is_contiguous() and w.is_contiguous() and ids.dtype == torch.int32):
-        raise ValueError("ids (int32) and w must be contiguous")
-    if new_scores.shape[:4] != (b, hkv, m, c) or new_scores.stride(4) != 1 or new_scores.dtype != torch.float32:
-        raise ValueError(f"new_scores {tuple(new_scores.shape)} must be fp32 [{b}, {hkv}, {m}, {c}, T]")
-    for name, t in (("n_ctx", n_ctx), ("start", start), ("count", count), ("lo", lo), ("hi", hi), ("k", k)):
-        if t.shape != (b,) or t.dtype != torch.int32:
-            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be int32 [{b}]")
     g = hr // hkv
     gm_pad = triton.next_power_of_2(g * m)
     words = dense.view(torch.int32)  # 4 keys per word (N and the strides are multiples of 16)
     sd = [s // 4 for s in dense.stride()[:4]]
     sn = new_scores.stride()
-    on_gpu = not INTERPRET and dense.is_cuda
+    on_gpu = compiled(keys)  # inline PTX only in compiled GPU code
     _dense_dot8_kernel[(b * hkv, keys.shape[2] // block)](
         ids, w, words, scale, new_scores, n_ctx, start, count, lo, hi, k, keys, ws,
         ids.stride(0), ids.stride(1), *sd, *scale.stride()[:3], sn[0], sn[1], sn[2], sn[3],

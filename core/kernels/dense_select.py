@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ctxcache.kernels.smem_hist import smem_hist_add
 from ctxcache.kernels.sync import compiled, launch_opts, pdl_enter
-from ctxcache.kernels.topk import _keys, _keys16
+from ctxcache.kernels.topk import _keys, _keys16, _row_bounds
 
 
 def dense_scores_ref(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: torch.Tensor | None,
@@ -83,11 +83,10 @@ def score_program(nctx_ptr, start_ptr, cnt_ptr, lo_ptr, hi_ptr, k_ptr, HKV: tl.c
     """A score program's (row, key block, batch row, KV head) and its row's lengths: keys in the
     table, streamed keys' start and count, the Top-K region [lo, hi) and k. All loaded up front:
     after the key store, these loads would wait behind it."""
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
+    row, lo, hi, k = _row_bounds(lo_ptr, hi_ptr, k_ptr, HKV)
     b = row // HKV
-    return (row, blk, b, row % HKV, tl.load(nctx_ptr + b), tl.load(start_ptr + b), tl.load(cnt_ptr + b),
-            tl.load(lo_ptr + b), tl.load(hi_ptr + b), tl.load(k_ptr + b))
+    return (row, tl.program_id(1), b, row % HKV, tl.load(nctx_ptr + b), tl.load(start_ptr + b),
+            tl.load(cnt_ptr + b), lo, hi, k)
 
 
 @triton.jit
@@ -157,6 +156,24 @@ def store_keys16(acc, offs, key_row_ptr, hist_ptr, lo, hi, k, HIST0: tl.constexp
         _add_hist0((key >> 8).to(tl.int32), offs, hist_ptr, lo, hi, k, SMEM)
 
 
+def check_routed_inputs(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, new_scores: torch.Tensor,
+                        **lengths: torch.Tensor) -> None:
+    """The score kernels' shared checks: routed ids (int32) / w [B, R, m] against dense
+    [B, Hkv, m, C, N] (contiguous in N; R a multiple of Hkv), new_scores fp32 [B, Hkv, m, C, T],
+    and the per-row lengths int32 [B]."""
+    b, hr, m = ids.shape
+    bd, hkv, m2, c, _ = dense.shape
+    if m2 != m or hr % hkv or bd != b or dense.stride(4) != 1:
+        raise ValueError(f"ids {tuple(ids.shape)} and dense {tuple(dense.shape)} disagree (dense contiguous in N)")
+    if not (ids.is_contiguous() and w.is_contiguous() and ids.dtype == torch.int32):
+        raise ValueError("ids (int32) and w must be contiguous")
+    if new_scores.shape[:4] != (b, hkv, m, c) or new_scores.stride(4) != 1 or new_scores.dtype != torch.float32:
+        raise ValueError(f"new_scores {tuple(new_scores.shape)} must be fp32 [{b}, {hkv}, {m}, {c}, T]")
+    for name, t in lengths.items():
+        if t.shape != (b,) or t.dtype != torch.int32:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be int32 [{b}]")
+
+
 def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: torch.Tensor | None,
                  new_scores: torch.Tensor, n_ctx: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, acc: torch.Tensor, ws: torch.Tensor,
@@ -172,25 +189,18 @@ def dense_scores(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale:
     whole step only ~1 us faster: the keys' write-back to DRAM then falls in the attention).
     smem_hist: pass 0 by shared-memory atomics (kernels/smem_hist) rather than tl.histogram;
     None: where compiled. Shapes as in dense_scores_ref."""
+    check_routed_inputs(ids, w, dense, new_scores, n_ctx=n_ctx, start=start, count=count, lo=lo, hi=hi, k=k)
     b, hq, m = ids.shape
-    bd, hkv, m2, c, n = dense.shape
-    if m2 != m or hq % hkv or bd != b or dense.stride(4) != 1 or dense.dtype not in (torch.float16, torch.int8):
-        raise ValueError(f"ids {tuple(ids.shape)} and dense {tuple(dense.shape)} {dense.dtype} disagree "
-                         "(need fp16 or int8, contiguous in N)")
+    hkv, n = dense.shape[1], dense.shape[4]
+    if dense.dtype not in (torch.float16, torch.int8):
+        raise ValueError(f"dense {dense.dtype} must be fp16 or int8")
     if (scale is not None) != (dense.dtype == torch.int8):
         raise ValueError("int8 dense_score needs its scale; fp16 takes none")
     if scale is not None and (scale.shape != dense.shape[:4] or scale.stride(3) != 1 or scale.dtype != torch.float32):
         raise ValueError(f"scale {tuple(scale.shape)} must be fp32 {tuple(dense.shape[:4])}, contiguous in C")
-    if new_scores.shape[:4] != (b, hkv, m, c) or new_scores.stride(4) != 1 or new_scores.dtype != torch.float32:
-        raise ValueError(f"new_scores {tuple(new_scores.shape)} must be fp32 [{b}, {hkv}, {m}, {c}, T]")
     n_max = acc.shape[2]
     if acc.dtype not in (torch.float32, torch.uint16) or acc.shape[:2] != (b, hkv) or acc.stride(2) != 1:
         raise ValueError(f"acc {tuple(acc.shape)} {acc.dtype} must be fp32 or uint16 [{b}, {hkv}, N_max]")
-    if not (ids.is_contiguous() and w.is_contiguous() and ids.dtype == torch.int32):
-        raise ValueError("ids (int32) and w must be contiguous")
-    for name, t in (("n_ctx", n_ctx), ("start", start), ("count", count), ("lo", lo), ("hi", hi), ("k", k)):
-        if t.shape != (b,) or t.dtype != torch.int32:
-            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be int32 [{b}]")
     # A warp loads 16 bytes per thread along N (8 fp16 or 16 int8 values): a block narrower than
     # the warps' span puts rows on different warps and every chunk then pays a cross-warp
     # reduction through shared memory (measured on the H100: int8 at block 1024 ran 3x slower

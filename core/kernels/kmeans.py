@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxcache.methods.csattention import CSAttentionParams
-from ctxcache.methods.int8_tables import quantize_rows
+from ctxcache.methods.int8_tables import int8_dense_tables
 
 
 def lloyd_step(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
@@ -95,11 +95,8 @@ def _tables(params: CSAttentionParams, cent: torch.Tensor, k: torch.Tensor) -> d
     n = k.shape[1]
     sub_k = k.unflatten(-1, (params.subspaces, -1)).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
     if params.list_length(n) == n:  # the dense layout: fp16 products (fp32 accumulate) straight out
-        dense = torch.matmul(cent.half(), sub_k.half().transpose(2, 3))
-        if params.int8_tables:
-            dense8, scale = quantize_rows(dense)
-            return {"centroids": cent.half(), "dense_score": dense8, "dense_scale": scale}
-        return {"centroids": cent.half(), "dense_score": dense}
+        tables = {"centroids": cent.half(), "dense_score": torch.matmul(cent.half(), sub_k.half().transpose(2, 3))}
+        return int8_dense_tables(tables) if params.int8_tables else tables
     scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k.float())
     top = torch.topk(scores, params.list_length(n), dim=-1)
     absent_mean = (scores.sum(-1) - top.values.sum(-1)) / max(n - top.values.shape[-1], 1)

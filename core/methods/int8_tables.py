@@ -21,6 +21,15 @@ def quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def int8_dense_tables(tables: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Dense tables with fp16 dense_score as CSAttention stores them with table_dtype="int8":
+    int8 rows plus "dense_scale" (tables already int8 are returned as they are)."""
+    if "dense_scale" in tables:
+        return tables
+    dense, scale = quantize_rows(tables["dense_score"])
+    return {**tables, "dense_score": dense, "dense_scale": scale}
+
+
 def weight_scale(ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(2^-e, 2^e) per row set from max |ws| over the last dim, read from the fp32 exponent bits
     so that max |ws| * 2^-e lies in [64, 128); sets whose largest weight is below 2^-120 get

@@ -21,7 +21,7 @@ from ctxcache.decoder.gpu.selector import GpuSelector, stack_tables
 from ctxcache.kernels.sparse_attention import region, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
-from ctxcache.methods.int8_tables import quantize_rows
+from ctxcache.methods.int8_tables import int8_dense_tables
 from ctxcache.models.attention import gqa_sparse_attention
 
 
@@ -39,14 +39,6 @@ def _tie_overlap(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor) ->
     return min(1.0, (len(set(got.tolist()) & set(want.tolist())) + len(extra)) / max(1, want.numel()))
 
 
-def as_int8(tables: dict) -> dict:
-    """fp16 dense tables as CSAttention(table_dtype="int8") builds them (the same quantization)."""
-    if "dense_scale" in tables:
-        return tables
-    dense, scale = quantize_rows(tables["dense_score"])
-    return {**tables, "dense_score": dense, "dense_scale": scale}
-
-
 def check_captured(path: str, device: str, budget: Budget = Budget(), table_dtype: str = "float16") -> list[dict]:
     blob = torch.load(path, weights_only=False)
     params = CSAttentionParams(**{**blob["params"], "table_dtype": table_dtype})
@@ -55,7 +47,7 @@ def check_captured(path: str, device: str, budget: Budget = Budget(), table_dtyp
         q_dec, k, v = d["q_dec"], d["k"], d["v"]
         hq, n_dec, hd = q_dec.shape
         hkv = k.shape[0]
-        tables = as_int8(d["tables"]) if params.int8_tables else d["tables"]
+        tables = int8_dense_tables(d["tables"]) if params.int8_tables else d["tables"]
         state = method.open(tables)
         gt = stack_tables([tables], [n_ctx], n_dec, device)
         sel = GpuSelector(params, 1, hq, hkv, hd, k.shape[1], budget.top_k(k.shape[1]), device)
