@@ -13,7 +13,7 @@ and the whole step with the picks against the defaults and SDPA, in one process.
   variant selects the default's key sets.
 
 `python -m ctxcache.bench.step_probe [--contexts 131072] [--batches 1,8] [--sweeps attention,score,floor]
-[--score-dtype float16|int8] [--out DIR]`
+[--score-dtype float16|int8] [--variants NAME,...] [--out DIR]`
 (`ctxcache bench step_probe`, `bench/gpu_suite.sh probe`)."""
 
 from __future__ import annotations
@@ -104,14 +104,22 @@ def configured(c: Case, settings: dict):
     return sel
 
 
-def step_rows(c: Case, base: dict, attn_cfg: dict | None) -> list[dict]:
+def step_variants(score_dtype: str, only: list[str]) -> dict[str, dict]:
+    """The step variants for this table type (int8 tables: the fp16 score kernel's settings do
+    not apply), or only those named (and the default)."""
+    variants = STEP_VARIANTS if score_dtype != "int8" else {"default": {}, **INT8_VARIANTS}
+    unknown = set(only) - set(variants)
+    if unknown:
+        raise SystemExit(f"unknown step variants {sorted(unknown)}; known: {sorted(variants)}")
+    return {name: v for name, v in variants.items() if not only or name == "default" or name in only}
+
+
+def step_rows(c: Case, base: dict, attn_cfg: dict | None, variants: dict[str, dict]) -> list[dict]:
     """The whole step per variant (default attention config, and the attention sweep's pick)."""
     default_attn = {k: ATTN_CFG[k] for k in ATTN_SWEEP}
     ref = c.selector(None, None)
     want = ref.select(c.q, c.tables, c.lo, c.hi, c.kk)[..., :c.top_k].sort(-1).values.clone()
     rows = []
-    # int8 tables: the fp16 score kernel's settings do not apply
-    variants = STEP_VARIANTS if c.score_dtype != "int8" else {"default": {}, **INT8_VARIANTS}
     for name, settings in variants.items():
         sel = configured(c, settings)
         same = torch.equal(sel.select(c.q, c.tables, c.lo, c.hi, c.kk)[..., :c.top_k].sort(-1).values, want)
@@ -142,16 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--sweeps", default="attention,score,floor", help="which of attention,score,floor to run")
         ap.add_argument("--score-dtype", default="float16", choices=("float16", "int8"),
                         help="the dense tables' storage (int8: per-row scale; runs INT8_VARIANTS)")
+        ap.add_argument("--variants", default="", help="comma-separated step variants to run (default: all)")
     args = gpu_cli("ctxcache bench step_probe", "131072", argv, extra)
     if args is None:
         return 2
     rows, budget, sweeps = [], Budget(), args.sweeps.split(",")
+    variants = step_variants(args.score_dtype, [v for v in args.variants.split(",") if v])
     for c in cases(args, budget, args.score_dtype):
         n, b = c.n, c.batch
         base = {"context": n, "batch": b, "top_k": c.top_k, "score_dtype": args.score_dtype}
         got, attn_pick = sweep_attention(c, base) if "attention" in sweeps else ([], None)
         got += sweep_score(c, base)[0] if "score" in sweeps else []
-        got += step_rows(c, base, attn_pick)
+        got += step_rows(c, base, attn_pick, variants)
         if "floor" in sweeps:
             # Hkv x m routed rows x N of the tables' dtype
             got += floor_rows(n, b, budget.top_k(n), table_bytes=b * 8 * 8 * n * c.tables.dense_score.element_size())
