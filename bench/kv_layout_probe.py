@@ -9,7 +9,9 @@ strides, so the interleaved cache is passed as two strided views; no kernel chan
 
 Rows: the sparse attention (the decoder's config, over the default selector's own selection)
 on both layouts, the floor gather on both layouts, and a plain stream of the table bytes by
-torch (sum) beside bench/floor.py's stream kernel, to check that floor.
+torch (sum) beside bench/floor.py's stream kernel, to check that floor. Then the footprint:
+the attention and the gather over caches that hold only the selected keys (the same bytes, in
+random order, from a 5% footprint), and the attention with its K/V left in L2 (footprint_rows).
 
 `python -m ctxcache.bench.kv_layout_probe [--contexts 131072] [--batches 1,8] [--out DIR]`"""
 
@@ -50,6 +52,46 @@ def gather_us(k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, block: int = 
     return time_us(capture(run).replay)
 
 
+def warm_us(fn, reps: int = 200) -> float:
+    """Median time of a graph replay right after another (no L2 flush: what fits in L2 stays)."""
+    g = capture(fn)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        g.replay()
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000.0 * start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def footprint_rows(c, idx: torch.Tensor, splits: int, pdl: bool, base: dict) -> list[dict]:
+    """The same bytes from a smaller footprint: the attention and the floor gather over caches
+    holding only the selected keys (+ sinks and recent window), read in random order, against
+    the full cache; and the attention with its K/V left in L2 by the replay before."""
+    b, hkv, d = c.batch, c.k.shape[1], c.k.shape[-1]
+    sinks, recent = c.budget.sinks, c.budget.recent
+    n_small = c.top_k + sinks + recent
+    ks = torch.randn(b, hkv, n_small, d, device="cuda", dtype=c.k.dtype)
+    vs = torch.randn_like(ks)
+    nt = torch.full((b,), n_small, dtype=torch.int32, device="cuda")
+    perm = torch.stack([torch.randperm(c.top_k, device="cuda") for _ in range(b * hkv)]).int() + sinks
+    idx_small = perm.view(b, hkv, c.top_k).contiguous()
+    kk = torch.full((b,), c.top_k, dtype=torch.int32, device="cuda")
+    rows = [{**base, "method": "attn_full_cache", "footprint_bytes": c.k.numel() * 4, "time_us":
+             time_us(capture(lambda: attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, pdl)).replay)},
+            {**base, "method": "attn_compact_cache", "footprint_bytes": ks.numel() * 4, "time_us":
+             time_us(capture(lambda: attend(c.q, ks, vs, nt, idx_small, kk, c.budget, splits, pdl)).replay)},
+            {**base, "method": "attn_full_cache_l2_warm", "note": "no L2 flush; replay after replay",
+             "time_us": warm_us(lambda: attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, pdl))}]
+    rnd = perm.view(b * hkv, c.top_k).contiguous()
+    rows.append({**base, "method": "gather_compact_random", "footprint_bytes": ks.numel() * 4,
+                 "time_us": gather_us(ks.flatten(0, 1), vs.flatten(0, 1), rnd)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = gpu_cli("ctxcache bench kv_layout_probe", "131072", argv)
     if args is None:
@@ -79,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({**base, "method": "stream_torch_sum", "bytes": nbytes,
                      "time_us": time_us(capture(lambda: x.sum(dtype=torch.float32)).replay)})
         rows.append({**base, "method": "stream_floor_kernel", "bytes": nbytes, "time_us": stream(nbytes)})
-        print_table(rows[-12:], ["context", "batch", "method", "time_us"])
-    path = write_results("kv_layout_gather", rows, None, args.out)
+        rows += footprint_rows(c, idx, splits, sel.pdl, base)
+        print_table(rows[-16:], ["context", "batch", "method", "time_us"])
+    path = write_results("kv_layout_footprint", rows, None, args.out)
     print(f"device {device_info()['name']}; wrote {path}")
     return 0
 

@@ -1,0 +1,125 @@
+"""Where the sparse attention's time goes, one process, the attention bench's harness (one
+CUDA graph each, median replay, L2 flushed), int8 tables' default selection:
+
+- the merge of the split partials: separate launch at 4 / 2 / 1 warps per program, and fused
+  into the split kernel (its last program per row merges), each as the attention alone and as
+  the whole step (selection + attention);
+- the split-K kernel alone, the merge alone, both, for a few split counts and key blocks;
+- the bytes' floors: bench/floor.py's gather of the selected K/V rows at several blocks, and
+  streams of as many contiguous bytes (floor.py's stream kernel at several grids, torch copy).
+
+`python -m ctxcache.bench.attn_parts_probe [--contexts 131072] [--batches 1,8] [--out DIR]`
+(`ctxcache bench attn_parts_probe`, `bench/gpu_suite.sh parts`)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ctxcache.bench.attention import attend, attn_splits
+from ctxcache.bench.floor import _gather_kernel, _stream_kernel
+from ctxcache.bench.fused_tune import cases
+from ctxcache.bench.gpu_inputs import gpu_cli
+from ctxcache.decoder.gpu.attention import ATTN_CFG
+from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
+from ctxcache.kernels.sparse_attention import _merge_kernel, _split_kernel
+from ctxcache.kernels.sync import launch_opts
+from ctxcache.methods import Budget
+
+
+def timed(fn) -> float:
+    return time_us(capture(fn).replay)
+
+
+def parts(c, idx, splits: int, pdl: bool, block_n: int, warps: int) -> dict:
+    """The split kernel and the merge (1 warp) launched as sparse_decode_attention does, alone and together."""
+    q, k, v = c.q, c.k, c.v
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    g_pad = max(16, triton.next_power_of_2(g))
+    o_ws = torch.empty(b * hkv * splits * g_pad * d, device="cuda")
+    ml_ws = torch.empty(b * hkv * splits * g_pad * 2, device="cuda")
+    out = torch.empty_like(q)
+
+    def split():
+        _split_kernel[(b * hkv, splits)](
+            q, k, v, idx, c.kk, c.nt, o_ws, ml_ws, hkv, g, c.budget.sinks, c.budget.recent, d ** -0.5 * 1.4427,
+            q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3], idx.stride(0), idx.stride(1),
+            out, c.nt, out.stride(0), out.stride(1), SPLITS=splits, DENSE=False, IEEE=False, G_PAD=g_pad, D=d,
+            BLOCK_N=block_n, FUSE_MERGE=False, GPU=True, USE_PDL=pdl, num_warps=warps, **launch_opts(pdl))
+
+    def merge():
+        _merge_kernel[(b * hkv * g,)](o_ws, ml_ws, out, hkv, g, out.stride(0), out.stride(1), SPLITS=splits,
+                                      G_PAD=g_pad, D=d, USE_PDL=pdl, num_warps=1, **launch_opts(pdl))
+
+    def both():
+        split()
+        merge()
+    return {"split_only": timed(split), "merge_only": timed(merge), "split_merge": timed(both)}
+
+
+MERGE_VARIANTS = {"merge_w1": {"merge_warps": 1}, "merge_w2": {"merge_warps": 2}, "merge_w4": {"merge_warps": 4},
+                  "fused_merge": {"fuse": True}}
+
+
+def merge_rows(c, sel, idx, splits: int, base: dict) -> list[dict]:
+    """The attention, and the whole step, with each way of merging the split partials
+    (max_abs_diff: against the decoder's launch, bench attention's `attend`)."""
+    from ctxcache.kernels.sparse_attention import sparse_decode_attention
+    counter = torch.zeros(c.batch * c.k.shape[1], dtype=torch.int32, device="cuda")
+    rows = []
+    for name, v in MERGE_VARIANTS.items():
+        def att(ii):
+            return sparse_decode_attention(c.q, c.k, c.v, c.nt, ii, c.kk, c.budget.sinks, c.budget.recent,
+                                           splits=splits, block_n=ATTN_CFG["block_n"], pdl=sel.pdl,
+                                           merge_counter=counter if v.get("fuse") else None,
+                                           merge_warps=v.get("merge_warps", 1))
+        ref = attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, sel.pdl).clone()
+        err = float((att(idx).float() - ref.float()).abs().max())
+        rows.append({**base, "method": f"attn_{name}", "time_us": timed(lambda: att(idx)), "max_abs_diff": err})
+        rows.append({**base, "method": f"step_{name}", "time_us": timed(
+            lambda: att(sel.select(c.q, c.tables, c.lo, c.hi, c.kk)))})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = gpu_cli("attn_parts_probe", "131072", argv)
+    if args is None:
+        return 2
+    rows, budget = [], Budget()
+    for c in cases(args, budget, "int8"):
+        base = {"context": c.n, "batch": c.batch, "top_k": c.top_k}
+        sel = c.selector(None, None)
+        idx = sel.select(c.q, c.tables, c.lo, c.hi, c.kk).clone()
+        splits = attn_splits(c.batch, c.top_k, c.budget)
+        rows.append({**base, "method": "attention", "splits": splits,
+                     "time_us": timed(lambda: attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, sel.pdl))})
+        rows += merge_rows(c, sel, idx, splits, base)
+        for ss, bn, w in ((splits, ATTN_CFG["block_n"], 4), (splits, 64, 4), (2 * splits, 64, 4), (splits, 128, 8)):
+            for name, t in parts(c, idx, ss, sel.pdl, bn, w).items():
+                rows.append({**base, "method": f"{name}_s{ss}_b{bn}_w{w}", "time_us": t})
+        flat = idx[..., :c.top_k].reshape(-1, c.top_k).contiguous()
+        kf, vf = c.k.flatten(0, 1), c.v.flatten(0, 1)
+        for blk in (16, 32, 64, 128):
+            nb = -(-c.top_k // blk)
+            o = torch.empty(flat.shape[0] * nb * 128, device="cuda")
+            rows.append({**base, "method": f"gather_block{blk}", "time_us": timed(
+                lambda: _gather_kernel[(flat.shape[0], nb)](kf, vf, flat, o, c.top_k, c.n, D=128, BLOCK=blk))})
+        nbytes = flat.numel() * 2 * 128 * 2
+        x = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16).normal_()
+        for progs, blk, w in ((132 * 8, 2048, 8), (132 * 4, 8192, 4), (132 * 2, 16384, 8), (132 * 16, 1024, 4)):
+            o = torch.empty(progs, device="cuda")
+            rows.append({**base, "method": f"stream_p{progs}_b{blk}_w{w}", "bytes": nbytes, "time_us": timed(
+                lambda: _stream_kernel[(progs,)](x, o, x.numel(), BLOCK=blk, num_warps=w))})
+        y = torch.empty_like(x)
+        rows.append({**base, "method": "stream_copy_torch", "bytes": 2 * nbytes, "time_us": timed(lambda: y.copy_(x))})
+        print_table(rows[-32:], ["context", "batch", "method", "time_us"])
+        del c
+    path = write_results("attn_parts_probe", rows, None, args.out)
+    print(f"device {device_info()['name']}; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
