@@ -60,7 +60,9 @@ def parts(c, idx, splits: int, pdl: bool, block_n: int, warps: int) -> dict:
 
 
 MERGE_VARIANTS = {"merge_w1": {"merge_warps": 1}, "merge_w2": {"merge_warps": 2}, "merge_w4": {"merge_warps": 4},
-                  "fused_merge": {"fuse": True}}
+                  "fused_merge": {"fuse": True},
+                  # the split and score kernels' step inputs loaded after their PDL wait (the default: before)
+                  "no_pre_wait": {"pre_wait": False}}
 
 
 def merge_rows(c, sel, idx, splits: int, base: dict) -> list[dict]:
@@ -74,12 +76,14 @@ def merge_rows(c, sel, idx, splits: int, base: dict) -> list[dict]:
             return sparse_decode_attention(c.q, c.k, c.v, c.nt, ii, c.kk, c.budget.sinks, c.budget.recent,
                                            splits=splits, block_n=ATTN_CFG["block_n"], pdl=sel.pdl,
                                            merge_counter=counter if v.get("fuse") else None,
-                                           merge_warps=v.get("merge_warps", 1))
+                                           merge_warps=v.get("merge_warps", 1), pre_wait=v.get("pre_wait", True))
         ref = attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, sel.pdl).clone()
         err = float((att(idx).float() - ref.float()).abs().max())
         rows.append({**base, "method": f"attn_{name}", "time_us": timed(lambda: att(idx)), "max_abs_diff": err})
+        sel.dot8_cfg = {**sel.dot8_cfg, "pre_wait": v.get("pre_wait", True)}
         rows.append({**base, "method": f"step_{name}", "time_us": timed(
             lambda: att(sel.select(c.q, c.tables, c.lo, c.hi, c.kk)))})
+    sel.dot8_cfg.pop("pre_wait")
     return rows
 
 

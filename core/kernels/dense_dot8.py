@@ -126,9 +126,13 @@ def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, star
                        sn_b, sn_h, sn_m, sn_c, sa_b, sa_h, sws_r,
                        HKV: tl.constexpr, G: tl.constexpr, M: tl.constexpr, GM_PAD: tl.constexpr,
                        R_CHUNK: tl.constexpr, BLOCK: tl.constexpr, HIST0: tl.constexpr, ASM: tl.constexpr,
-                       SMEM: tl.constexpr, USE_PDL: tl.constexpr, ROW_EVICT: tl.constexpr):
-    pdl_enter(USE_PDL)
+                       SMEM: tl.constexpr, USE_PDL: tl.constexpr, ROW_EVICT: tl.constexpr,
+                       PRE_WAIT: tl.constexpr = True):
+    if not PRE_WAIT:
+        pdl_enter(USE_PDL)
     row, blk, b, h, nctx, s0, cnt, lo, hi, k = score_program(nctx_ptr, start_ptr, cnt_ptr, lo_ptr, hi_ptr, k_ptr, HKV)
+    if PRE_WAIT:  # the lengths come from before the step's first launch (sync.py); ids need the route
+        pdl_enter(USE_PDL)
     QW: tl.constexpr = BLOCK // 4
     words = blk * QW + tl.arange(0, QW)
     in_load = words < (nctx + 15) // 16 * 4  # whole 16-key runs: 16-byte vector loads
@@ -189,11 +193,13 @@ def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: t
                lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, ws: torch.Tensor,
                block: int = 1024, num_warps: int = 4, hist0: bool = True, maxnreg: int | None = None,
                pdl: bool = False, evict_first: bool = True, asm: bool | None = None,
-               smem_hist: bool | None = None) -> torch.Tensor:
+               smem_hist: bool | None = None, pre_wait: bool = True) -> torch.Tensor:
     """Write 16-bit keys of dense_dot8_ref's scores into keys [B, Hkv, N_max] uint16 (N_max a
     multiple of `block`) and add radix pass 0 into ws (as dense_select.dense_scores). dense:
     int8 [B, Hkv, m, C, N] with N a multiple of 16 and its scale [B, Hkv, m, C] fp32. asm: the
-    dp4a PTX, smem_hist: pass 0 by shared-memory atomics (kernels/smem_hist); None: where compiled."""
+    dp4a PTX, smem_hist: pass 0 by shared-memory atomics (kernels/smem_hist); None: where compiled.
+    pre_wait: with pdl, load the row lengths (n_ctx, start, count, lo, hi, k) before waiting for
+    the route (they must come from before the step's first launch, see sync.py)."""
     check_routed_inputs(ids, w, dense, new_scores, n_ctx=n_ctx, start=start, count=count, lo=lo, hi=hi, k=k)
     b, hr, m = ids.shape
     hkv, n = dense.shape[1], dense.shape[4]
@@ -219,6 +225,7 @@ def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: t
         keys.stride(0), keys.stride(1), ws.stride(0),
         HKV=hkv, G=g, M=m, GM_PAD=gm_pad, R_CHUNK=1, BLOCK=block, HIST0=hist0, ASM=on_gpu if asm is None else asm,
         SMEM=on_gpu if smem_hist is None else smem_hist,
-        USE_PDL=pdl, ROW_EVICT="evict_first" if evict_first else "", num_warps=num_warps, **launch_opts(pdl),
+        USE_PDL=pdl, ROW_EVICT="evict_first" if evict_first else "", PRE_WAIT=pre_wait, num_warps=num_warps,
+        **launch_opts(pdl),
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return keys

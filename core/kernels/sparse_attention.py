@@ -49,8 +49,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                   out_ptr, cnt_ptr, so_b, so_h,
                   SPLITS: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr,
                   G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  FUSE_MERGE: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+                  FUSE_MERGE: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr,
+                  PRE_WAIT: tl.constexpr = True):
+    if not PRE_WAIT:
+        pdl_enter(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row // HKV
@@ -71,6 +73,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + b * sq_b + (hkv * G + offs_g)[:, None] * sq_h + offs_d[None, :],
                 mask=(offs_g < G)[:, None], other=0.0)
+    if PRE_WAIT:  # n, k and q come from before the step's first launch (sync.py): read them while
+        pdl_enter(USE_PDL)  # the selection finishes; only idx needs the wait
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
@@ -149,7 +153,7 @@ def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128,
 def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks: int = 0, recent: int = 0,
                             splits: int = 16, out=None, ws=None, block_n: int = 64, merge_counter=None,
                             pdl: bool = False, num_warps: int = 4, num_stages: int | None = None,
-                            merge_warps: int = 1) -> torch.Tensor:
+                            merge_warps: int = 1, pre_wait: bool = True) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [B, Hkv, S, D]; n [B] int32 (cached keys per row); idx [B, Hkv, K_max]
     int32 and k_sel [B] int32 (selected middle keys; None: dense over [0, n)) -> [B, Hq, D].
 
@@ -158,7 +162,9 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
     (sync.pdl_available). num_warps / num_stages: the split kernel's launch shape (num_stages None:
     Triton's default software-pipelining depth). merge_warps: warps per merge program (one query
     head's splits): 1 keeps its reductions inside a warp (H100, 128K: step 0.7-1.7 us faster than
-    4 warps at batch 1 and 8, bench/attn_parts_probe)."""
+    4 warps at batch 1 and 8, bench/attn_parts_probe). pre_wait: with pdl, load n, k_sel and q
+    before waiting for the predecessor (they must come from before the step's first launch, see
+    sync.py); only idx waits."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     if k_cache.shape[0] != b or v_cache.shape != k_cache.shape or k_cache.shape[3] != d or hq % hkv:
@@ -190,7 +196,8 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], si[0], si[1],
         out, merge_counter if fuse else n, out.stride(0), out.stride(1),
         SPLITS=splits, DENSE=dense, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n,
-        FUSE_MERGE=fuse, GPU=compiled(q), USE_PDL=pdl, num_warps=num_warps, **launch_opts(pdl),
+        FUSE_MERGE=fuse, GPU=compiled(q), USE_PDL=pdl, PRE_WAIT=pre_wait, num_warps=num_warps,
+        **launch_opts(pdl),
         **({"num_stages": num_stages} if num_stages else {}))
     if not fuse:
         _merge_kernel[(b * hkv * g,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1),

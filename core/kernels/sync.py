@@ -5,8 +5,12 @@ cannot execute inline PTX, so neither is needed there):
 
 - Programmatic dependent launch (Hopper+): a kernel launched with `launch_pdl=True` may start
   while its predecessor drains; `pdl_wait()` blocks until the predecessor finished and its
-  writes are visible. Every kernel that uses it calls `pdl_wait()` before touching global
-  memory, so the overlap only hides launch latency, never a dependency.
+  writes are visible. Every kernel that uses it calls `pdl_wait()` before touching memory its
+  predecessors write, so the overlap only hides launch latency, never a dependency. A kernel
+  may read earlier what was written before the step's first launch (the row lengths, q): each
+  kernel of the chain lets its successor start only after its own wait returned, so when a
+  kernel starts, everything two launches back and earlier has finished. The split-K attention
+  and the int8 score kernel do (`pre_wait`; H100: ~0.4 us per 128K step, bench/attn_parts_probe).
 - "Last program of a row" hand-off: programs publish results with plain stores, `release()`
   them, and count themselves in with an acq_rel atomic; the one that arrives last `acquire()`s
   and finishes the row (Top-K resolve, split-K merge) instead of a separate launch.

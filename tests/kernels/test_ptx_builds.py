@@ -20,9 +20,11 @@ from triton.compiler import ASTSource
 import importlib
 spec = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-sig = {n: spec["types"].get(n, "constexpr" if n in spec["const"] else spec["default"]) for n in fn.arg_names}
+const = dict(spec["const"])
+const.update({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in const})
+sig = {p.name: "constexpr" if p.is_constexpr else spec["types"].get(p.name, spec["default"]) for p in fn.params}
 names = list(sig)
-src = ASTSource(fn, sig, {(names.index(k),): v for k, v in spec["const"].items()})
+src = ASTSource(fn, sig, {(names.index(k),): v for k, v in const.items()})
 kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": spec["num_warps"]})
 path = os.path.join(os.environ["OUT_DIR"], "kernel.cubin")
 open(path, "wb").write(kern.asm["cubin"])
