@@ -58,6 +58,13 @@ class Case:
     def selector(self, fused: FusedConfig | None, pdl: bool) -> GpuSelector:
         return GpuSelector(CSAttentionParams(), self.batch, HQ, HKV, D, self.n, self.top_k, "cuda", fused=fused, pdl=pdl)
 
+    def default_selection(self) -> tuple[dict, GpuSelector, torch.Tensor]:
+        """A result row's (context, batch, top_k), the default selector (PDL where the GPU has
+        it) and a copy of its selection."""
+        sel = self.selector(None, None)
+        idx = sel.select(self.q, self.tables, self.lo, self.hi, self.kk).clone()
+        return {"context": self.n, "batch": self.batch, "top_k": self.top_k}, sel, idx
+
     def attend(self, idx: torch.Tensor, fuse_merge: bool, pdl: bool) -> torch.Tensor:
         return sparse_decode_attention(self.q, self.k, self.v, self.nt, idx, self.kk, self.budget.sinks,
                                        self.budget.recent, splits=self.splits, block_n=ATTN["block_n"],

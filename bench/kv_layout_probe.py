@@ -98,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows, budget = [], Budget()
     for c in cases(args, budget):
-        base = {"context": c.n, "batch": c.batch, "top_k": c.top_k}
-        sel = c.selector(None, None)
-        idx = sel.select(c.q, c.tables, c.lo, c.hi, c.kk).clone()
+        base, sel, idx = c.default_selection()
         splits = attn_splits(c.batch, c.top_k, c.budget)
         ki, vi = interleaved(c.k, c.v)
         ref = attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, sel.pdl).clone()
