@@ -14,49 +14,33 @@ CUDA graph each, median replay, L2 flushed), int8 tables' default selection:
 from __future__ import annotations
 
 import torch
-import triton
 
 from ctxcache.bench.attention import attend, attn_splits
+from ctxcache.bench.step_probe import timed
 from ctxcache.bench.floor import _gather_kernel, _stream_kernel
 from ctxcache.bench.fused_tune import cases
 from ctxcache.bench.gpu_inputs import gpu_cli
 from ctxcache.decoder.gpu.attention import ATTN_CFG
-from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
-from ctxcache.kernels.sparse_attention import _merge_kernel, _split_kernel
-from ctxcache.kernels.sync import launch_opts
+from ctxcache.decoder.gpu.timing import device_info, print_table, write_results
+from ctxcache.kernels.sparse_attention import merge_partials, partial_workspace, sparse_decode_attention
 from ctxcache.methods import Budget
 
 
-def timed(fn) -> float:
-    return time_us(capture(fn).replay)
-
-
 def parts(c, idx, splits: int, pdl: bool, block_n: int, warps: int) -> dict:
-    """The split kernel and the merge (1 warp) launched as sparse_decode_attention does, alone and together."""
-    q, k, v = c.q, c.k, c.v
-    b, hq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    g_pad = max(16, triton.next_power_of_2(g))
-    o_ws = torch.empty(b * hkv * splits * g_pad * d, device="cuda")
-    ml_ws = torch.empty(b * hkv * splits * g_pad * 2, device="cuda")
-    out = torch.empty_like(q)
+    """The split kernel and the merge (as sparse_decode_attention launches them), alone and together."""
+    hkv = c.k.shape[1]
+    ws = partial_workspace(c.batch, c.q.shape[1], hkv, splits, c.q.shape[2], "cuda")
+    out = torch.empty_like(c.q)
 
     def split():
-        _split_kernel[(b * hkv, splits)](
-            q, k, v, idx, c.kk, c.nt, o_ws, ml_ws, hkv, g, c.budget.sinks, c.budget.recent, d ** -0.5 * 1.4427,
-            q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3], idx.stride(0), idx.stride(1),
-            out, c.nt, out.stride(0), out.stride(1), SPLITS=splits, DENSE=False, IEEE=False, G_PAD=g_pad, D=d,
-            BLOCK_N=block_n, FUSE_MERGE=False, GPU=True, USE_PDL=pdl, num_warps=warps, **launch_opts(pdl))
-
-    def merge():
-        _merge_kernel[(b * hkv * g,)](o_ws, ml_ws, out, hkv, g, out.stride(0), out.stride(1), SPLITS=splits,
-                                      G_PAD=g_pad, D=d, USE_PDL=pdl, num_warps=1, **launch_opts(pdl))
+        sparse_decode_attention(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget.sinks, c.budget.recent, splits=splits,
+                                out=out, ws=ws, block_n=block_n, pdl=pdl, num_warps=warps, partials_only=True)
 
     def both():
         split()
-        merge()
-    return {"split_only": timed(split), "merge_only": timed(merge), "split_merge": timed(both)}
+        merge_partials(ws, out, hkv, splits, pdl)
+    return {"split_only": timed(split), "merge_only": timed(lambda: merge_partials(ws, out, hkv, splits, pdl)),
+            "split_merge": timed(both)}
 
 
 MERGE_VARIANTS = {"merge_w1": {"merge_warps": 1}, "merge_w2": {"merge_warps": 2}, "merge_w4": {"merge_warps": 4},
@@ -68,7 +52,6 @@ MERGE_VARIANTS = {"merge_w1": {"merge_warps": 1}, "merge_w2": {"merge_warps": 2}
 def merge_rows(c, sel, idx, splits: int, base: dict) -> list[dict]:
     """The attention, and the whole step, with each way of merging the split partials
     (max_abs_diff: against the decoder's launch, bench attention's `attend`)."""
-    from ctxcache.kernels.sparse_attention import sparse_decode_attention
     counter = torch.zeros(c.batch * c.k.shape[1], dtype=torch.int32, device="cuda")
     rows = []
     for name, v in MERGE_VARIANTS.items():
@@ -107,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             nb = -(-c.top_k // blk)
             o = torch.empty(flat.shape[0] * nb * 128, device="cuda")
             rows.append({**base, "method": f"gather_block{blk}", "time_us": timed(
-                lambda: _gather_kernel[(flat.shape[0], nb)](kf, vf, flat, o, c.top_k, c.n, D=128, BLOCK=blk))})
+                lambda: _gather_kernel[(flat.shape[0], nb)](kf, vf, flat, o, c.top_k, c.n, D=c.k.shape[-1],
+                                                            BLOCK=blk))})
         nbytes = flat.numel() * 2 * 128 * 2
         x = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16).normal_()
         for progs, blk, w in ((132 * 8, 2048, 8), (132 * 4, 8192, 4), (132 * 2, 16384, 8), (132 * 16, 1024, 4)):

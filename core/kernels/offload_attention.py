@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sparse_attention import INTERPRET, _merge_kernel, sparse_attention_ref
+from ctxcache.kernels.sparse_attention import (INTERPRET, merge_partials, padded_group, partial_workspace,
+                                               sparse_attention_ref)
 
 
 def offload_attention_ref(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int,
@@ -124,16 +125,12 @@ def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, 
             or splits & (splits - 1)):
         raise ValueError("need contiguous head dims, a power-of-two head_dim >= 16 and power-of-two splits")
     g = hq // hkv
-    g_pad = max(16, triton.next_power_of_2(g))
-    if ws is None:
-        ws = (torch.empty(b * hkv * splits * g_pad * d, dtype=torch.float32, device=q.device),
-              torch.empty(b * hkv * splits * g_pad * 2, dtype=torch.float32, device=q.device))
+    g_pad = padded_group(g)
+    ws = partial_workspace(b, hq, hkv, splits, d, q.device) if ws is None else ws
     out = torch.empty_like(q) if out is None else out
     _offload_kernel[(b * hkv, splits)](
         q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, ws[0], ws[1],
         hkv, g, sinks, recent, d ** -0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), *k_host.stride()[:3], *k_cache.stride()[:3], idx.stride(0), idx.stride(1),
         SPLITS=splits, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n)
-    _merge_kernel[(b * hkv * g,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1), USE_PDL=False,
-                                  SPLITS=splits, G_PAD=g_pad, D=d)
-    return out
+    return merge_partials(ws, out, hkv, splits)

@@ -153,18 +153,17 @@ def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128,
 def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks: int = 0, recent: int = 0,
                             splits: int = 16, out=None, ws=None, block_n: int = 64, merge_counter=None,
                             pdl: bool = False, num_warps: int = 4, num_stages: int | None = None,
-                            merge_warps: int = 1, pre_wait: bool = True) -> torch.Tensor:
+                            merge_warps: int = 1, pre_wait: bool = True, partials_only: bool = False) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [B, Hkv, S, D]; n [B] int32 (cached keys per row); idx [B, Hkv, K_max]
     int32 and k_sel [B] int32 (selected middle keys; None: dense over [0, n)) -> [B, Hq, D].
 
     merge_counter: int32 [B * Hkv] zeros (left zeroed after each call): the last split program of
     each row merges, instead of a second launch. pdl: programmatic dependent launch
     (sync.pdl_available). num_warps / num_stages: the split kernel's launch shape (num_stages None:
-    Triton's default software-pipelining depth). merge_warps: warps per merge program (one query
-    head's splits): 1 keeps its reductions inside a warp (H100, 128K: step 0.7-1.7 us faster than
-    4 warps at batch 1 and 8, bench/attn_parts_probe). pre_wait: with pdl, load n, k_sel and q
-    before waiting for the predecessor (they must come from before the step's first launch, see
-    sync.py); only idx waits."""
+    Triton's default software-pipelining depth). merge_warps: see merge_partials. pre_wait: with
+    pdl, load n, k_sel and q before waiting for the predecessor (they must come from before the step's first launch, see
+    sync.py); only idx waits. partials_only: launch the split kernel alone and leave its partials
+    in ws (merge_partials combines them into out)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     if k_cache.shape[0] != b or v_cache.shape != k_cache.shape or k_cache.shape[3] != d or hq % hkv:
@@ -180,14 +179,14 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
     if splits & (splits - 1):
         raise ValueError(f"splits={splits} must be a power of two")
     g = hq // hkv
-    g_pad = max(16, triton.next_power_of_2(g))
-    if ws is None:
-        ws = (torch.empty(b * hkv * splits * g_pad * d, dtype=torch.float32, device=q.device),
-              torch.empty(b * hkv * splits * g_pad * 2, dtype=torch.float32, device=q.device))
+    g_pad = padded_group(g)
+    ws = partial_workspace(b, hq, hkv, splits, d, q.device) if ws is None else ws
     out = torch.empty_like(q) if out is None else out
     fuse = merge_counter is not None
     if fuse and (merge_counter.shape != (b * hkv,) or merge_counter.dtype != torch.int32):
         raise ValueError(f"merge_counter {tuple(merge_counter.shape)} must be int32 [{b * hkv}]")
+    if fuse and partials_only:
+        raise ValueError("partials_only leaves the merge to the caller: pass no merge_counter")
     idx_t = idx if not dense else n  # unused pointer in dense mode
     si = idx.stride() if not dense else (0, 0)
     _split_kernel[(b * hkv, splits)](
@@ -199,8 +198,33 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
         FUSE_MERGE=fuse, GPU=compiled(q), USE_PDL=pdl, PRE_WAIT=pre_wait, num_warps=num_warps,
         **launch_opts(pdl),
         **({"num_stages": num_stages} if num_stages else {}))
-    if not fuse:
-        _merge_kernel[(b * hkv * g,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1),
-                                      SPLITS=splits, G_PAD=g_pad, D=d, USE_PDL=pdl, num_warps=merge_warps,
-                                      **launch_opts(pdl))
+    if not fuse and not partials_only:
+        merge_partials(ws, out, hkv, splits, pdl, merge_warps)
+    return out
+
+
+def padded_group(g: int) -> int:
+    """Query heads per KV head padded for tl.dot (>= 16 rows): the partials' row stride."""
+    return max(16, triton.next_power_of_2(g))
+
+
+def partial_workspace(batch: int, hq: int, hkv: int, splits: int, d: int,
+                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split programs' partials: outputs [rows x splits x G_PAD, D] and (max, sum) pairs, fp32."""
+    rows = batch * hkv * splits * padded_group(hq // hkv)
+    return (torch.empty(rows * d, dtype=torch.float32, device=device),
+            torch.empty(rows * 2, dtype=torch.float32, device=device))
+
+
+def merge_partials(ws: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, hkv: int, splits: int,
+                   pdl: bool = False, num_warps: int = 1) -> torch.Tensor:
+    """Combine the split programs' partials in ws (outputs, then max and sum per query head, as
+    the split kernels store them) into out [B, Hq, D]. One program per query head; 1 warp keeps
+    its reductions inside a warp (H100: 0.7-1.7 us per 128K step faster than 4,
+    bench/attn_parts_probe)."""
+    b, hq, d = out.shape
+    g = hq // hkv
+    _merge_kernel[(b * hq,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1), SPLITS=splits,
+                             G_PAD=padded_group(g), D=d, USE_PDL=pdl, num_warps=num_warps,
+                             **launch_opts(pdl))
     return out
