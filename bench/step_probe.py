@@ -92,9 +92,6 @@ INT8_VARIANTS = {
     "dot8_tl_histogram": {"dot8_cfg": {"smem_hist": False}},
     "dot8_nreg80": {"dot8_cfg": {"maxnreg": 80}},  # the default caps at 96
     "dot8_nocap": {"dot8_cfg": {"maxnreg": None}},
-    # the whole selection in one launch (kernels/row_select), at 16 and 8 warps
-    "row_select": {"row_select": True},
-    "row_select_w8": {"row_select": True, "row_warps": 8},
 }
 
 
@@ -104,9 +101,6 @@ def configured(c: Case, settings: dict):
     sel.dot8_cfg = {**sel.dot8_cfg, **settings.get("dot8_cfg", {})}
     if "topk" in settings:
         sel.set_topk_block(*settings["topk"])
-    if settings.get("row_select") and not sel.set_row_select(True):
-        raise SystemExit("row_select does not apply to this case (rows, context or GPU)")
-    sel.row_warps = settings.get("row_warps", sel.row_warps)
     return sel
 
 

@@ -61,35 +61,21 @@ def _asm(code: tl.constexpr, x):
 
 
 @triton.jit
-def smem_hist_declare(pid):
-    """Declare the program's shared histogram (once per kernel: a second declaration is a PTX
-    error); pass the returned token to smem_hist_counts. pid: any scalar (program_id)."""
-    return _asm(_DECLARE, pid)  # a scalar: emitted once per thread, so declared once
-
-
-@triton.jit
-def smem_hist_counts(digit, valid, dec, BLOCK: tl.constexpr):
-    """The 256-bin histogram [256] int32 of digit [BLOCK] (int32 in [0, 256)) where valid, by
-    the shared histogram that smem_hist_declare returned `dec` for (a kernel may call this
-    again on the same declaration). Compiled GPU code only; every thread of the program must
-    call it (it synchronizes the program)."""
-    # inline PTX with side effects keeps its program order (barrier, zero, barrier, add,
-    # barrier, read); adding each step's zero output to the next step's input also makes it
-    # depend on it by data. The first barrier: an earlier call's reads are done before zeroing.
-    b_prev = _asm(_BARRIER, dec)
-    _asm(_ZERO, tl.arange(0, 512) + b_prev)
-    b0 = _asm(_BARRIER, dec)
-    _asm(_ADD, tl.where(valid, digit, 257) + b0)
-    b1 = _asm(_BARRIER, dec)
-    count = _asm(_READ, tl.arange(0, 256) + b1)
-    total = _asm(_READ, b1 + 256)
-    return count // (total // BLOCK)  # each element was added once per thread holding it
-
-
-@triton.jit
 def smem_hist_add(digit, valid, hist_ptr, BLOCK: tl.constexpr):
     """Add the 256-bin histogram of digit [BLOCK] (int32 in [0, 256)) where valid to the int32
     counts at hist_ptr (global atomics, empty bins skipped). Compiled GPU code only; every
     thread of the program must call it (it synchronizes the program)."""
-    count = smem_hist_counts(digit, valid, smem_hist_declare(tl.program_id(0)), BLOCK)
-    tl.atomic_add(hist_ptr + tl.arange(0, 256), count, mask=count > 0, sem="relaxed")
+    pid = tl.program_id(0)
+    # inline PTX with side effects keeps its program order (declare, zero, barrier, add,
+    # barrier, read); adding each step's zero output to the next step's input also makes it
+    # depend on it by data
+    dec = _asm(_DECLARE, pid)  # a scalar: emitted once per thread, so declared once
+    _asm(_ZERO, tl.arange(0, 512) + dec)
+    b0 = _asm(_BARRIER, pid)
+    _asm(_ADD, tl.where(valid, digit, 257) + b0)
+    b1 = _asm(_BARRIER, pid)
+    bins = tl.arange(0, 256)
+    count = _asm(_READ, bins + b1)
+    total = _asm(_READ, b1 + 256)
+    count = count // (total // BLOCK)  # each element was added once per thread holding it
+    tl.atomic_add(hist_ptr + bins, count, mask=count > 0, sem="relaxed")

@@ -31,7 +31,6 @@ from ctxcache.kernels.dense_keys import dense_keys
 from ctxcache.kernels.dense_dot8 import dense_dot8
 from ctxcache.kernels.dense_select import dense_scores
 from ctxcache.kernels.route import route
-from ctxcache.kernels.row_select import resident_programs, row_select, row_workspace
 from ctxcache.kernels.scatter import scatter_lists
 from ctxcache.kernels.select16 import select16, workspace16
 from ctxcache.kernels.stream import add_streamed, stream_insert
@@ -247,21 +246,6 @@ class GpuSelector:
         # programmatic dependent launch between the step's kernels (None: where the GPU has it)
         self.pdl = pdl_available(device) if pdl is None else pdl
         self._fused_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.row_programs = 0
-        self.row_ws: torch.Tensor | None = None
-        self.row_warps = 16  # sm_90 build at 8192 keys per program: 127 registers, no spills (8 warps: 255 + stack)
-
-    def set_row_select(self, on: bool) -> bool:
-        """Select int8 dense tables in one launch (kernels/row_select) where it applies: group
-        routing with qnorm weights, contiguous subspaces, 16-bit keys, compiled GPU code, and
-        few enough rows that all programs are resident. Returns whether it is on."""
-        p = self.params
-        fits = (on and self.group and p.weighting == "qnorm" and self.perm is None and self.keys is not None
-                and self.fused is None and self.pdl)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if fits else 0
-        self.row_programs = resident_programs(self.rows, self.n_pad, sms) if fits else 0
-        self.row_ws = row_workspace(self.rows, self.row_programs, self.device) if self.row_programs else None
-        return self.row_programs > 0
 
     def set_fused(self, cfg: FusedConfig) -> None:
         """Switch the fused pipeline's shape (before any graph capture)."""
@@ -341,10 +325,6 @@ class GpuSelector:
         if isinstance(t, GpuDenseTables) and self.fused is not None:
             self.fused_keys(q, t, lo, hi, k)
             return self.fused_topk(lo, hi, k)
-        if isinstance(t, GpuDenseTables) and self.row_programs and t.score_scale is not None:
-            return row_select(q, t.centroids, t.dense_score, t.score_scale, t.new_scores, t.n_ctx, t.stream_start,
-                              t.stream_count, lo, hi, k, self.ids, self.w, self.row_ws, self.idx, self.n_pad,
-                              self.row_programs, pdl=self.pdl, num_warps=self.row_warps)
         if isinstance(t, GpuDenseTables):
             scores = self.route_dense(q, t, lo, hi, k)
             return self.finish(scores, lo, hi, k)

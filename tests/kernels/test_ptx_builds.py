@@ -50,14 +50,6 @@ CASES = {
                                 "KEY16": True, "HIST0": True, "ALIGN16": True, "USE_PDL": True,
                                 "ROW_EVICT": "evict_first", "SMEM": True}},
                      ("ATOMS.POPC.INC",)),
-    # the one-launch selection: dp4a, two shared-memory histograms, the row barrier's spin
-    "row_select": ({"module": "ctxcache.kernels.row_select", "kernel": "_row_select_kernel",
-                    "types": {**_COMMON, "q_ptr": "*bf16", "c_ptr": "*fp16", "ds_ptr": "*i32", "out_ptr": "*i32"},
-                    "default": "i32", "num_warps": 8,
-                    "const": {"HKV": 8, "G": 4, "M": 8, "C": 128, "DB": 16, "P": 16, "CH": 8192, "PHASE": 0,
-                              "ROUTE": True, "ASM": True, "SMEM": True, "GPU": True, "USE_PDL": True,
-                              "ROW_EVICT": "evict_first"}},
-                   ("IDP.4A", "PRMT", "ATOMS.POPC.INC", "MEMBAR")),
 }
 
 
