@@ -1,0 +1,110 @@
+"""Per-layer attention inside a sequence of layers, as a decode step runs them: SDPA (flash)
+against CSAttention (int8 tables, the default), each layer with its own q, K/V and tables.
+
+Why: `bench attention` times one layer per CUDA-graph replay, so each of its times includes
+the graph's own start (a one-launch graph costs ~5.4 us in that harness on the H100,
+bench/floor.py) that a decode step pays once for all its layers. Here one graph runs L layers
+back to back, with one selector for all of them (as GpuSparseAttention); per layer =
+T(L) / L, and the marginal cost (T(L) - T(1)) / (L - 1) leaves the graph's start out entirely.
+
+Two protocols (same timing helper as the other benches: median replay, L2 flushed before each):
+- `back_to_back`: the layers follow each other directly. The selector's small buffers (16-bit
+  keys, workspace, indices) stay in L2 from one layer to the next.
+- `l2_flush`: a 64 MB write (more than the H100's 50 MB L2) before every layer evicts L2 as a
+  model's weight reads between two attention layers would; the same sequence of writes alone
+  is timed too and subtracted.
+
+`python -m ctxcache.bench.layer_sequence [--contexts 32768,131072] [--batches 1,8] [--layers 8] [--out DIR]`
+(`ctxcache bench layer_sequence`, `bench/gpu_suite.sh sequence`)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ctxcache.bench.attention import attend, attn_splits, sdpa_dense
+from ctxcache.bench.fused_tune import Case
+from ctxcache.bench.gpu_inputs import D, HKV, gpu_cli
+from ctxcache.bench.step_probe import timed
+from ctxcache.decoder.gpu.timing import device_info, print_table, write_results
+from ctxcache.methods import Budget
+
+FLUSH_BYTES = 64 << 20
+MEMORY_BUDGET = 45e9  # bytes of layers held at once (80 GB H100: leaves room for the rest)
+
+
+def layer_bytes(n: int, batch: int) -> int:
+    """One layer's K/V (bf16) and int8 dense tables (m = 8 rows of C = 128 per KV head)."""
+    return batch * HKV * n * (2 * D * 2 + 8 * 128)
+
+
+def sequence_rows(n: int, batch: int, budget: Budget, max_layers: int) -> list[dict]:
+    layers = max(2, min(max_layers, int(MEMORY_BUDGET // layer_bytes(n, batch))))
+    cases = [Case(n, batch, budget, "int8") for _ in range(layers)]
+    sel = cases[0].selector(None, None)
+    splits = attn_splits(batch, cases[0].top_k, budget)
+    scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    steps = {
+        "dense_sdpa_flash": lambda c: sdpa_dense(c.q[:, :, None], c.k, c.v),
+        "csattention": lambda c: attend(c.q, c.k, c.v, c.nt, sel.select(c.q, c.tables, c.lo, c.hi, c.kk), c.kk,
+                                        budget, splits, sel.pdl),
+        "flush_only": lambda c: None,
+    }
+
+    def run(step, count: int, flush: bool) -> float:
+        def body():
+            for c in cases[:count]:
+                if flush:
+                    scratch.zero_()
+                step(c)
+        return timed(body)
+
+    base = {"context": n, "batch": batch, "layers": layers, "top_k": cases[0].top_k}
+    rows = []
+    for protocol, flush in (("back_to_back", False), ("l2_flush", True)):
+        t = {(name, count): run(step, count, flush) for name, step in steps.items() for count in (1, layers)
+             if flush or name != "flush_only"}
+        for name in ("dense_sdpa_flash", "csattention"):
+            own = {count: t[name, count] - t.get(("flush_only", count), 0.0) for count in (1, layers)}
+            rows.append({**base, "method": name, "protocol": protocol, "one_layer_us": own[1],
+                         "sequence_us": own[layers], "time_us": own[layers] / layers,
+                         "marginal_us": (own[layers] - own[1]) / (layers - 1),
+                         "flush_us": t.get(("flush_only", layers))})
+    del cases
+    return rows
+
+
+def with_speedups(rows: list[dict]) -> list[dict]:
+    """Add SDPA / CSAttention per layer and marginal to the CSAttention rows."""
+    for r in rows:
+        if r["method"] == "csattention":
+            d = next(x for x in rows if x["method"] == "dense_sdpa_flash" and
+                     all(x[k] == r[k] for k in ("context", "batch", "protocol")))
+            r["speedup_per_layer"] = d["time_us"] / r["time_us"]
+            r["speedup_marginal"] = d["marginal_us"] / r["marginal_us"]
+            r["speedup_one_layer"] = d["one_layer_us"] / r["one_layer_us"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    def extra(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--layers", type=int, default=8, help="layers per sequence (fewer where memory is short)")
+    args = gpu_cli("ctxcache bench layer_sequence", "32768,131072", argv, extra)
+    if args is None:
+        return 2
+    rows = []
+    for b in args.batch_list:
+        for n in args.context_list:
+            got = with_speedups(sequence_rows(n, b, Budget(), args.layers))
+            print_table(got, ["context", "batch", "layers", "protocol", "method", "one_layer_us", "time_us",
+                              "marginal_us", "speedup_per_layer", "speedup_marginal"])
+            rows += got
+            torch.cuda.empty_cache()
+    path = write_results("layer_sequence", rows, {"flush_bytes": FLUSH_BYTES}, args.out)
+    print(f"device {device_info()['name']}; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
