@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuTables
+from ctxcache.decoder.gpu.timing import set_flush
 from ctxcache.methods.csattention import CSAttentionParams
 
 HQ, HKV, D = 32, 8, 128
@@ -53,12 +54,16 @@ def gpu_cli(prog: str, contexts: str, argv: list[str] | None,
     ap.add_argument("--contexts", default=contexts)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--flush", default="write", choices=("write", "read"),
+                    help="how L2 is emptied before each timed run: zeroing 256 MB (triton do_bench, the default) "
+                         "or reading 256 MB (L2 left clean, as after a model's weight reads; decoder/gpu/timing.py)")
     if extra is not None:
         extra(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"{prog} needs a CUDA GPU")
         return None
+    set_flush(args.flush)
     args.batch_list = [int(x) for x in args.batches.split(",")]
     args.context_list = [int(x) for x in args.contexts.split(",")]
     return args

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: kernel tests on the GPU, then the benchmarks; logs and JSON under $OUT.
 # usage (device): bash bench/gpu_suite.sh [probe] [layout] [parts] [sequence] [gap] [profile] [fused] [attention] [decode] [tests] [check] [offload_tests] [offload] [stalls]
+# ATTENTION_ARGS, SEQUENCE_ARGS, PROBE_ARGS, ... (env) pass extra arguments to a bench (e.g. --flush read);
 # DECODE_ARGS (env) passes extra arguments to the decode bench, e.g. --attn-cfg '{"waves": 4, ...}'.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,7 +22,7 @@ for what in "${@:-tests attention}"; do
     gap) python3 -m ctxcache.bench.attention_gap --out "$OUT" 2>&1 | tee "$OUT/gap.log" ;;
     profile) python3 -m ctxcache.bench.profile_decode --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     fused) python3 -m ctxcache.bench.fused_tune --out "$OUT" ${FUSED_ARGS:-} 2>&1 | tee "$OUT/fused.log" ;;
-    attention) python3 -m ctxcache.bench.attention --out "$OUT" 2>&1 | tee "$OUT/attention.log" ;;
+    attention) python3 -m ctxcache.bench.attention --out "$OUT" ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.log" ;;
     decode) eval python3 -m ctxcache.bench.decode --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" ;;
     offload_tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_offload_attention.py 2>&1 | tee "$OUT/offload_tests.log" | tail -5 ;;
     offload) python3 -m ctxcache.bench.offload --out "$OUT" 2>&1 | tee "$OUT/offload.log" ;;

@@ -7,14 +7,16 @@ bench/floor.py) that a decode step pays once for all its layers. Here one graph 
 back to back, with one selector for all of them (as GpuSparseAttention); per layer =
 T(L) / L, and the marginal cost (T(L) - T(1)) / (L - 1) leaves the graph's start out entirely.
 
-Two protocols (same timing helper as the other benches: median replay, L2 flushed before each):
+Two protocols (same timing helper as the other benches: median replay, L2 emptied before each
+the way --flush says):
 - `back_to_back`: the layers follow each other directly. The selector's small buffers (16-bit
   keys, workspace, indices) stay in L2 from one layer to the next.
-- `l2_flush`: a 64 MB write (more than the H100's 50 MB L2) before every layer evicts L2 as a
-  model's weight reads between two attention layers would; the same sequence of writes alone
-  is timed too and subtracted.
+- `l2_flush`: 64 MB (more than the H100's 50 MB L2) written (--flush write) or read (--flush
+  read) before every layer evicts L2 as a model's weight reads between two attention layers
+  would; the same sequence of evictions alone is timed too and subtracted.
 
-`python -m ctxcache.bench.layer_sequence [--contexts 32768,131072] [--batches 1,8] [--layers 8] [--out DIR]`
+`python -m ctxcache.bench.layer_sequence [--contexts 32768,131072] [--batches 1,8] [--layers 8] [--flush write|read]
+[--out DIR]`
 (`ctxcache bench layer_sequence`, `bench/gpu_suite.sh sequence`)."""
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ctxcache.bench.attention import attend, attn_splits, sdpa_dense
 from ctxcache.bench.fused_tune import Case
 from ctxcache.bench.gpu_inputs import D, HKV, gpu_cli
 from ctxcache.bench.step_probe import timed
-from ctxcache.decoder.gpu.timing import device_info, print_table, write_results
+from ctxcache.decoder.gpu.timing import FLUSHES, capture, device_info, flush_mode, print_table, time_us, write_results
 from ctxcache.methods import Budget
 
 FLUSH_BYTES = 64 << 20
@@ -44,7 +46,8 @@ def sequence_rows(n: int, batch: int, budget: Budget, max_layers: int) -> list[d
     cases = [Case(n, batch, budget, "int8") for _ in range(layers)]
     sel = cases[0].selector(None, None)
     splits = attn_splits(batch, cases[0].top_k, budget)
-    scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    scratch = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    evict = scratch.zero_ if flush_mode() == "write" else scratch.sum
     steps = {
         "dense_sdpa_flash": lambda c: sdpa_dense(c.q[:, :, None], c.k, c.v),
         "csattention": lambda c: attend(c.q, c.k, c.v, c.nt, sel.select(c.q, c.tables, c.lo, c.hi, c.kk), c.kk,
@@ -56,12 +59,15 @@ def sequence_rows(n: int, batch: int, budget: Budget, max_layers: int) -> list[d
         def body():
             for c in cases[:count]:
                 if flush:
-                    scratch.zero_()
+                    evict()
                 step(c)
         return timed(body)
 
     base = {"context": n, "batch": batch, "layers": layers, "top_k": cases[0].top_k}
-    rows = []
+    # one layer under each way of emptying L2 (none: warm, the check that the others evict)
+    rows = [{**base, "method": name, "protocol": f"one_layer_flush_{mode}",
+             "time_us": time_us(capture(lambda: step(cases[0])).replay, flush=mode)}
+            for name, step in list(steps.items())[:2] for mode in FLUSHES]
     for protocol, flush in (("back_to_back", False), ("l2_flush", True)):
         t = {(name, count): run(step, count, flush) for name, step in steps.items() for count in (1, layers)
              if flush or name != "flush_only"}
@@ -76,12 +82,14 @@ def sequence_rows(n: int, batch: int, budget: Budget, max_layers: int) -> list[d
 
 
 def with_speedups(rows: list[dict]) -> list[dict]:
-    """Add SDPA / CSAttention per layer and marginal to the CSAttention rows."""
+    """Add SDPA / CSAttention (per layer, marginal, one layer) to the CSAttention rows."""
     for r in rows:
-        if r["method"] == "csattention":
-            d = next(x for x in rows if x["method"] == "dense_sdpa_flash" and
-                     all(x[k] == r[k] for k in ("context", "batch", "protocol")))
-            r["speedup_per_layer"] = d["time_us"] / r["time_us"]
+        if r["method"] != "csattention":
+            continue
+        d = next(x for x in rows if x["method"] == "dense_sdpa_flash" and
+                 all(x[k] == r[k] for k in ("context", "batch", "protocol")))
+        r["speedup_per_layer"] = d["time_us"] / r["time_us"]
+        if "marginal_us" in r:
             r["speedup_marginal"] = d["marginal_us"] / r["marginal_us"]
             r["speedup_one_layer"] = d["one_layer_us"] / r["one_layer_us"]
     return rows
