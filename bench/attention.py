@@ -104,11 +104,12 @@ def attn_splits(batch: int, top_k: int, budget: Budget, cfg: dict = ATTN_CFG) ->
                          waves=cfg["waves"])
 
 
-def attend(q, k, v, nt, idx, kk, budget: Budget, splits: int, pdl: bool = False, cfg: dict = ATTN_CFG) -> torch.Tensor:
+def attend(q, k, v, nt, idx, kk, budget: Budget, splits: int, pdl: bool = False, cfg: dict = ATTN_CFG,
+           pre_wait: bool = True) -> torch.Tensor:
     """The sparse attention as GpuSparseAttention launches it (ATTN_CFG, or a swept shape)."""
     return sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=splits,
                                    block_n=cfg["block_n"], num_warps=cfg["num_warps"],
-                                   num_stages=cfg["num_stages"], pdl=pdl)
+                                   num_stages=cfg["num_stages"], pdl=pdl, pre_wait=pre_wait)
 
 
 def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str, routing: str,

@@ -45,7 +45,8 @@ def parts(c, idx, splits: int, pdl: bool, block_n: int, warps: int) -> dict:
 
 MERGE_VARIANTS = {"merge_w1": {"merge_warps": 1}, "merge_w2": {"merge_warps": 2}, "merge_w4": {"merge_warps": 4},
                   "fused_merge": {"fuse": True},
-                  # the split and score kernels' step inputs loaded after their PDL wait (the default: before)
+                  # every kernel's step inputs loaded after its PDL wait, and the merge's successor launched at
+                  # its exit (the default: inputs before the wait, the successor after the merge's wait)
                   "no_pre_wait": {"pre_wait": False}}
 
 
@@ -63,10 +64,10 @@ def merge_rows(c, sel, idx, splits: int, base: dict) -> list[dict]:
         ref = attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, sel.pdl).clone()
         err = float((att(idx).float() - ref.float()).abs().max())
         rows.append({**base, "method": f"attn_{name}", "time_us": timed(lambda: att(idx)), "max_abs_diff": err})
-        sel.dot8_cfg = {**sel.dot8_cfg, "pre_wait": v.get("pre_wait", True)}
+        sel.pre_wait = v.get("pre_wait", True)
         rows.append({**base, "method": f"step_{name}", "time_us": timed(
             lambda: att(sel.select(c.q, c.tables, c.lo, c.hi, c.kk)))})
-    sel.dot8_cfg.pop("pre_wait")
+    sel.pre_wait = True
     return rows
 
 

@@ -1,5 +1,7 @@
 """Per-layer attention inside a sequence of layers, as a decode step runs them: SDPA (flash)
-against CSAttention (int8 tables, the default), each layer with its own q, K/V and tables.
+against CSAttention (int8 tables, the default), each layer with its own q, K/V and tables;
+CSAttention also with every launch's inputs loaded after its PDL wait (`_loads_after_wait`, the
+measure of the pre-wait loads, kernels/sync.py).
 
 Why: `bench attention` times one layer per CUDA-graph replay, so each of its times includes
 the graph's own start (a one-launch graph costs ~5.4 us in that harness on the H100,
@@ -45,6 +47,8 @@ def sequence_rows(n: int, batch: int, budget: Budget, max_layers: int) -> list[d
     layers = max(2, min(max_layers, int(MEMORY_BUDGET // layer_bytes(n, batch))))
     cases = [Case(n, batch, budget, "int8") for _ in range(layers)]
     sel = cases[0].selector(None, None)
+    late = cases[0].selector(None, None)  # every launch's inputs loaded after its PDL wait
+    late.pre_wait = False
     splits = attn_splits(batch, cases[0].top_k, budget)
     scratch = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     evict = scratch.zero_ if flush_mode() == "write" else scratch.sum
@@ -52,6 +56,9 @@ def sequence_rows(n: int, batch: int, budget: Budget, max_layers: int) -> list[d
         "dense_sdpa_flash": lambda c: sdpa_dense(c.q[:, :, None], c.k, c.v),
         "csattention": lambda c: attend(c.q, c.k, c.v, c.nt, sel.select(c.q, c.tables, c.lo, c.hi, c.kk), c.kk,
                                         budget, splits, sel.pdl),
+        "csattention_loads_after_wait": lambda c: attend(
+            c.q, c.k, c.v, c.nt, late.select(c.q, c.tables, c.lo, c.hi, c.kk), c.kk, budget, splits, late.pdl,
+            pre_wait=False),
         "flush_only": lambda c: None,
     }
 
@@ -67,11 +74,11 @@ def sequence_rows(n: int, batch: int, budget: Budget, max_layers: int) -> list[d
     # one layer under each way of emptying L2 (none: warm, the check that the others evict)
     rows = [{**base, "method": name, "protocol": f"one_layer_flush_{mode}",
              "time_us": time_us(capture(lambda: step(cases[0])).replay, flush=mode)}
-            for name, step in list(steps.items())[:2] for mode in FLUSHES]
+            for name, step in list(steps.items())[:3] for mode in FLUSHES]
     for protocol, flush in (("back_to_back", False), ("l2_flush", True)):
         t = {(name, count): run(step, count, flush) for name, step in steps.items() for count in (1, layers)
              if flush or name != "flush_only"}
-        for name in ("dense_sdpa_flash", "csattention"):
+        for name in ("dense_sdpa_flash", "csattention", "csattention_loads_after_wait"):
             own = {count: t[name, count] - t.get(("flush_only", count), 0.0) for count in (1, layers)}
             rows.append({**base, "method": name, "protocol": protocol, "one_layer_us": own[1],
                          "sequence_us": own[layers], "time_us": own[layers] / layers,
@@ -84,7 +91,7 @@ def sequence_rows(n: int, batch: int, budget: Budget, max_layers: int) -> list[d
 def with_speedups(rows: list[dict]) -> list[dict]:
     """Add SDPA / CSAttention (per layer, marginal, one layer) to the CSAttention rows."""
     for r in rows:
-        if r["method"] != "csattention":
+        if not r["method"].startswith("csattention"):
             continue
         d = next(x for x in rows if x["method"] == "dense_sdpa_flash" and
                  all(x[k] == r[k] for k in ("context", "batch", "protocol")))

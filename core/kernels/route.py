@@ -34,31 +34,33 @@ def route_ref(q: torch.Tensor, centroids: torch.Tensor, group: bool = False) -> 
 def _route_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, HO, G, M, C, DB,
                   sq_r, sq_h, sc_r, sc_h, sc_m, sc_c, so_r, so_h,
                   z_ptr, Z_PER, ZN, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-                  ZERO: tl.constexpr, Z_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+                  ZERO: tl.constexpr, Z_CHUNK: tl.constexpr, USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr = True):
+    if not PRE_WAIT:
+        pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     mm = tl.program_id(1)
+    r = pid // HO  # HO output heads per row: Hq, or Hkv when routing group sums
+    h = pid % HO
+    hkv = h if GROUP else h // G
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_C)
+    dmask = offs_d < DB
+    cp = c_ptr + r * sc_r + hkv * sc_h + mm * sc_m + offs_c[:, None] * sc_c + offs_d[None, :]
+    cent = tl.load(cp, mask=(offs_c[:, None] < C) & dmask[None, :], other=0.0).to(tl.float32)
+    if PRE_WAIT:  # the centroids are static (sync.py): read while the predecessor drains; q waits
+        pdl_enter(USE_PDL)
     if ZERO:  # side job: this program's share of a buffer the next kernels need zeroed
         z0 = (pid * M + mm) * Z_PER
         for s in range(z0, tl.minimum(z0 + Z_PER, ZN), Z_CHUNK):
             offs_z = s + tl.arange(0, Z_CHUNK)
             tl.store(z_ptr + offs_z, tl.zeros((Z_CHUNK,), tl.int32), mask=offs_z < tl.minimum(z0 + Z_PER, ZN))
-    r = pid // HO  # HO output heads per row: Hq, or Hkv when routing group sums
-    h = pid % HO
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_c = tl.arange(0, BLOCK_C)
-    dmask = offs_d < DB
     if GROUP:
-        hkv = h
         qb = tl.zeros((BLOCK_D,), tl.float32)
         for g in range(G):
             qb += tl.load(q_ptr + r * sq_r + (h * G + g) * sq_h + mm * DB + offs_d, mask=dmask,
                           other=0.0).to(tl.float32)
     else:
-        hkv = h // G
         qb = tl.load(q_ptr + r * sq_r + h * sq_h + mm * DB + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    cp = c_ptr + r * sc_r + hkv * sc_h + mm * sc_m + offs_c[:, None] * sc_c + offs_d[None, :]
-    cent = tl.load(cp, mask=(offs_c[:, None] < C) & dmask[None, :], other=0.0).to(tl.float32)
     dots = tl.sum(cent * qb[None, :], axis=1)
     dots = tl.where(offs_c < C, dots, float("-inf"))
     best = tl.argmax(dots, axis=0)
@@ -67,10 +69,12 @@ def _route_kernel(q_ptr, c_ptr, ids_ptr, w_ptr, HO, G, M, C, DB,
 
 
 def route(q: torch.Tensor, centroids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-          group: bool = False, zero: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          group: bool = False, zero: torch.Tensor | None = None, pdl: bool = False,
+          pre_wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher; `out` (ids, qnorm) lets a captured graph reuse static buffers. `zero`, a
     contiguous int32 buffer (the Top-K workspace), is zeroed by the same launch: one launch
-    less per step than a separate memset."""
+    less per step than a separate memset. pre_wait (with pdl): load the centroids before
+    waiting for the predecessor (they must not be written by the step, sync.py)."""
     if q.dim() != 3 or centroids.dim() != 5:
         raise ValueError(f"q {tuple(q.shape)} must be [R, Hq, D], centroids {tuple(centroids.shape)} [R, Hkv, m, C, d_b]")
     r, hq, d = q.shape
@@ -94,5 +98,6 @@ def route(q: torch.Tensor, centroids: torch.Tensor, out: tuple[torch.Tensor, tor
                                ids.stride(0), ids.stride(1), zero if zero is not None else ids,
                                max(1, -(-zn // (r * ho * m))), zn,
                                BLOCK_C=triton.next_power_of_2(c), BLOCK_D=max(16, triton.next_power_of_2(db)),
-                               GROUP=group, ZERO=zero is not None, Z_CHUNK=1024, USE_PDL=pdl, **launch_opts(pdl))
+                               GROUP=group, ZERO=zero is not None, Z_CHUNK=1024, USE_PDL=pdl, PRE_WAIT=pre_wait,
+                               **launch_opts(pdl))
     return ids, w

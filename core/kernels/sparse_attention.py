@@ -137,8 +137,12 @@ def _merge_head(o_ws, ml_ws, out_ptr, row, g, HKV, G, so_b, so_h,
 
 @triton.jit
 def _merge_kernel(o_ws, ml_ws, out_ptr, HKV, G, so_b, so_h,
-                  SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
+                  SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr,
+                  TRIGGER: tl.constexpr = True):
+    if TRIGGER:  # let the successor launch (and do its pre-wait loads) once this one waited
+        pdl_enter(USE_PDL)
+    else:
+        pdl_wait(USE_PDL)
     pid = tl.program_id(0)  # (row, g)
     _merge_head(o_ws, ml_ws, out_ptr, pid // G, pid % G, HKV, G, so_b, so_h, SPLITS, G_PAD, D, "")
 
@@ -162,7 +166,7 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
     (sync.pdl_available). num_warps / num_stages: the split kernel's launch shape (num_stages None:
     Triton's default software-pipelining depth). merge_warps: see merge_partials. pre_wait: with
     pdl, load n, k_sel and q before waiting for the predecessor (they must come from before the step's first launch, see
-    sync.py); only idx waits. partials_only: launch the split kernel alone and leave its partials
+    sync.py); only idx waits; the merge then lets its successor launch early. partials_only: launch the split kernel alone and leave its partials
     in ws (merge_partials combines them into out)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -199,7 +203,7 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
         **launch_opts(pdl),
         **({"num_stages": num_stages} if num_stages else {}))
     if not fuse and not partials_only:
-        merge_partials(ws, out, hkv, splits, pdl, merge_warps)
+        merge_partials(ws, out, hkv, splits, pdl, merge_warps, trigger=pre_wait)
     return out
 
 
@@ -217,14 +221,15 @@ def partial_workspace(batch: int, hq: int, hkv: int, splits: int, d: int,
 
 
 def merge_partials(ws: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, hkv: int, splits: int,
-                   pdl: bool = False, num_warps: int = 1) -> torch.Tensor:
+                   pdl: bool = False, num_warps: int = 1, trigger: bool = True) -> torch.Tensor:
     """Combine the split programs' partials in ws (outputs, then max and sum per query head, as
     the split kernels store them) into out [B, Hq, D]. One program per query head; 1 warp keeps
     its reductions inside a warp (H100: 0.7-1.7 us per 128K step faster than 4,
-    bench/attn_parts_probe)."""
+    bench/attn_parts_probe). trigger (with pdl): let the next PDL launch start as soon as this
+    one's wait returned (else at its exit), so it can do its pre-wait loads meanwhile."""
     b, hq, d = out.shape
     g = hq // hkv
     _merge_kernel[(b * hq,)](ws[0], ws[1], out, hkv, g, out.stride(0), out.stride(1), SPLITS=splits,
-                             G_PAD=padded_group(g), D=d, USE_PDL=pdl, num_warps=num_warps,
+                             G_PAD=padded_group(g), D=d, USE_PDL=pdl, TRIGGER=trigger, num_warps=num_warps,
                              **launch_opts(pdl))
     return out

@@ -9,8 +9,11 @@ cannot execute inline PTX, so neither is needed there):
   predecessors write, so the overlap only hides launch latency, never a dependency. A kernel
   may read earlier what was written before the step's first launch (the row lengths, q): each
   kernel of the chain lets its successor start only after its own wait returned, so when a
-  kernel starts, everything two launches back and earlier has finished. The split-K attention
-  and the int8 score kernel do (`pre_wait`; H100: ~0.4 us per 128K step, bench/attn_parts_probe).
+  kernel starts, everything two launches back and earlier has finished. The selection's and the
+  attention's launches do (`pre_wait`): the route its centroids, the int8 score kernel and the
+  radix passes their row lengths, the split-K attention n, k and q (H100: ~0.4 us per 128K step
+  for the last two, bench/attn_parts_probe; all of them, bench/layer_sequence); the merge lets
+  its successor launch once its own wait returned, so the next layer's route can read early.
 - "Last program of a row" hand-off: programs publish results with plain stores, `release()`
   them, and count themselves in with an acq_rel atomic; the one that arrives last `acquire()`s
   and finishes the row (Top-K resolve, split-K merge) instead of a separate launch.

@@ -134,14 +134,13 @@ def _collect_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV: tl.const
 
 
 @triton.jit
-def _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK: tl.constexpr):
-    """_block_keys for 16-bit keys, in blocks at multiples of BLOCK (not at lo) shaped
-    [BLOCK / 8, 8], as (keys + 1 inside [lo, hi) and 0 outside, offsets, k, row workspace):
-    the loads are 16-byte vectors, and an index-order rank (_rank2d) scans 8
-    keys inside a thread before one short scan across threads (an sm_90 compile of the collect:
-    1016 instructions instead of 1848 for a 1-D block at lo; H100: 207 vs 221 us per 128K step
-    at batch 8, bench/README.md)."""
-    r, lo, hi, k = _row_bounds(lo_ptr, hi_ptr, k_ptr, HKV)
+def _block_keys16(x_ptr, r, lo, hi, k, ws_ptr, sx_r, sws_r, BLOCK: tl.constexpr):
+    """_block_keys for 16-bit keys of row r (its lo, hi and k loaded by _row_bounds), in blocks
+    at multiples of BLOCK (not at lo) shaped [BLOCK / 8, 8], as (keys + 1 inside [lo, hi) and 0
+    outside, offsets, row workspace): the loads are 16-byte vectors, and an index-order rank
+    (_rank2d) scans 8 keys inside a thread before one short scan across threads (an sm_90
+    compile of the collect: 1016 instructions instead of 1848 for a 1-D block at lo; H100: 207
+    vs 221 us per 128K step at batch 8, bench/README.md)."""
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
     # a load mask of whole 16-key runs vectorizes; the exact [lo, hi) test comes after
     in_load = (offs >= lo // 16 * 16) & (offs < (hi + 15) // 16 * 16) & (k > 0)
@@ -150,7 +149,19 @@ def _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK:
     # Masks kept as per-key booleans cost a predicate each, which an sm_90 build of the collect
     # spilled to registers and back (P2R / ISETP) around every use.
     inside = (offs - lo).to(tl.uint32) < (hi - lo).to(tl.uint32)
-    return tl.where(inside, key + 1, 0), offs, k, ws_ptr + r * sws_r
+    return tl.where(inside, key + 1, 0), offs, ws_ptr + r * sws_r
+
+
+@triton.jit
+def _bounds_then_wait(lo_ptr, hi_ptr, k_ptr, HKV, USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr):
+    """The program's row and its lo, hi, k, loaded before the PDL wait where PRE_WAIT (they come
+    from before the step's first launch, sync.py), then the wait."""
+    if not PRE_WAIT:
+        pdl_enter(USE_PDL)
+    r, lo, hi, k = _row_bounds(lo_ptr, hi_ptr, k_ptr, HKV)
+    if PRE_WAIT:
+        pdl_enter(USE_PDL)
+    return r, lo, hi, k
 
 
 @triton.jit
@@ -163,9 +174,9 @@ def _rank2d(x):
 
 @triton.jit
 def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV: tl.constexpr, sx_r, sws_r, HEAD, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    key1, offs, k, hist_ptr = _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
+                     USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr = True):
+    r, lo, hi, k = _bounds_then_wait(lo_ptr, hi_ptr, k_ptr, HKV, USE_PDL, PRE_WAIT)
+    key1, offs, hist_ptr = _block_keys16(x_ptr, r, lo, hi, k, ws_ptr, sx_r, sws_r, BLOCK)
     prefix, krem = _walk(hist_ptr, k, 1, 8)
     if tl.program_id(1) == 0:  # the collect resumes this walk (every program of the row has it)
         tl.store(hist_ptr + _WALK0, prefix.to(tl.int32))
@@ -185,10 +196,9 @@ def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV: tl.constexpr, sx
 
 @triton.jit
 def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV: tl.constexpr, sx_r, sws_r, so_r, HEAD,
-                      BLOCK: tl.constexpr, NB_PAD: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    key1, offs, k, hist_ptr = _block_keys16(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV, sx_r, sws_r, BLOCK)
-    r = tl.program_id(0)
+                      BLOCK: tl.constexpr, NB_PAD: tl.constexpr, USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr = True):
+    r, lo, hi, k = _bounds_then_wait(lo_ptr, hi_ptr, k_ptr, HKV, USE_PDL, PRE_WAIT)
+    key1, offs, hist_ptr = _block_keys16(x_ptr, r, lo, hi, k, ws_ptr, sx_r, sws_r, BLOCK)
     blk = tl.program_id(1)
     # pass 0's walk as pass 1 stored it, then pass 1's histogram
     thresh, need = _walk_from(hist_ptr, tl.load(hist_ptr + _WALK0).to(tl.uint32), tl.load(hist_ptr + _WALK0 + 1),
@@ -240,7 +250,7 @@ def blocks16(n: int, block: int) -> int:
 
 def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
                ws: torch.Tensor | None = None, block: int = 4096, hist0_done: bool = False,
-               num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
+               num_warps: int = 4, pdl: bool = False, pre_wait: bool = True) -> torch.Tensor:
     """x [B, Hkv, N] fp32 scores, or uint16 keys (keys16: ties to the lowest index); lo, hi,
     k [B] int32 (k <= hi - lo) -> out [B, Hkv, K_max] int32.
 
@@ -248,7 +258,9 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
     `ws` (see `workspace`) is zeroed here; pass a static one inside a captured graph.
     hist0_done: the producer of x already zeroed ws and added pass 0's histogram
     (dense_select.dense_scores does, fused with the scores), so start at pass 1. num_warps
-    applies to the 16-bit passes; pdl (16-bit passes after pass 0): programmatic dependent launch."""
+    applies to the 16-bit passes; pdl (16-bit passes after pass 0): programmatic dependent launch;
+    pre_wait (with pdl): those passes load lo, hi and k before waiting (they must come from
+    before the step's first launch, sync.py)."""
     if x.dim() != 3 or x.dtype not in (torch.float32, torch.uint16) or x.stride(2) != 1:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be fp32 or uint16 [B, Hkv, N] contiguous in N")
     b, hkv, n = x.shape
@@ -275,10 +287,10 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
             _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=0, BLOCK=block, KEY16=True, TOP=8,
                                num_warps=num_warps)
         _pass1_16_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), _HEAD, BLOCK=block,
-                               num_warps=num_warps, USE_PDL=pdl, **launch_opts(pdl))
+                               num_warps=num_warps, USE_PDL=pdl, PRE_WAIT=pre_wait, **launch_opts(pdl))
         _collect16_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), _HEAD,
                                 BLOCK=block, NB_PAD=triton.next_power_of_2(nb), num_warps=num_warps, USE_PDL=pdl,
-                                **launch_opts(pdl))
+                                PRE_WAIT=pre_wait, **launch_opts(pdl))
         return out
     for p in range(1 if hist0_done else 0, _PASSES):
         _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=p, BLOCK=block, KEY16=False, TOP=24)

@@ -246,6 +246,9 @@ class GpuSelector:
         # programmatic dependent launch between the step's kernels (None: where the GPU has it)
         self.pdl = pdl_available(device) if pdl is None else pdl
         self._fused_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        # with PDL, each launch reads what the step did not write (centroids, row lengths)
+        # before waiting for its predecessor (kernels/sync.py)
+        self.pre_wait = True
 
     def set_fused(self, cfg: FusedConfig) -> None:
         """Switch the fused pipeline's shape (before any graph capture)."""
@@ -283,7 +286,8 @@ class GpuSelector:
         self._route(q, t, zero=self.ws)
         if self.keys is not None and t.score_scale is not None:
             return dense_dot8(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx, t.stream_start,
-                              t.stream_count, lo, hi, k, self.keys, self.ws, **self.dot8_cfg, hist0=hist0, pdl=self.pdl)
+                              t.stream_count, lo, hi, k, self.keys, self.ws, **self.dot8_cfg, hist0=hist0, pdl=self.pdl,
+                              pre_wait=self.pre_wait)
         out = self.keys if self.keys is not None else self._fp32_scores()
         return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
                             t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg, hist0=hist0,
@@ -291,7 +295,8 @@ class GpuSelector:
 
     def _route(self, q: torch.Tensor, t: GpuTables | GpuDenseTables, zero: torch.Tensor | None = None) -> None:
         qs = q[..., self.perm] if self.perm is not None else q
-        route(qs.contiguous(), t.centroids, out=(self.ids, self.w), group=self.group, zero=zero, pdl=self.pdl)
+        route(qs.contiguous(), t.centroids, out=(self.ids, self.w), group=self.group, zero=zero, pdl=self.pdl,
+              pre_wait=self.pre_wait)
         if self.params.weighting == "unit":
             self.w.fill_(1.0)
 
@@ -333,4 +338,4 @@ class GpuSelector:
     def finish(self, scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The Top-K after route_dense (which added pass 0 to the workspace)."""
         return radix_topk(scores, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True,
-                          num_warps=self.topk_warps, pdl=self.pdl)
+                          num_warps=self.topk_warps, pdl=self.pdl, pre_wait=self.pre_wait)
