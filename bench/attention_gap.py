@@ -17,7 +17,7 @@ import torch
 
 from ctxcache.bench import attention as bench
 from ctxcache.bench import attention_tune as tune
-from ctxcache.bench.gpu_inputs import gpu_cli
+from ctxcache.bench.gpu_inputs import gpu_cli, grid_points
 from ctxcache.decoder.gpu.timing import device_info, print_table, write_results
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
@@ -41,12 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             tune.tune_dense(n_max, args.batch_list, budget, "cuda")
             tune.tune_topk16(n_max, args.batch_list, budget, "cuda")
             tune.tune_attention(n_max, args.batch_list, budget, "cuda")
-        for b in args.batch_list:
-            for n in args.context_list:
-                got = alone(n, b, budget) if phase == "alone" else bench.bench_one(n, b, params, budget, "cuda")
-                rows += [{**r, "phase": phase, "attn_pick_now": dict(tune.ATTN_PICK), "topk16_now": dict(tune.TOPK16_BLOCK)}
-                         for r in got if r["method"].endswith("_g16") or r["method"].startswith("dense_sdpa")]
-                torch.cuda.empty_cache()
+        for b, n in grid_points(args):
+            got = alone(n, b, budget) if phase == "alone" else bench.bench_one(n, b, params, budget, "cuda")
+            rows += [{**r, "phase": phase, "attn_pick_now": dict(tune.ATTN_PICK), "topk16_now": dict(tune.TOPK16_BLOCK)}
+                     for r in got if r["method"].endswith("_g16") or r["method"].startswith("dense_sdpa")]
     print_table(rows, ["context", "batch", "phase", "method", "time_us"])
     path = write_results("attention_gap", rows, {"step": STEP}, args.out)
     print(f"device {device_info()['name']}; wrote {path}")

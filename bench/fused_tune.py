@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from ctxcache.bench.gpu_inputs import D, HKV, HQ, gpu_cli, random_dense_tables
+from ctxcache.bench.gpu_inputs import D, HKV, HQ, gpu_cli, grid_points, random_dense_tables
 from ctxcache.decoder.gpu.selector import FusedConfig, GpuSelector
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
 from ctxcache.kernels.sparse_attention import choose_splits, region, sparse_decode_attention
@@ -75,12 +75,9 @@ class Case:
 
 
 def cases(args, budget: Budget, score_dtype: str = "float16") -> Iterator[Case]:
-    """One Case per (batch, context) of gpu_cli's arguments; the caching allocator is emptied
-    between them (batch 8 at 128K holds ~20 GB)."""
-    for b in args.batch_list:
-        for n in args.context_list:
-            yield Case(n, b, budget, score_dtype)
-            torch.cuda.empty_cache()
+    """One Case per (batch, context) of gpu_cli's arguments (gpu_inputs.grid_points)."""
+    for b, n in grid_points(args):
+        yield Case(n, b, budget, score_dtype)
 
 
 def timed(fn) -> float:

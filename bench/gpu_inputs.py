@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -67,3 +67,13 @@ def gpu_cli(prog: str, contexts: str, argv: list[str] | None,
     args.batch_list = [int(x) for x in args.batches.split(",")]
     args.context_list = [int(x) for x in args.contexts.split(",")]
     return args
+
+
+def grid_points(args: argparse.Namespace) -> Iterator[tuple[int, int]]:
+    """(batch, context) for each of gpu_cli's batches x contexts; the caching allocator is
+    emptied after each (batch 8 at 128K holds ~20 GB)."""
+    for b in args.batch_list:
+        for n in args.context_list:
+            yield b, n
+            torch.cuda.empty_cache()
+

@@ -29,7 +29,7 @@ import torch
 
 from ctxcache.bench.attention import attend, attn_splits, sdpa_dense
 from ctxcache.bench.fused_tune import Case
-from ctxcache.bench.gpu_inputs import D, HKV, gpu_cli
+from ctxcache.bench.gpu_inputs import D, HKV, gpu_cli, grid_points
 from ctxcache.bench.step_probe import timed
 from ctxcache.decoder.gpu.timing import FLUSHES, capture, device_info, flush_mode, print_table, time_us, write_results
 from ctxcache.methods import Budget
@@ -109,13 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 2
     rows = []
-    for b in args.batch_list:
-        for n in args.context_list:
-            got = with_speedups(sequence_rows(n, b, Budget(), args.layers))
-            print_table(got, ["context", "batch", "layers", "protocol", "method", "one_layer_us", "time_us",
-                              "marginal_us", "speedup_per_layer", "speedup_marginal"])
-            rows += got
-            torch.cuda.empty_cache()
+    for b, n in grid_points(args):
+        got = with_speedups(sequence_rows(n, b, Budget(), args.layers))
+        print_table(got, ["context", "batch", "layers", "protocol", "method", "one_layer_us", "time_us",
+                          "marginal_us", "speedup_per_layer", "speedup_marginal"])
+        rows += got
     path = write_results("layer_sequence", rows, {"flush_bytes": FLUSH_BYTES}, args.out)
     print(f"device {device_info()['name']}; wrote {path}")
     return 0

@@ -11,7 +11,7 @@ import time
 import torch
 
 from ctxcache.bench.decode import dense_layer_tables, random_model
-from ctxcache.bench.gpu_inputs import gpu_cli
+from ctxcache.bench.gpu_inputs import gpu_cli, grid_points
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.timing import print_table, write_results
@@ -74,10 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 2
     rows = []
-    for b in args.batch_list:
-        for n in args.context_list:
-            rows += profile(n, b, args.layers, args.steps)
-            torch.cuda.empty_cache()
+    for b, n in grid_points(args):
+        rows += profile(n, b, args.layers, args.steps)
     write_results("profile_decode", rows, {"steps": args.steps}, args.out)
     return 0
 
