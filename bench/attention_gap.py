@@ -13,7 +13,6 @@ histories.
 
 from __future__ import annotations
 
-import torch
 
 from ctxcache.bench import attention as bench
 from ctxcache.bench import attention_tune as tune
