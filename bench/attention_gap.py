@@ -13,7 +13,6 @@ histories.
 
 from __future__ import annotations
 
-
 from ctxcache.bench import attention as bench
 from ctxcache.bench import attention_tune as tune
 from ctxcache.bench.gpu_inputs import gpu_cli, grid_points
