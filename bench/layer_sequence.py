@@ -35,7 +35,7 @@ from ctxcache.decoder.gpu.timing import FLUSHES, capture, device_info, flush_mod
 from ctxcache.methods import Budget
 
 FLUSH_BYTES = 64 << 20
-MEMORY_BUDGET = 45e9  # bytes of layers held at once (80 GB H100: leaves room for the rest)
+MEMORY_SHARE = 0.55  # of the GPU's memory for the layers held at once (45 GB on an 80 GB H100)
 
 
 def layer_bytes(n: int, batch: int) -> int:
@@ -44,7 +44,11 @@ def layer_bytes(n: int, batch: int) -> int:
 
 
 def sequence_rows(n: int, batch: int, budget: Budget, max_layers: int) -> list[dict]:
-    layers = max(2, min(max_layers, int(MEMORY_BUDGET // layer_bytes(n, batch))))
+    budget_bytes = MEMORY_SHARE * torch.cuda.get_device_properties(0).total_memory
+    layers = min(max_layers, int(budget_bytes // layer_bytes(n, batch)))
+    if layers < 2:
+        raise SystemExit(f"{n} keys x batch {batch}: two layers ({2 * layer_bytes(n, batch) / 1e9:.1f} GB) do not fit "
+                         f"in {budget_bytes / 1e9:.1f} GB; use fewer contexts or batches")
     cases = [Case(n, batch, budget, "int8") for _ in range(layers)]
     sel = cases[0].selector(None, None)
     late = cases[0].selector(None, None)  # every launch's inputs loaded after its PDL wait
