@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ctxcache.kernels.quantize import quantize_dense_tables
+from ctxcache.kernels.quantize import quantize_rows_fused
 from ctxcache.methods.csattention import CSAttentionParams
+from ctxcache.methods.int8_tables import int8_dense_tables
 
 
 def lloyd_step(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
@@ -96,7 +97,7 @@ def _tables(params: CSAttentionParams, cent: torch.Tensor, k: torch.Tensor) -> d
     sub_k = k.unflatten(-1, (params.subspaces, -1)).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
     if params.list_length(n) == n:  # the dense layout: fp16 products (fp32 accumulate) straight out
         tables = {"centroids": cent.half(), "dense_score": torch.matmul(cent.half(), sub_k.half().transpose(2, 3))}
-        return quantize_dense_tables(tables) if params.int8_tables else tables
+        return int8_dense_tables(tables, quantize_rows_fused) if params.int8_tables else tables
     scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k.float())
     top = torch.topk(scores, params.list_length(n), dim=-1)
     absent_mean = (scores.sum(-1) - top.values.sum(-1)) / max(n - top.values.shape[-1], 1)

@@ -60,11 +60,3 @@ def quantize_rows_fused(dense: torch.Tensor, block: int = 2048) -> tuple[torch.T
     if rows and n:
         _quantize_rows_kernel[(rows,)](x, q, scale, n, BLOCK=block, num_warps=4)
     return q, scale
-
-
-def quantize_dense_tables(tables: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """int8_tables.int8_dense_tables by quantize_rows_fused (tables already int8 returned as they are)."""
-    if "dense_scale" in tables:
-        return tables
-    dense, scale = quantize_rows_fused(tables["dense_score"])
-    return {**tables, "dense_score": dense, "dense_scale": scale}

@@ -11,6 +11,8 @@ share it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -21,12 +23,15 @@ def quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def int8_dense_tables(tables: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def int8_dense_tables(tables: dict[str, torch.Tensor],
+                      quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_rows
+                      ) -> dict[str, torch.Tensor]:
     """Dense tables with fp16 dense_score as CSAttention stores them with table_dtype="int8":
-    int8 rows plus "dense_scale" (tables already int8 are returned as they are)."""
+    int8 rows plus "dense_scale" (tables already int8 are returned as they are). quantize:
+    quantize_rows, or an implementation with its exact results (the GPU build's kernel)."""
     if "dense_scale" in tables:
         return tables
-    dense, scale = quantize_rows(tables["dense_score"])
+    dense, scale = quantize(tables["dense_score"])
     return {**tables, "dense_score": dense, "dense_scale": scale}
 
 

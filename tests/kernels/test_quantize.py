@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ctxcache.kernels.quantize import quantize_dense_tables, quantize_rows_fused
-from ctxcache.methods.int8_tables import quantize_rows
+from ctxcache.kernels.quantize import quantize_rows_fused
+from ctxcache.methods.int8_tables import int8_dense_tables, quantize_rows
 
 
 def test_quantize_rows_fused_equals_torch_bitwise(device):
@@ -20,11 +20,11 @@ def test_quantize_rows_fused_equals_torch_bitwise(device):
     assert got_q[0, 0, :6].tolist() == [127, 0, 2, 2, 0, -2]
 
 
-def test_quantize_dense_tables_keeps_int8_tables(device):
+def test_int8_dense_tables_by_the_kernel_keeps_int8_tables(device):
     t = {"dense_score": torch.randn(2, 4, 64).half().to(device)}
-    q = quantize_dense_tables(t)
+    q = int8_dense_tables(t, quantize_rows_fused)
     assert q["dense_score"].dtype == torch.int8 and q["dense_scale"].shape == (2, 4)
-    assert quantize_dense_tables(q) is q
+    assert int8_dense_tables(q, quantize_rows_fused) is q
 
 
 def test_quantize_rows_fused_refuses_fp32(device):
