@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ctxcache.bench.attention import attend, attn_splits
+from ctxcache.bench.attention import attend
 from ctxcache.bench.step_probe import timed
 from ctxcache.bench.floor import _gather_kernel, _stream_kernel
 from ctxcache.bench.fused_tune import cases
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, budget = [], Budget()
     for c in cases(args, budget, "int8"):
         base, sel, idx = c.default_selection()
-        splits = attn_splits(c.batch, c.top_k, c.budget)
+        splits = c.splits
         rows.append({**base, "method": "attention", "splits": splits,
                      "time_us": timed(lambda: attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, sel.pdl))})
         rows += merge_rows(c, sel, idx, splits, base)

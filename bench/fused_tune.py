@@ -13,10 +13,12 @@ from typing import Iterator
 
 import torch
 
+from ctxcache.bench.attention import attn_splits
 from ctxcache.bench.gpu_inputs import D, HKV, HQ, gpu_cli, grid_points, random_dense_tables
+from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.decoder.gpu.selector import FusedConfig, GpuSelector
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
-from ctxcache.kernels.sparse_attention import choose_splits, region, sparse_decode_attention
+from ctxcache.kernels.sparse_attention import region, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 
@@ -29,7 +31,6 @@ VARIANTS = {  # name -> (fused config or None for the radix pipeline, PDL, fuse 
     "fused_route": (dataclasses.replace(BASE, fuse_route=True), True, False),
     "fused_sb4096": (dataclasses.replace(BASE, select_block=4096), True, False),
 }
-ATTN = {"waves": 2, "min_keys": 128, "block_n": 128}  # bench attention's earlier tuned pick
 
 
 @dataclasses.dataclass
@@ -51,8 +52,7 @@ class Case:
         self.top_k = min(self.budget.top_k(n), n - self.budget.sinks - self.budget.recent)
         self.kk = torch.full((b,), self.top_k, dtype=torch.int32, device=dev)
         self.tables = random_dense_tables(b, n, CSAttentionParams(), dev, self.score_dtype)
-        self.splits = choose_splits(b * HKV, self.top_k + self.budget.sinks + self.budget.recent,
-                                    min_keys=ATTN["min_keys"], waves=ATTN["waves"])
+        self.splits = attn_splits(b, self.top_k, self.budget)  # the decoder's split count (ATTN_CFG)
         self.counter = torch.zeros(b * HKV, dtype=torch.int32, device=dev)
 
     def selector(self, fused: FusedConfig | None, pdl: bool) -> GpuSelector:
@@ -67,7 +67,7 @@ class Case:
 
     def attend(self, idx: torch.Tensor, fuse_merge: bool, pdl: bool) -> torch.Tensor:
         return sparse_decode_attention(self.q, self.k, self.v, self.nt, idx, self.kk, self.budget.sinks,
-                                       self.budget.recent, splits=self.splits, block_n=ATTN["block_n"],
+                                       self.budget.recent, splits=self.splits, block_n=ATTN_CFG["block_n"],
                                        merge_counter=self.counter if fuse_merge else None, pdl=pdl)
 
     def step(self, sel: GpuSelector, fuse_merge: bool) -> torch.Tensor:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(got, ["context", "batch", "method", "time_us"])
         rows += got
         del c
-    path = write_results("fused_tune", rows, {"variants": list(VARIANTS), "attn": ATTN}, args.out)
+    path = write_results("fused_tune", rows, {"variants": list(VARIANTS), "attn": ATTN_CFG}, args.out)
     print(f"device {device_info()['name']}; wrote {path}")
     return 0
 

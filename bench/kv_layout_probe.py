@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ctxcache.bench.attention import attend, attn_splits
+from ctxcache.bench.attention import attend
 from ctxcache.bench.floor import _gather_kernel, stream
 from ctxcache.bench.fused_tune import cases
 from ctxcache.bench.gpu_inputs import gpu_cli
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, budget = [], Budget()
     for c in cases(args, budget):
         base, sel, idx = c.default_selection()
-        splits = attn_splits(c.batch, c.top_k, c.budget)
+        splits = c.splits
         ki, vi = interleaved(c.k, c.v)
         ref = attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, sel.pdl).clone()
         got = attend(c.q, ki, vi, c.nt, idx, c.kk, c.budget, splits, sel.pdl)

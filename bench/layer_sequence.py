@@ -27,7 +27,7 @@ import argparse
 
 import torch
 
-from ctxcache.bench.attention import attend, attn_splits, sdpa_dense
+from ctxcache.bench.attention import attend, sdpa_dense
 from ctxcache.bench.fused_tune import Case
 from ctxcache.bench.gpu_inputs import D, HKV, gpu_cli, grid_points
 from ctxcache.bench.step_probe import timed
@@ -53,7 +53,7 @@ def sequence_rows(n: int, batch: int, budget: Budget, max_layers: int) -> list[d
     sel = cases[0].selector(None, None)
     late = cases[0].selector(None, None)  # every launch's inputs loaded after its PDL wait
     late.pre_wait = False
-    splits = attn_splits(batch, cases[0].top_k, budget)
+    splits = cases[0].splits
     scratch = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     evict = scratch.zero_ if flush_mode() == "write" else scratch.sum
     steps = {
