@@ -19,7 +19,7 @@ from ctxcache.methods import Budget, make_method
 from ctxcache.models.loader import DEFAULT_MODEL, load_model
 
 from ctxcache.bench.capture import build_tables, capture
-from ctxcache.bench.machine import machine_info, print_table
+from ctxcache.bench.machine import machine_info, report
 from ctxcache.bench.passkey import passkey_accuracy
 from ctxcache.bench.selection_metrics import selection_metrics
 from ctxcache.bench.teacher_forcing import teacher_forced
@@ -89,11 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
     result = run(args)
-    print(f"model={result['model']} text={args.text} tokens={args.tokens} keep={args.keep}")
-    print_table(result["methods"], COLUMNS)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, result["methods"], COLUMNS, f"model={result['model']} text={args.text} tokens={args.tokens} "
+           f"keep={args.keep}", args.json_out)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 
@@ -38,3 +39,12 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def report(result: dict, rows: list[dict], columns: list[str], header: str, json_out: str | None) -> None:
+    """Print a header line and the rows' table; write the whole result as JSON where asked."""
+    print(header)
+    print_table(rows, columns)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=2)

@@ -67,3 +67,12 @@ def test_merge_refuses_shards_of_other_configurations(tmp_path):
     _shard(tmp_path / "b.json", b, {})
     with pytest.raises(ValueError, match="same configuration"):
         merge(argparse.Namespace(merge=str(tmp_path), results=str(tmp_path / "out"), name=None))
+
+
+def test_table_bits_refuses_levels_outside_int8(capsys):
+    from ctxcache.bench.table_bits import parse_args as table_bits_args
+    assert table_bits_args(["--levels", "127,7"]).levels == [127, 7]
+    for bad in ("128", "0", "x"):
+        with pytest.raises(SystemExit):
+            table_bits_args(["--levels", bad])
+        assert "--levels" in capsys.readouterr().err
