@@ -5,6 +5,8 @@ CUDA graph each, median replay, L2 flushed), int8 tables' default selection:
   into the split kernel (its last program per row merges), each as the attention alone and as
   the whole step (selection + attention);
 - the split-K kernel alone, the merge alone, both, for a few split counts and key blocks;
+- a bound: route + score, then the attention over an index list collected beforehand (what
+  taking radix pass 1 and the collect off the chain could be worth at most);
 - the bytes' floors: bench/floor.py's gather of the selected K/V rows at several blocks, and
   streams of as many contiguous bytes (floor.py's stream kernel at several grids, torch copy).
 
@@ -71,6 +73,25 @@ def merge_rows(c, sel, idx, splits: int, base: dict) -> list[dict]:
     return rows
 
 
+def off_chain_bound(c, sel, idx, splits: int, base: dict) -> list[dict]:
+    """A bound for any design that takes radix pass 1 and the collect off the step's chain:
+    route + score (pass 0 included) then the attention over a fixed, already collected index
+    list (the default's own selection), chained as the step chains them. No such design selects
+    this way; the row says how much time the two launches' place in the chain can be worth."""
+    def att():
+        return attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, sel.pdl)
+
+    def bound():
+        sel.route_dense(c.q, c.tables, c.lo, c.hi, c.kk)
+        att()
+    return [{**base, "method": "score_alone", "time_us": timed(lambda: sel.route_dense(c.q, c.tables, c.lo, c.hi, c.kk))},
+            {**base, "method": "selection_alone", "time_us": timed(lambda: sel.select(c.q, c.tables, c.lo, c.hi, c.kk))},
+            {**base, "method": "bound_score_then_attention", "time_us": timed(bound)},
+            {**base, "method": "step_default", "time_us": timed(
+                lambda: attend(c.q, c.k, c.v, c.nt, sel.select(c.q, c.tables, c.lo, c.hi, c.kk), c.kk, c.budget,
+                               splits, sel.pdl))}]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = gpu_cli("attn_parts_probe", "131072", argv)
     if args is None:
@@ -81,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         splits = c.splits
         rows.append({**base, "method": "attention", "splits": splits,
                      "time_us": timed(lambda: attend(c.q, c.k, c.v, c.nt, idx, c.kk, c.budget, splits, sel.pdl))})
+        rows += off_chain_bound(c, sel, idx, splits, base)
         rows += merge_rows(c, sel, idx, splits, base)
         for ss, bn, w in ((splits, ATTN_CFG["block_n"], 4), (splits, 64, 4), (2 * splits, 64, 4), (splits, 128, 8)):
             for name, t in parts(c, idx, ss, sel.pdl, bn, w).items():
