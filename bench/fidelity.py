@@ -12,18 +12,17 @@ import json
 import sys
 import time
 
-import torch
 
 from ctxcache.decoder import SparseConfig
 from ctxcache.methods import Budget, make_method
 from ctxcache.models.loader import DEFAULT_MODEL, load_model
 
 from ctxcache.bench.capture import build_tables, capture
-from ctxcache.bench.machine import machine_info, report
+from ctxcache.bench.machine import machine_info, text_bench_main
 from ctxcache.bench.passkey import passkey_accuracy
 from ctxcache.bench.selection_metrics import selection_metrics
 from ctxcache.bench.teacher_forcing import teacher_forced
-from ctxcache.bench.texts import builtin_text, tokens_of
+from ctxcache.bench.texts import builtin_text, parse_text_args, tokens_of
 
 DEFAULT_METHODS = "full,oracle,csattention-paper,csattention,key-kmeans"
 COLUMNS = ["name", "mass_recall", "topk_recall", "mass_recall_per_head", "output_rel_error",
@@ -44,11 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stride", type=int, default=8, help="score every stride-th decode step")
     ap.add_argument("--passkey-lengths", default="2048,4096")
     ap.add_argument("--passkey-trials", type=int, default=10, help="0 skips passkey")
-    ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args(argv)
-    if args.tokens < 64 or args.continuation < 2:
-        ap.error(f"--tokens={args.tokens} must be >= 64 and --continuation={args.continuation} >= 2")
-    return args
+    return parse_text_args(ap, argv, 2)
 
 
 def _methods(args: argparse.Namespace) -> dict:
@@ -86,12 +81,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.manual_seed(0)
-    result = run(args)
-    report(result, result["methods"], COLUMNS, f"model={result['model']} text={args.text} tokens={args.tokens} "
-           f"keep={args.keep}", args.json_out)
-    return 0
+    return text_bench_main("ctxcache bench fidelity", parse_args(argv), run, "methods", COLUMNS)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
+from typing import Callable
 
 import torch
 
@@ -48,3 +50,18 @@ def report(result: dict, rows: list[dict], columns: list[str], header: str, json
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def text_bench_main(prog: str, args, run: Callable[[object], dict], rows_key: str, columns: list[str]) -> int:
+    """main() of a bench over a text on the real model (fidelity, table_bits): seeded run, then
+    the table and the JSON. Bad input found while running (a text shorter than --tokens) is a
+    one-line error, exit 2."""
+    torch.manual_seed(0)
+    try:
+        result = run(args)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    report(result, result[rows_key], columns, f"model={result['model']} text={args.text} tokens={args.tokens} "
+           f"keep={args.keep}", args.json_out)
+    return 0

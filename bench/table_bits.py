@@ -17,16 +17,15 @@ import argparse
 import sys
 from functools import partial
 
-import torch
 
 from ctxcache.methods import Budget, make_method
 from ctxcache.methods.int8_tables import int8_dense_tables, quantize_rows
 from ctxcache.models.loader import DEFAULT_MODEL, load_model
 
 from ctxcache.bench.capture import build_tables, capture
-from ctxcache.bench.machine import machine_info, report
+from ctxcache.bench.machine import machine_info, text_bench_main
 from ctxcache.bench.selection_metrics import selection_metrics
-from ctxcache.bench.texts import builtin_text, tokens_of
+from ctxcache.bench.texts import builtin_text, parse_text_args, tokens_of
 
 COLUMNS = ["tables", "mass_recall", "topk_recall", "mass_recall_per_head", "output_rel_error"]
 
@@ -41,16 +40,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--keep", type=float, default=0.05)
     ap.add_argument("--text", default="prose", help="prose | code | PATH to a text file")
     ap.add_argument("--levels", default="127,15,7", help="comma-separated L in [1, 127]")
-    ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args(argv)
+    args = parse_text_args(ap, argv, 1)
     try:
         args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--levels={args.levels!r} must be comma-separated integers")
     if not args.levels or any(not 1 <= x <= 127 for x in args.levels):
         ap.error(f"--levels={args.levels} must be integers in [1, 127]")
-    if args.tokens < 64 or args.continuation < 1:
-        ap.error(f"--tokens={args.tokens} must be >= 64 and --continuation={args.continuation} >= 1")
     return args
 
 
@@ -73,12 +69,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.manual_seed(0)
-    result = run(args)
-    report(result, result["rows"], COLUMNS, f"model={result['model']} text={args.text} tokens={args.tokens} "
-           f"keep={args.keep}", args.json_out)
-    return 0
+    return text_bench_main("ctxcache bench table_bits", parse_args(argv), run, "rows", COLUMNS)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ modules as needed), so every Python installation has it.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 from pathlib import Path
@@ -33,3 +34,17 @@ def tokens_of(tokenizer, text: str, n: int, name: str = "text") -> list[int]:
     if len(ids) < n:
         raise ValueError(f"{name} has {len(ids)} tokens, fewer than the {n} requested")
     return ids[:n]
+
+
+def parse_text_args(ap: argparse.ArgumentParser, argv: list[str] | None, min_continuation: int) -> argparse.Namespace:
+    """Parse a text bench's arguments (--json, --text, --tokens, --continuation among them) and
+    refuse, as argparse errors, a --text that is no text and lengths out of range."""
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args(argv)
+    try:
+        builtin_text(args.text)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.tokens < 64 or args.continuation < min_continuation:
+        ap.error(f"--tokens={args.tokens} must be >= 64 and --continuation={args.continuation} >= {min_continuation}")
+    return args

@@ -76,3 +76,10 @@ def test_table_bits_refuses_levels_outside_int8(capsys):
         with pytest.raises(SystemExit):
             table_bits_args(["--levels", bad])
         assert "--levels" in capsys.readouterr().err
+
+
+def test_text_benches_refuse_a_missing_text_file(capsys):
+    from ctxcache.bench.fidelity import parse_args as fidelity_args
+    with pytest.raises(SystemExit):
+        fidelity_args(["--text", "/no/such/file.txt"])
+    assert "neither 'prose', 'code' nor a readable file" in capsys.readouterr().err
