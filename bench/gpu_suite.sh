@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: kernel tests on the GPU, then the benchmarks; logs and JSON under $OUT.
-# usage (device): bash bench/gpu_suite.sh [probe] [layout] [parts] [sequence] [gap] [profile] [fused] [attention] [decode] [tests] [check] [offload_tests] [offload] [stalls]
+# usage (device): bash bench/gpu_suite.sh [probe] [layout] [parts] [pass0] [sequence] [gap] [profile] [fused] [attention] [decode] [tests] [check] [offload_tests] [offload] [stalls]
 # ATTENTION_ARGS, SEQUENCE_ARGS, PROBE_ARGS, ... (env) pass extra arguments to a bench (e.g. --flush read);
 # DECODE_ARGS (env) passes extra arguments to the decode bench, e.g. --attn-cfg '{"waves": 4, ...}'.
 set -o pipefail
@@ -18,6 +18,7 @@ for what in "${@:-tests attention}"; do
     probe) python3 -m ctxcache.bench.step_probe --out "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" ;;
     layout) python3 -m ctxcache.bench.kv_layout_probe --out "$OUT" ${LAYOUT_ARGS:-} 2>&1 | tee "$OUT/layout.log" ;;
     sequence) python3 -m ctxcache.bench.layer_sequence --out "$OUT" ${SEQUENCE_ARGS:-} 2>&1 | tee "$OUT/sequence.log" ;;
+    pass0) python3 -m ctxcache.bench.pass0_attention_probe --out "$OUT" ${PASS0_ARGS:-} 2>&1 | tee "$OUT/pass0.log" ;;
     parts) python3 -m ctxcache.bench.attn_parts_probe --out "$OUT" ${PARTS_ARGS:-} 2>&1 | tee "$OUT/parts.log" ;;
     gap) python3 -m ctxcache.bench.attention_gap --out "$OUT" 2>&1 | tee "$OUT/gap.log" ;;
     profile) python3 -m ctxcache.bench.profile_decode --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sparse_attention import (INTERPRET, merge_partials, padded_group, partial_workspace,
-                                               sparse_attention_ref)
+from ctxcache.kernels.sparse_attention import (INTERPRET, merge_partials, online_softmax_step, padded_group,
+                                               partial_workspace, sparse_attention_ref)
 
 
 def offload_attention_ref(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int,
@@ -86,20 +86,7 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
         doff = cache_base + dst[:, None] * sc_s + offs_d[None, :]
         tl.store(kc_ptr + doff, kb, mask=miss[:, None])
         tl.store(vc_ptr + doff, vb, mask=miss[:, None])
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kb))
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
     base = (row * SPLITS + split) * G_PAD
     tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc)
     tl.store(ml_ws + (base + offs_g) * 2, m_i)

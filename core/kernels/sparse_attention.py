@@ -43,6 +43,27 @@ def sparse_attention_ref(q, k_cache, v_cache, idx, k_sel, n, sinks: int, recent:
 
 
 @triton.jit
+def online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
+    """One block of keys into the running (max, sum, output) of the group's queries q [G_PAD, D]:
+    kb, vb [BLOCK_N, D], valid [BLOCK_N] (invalid keys weigh 0). IEEE: fp32 dots (fp32 inputs, and
+    the CPU interpreter, whose bf16 dots are wrong); else native dots in the cache's dtype."""
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(kb))
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                   HKV, G, SINKS, RECENT, scale_log2,
                   sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, si_b, si_h,
@@ -91,20 +112,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
         pos = tl.where(valid, pos, 0)
         kb = tl.load(k_ptr + b64 * sk_b + hkv * sk_h + pos[:, None].to(tl.int64) * sk_s + offs_d[None, :])
         vb = tl.load(v_ptr + b64 * sv_b + hkv * sv_h + pos[:, None].to(tl.int64) * sv_s + offs_d[None, :])
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kb))
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
     base = (row * SPLITS + split) * G_PAD
     real = offs_g < G  # the G_PAD - G padding rows (tl.dot needs 16) are never merged: not stored
     tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc, mask=real[:, None])
