@@ -31,12 +31,12 @@ from ctxcache.kernels.sparse_attention import (INTERPRET, merge_partials, online
                                                sparse_attention_ref)
 from ctxcache.kernels.sync import launch_opts
 from ctxcache.kernels.topk import (_HEAD, _WALK0, _block_keys16, _bounds_then_wait, _pass1_16_kernel, _rank2d,
-                                   _walk, _walk_from, blocks16, topk16_ref)
+                                   _walk, _walk_from, blocks16, key16_codes, topk16_ref)
 
 
 def key_codes(keys: torch.Tensor) -> torch.Tensor:
-    """16-bit keys (uint16, or int32 codes already) as int32 codes in [0, 65536), on the CPU."""
-    return (keys.view(torch.int16).int() & 0xFFFF).cpu() if keys.dtype == torch.uint16 else keys.int().cpu()
+    """16-bit keys (uint16, or int32 codes already) as int32 codes on the CPU."""
+    return (key16_codes(keys) if keys.dtype == torch.uint16 else keys.int()).cpu()
 
 
 def definite_winners_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:

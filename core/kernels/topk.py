@@ -53,6 +53,12 @@ def _keys16(x):
 keys16_ref = fp16_keys  # torch reference of _keys16, int32 in [0, 65536)
 
 
+def key16_codes(keys: torch.Tensor) -> torch.Tensor:
+    """Stored uint16 keys as int32 codes in [0, 65536) (keys16_ref's values); torch has few uint16
+    ops, so through int16: reinterpret, widen, mask."""
+    return keys.view(torch.int16).int() & 0xFFFF
+
+
 @triton.jit
 def _walk(hist_ptr, k, P: tl.constexpr, TOP: tl.constexpr):
     """Prefix of the K-th largest key after P finished passes, and how many of that prefix are

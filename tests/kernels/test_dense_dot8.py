@@ -6,10 +6,9 @@ import torch
 from ctxcache.kernels.dense_dot8 import dense_dot8, dense_dot8_ref
 from ctxcache.methods.int8_tables import quantize_rows, weight_scale
 from ctxcache.kernels.dense_select import dense_scores_ref
-from ctxcache.kernels.topk import _BINS, keys16_ref, workspace
+from ctxcache.kernels.topk import _BINS, key16_codes, keys16_ref, workspace
 
 from test_dense_select import _setup, check_pass0_and_topk
-from test_select_kernels import from_u16
 
 
 def _int8_case(device, group: bool, shared: bool = False, n: int = 704):
@@ -42,7 +41,7 @@ def test_dense_dot8_keys_match_reference(device, group, shared):
     keys, ws, lo, hi, k = _run(device, case)
     b = ids.shape[0]
     want = keys16_ref(dense_dot8_ref(*case, 768)).cpu()
-    got = from_u16(keys.cpu())
+    got = key16_codes(keys.cpu())
     for r in range(b):
         nc, cnt = int(n_ctx[r]), int(count[r])
         assert torch.equal(got[r, :, :nc], want[r, :, :nc])
@@ -79,7 +78,7 @@ def test_dense_dot8_zero_weights_give_zero_scores(device):
     ids, w, dense, scale, new, n_ctx, start, count = _int8_case(device, group=True)
     w.zero_()
     keys = _run(device, (ids, w, dense, scale, new, n_ctx, start, count))[0]
-    assert (from_u16(keys.cpu())[0, :, :int(n_ctx[0])] == int(keys16_ref(torch.zeros(1))[0])).all()
+    assert (key16_codes(keys.cpu())[0, :, :int(n_ctx[0])] == int(keys16_ref(torch.zeros(1))[0])).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the inline PTX path needs a GPU")

@@ -7,9 +7,7 @@ import torch.nn.functional as F
 from ctxcache.kernels.dense_select import dense_scores, dense_scores_ref
 from ctxcache.methods.int8_tables import quantize_rows
 from ctxcache.kernels.route import route
-from ctxcache.kernels.topk import _BINS, keys16_ref, radix_topk, topk16_ref, topk_ref, workspace
-
-from test_select_kernels import from_u16
+from ctxcache.kernels.topk import _BINS, key16_codes, keys16_ref, radix_topk, topk16_ref, topk_ref, workspace
 
 
 def _setup(device, b=2, hkv=2, g=3, m=4, c=13, n=700, t_max=6, shared=False):
@@ -98,7 +96,7 @@ def test_dense_scores_16bit_keys(device, group):
     ws = workspace(b * hkv, device, blocks=3)  # radix blocks of 256 over 768 keys
     dense_scores(ids, w, dense, None, new, n_ctx, start, count, lo, hi, k, keys, ws, block=128, r_chunk=4)
     want = keys16_ref(dense_scores_ref(ids, w, dense, None, new, n_ctx, start, count, n_max)).cpu()
-    got = from_u16(keys.cpu())
+    got = key16_codes(keys.cpu())
     # equal up to fp32 summation order at an fp16 rounding boundary (one key step)
     assert (got - want).abs().max() <= 1 and (got == want).float().mean() > 0.99
     check_pass0_and_topk(keys, ws, lo, hi, k)
@@ -108,7 +106,7 @@ def check_pass0_and_topk(keys, ws, lo, hi, k) -> None:
     """The score kernel's pass 0 in ws counts its own 16-bit keys in [lo, hi), and the radix
     Top-K after it (blocks of 256) selects the reference Top-K of those keys."""
     b, hkv = keys.shape[:2]
-    got = from_u16(keys.cpu())
+    got = key16_codes(keys.cpu())
     for r in range(b):
         for h in range(hkv):
             row = got[r, h, int(lo[r]):int(hi[r])]

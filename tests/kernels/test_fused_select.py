@@ -10,7 +10,7 @@ from ctxcache.methods.int8_tables import quantize_rows
 from ctxcache.kernels.route import route
 from ctxcache.kernels.select16 import BINS, HEAD, select16, select16_ref, workspace16
 from ctxcache.kernels.sparse_attention import sparse_attention_ref, sparse_decode_attention
-from ctxcache.kernels.topk import topk16_ref
+from ctxcache.kernels.topk import key16_codes, topk16_ref
 
 
 def _tables(device, b=2, hkv=2, g=3, m=4, c=13, db=8, n=700, shared=False, int8=False):
@@ -35,10 +35,6 @@ def _limits(device, n_ctx, count, k):
     return lo, (n_ctx + count - 2).int(), torch.tensor(k, dtype=torch.int32, device=device)
 
 
-def _codes(keys: torch.Tensor) -> torch.Tensor:
-    return keys.view(torch.int16).int() & 0xFFFF
-
-
 def _values(codes: torch.Tensor) -> torch.Tensor:
     """fp16 scores back from order-preserving key codes."""
     bits = torch.where(codes >= 0x8000, codes ^ 0x8000, codes ^ 0xFFFF)
@@ -60,7 +56,7 @@ def test_dense_keys_match_reference(device, fuse_route, unit, shared, int8):
     dense_keys(q, cent, dense, scale, new, n_ctx, start, count, lo, hi, k, keys, ws, block=block, routed=routed,
                unit_weights=unit, num_warps=4)
     want = dense_keys_ref(q, cent, dense, scale, new, n_ctx, start, count, n_pad, unit_weights=unit)
-    got = _codes(keys)
+    got = key16_codes(keys)
     # fp32 sums in another order may round to a neighbouring fp16 value
     torch.testing.assert_close(_values(got), _values(want), rtol=2e-3, atol=2e-3)
     assert (got == want).float().mean() > 0.99

@@ -15,10 +15,6 @@ def as_u16(keys: torch.Tensor) -> torch.Tensor:
     return keys.to(torch.int16).view(torch.uint16)
 
 
-def from_u16(keys: torch.Tensor) -> torch.Tensor:
-    return keys.view(torch.int16).int() & 0xFFFF
-
-
 def _tables(b, hkv, m, c, db, n, l, device):
     cent = F.normalize(torch.randn(b, hkv, m, c, db), dim=-1).half()
     top = torch.topk(torch.randn(b, hkv, m, c, n), l, dim=-1)
