@@ -16,6 +16,13 @@ merge: the exact Top-K attention. Static keys (sinks, recent window: 36 of ~6.6K
 Measured on the H100 (bench/README.md): 40.0 us against the default step's 38.1 at 128K batch 1
 (read flush 37.2 vs 34.1), so it is not in the decoder.
 
+`thresh` (the `known_threshold_*` rows) is a bound for every design in which the attention finds
+its own keys after the score kernel: the K-th key's code is given before the replay, so the
+kernel compares each key against it (ties all taken) and attends, with no walk and no tie
+ranking. A design with coarser keys (a finer pass-0 histogram whose threshold bucket is taken
+whole, no pass 1 and no collect launch) would sit at or above it. Not yet run on a GPU: the
+device was not lent in the ninth session.
+
 `python -m ctxcache.bench.pass0_attention_probe [--contexts 131072] [--batches 1] [--flush write|read] [--out DIR]`
 """
 
@@ -37,6 +44,19 @@ from ctxcache.kernels.topk import (_HEAD, _WALK0, _block_keys16, _bounds_then_wa
 def key_codes(keys: torch.Tensor) -> torch.Tensor:
     """16-bit keys (uint16, or int32 codes already) as int32 codes on the CPU."""
     return (key16_codes(keys) if keys.dtype == torch.uint16 else keys.int()).cpu()
+
+
+def kth_key_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per row of 16-bit keys [R, N] (int32 codes): the k-th largest code in [lo, hi) (65536, which
+    no key reaches, where k is 0), int32 [R]."""
+    return torch.tensor([int(torch.topk(keys[r, int(lo[r]):int(hi[r])], int(k[r])).values[-1]) if int(k[r]) else 1 << 16
+                         for r in range(keys.shape[0])], dtype=torch.int32)
+
+
+def threshold_winners_ref(keys: torch.Tensor, thresh: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> list[torch.Tensor]:
+    """Per row of 16-bit keys [R, N] (int32 codes): the positions in [lo, hi) with a code >= thresh[r]."""
+    return [torch.nonzero(keys[r, int(lo[r]):int(hi[r])] >= int(thresh[r])).flatten().cpu() + int(lo[r])
+            for r in range(keys.shape[0])]
 
 
 def definite_winners_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
@@ -96,14 +116,19 @@ def _compact(take, offs, lst):
 @triton.jit
 def _pass0_attend_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, lo_ptr, hi_ptr, ksel_ptr, ws_ptr, list_ptr, o_ws, ml_ws,
                          HKV: tl.constexpr, G, scale_log2, sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sx_r, sws_r,
-                         BLOCK: tl.constexpr, NB: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Definite winners: keys whose top byte is above the K-th key's (pass 0's walk)."""
+                         thr_ptr, BLOCK: tl.constexpr, NB: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr, KNOWN: tl.constexpr):
+    """Definite winners: keys whose top byte is above the K-th key's (pass 0's walk). KNOWN: every
+    key at or above the row's threshold code at thr_ptr instead (no walk; the bound of a step
+    whose attention finds its own keys after the score kernel)."""
     r, lo, hi, k = _bounds_then_wait(lo_ptr, hi_ptr, ksel_ptr, HKV, USE_PDL, True)
     blk = tl.program_id(1)
     key1, offs, hist_ptr = _block_keys16(keys_ptr, r, lo, hi, k, ws_ptr, sx_r, sws_r, BLOCK)
-    prefix, _ = _walk(hist_ptr, k, 1, 8)  # the K-th key's top byte, in prefix >> 8
-    take = (key1 > 0) & (((key1 - 1) >> 8) > (prefix >> 8))
+    if KNOWN:
+        take = key1 > tl.load(thr_ptr + r).to(tl.uint32)  # key1 = key + 1 inside [lo, hi), else 0
+    else:
+        prefix, _ = _walk(hist_ptr, k, 1, 8)  # the K-th key's top byte, in prefix >> 8
+        take = (key1 > 0) & (((key1 - 1) >> 8) > (prefix >> 8))
     slot = r * 2 * NB + blk
     n_take = _compact(take, offs, list_ptr + slot.to(tl.int64) * BLOCK)
     _attend_list(q_ptr, k_ptr, v_ptr, r, list_ptr + slot.to(tl.int64) * BLOCK, n_take, o_ws, ml_ws, slot, HKV, G,
@@ -148,12 +173,16 @@ def pass0_buffers(rows: int, nb: int, block: int, g_pad: int, d: int, device) ->
 
 def pass0_attention(q, k_cache, v_cache, keys, lo, hi, k, ws, block: int, bufs=None, out=None,
                     pdl: bool = False, block_n: int = 64, num_warps: int = 4, ties: bool = False,
-                    side: torch.cuda.Stream | None = None) -> torch.Tensor:
+                    side: torch.cuda.Stream | None = None, thresh: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, D] over each row's definite winners (definite_winners_ref) of
     keys [B, Hkv, N_pad] uint16 whose pass-0 histogram is in ws, in radix blocks of `block`.
     ties: also radix pass 1 and the attention over the threshold bucket's selected keys, on the
     `side` stream where given (a fork joined before the merge), so the result is the attention
-    over the exact Top-K (topk16_ref); ws then needs a block histogram per block (topk.workspace)."""
+    over the exact Top-K (topk16_ref); ws then needs a block histogram per block (topk.workspace).
+    thresh: int32 [B * Hkv] key codes; attend over every key >= its row's code instead
+    (threshold_winners_ref; a bound, not a selection: nothing computes the threshold)."""
+    if thresh is not None and ties:
+        raise ValueError("thresh replaces the walk; it takes no tie branch")
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     nb = blocks16(keys.shape[2], block)
@@ -175,21 +204,26 @@ def pass0_attention(q, k_cache, v_cache, keys, lo, hi, k, ws, block: int, bufs=N
             _pass1_16_kernel[(rows, nb)](keys, lo, hi, k, ws, hkv, keys.stride(1), ws.stride(0), _HEAD, BLOCK=block,
                                          num_warps=4, USE_PDL=False)
             _ties_attend_kernel[(rows, nb)](*common, _HEAD, BLOCK=block, NB=nb, NB_PAD=nb, **shape)
-    _pass0_attend_kernel[(rows, nb)](*common, BLOCK=block, NB=nb, USE_PDL=pdl, **shape, **launch_opts(pdl))
+    _pass0_attend_kernel[(rows, nb)](*common, lo if thresh is None else thresh, BLOCK=block, NB=nb, USE_PDL=pdl,
+                                     KNOWN=thresh is not None, **shape, **launch_opts(pdl))
     if ties and side is not None:
         torch.cuda.current_stream().wait_stream(side)
     return merge_partials((o_ws, ml_ws), out, hkv, 2 * nb, pdl and not ties)
 
 
-def pass0_attention_ref(q, k_cache, v_cache, keys, lo, hi, k, ties: bool = False) -> torch.Tensor:
+def pass0_attention_ref(q, k_cache, v_cache, keys, lo, hi, k, ties: bool = False,
+                        thresh: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference (fp32, CPU): per (row, KV head) sparse_attention_ref over its definite
-    winners (definite_winners_ref), or with ties over its exact Top-K (topk16_ref); no static
-    keys. q [B, Hq, D] -> [B, Hq, D]."""
+    winners (definite_winners_ref), with ties over its exact Top-K (topk16_ref), or with thresh
+    over the keys at or above it (threshold_winners_ref); no static keys. q [B, Hq, D] -> [B, Hq, D]."""
     b, hkv, n_pad = keys.shape
     g = q.shape[1] // hkv
     rep = [t.cpu().repeat_interleave(hkv) for t in (lo, hi, k)]
     codes = key_codes(keys).reshape(b * hkv, n_pad)
-    win = topk16_ref(codes, *rep) if ties else definite_winners_ref(codes, *rep)
+    if thresh is not None:
+        win = threshold_winners_ref(codes, thresh.cpu(), rep[0], rep[1])
+    else:
+        win = topk16_ref(codes, *rep) if ties else definite_winners_ref(codes, *rep)
     out = torch.empty(q.shape, dtype=torch.float32)
     for r, w in enumerate(win):
         bb, h = divmod(r, hkv)
@@ -233,9 +267,28 @@ def main(argv: list[str] | None = None) -> int:
 
         rows += [{**base, "method": "step_default", "time_us": timed(lambda: c.step(sel, False))},
                  {**base, "method": "bound_score_then_attention", "time_us": timed(bound)}]
-        # (block, warps, ties, side stream); ties need sel.ws's block histograms, so the selector's block
-        for block, warps, ties, fork in ((blk, 4, False, False), (2048, 4, False, False), (blk, 8, False, False),
-                                         (blk, 4, True, True), (blk, 4, True, False), (blk, 8, True, True)):
+        # the bound of any step whose attention finds its own keys after the score: the K-th key's
+        # code given before the replay, so nothing walks a histogram or resolves ties
+        thr = kth_key_ref(key_codes(sel.keys).flatten(0, 1), *rep).cuda()
+        got = pass0_attention(c.q, c.k, c.v, sel.keys, c.lo, c.hi, c.kk, sel.ws, blk, pdl=sel.pdl, thresh=thr)
+        err_thr = float((got.float().cpu() - pass0_attention_ref(c.q, c.k, c.v, sel.keys, c.lo, c.hi, c.kk, thresh=thr))
+                        .abs().max())
+        taken = sum(w.numel() for w in threshold_winners_ref(key_codes(sel.keys).flatten(0, 1), thr.cpu(), *rep[:2]))
+        winners_row = {"max_abs_err_vs_ref": err, "definite_winners_per_row": winners}
+        ties_row = {"max_abs_err_vs_ref": err_ties, "definite_winners_per_row": winners}
+        known_row = {"max_abs_err_vs_ref": err_thr, "keys_per_row": taken / len(rep[0])}
+        # (name, block, warps, probe options, row fields); ties need sel.ws's block histograms, so
+        # the selector's block
+        for name, block, warps, opts, extra in (
+                ("pass0_winners_only", blk, 4, {}, winners_row), ("pass0_winners_only", 2048, 4, {}, winners_row),
+                ("pass0_winners_only", blk, 8, {}, winners_row),
+                ("pass0_with_ties_forked", blk, 4, {"ties": True, "side": side}, ties_row),
+                ("pass0_with_ties_serial", blk, 4, {"ties": True}, ties_row),
+                ("pass0_with_ties_forked", blk, 8, {"ties": True, "side": side}, ties_row),
+                ("known_threshold", blk, 4, {"thresh": thr}, known_row),
+                ("known_threshold", blk, 8, {"thresh": thr}, known_row),
+                ("known_threshold", 2 * blk, 8, {"thresh": thr}, known_row),
+                ("known_threshold", blk // 2, 4, {"thresh": thr}, known_row)):
             nb = blocks16(sel.keys.shape[2], block)
             bufs = pass0_buffers(c.batch * c.k.shape[1], nb, block, padded_group(c.q.shape[1] // c.k.shape[1]),
                                  c.q.shape[2], "cuda")
@@ -244,11 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             def p0_step():
                 sel.route_dense(c.q, c.tables, c.lo, c.hi, c.kk)
                 pass0_attention(c.q, c.k, c.v, sel.keys, c.lo, c.hi, c.kk, sel.ws, block, bufs, out, sel.pdl,
-                                num_warps=warps, ties=ties, side=side if fork else None)
-            name = f"pass0_{'with_ties' + ('_forked' if fork else '_serial') if ties else 'winners_only'}_b{block}_w{warps}"
-            rows.append({**base, "method": name, "time_us": timed(p0_step), "max_abs_err_vs_ref": err_ties if ties else err,
-                         "definite_winners_per_row": winners})
-        print_table(rows[-8:], ["context", "batch", "method", "time_us"])
+                                num_warps=warps, **opts)
+            rows.append({**base, "method": f"{name}_b{block}_w{warps}", "time_us": timed(p0_step), **extra})
+        print_table(rows[-12:], ["context", "batch", "method", "time_us"])
+        print(f"known threshold: {taken / len(rep[0]):.0f} keys per row, max |err| vs reference {err_thr:.2e}")
         print(f"definite winners per row {winners:.0f} of top_k {c.top_k}; max |err| vs reference: winners only "
               f"{err:.2e}, with ties {err_ties:.2e}")
     path = write_results("pass0_attention_probe", rows, None, args.out)
