@@ -13,6 +13,19 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return len(set(a.tolist()) & set(b.tolist())) / max(1, b.numel())
 
 
+def _stream_then_select(sel, tables, q, k, n, streamed, budget, device):
+    """Insert the streamed keys k[:, n:n + streamed] into the GPU tables, then select for q (one
+    batch element): (indices [Hkv, K] on the CPU, K as a device tensor)."""
+    for t in range(streamed):
+        tables.insert(k[None, :, n + t].to(device), torch.tensor([n + t], dtype=torch.int32, device=device),
+                      sel.perm)
+    total = n + streamed
+    nt = torch.tensor([total], dtype=torch.int32, device=device)
+    lo_t, hi_t = region(nt, budget.sinks, budget.recent)
+    kk = torch.tensor([budget.top_k(total)], dtype=torch.int32, device=device)
+    return sel.select(q[None].to(device), tables, lo_t, hi_t, kk)[0].cpu(), kk
+
+
 @pytest.mark.parametrize("layout,weighting,scoring,routing", [("contiguous", "qnorm", "relative", "head"),
                                                               ("rope_pairs", "unit", "absolute", "head"),
                                                               ("contiguous", "qnorm", "expected", "head"),
@@ -34,13 +47,7 @@ def test_selection_matches_csattention_search(device, layout, weighting, scoring
 
     sel = GpuSelector(params, 1, hq, hkv, d, total, budget.top_k(total), device)
     tables = GpuTables.stack([state.tables], [n], max_new=8, device=device)
-    for t in range(streamed):
-        tables.insert(k[None, :, n + t].to(device), torch.tensor([n + t], dtype=torch.int32, device=device),
-                      sel.perm)
-    nt = torch.tensor([total], dtype=torch.int32, device=device)
-    lo_t, hi_t = region(nt, budget.sinks, budget.recent)
-    kk = torch.tensor([budget.top_k(total)], dtype=torch.int32, device=device)
-    got = sel.select(q[None].to(device), tables, lo_t, hi_t, kk)[0].cpu()
+    got, kk = _stream_then_select(sel, tables, q, k, n, streamed, budget, device)
     assert ((got[:, :kk[0]] == n).sum(1) == 1).all()  # the aligned streamed key is selected by every head
     for h in range(hkv):
         assert _overlap(got[h], want[h]) >= 0.97  # fp sums in another order may swap near-ties
@@ -75,13 +82,7 @@ def test_dense_selection_matches_csattention_search(device, layout, score_dtype,
     tables = stack_tables([state.tables], [n], max_new=8, device=device, score_dtype="float16" if built8 else score_dtype)
     assert isinstance(tables, GpuDenseTables)
     assert tables.dense_score.shape[-1] == 608  # padded to whole 16-key runs (vector loads)
-    for t in range(streamed):
-        tables.insert(k[None, :, n + t].to(device), torch.tensor([n + t], dtype=torch.int32, device=device),
-                      sel.perm)
-    nt = torch.tensor([total], dtype=torch.int32, device=device)
-    lo_t, hi_t = region(nt, budget.sinks, budget.recent)
-    kk = torch.tensor([budget.top_k(total)], dtype=torch.int32, device=device)
-    got = sel.select(q[None].to(device), tables, lo_t, hi_t, kk)[0].cpu()
+    got, kk = _stream_then_select(sel, tables, q, k, n, streamed, budget, device)
     assert ((got[:, :kk[0]] == n + 1).sum(1) == 1).all()
     # fp16: only summation order (and with fp16 keys, rounding ties) differs; int8 storage (0.4%
     # of a row's range) may swap near-ties
