@@ -10,7 +10,7 @@ from ctxcache.service.errors import DataLoss, FailedPrecondition, NotFound, unar
 from ctxcache.service.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
 from ctxcache.service.backend import ROLES_LABEL
 from ctxcache.service.indexing import Indexer
-from ctxcache.service.servicer import context_info
+from ctxcache.service.servicer import context_info, wait_while_client_waits
 from ctxcache.store.layout import QUERY_CHUNK
 
 
@@ -52,9 +52,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         spec = PutSpec([{"role": r, "content": ""} for r in roles], labels, m.ttl_s, m.pinned, name,
                        params, request.wait, m.tenant)
         new_id, job, _ = self.indexer.submit(spec, art.tokens.tolist(), None if reprefill else art)
-        if job is not None and request.wait:
-            while not job.done.wait(0.05) and context.is_active():
-                pass
+        if request.wait:
+            wait_while_client_waits(job, context)
         return apb.RebuildResponse(context=context_info(self.indexer, new_id), reprefilled=reprefill)
 
     @unary

@@ -47,6 +47,15 @@ def context_info(indexer: Indexer, cid: str) -> pb.ContextInfo:
     return info_from_job(job, indexer.lm.model_id)
 
 
+def wait_while_client_waits(job: Job | None, context) -> None:
+    """Block until the build job finishes or the client goes away (a cancelled RPC must not pin
+    a server thread for the length of a build)."""
+    if job is None:
+        return
+    while not job.done.wait(0.05) and context.is_active():
+        pass
+
+
 class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     def __init__(self, indexer: Indexer, decoder: Decoder, default_max_tokens: int,
                  max_tokens_limit: int) -> None:
@@ -58,9 +67,8 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
         s = self.indexer.settings
         spec = convert.put_spec(request, s.method, s.method_params)
         cid, job, created = self.indexer.submit(spec)
-        if job is not None and spec.wait:
-            while not job.done.wait(0.05) and context.is_active():
-                pass
+        if spec.wait:
+            wait_while_client_waits(job, context)
         return pb.PutContextResponse(context=context_info(self.indexer, cid), created=created)
 
     @unary
