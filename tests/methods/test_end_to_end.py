@@ -16,15 +16,6 @@ from ctxcache.methods import Budget, make_method
 OURS = ["magicpig", "ctkvr", "prehoc", "multipole", "quest"]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        from ctxcache.models.loader import load_model
-        return load_model("smollm2")
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
-
-
 @pytest.mark.parametrize("name", OURS)
 def test_passkey_through_indexer_and_decoder(smollm2, name):
     torch.set_num_threads(1)  # shared 2-core machine: one thread is faster under contention

@@ -8,12 +8,8 @@ from ctxcache.bench.tasks import KINDS, TaskSpec, match_all
 
 
 @pytest.fixture(scope="module")
-def tok():
-    try:
-        from ctxcache.models.loader import load_model
-        return load_model("smollm2").tokenizer
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
+def tok(smollm2):
+    return smollm2.tokenizer
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -15,15 +15,6 @@ from service_helpers import ask
 from test_every_method import CASES
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from ctxcache.models.loader import load_model
-    try:
-        return load_model("smollm2")
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
 def test_smollm2_put_then_generate_answers_from_the_context(smollm2, tmp_path, start):
     # small CSAttention tables keep the build to seconds on 2 cores; the path is the default one
     cfg = ServiceConfig(server=ServerConfig(port=0), model=ModelConfig("smollm2"),

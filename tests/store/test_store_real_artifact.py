@@ -14,15 +14,11 @@ TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 
 @pytest.fixture(scope="module")
-def real_artifact():  # noqa: ANN201
+def real_artifact(smollm2):  # noqa: ANN001, ANN201
     from ctxcache.indexer import IndexerConfig, build_artifact
     from ctxcache.methods import make_method
-    from ctxcache.models.loader import load_model
 
-    try:
-        lm = load_model("smollm2")
-    except Exception as exc:  # noqa: BLE001 (no bundled model here: nothing to test)
-        pytest.skip(f"smollm2 not available: {exc}")
+    lm = smollm2
     if not TEXT.exists():
         pytest.skip(f"{TEXT} missing")
     torch.manual_seed(0)
