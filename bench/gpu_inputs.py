@@ -51,8 +51,10 @@ def gpu_cli(prog: str, contexts: str, argv: list[str] | None,
     """The GPU benches' shared arguments (--contexts, --batches, --out, plus `extra`'s); None,
     after saying so, where there is no CUDA GPU."""
     ap = argparse.ArgumentParser(prog=prog)
-    ap.add_argument("--contexts", default=contexts)
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--contexts", default=contexts, type=positive_ints, help="comma-separated context lengths")
+    ap.add_argument("--batches", default="1,8", type=positive_ints, help="comma-separated batch sizes")
+    ap.add_argument("--seed", default=0, type=int,
+                    help="seed of the random inputs (tables, queries, K/V), so runs compare on the same rows")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--flush", default="write", choices=("write", "read"),
                     help="how L2 is emptied before each timed run: zeroing 256 MB (triton do_bench, the default) "
@@ -64,9 +66,20 @@ def gpu_cli(prog: str, contexts: str, argv: list[str] | None,
         print(f"{prog} needs a CUDA GPU")
         return None
     set_flush(args.flush)
-    args.batch_list = [int(x) for x in args.batches.split(",")]
-    args.context_list = [int(x) for x in args.contexts.split(",")]
+    torch.manual_seed(args.seed)
+    args.batch_list, args.context_list = args.batches, args.contexts
     return args
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: "1,8" -> [1, 8], with a one-line error for anything else."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive")
+    return values
 
 
 def grid_points(args: argparse.Namespace) -> Iterator[tuple[int, int]]:

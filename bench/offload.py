@@ -27,7 +27,7 @@ import time
 import torch
 
 from ctxcache.bench.attention import sdpa_dense
-from ctxcache.bench.gpu_inputs import D, HKV, HQ, random_tables
+from ctxcache.bench.gpu_inputs import D, HKV, HQ, positive_ints, random_tables
 from ctxcache.decoder.gpu.offload import OffloadAttention, pinned_empty, plan_slots
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
@@ -220,8 +220,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ctxcache bench offload")
-    ap.add_argument("--contexts", default="131072,32768")
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--contexts", default="131072,32768", type=positive_ints)
+    ap.add_argument("--batches", default="1,8", type=positive_ints)
     ap.add_argument("--rhos", default="0,0.9")
     ap.add_argument("--list-fraction", type=float, default=1 / 64)
     ap.add_argument("--host-layers", type=int, default=4)
@@ -232,12 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # routing="head": the configuration measured in bench/README.md (before group routing was the default)
     params, budget = CSAttentionParams(list_fraction=args.list_fraction, routing="head"), Budget()
-    batches = [int(x) for x in args.batches.split(",")]
+    batches = args.batches
     non_attn = non_attention_us(batches)
     print("non-attention step us", non_attn, flush=True)
     rows = []
     for b in batches:
-        for n in (int(x) for x in args.contexts.split(",")):
+        for n in args.contexts:
             layers = args.host_layers if b == 1 else 2  # batch 8 x 128K: 4.3 GB of K+V per layer
             got = bench_context(n, b, layers, [float(x) for x in args.rhos.split(",")], params, budget)
             for r in got:

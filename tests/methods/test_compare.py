@@ -83,3 +83,15 @@ def test_text_benches_refuse_a_missing_text_file(capsys):
     with pytest.raises(SystemExit):
         fidelity_args(["--text", "/no/such/file.txt"])
     assert "neither 'prose', 'code' nor a readable file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench", ["attention", "offload"])
+def test_gpu_benches_refuse_bad_size_lists_before_looking_for_a_gpu(bench, capsys):
+    import importlib
+    main = importlib.import_module(f"ctxcache.bench.{bench}").main
+    for flag, bad, why in (("--batches", "1,x", "not a comma-separated list"), ("--contexts", "0", "must be positive")):
+        with pytest.raises(SystemExit) as exc:
+            main([flag, bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err and why in err
