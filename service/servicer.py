@@ -47,7 +47,7 @@ def context_info(indexer: Indexer, cid: str) -> pb.ContextInfo:
     return info_from_job(job, indexer.lm.model_id)
 
 
-def wait_while_client_waits(job: Job | None, context) -> None:
+def wait_while_client_waits(job: Job | None, context: grpc.ServicerContext) -> None:
     """Block until the build job finishes or the client goes away (a cancelled RPC must not pin
     a server thread for the length of a build)."""
     if job is None:
