@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sparse_attention import (INTERPRET, merge_partials, online_softmax_step, padded_group,
-                                               sparse_attention_ref)
+from ctxcache.kernels.sparse_attention import (INTERPRET, empty_partial, group_queries, merge_partials,
+                                               online_softmax_step, padded_group, sparse_attention_ref, store_partial)
 from ctxcache.kernels.sync import launch_opts
 from ctxcache.kernels.topk import (_HEAD, _WALK0, _block_keys16, _bounds_then_wait, _pass1_16_kernel, _rank2d,
                                    _walk, _walk_from, blocks16, key16_codes, topk16_ref)
@@ -81,15 +81,11 @@ def _attend_list(q_ptr, k_ptr, v_ptr, r, lst, n_take, o_ws, ml_ws, slot, HKV: tl
     """Attend row r's group of queries over the n_take positions at lst; partial into `slot`."""
     b = r // HKV
     hkv = r % HKV
-    offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sq_b + (hkv * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=(offs_g < G)[:, None],
-                other=0.0)
+    q = group_queries(q_ptr, b, hkv, G, sq_b, sq_h, G_PAD, D)
     k_row = k_ptr + b.to(tl.int64) * sk_b + hkv * sk_h
     v_row = v_ptr + b.to(tl.int64) * sv_b + hkv * sv_h
-    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
-    l_i = tl.zeros((G_PAD,), tl.float32)
-    acc = tl.zeros((G_PAD, D), tl.float32)
+    m_i, l_i, acc = empty_partial(G_PAD, D)
     for c0 in range(0, n_take, BLOCK_N):
         c = c0 + tl.arange(0, BLOCK_N)
         valid = c < n_take
@@ -97,11 +93,7 @@ def _attend_list(q_ptr, k_ptr, v_ptr, r, lst, n_take, o_ws, ml_ws, slot, HKV: tl
         kb = tl.load(k_row + pos[:, None].to(tl.int64) * sk_s + offs_d[None, :])
         vb = tl.load(v_row + pos[:, None].to(tl.int64) * sv_s + offs_d[None, :])
         m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
-    base = slot * G_PAD
-    real = offs_g < G
-    tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc, mask=real[:, None])
-    tl.store(ml_ws + (base + offs_g) * 2, m_i, mask=real)
-    tl.store(ml_ws + (base + offs_g) * 2 + 1, l_i, mask=real)
+    store_partial(o_ws, ml_ws, slot, m_i, l_i, acc, G, G_PAD, D)
 
 
 @triton.jit

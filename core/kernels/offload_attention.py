@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sparse_attention import (INTERPRET, merge_partials, online_softmax_step, padded_group,
-                                               partial_workspace, sparse_attention_ref)
+from ctxcache.kernels.sparse_attention import (INTERPRET, empty_partial, group_queries, merge_partials,
+                                               online_softmax_step, padded_group, partial_workspace, split_range,
+                                               sparse_attention_ref, store_partial)
 
 
 def offload_attention_ref(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int,
@@ -47,20 +48,11 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
     hkv = row % HKV
     n = tl.load(n_ptr + b)
     b64 = b.to(tl.int64)
-    lo = tl.minimum(n, SINKS)
-    hi = tl.maximum(lo, n - RECENT)
-    n_static = lo + n - hi
-    total = n_static + tl.load(ksel_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, total)
-    offs_g = tl.arange(0, G_PAD)
+    lo, hi, n_static, start, end = split_range(n, tl.load(ksel_ptr + b), split, SINKS, RECENT, SPLITS, BLOCK_N,
+                                               False)
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sq_b + (hkv * G + offs_g)[:, None] * sq_h + offs_d[None, :],
-                mask=(offs_g < G)[:, None], other=0.0)
-    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
-    l_i = tl.zeros((G_PAD,), tl.float32)
-    acc = tl.zeros((G_PAD, D), tl.float32)
+    q = group_queries(q_ptr, b, hkv, G, sq_b, sq_h, G_PAD, D)
+    m_i, l_i, acc = empty_partial(G_PAD, D)
     host_base = b64 * sk_b + hkv * sk_h
     cache_base = b64 * sc_b + hkv * sc_h
     for t0 in range(start, end, BLOCK_N):
@@ -87,10 +79,7 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
         tl.store(kc_ptr + doff, kb, mask=miss[:, None])
         tl.store(vc_ptr + doff, vb, mask=miss[:, None])
         m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
-    base = (row * SPLITS + split) * G_PAD
-    tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc)
-    tl.store(ml_ws + (base + offs_g) * 2, m_i)
-    tl.store(ml_ws + (base + offs_g) * 2 + 1, l_i)
+    store_partial(o_ws, ml_ws, row * SPLITS + split, m_i, l_i, acc, G, G_PAD, D)
 
 
 def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int, recent: int,

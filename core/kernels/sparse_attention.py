@@ -64,6 +64,53 @@ def online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE: tl.co
 
 
 @triton.jit
+def group_queries(q_ptr, b, hkv, G, sq_b, sq_h, G_PAD: tl.constexpr, D: tl.constexpr):
+    """The G queries of KV head hkv of batch element b as [G_PAD, D] (padding rows 0: tl.dot
+    needs 16 rows)."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    return tl.load(q_ptr + b * sq_b + (hkv * G + offs_g)[:, None] * sq_h + offs_d[None, :],
+                   mask=(offs_g < G)[:, None], other=0.0)
+
+
+@triton.jit
+def empty_partial(G_PAD: tl.constexpr, D: tl.constexpr):
+    """(max, sum, output) of no keys yet: -inf, 0, 0."""
+    return (tl.full((G_PAD,), float("-inf"), tl.float32), tl.zeros((G_PAD,), tl.float32),
+            tl.zeros((G_PAD, D), tl.float32))
+
+
+@triton.jit
+def store_partial(o_ws, ml_ws, slot, m_i, l_i, acc, G, G_PAD: tl.constexpr, D: tl.constexpr):
+    """Partial `slot`'s (max, sum, output) for merge_partials; the G_PAD - G padding rows are
+    never merged, so not stored."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    base = slot * G_PAD
+    real = offs_g < G
+    tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc, mask=real[:, None])
+    tl.store(ml_ws + (base + offs_g) * 2, m_i, mask=real)
+    tl.store(ml_ws + (base + offs_g) * 2 + 1, l_i, mask=real)
+
+
+@triton.jit
+def split_range(n, k_sel, split, SINKS, RECENT, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr):
+    """This split's chunk [start, end) of a row's virtual key list (static keys, then the k_sel
+    selected ones; [0, n) where DENSE), in whole BLOCK_N blocks, and the static part's bounds
+    (lo, hi, n_static): sinks [0, lo), recent window [hi, n)."""
+    lo = tl.minimum(n, SINKS)
+    hi = tl.maximum(lo, n - RECENT)
+    n_static = lo + n - hi
+    if DENSE:
+        total = n
+    else:
+        total = n_static + k_sel
+    chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return lo, hi, n_static, start, tl.minimum(start + chunk, total)
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                   HKV, G, SINKS, RECENT, scale_log2,
                   sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, si_b, si_h,
@@ -80,25 +127,16 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
     hkv = row % HKV
     n = tl.load(n_ptr + b)
     b64 = b.to(tl.int64)  # caches of 8 x 128K tokens are near 2^31 elements
-    lo = tl.minimum(n, SINKS)
-    hi = tl.maximum(lo, n - RECENT)
-    n_static = lo + n - hi
     if DENSE:
-        total = n
+        k_sel = 0
     else:
-        total = n_static + tl.load(ksel_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, total)
-    offs_g = tl.arange(0, G_PAD)
+        k_sel = tl.load(ksel_ptr + b)
+    lo, hi, n_static, start, end = split_range(n, k_sel, split, SINKS, RECENT, SPLITS, BLOCK_N, DENSE)
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sq_b + (hkv * G + offs_g)[:, None] * sq_h + offs_d[None, :],
-                mask=(offs_g < G)[:, None], other=0.0)
+    q = group_queries(q_ptr, b, hkv, G, sq_b, sq_h, G_PAD, D)
     if PRE_WAIT:  # n, k and q come from before the step's first launch (sync.py): read them while
         pdl_enter(USE_PDL)  # the selection finishes; only idx needs the wait
-    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
-    l_i = tl.zeros((G_PAD,), tl.float32)
-    acc = tl.zeros((G_PAD, D), tl.float32)
+    m_i, l_i, acc = empty_partial(G_PAD, D)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         valid = t < end
@@ -113,11 +151,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
         kb = tl.load(k_ptr + b64 * sk_b + hkv * sk_h + pos[:, None].to(tl.int64) * sk_s + offs_d[None, :])
         vb = tl.load(v_ptr + b64 * sv_b + hkv * sv_h + pos[:, None].to(tl.int64) * sv_s + offs_d[None, :])
         m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
-    base = (row * SPLITS + split) * G_PAD
-    real = offs_g < G  # the G_PAD - G padding rows (tl.dot needs 16) are never merged: not stored
-    tl.store(o_ws + (base + offs_g)[:, None] * D + offs_d[None, :], acc, mask=real[:, None])
-    tl.store(ml_ws + (base + offs_g) * 2, m_i, mask=real)
-    tl.store(ml_ws + (base + offs_g) * 2 + 1, l_i, mask=real)
+    store_partial(o_ws, ml_ws, row * SPLITS + split, m_i, l_i, acc, G, G_PAD, D)
     if FUSE_MERGE:  # the row's last split program merges (one launch less per step)
         if arrive_last(cnt_ptr + row, SPLITS, GPU):
             for g in range(G):
