@@ -224,14 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 2
     params, budget = CSAttentionParams(list_fraction=0.25), Budget(keep=args.keep)
-    n_max = max(args.context_list)
-    batches = args.batch_list
+    n_max = max(args.contexts)
+    batches = args.batches
     rows = (tune.tune_dense(n_max, batches, budget, "cuda") + tune.tune_topk16(n_max, batches, budget, "cuda")
             + tune.tune_attention(n_max, batches, budget, "cuda"))
     print("sweep picks (recorded, not applied): score", tune.DENSE_CFG, "top-K", tune.TOPK16_BLOCK, "attention",
           tune.ATTN_PICK, "; timed rows run the decoder's configs, attention", ATTN_CFG, flush=True)
     for b in batches:
-        for n in args.context_list:
+        for n in args.contexts:
             rows += bench_one(n, b, params, budget, "cuda", args.list_layout)
             print([(r["method"], round(r["time_us"], 1)) for r in rows if r["context"] == n and r["batch"] == b],
                   flush=True)

@@ -33,12 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 2
     budget, params, rows = Budget(), CSAttentionParams(list_fraction=0.25), []
-    n_max = max(args.context_list)
+    n_max = max(args.contexts)
     for phase in ("alone", "bench_one", "after_tune"):
         if phase == "after_tune":
-            tune.tune_dense(n_max, args.batch_list, budget, "cuda")
-            tune.tune_topk16(n_max, args.batch_list, budget, "cuda")
-            tune.tune_attention(n_max, args.batch_list, budget, "cuda")
+            tune.tune_dense(n_max, args.batches, budget, "cuda")
+            tune.tune_topk16(n_max, args.batches, budget, "cuda")
+            tune.tune_attention(n_max, args.batches, budget, "cuda")
         for b, n in grid_points(args):
             got = alone(n, b, budget) if phase == "alone" else bench.bench_one(n, b, params, budget, "cuda")
             rows += [{**r, "phase": phase, "attn_pick_now": dict(tune.ATTN_PICK), "topk16_now": dict(tune.TOPK16_BLOCK)}

@@ -67,7 +67,6 @@ def gpu_cli(prog: str, contexts: str, argv: list[str] | None,
         return None
     set_flush(args.flush)
     torch.manual_seed(args.seed)
-    args.batch_list, args.context_list = args.batches, args.contexts
     return args
 
 
@@ -85,8 +84,8 @@ def positive_ints(text: str) -> list[int]:
 def grid_points(args: argparse.Namespace) -> Iterator[tuple[int, int]]:
     """(batch, context) for each of gpu_cli's batches x contexts; the caching allocator is
     emptied after each (batch 8 at 128K holds ~20 GB)."""
-    for b in args.batch_list:
-        for n in args.context_list:
+    for b in args.batches:
+        for n in args.contexts:
             yield b, n
             torch.cuda.empty_cache()
 

@@ -95,3 +95,9 @@ def test_gpu_benches_refuse_bad_size_lists_before_looking_for_a_gpu(bench, capsy
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert flag in err and why in err
+
+
+def test_gpu_bench_grid_runs_every_batch_and_context():
+    from ctxcache.bench.gpu_inputs import grid_points, positive_ints
+    args = argparse.Namespace(batches=positive_ints("1,8"), contexts=positive_ints("8192,131072"))
+    assert list(grid_points(args)) == [(1, 8192), (1, 131072), (8, 8192), (8, 131072)]
