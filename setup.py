@@ -10,7 +10,7 @@ from pathlib import Path
 from setuptools import setup
 
 ROOTS = {
-    "ctxcache": "core",
+    "ctxcache": "ctxcache",
     "ctxcache.service": "service",
     "ctxcache.indexer": "indexer",
     "ctxcache.store": "store",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -10,8 +9,7 @@ from tqdm.auto import tqdm
 
 from ctxcache.artifact import ContextArtifact, LayerArtifact
 from ctxcache.generation import prefill
-from ctxcache.methods import SparseMethod, Tables
-from ctxcache.methods.csattention import CSAttention
+from ctxcache.methods import SparseMethod
 from ctxcache.models.attention import QueryCapture
 from ctxcache.models.loader import LoadedModel
 
@@ -54,7 +52,11 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         logits = prefill(lm.model, ids[None].to(device), cache, capture, config.chunk, bar.update)
     dtype = _DTYPES[config.kv_dtype]
     layers = []
-    built = layer_tables(method, capture, cache, n, args.n_layers)
+    # the method builds where the keys are (SparseMethod.build_layers: on a GPU for CSAttention);
+    # each layer's queries are read only when its build needs them
+    inputs = ((capture.queries(layer), cache.k[layer][0, :, :n], cache.v[layer][0, :, :n])
+              for layer in range(args.n_layers))
+    built = method.build_layers(inputs, args.n_layers)
     for layer in tqdm(range(args.n_layers), desc=f"index ({method.name})", unit="layer",
                       disable=not config.progress):
         q = capture.queries(layer)
@@ -67,28 +69,6 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
         method_params=method.params.to_dict(), tokens=ids.cpu(), last_logits=logits[0].float().cpu(),
         layers=layers, kv_dtype=config.kv_dtype)
-
-
-GPU_LAYER_GROUP = 8  # layers clustered together on a GPU (their seed draws share launches)
-
-
-def layer_tables(method: SparseMethod, capture: QueryCapture, cache, n: int, n_layers: int) -> Iterator[Tables]:
-    """Each layer's tables, in order, on the CPU. On a GPU, CSAttention (contiguous subspaces)
-    builds there, GPU_LAYER_GROUP layers per k-means (kernels.kmeans: a fraction of the
-    prefill); every other case builds on the CPU, layer by layer."""
-    k_of = [cache.k[layer][0, :, :n] for layer in range(n_layers)]
-    if k_of[0].is_cuda and isinstance(method, CSAttention) and method.params.layout == "contiguous":
-        from ctxcache.kernels.kmeans import build_tables_gpu_layers  # the kernels package only where a GPU is
-        for first in range(0, n_layers, GPU_LAYER_GROUP):
-            group = range(first, min(first + GPU_LAYER_GROUP, n_layers))
-            qs = [capture.queries(layer).to(k_of[0].device) for layer in group]
-            for tables in build_tables_gpu_layers(method.params, qs, [k_of[layer] for layer in group]):
-                yield {name: t.cpu() for name, t in tables.items()}
-        return
-    for layer in range(n_layers):
-        v = cache.v[layer][0, :, :n]
-        yield method.build_layer(capture.queries(layer).cpu(), k_of[layer].float().cpu(), v.float().cpu(),
-                                 layer, n_layers)
 
 
 def query_positions(n: int, keep: int) -> torch.Tensor:
@@ -108,11 +88,8 @@ def reindex(source: ContextArtifact, method: SparseMethod) -> ContextArtifact:
     if method.caps.uses_queries and any(l.queries is None for l in source.layers):
         raise ValueError(f"method {method.name!r} needs the prefill queries, which this artifact did not store")
     empty_q = torch.empty(0)
-    n_layers = len(source.layers)
-    layers = []
-    for i, l in enumerate(source.layers):
-        q = l.queries.float() if method.caps.uses_queries else empty_q
-        layers.append(LayerArtifact(l.k, l.v, method.build_layer(q, l.k.float(), l.v.float(), i, n_layers),
-                                    queries=l.queries))
+    inputs = ((l.queries.float() if method.caps.uses_queries else empty_q, l.k, l.v) for l in source.layers)
+    tables = method.build_layers(inputs, len(source.layers))
+    layers = [LayerArtifact(l.k, l.v, t, queries=l.queries) for l, t in zip(source.layers, tables)]
     return ContextArtifact(source.model_id, source.model_args, method.name, method.params.to_dict(),
                            source.tokens, source.last_logits, layers, source.kv_dtype, source.format_version)

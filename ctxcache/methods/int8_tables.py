@@ -16,14 +16,11 @@ from typing import Callable
 import torch
 
 
-def quantize_rows(dense: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 dense_score [..., N] -> (int8 [..., N], scale [...] fp32), symmetric per row, values
-    in [-levels, levels]. The stored format is levels=127; fewer levels (7: what 4-bit storage
-    would hold) only serve to measure what coarser tables cost (bench/table_bits.py)."""
-    if not 1 <= levels <= 127:
-        raise ValueError(f"levels={levels} must be in [1, 127]")
-    scale = dense.float().abs().amax(-1).clamp_min(1e-8) / float(levels)
-    q = torch.round(dense.float() / scale[..., None]).clamp_(-levels, levels).to(torch.int8)
+    in [-127, 127]."""
+    scale = dense.float().abs().amax(-1).clamp_min(1e-8) / 127.0
+    q = torch.round(dense.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 

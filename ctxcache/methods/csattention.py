@@ -40,7 +40,9 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -109,12 +111,14 @@ class CSAttentionParams(MethodParams):
         """Whether build stores int8 dense rows (see table_dtype)."""
         return self.table_dtype == "int8" or (self.table_dtype == "auto" and self._int8_applies)
 
+    @property
+    def gpu_selectable(self) -> bool:
+        """Whether the GPU selector computes exactly this selection (no backoff, summed group)."""
+        return (self.backoff_cos <= -1.0 and self.group_combine == "sum" and self.weighting in ("unit", "qnorm")
+                and self.scoring in ("absolute", "relative", "expected"))
+
     def list_length(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.list_fraction * n)))
-
-
-PAPER_PARAMS = CSAttentionParams(list_fraction=0.25, weighting="unit", scoring="absolute",
-                                  group_combine="sum")
 
 
 def subspace_permutation(head_dim: int, m: int, layout: str) -> torch.Tensor:
@@ -130,10 +134,13 @@ def subspace_permutation(head_dim: int, m: int, layout: str) -> torch.Tensor:
     return torch.cat([first, first + half], dim=1).reshape(-1)
 
 
+GPU_LAYER_GROUP = 8  # layers clustered together on a GPU (their seed draws share launches)
+
+
 class CSAttention(SparseMethod):
     name = "csattention"
     Params = CSAttentionParams
-    caps = Capabilities(uses_queries=True, streaming=True)
+    caps = Capabilities(uses_queries=True, streaming=True, gpu_decode=True)
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         """[..., D] -> [..., m, D/m] in subspace order."""
@@ -161,6 +168,26 @@ class CSAttention(SparseMethod):
             "list_floor": top.values[..., -1].half(),  # [Hkv, m, C]: the L-th score
             "list_absent_mean": absent_mean.half(),  # [Hkv, m, C]: mean score of unlisted keys
         }
+
+    def build_layers(self, layers: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     n_layers: int) -> Iterator[Tables]:
+        """On a GPU (keys on CUDA, contiguous subspaces): GPU_LAYER_GROUP layers per batched
+        k-means on the keys' device (methods/csattention_build: a fraction of the prefill);
+        otherwise the CPU build, layer by layer."""
+        layers = iter(layers)
+        first = next(layers, None)
+        if first is None:
+            return
+        layers = itertools.chain([first], layers)
+        if not (first[1].is_cuda and self.params.layout == "contiguous"):
+            yield from super().build_layers(layers, n_layers)
+            return
+        from ctxcache.methods.csattention_build import build_tables_gpu_layers  # Triton only where a GPU is
+        device = first[1].device
+        while group := list(itertools.islice(layers, GPU_LAYER_GROUP)):
+            qs = [q.to(device) for q, _, _ in group]
+            for tables in build_tables_gpu_layers(self.params, qs, [k for _, k, _ in group]):
+                yield {name: t.cpu() for name, t in tables.items()}
 
     def _cluster_queries(self, q: torch.Tensor, hkv: int) -> torch.Tensor:
         """Cosine k-means per (KV head, subspace) over the GQA group's queries -> [Hkv, m, C, d_b]."""
@@ -190,6 +217,10 @@ class CSAttention(SparseMethod):
             low = best.values[..., :1] < p.backoff_cos
             use[..., 1:] = low.float().expand(*use.shape[:-1], tau - 1)
         return best.indices, use / use.sum(-1, keepdim=True)
+
+    def gpu_decodable(self, tables: Tables) -> bool:
+        """The fast runner serves the default storage: dense int8 rows (see GpuDenseTables)."""
+        return self.params.gpu_selectable and "dense_score" in tables and "dense_scale" in tables
 
     def search(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int,
                k: int) -> torch.Tensor:

@@ -69,11 +69,6 @@ def sampling_probability(cos: torch.Tensor, bits: int, tables: int, min_collisio
     return u.clamp_min(1e-300)
 
 
-def theoretical_fraction(bits: int, tables: int) -> float:
-    """Eq. 21: expected sampled fraction when a table collides with probability 0.5^K."""
-    return float(sampling_probability(torch.tensor(0.0), bits, tables))
-
-
 def is_estimate(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, use: torch.Tensor,
                 log_u: torch.Tensor) -> torch.Tensor:
     """Self-normalised IS estimate (Eq. 11). q [Hkv, G, D]; keys, values [Hkv, n, D];

@@ -60,7 +60,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if t == 1 and x.is_cuda:  # a decode step: RoPE + cache write in one launch
+        if t == 1 and x.is_cuda and cache.fused_decode_write:  # a decode step: RoPE + cache write in one launch
             # imported here: CPU-only use of the model never loads Triton
             from ctxcache.kernels.rope_write import rope_write
             q = rope_write(q[:, :, 0], k[:, :, 0], v[:, :, 0], rope, pos[:, 0], cache.k[layer],

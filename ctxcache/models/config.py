@@ -36,11 +36,6 @@ class ModelArgs:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (GQA)."""
-        return self.n_heads // self.n_kv_heads
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -8,6 +8,8 @@ import torch
 class KVCache:
     """Keys and values [B, Hkv, S_max, D] per layer plus the filled length of each row."""
 
+    fused_decode_write = True  # one tensor per layer: a decode step may write it in one launch
+
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", uninitialized: bool = False) -> None:
         """uninitialized: skip zero-filling (a memset of the whole cache costs ~0.15 s for 4K
@@ -47,8 +49,12 @@ class KVCache:
 
     def row(self, b: int) -> "KVCache":
         """A one-row view sharing storage, for prefilling one request of a batch."""
+        return self.rows(b, b + 1)
+
+    def rows(self, start: int, end: int) -> "KVCache":
+        """A view of rows [start, end) sharing storage (and lengths) with this cache."""
         view = KVCache.__new__(KVCache)
-        view.k = [k[b:b + 1] for k in self.k]
-        view.v = [v[b:b + 1] for v in self.v]
-        view.lengths = self.lengths[b:b + 1]
+        view.k = [k[start:end] for k in self.k]
+        view.v = [v[start:end] for v in self.v]
+        view.lengths = self.lengths[start:end]
         return view

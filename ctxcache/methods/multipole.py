@@ -35,7 +35,7 @@ import torch
 
 from ctxcache.methods.base import Capabilities, LayerState, MethodParams, SparseMethod, Tables
 from ctxcache.methods.budget import Budget, topk_in_region
-from ctxcache.methods.kmeans import kmeans
+from ctxcache.methods.kmeans import kmeans, lloyd
 from ctxcache.methods.magicpig import padded_indices
 
 
@@ -67,21 +67,6 @@ def cluster_stats(k: torch.Tensor, v: torch.Tensor, assign: torch.Tensor, c: int
     kc = torch.zeros(b, c, d).scatter_add_(1, idx, k.float()) / counts.clamp_min(1)[..., None]
     vc = torch.zeros(b, c, d).scatter_add_(1, idx, v.float()) / counts.clamp_min(1)[..., None]
     return kc, vc, counts
-
-
-def _nearest(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
-    """Index [B, n] of the nearest centroid in L2 (|x|^2 does not change the argmin)."""
-    return (cent.pow(2).sum(-1)[:, None, :] - 2 * x @ cent.transpose(1, 2)).argmin(-1)
-
-
-def lloyd(x: torch.Tensor, cent: torch.Tensor, iters: int) -> torch.Tensor:
-    """Lloyd iterations from given centroids: x [B, n, d], cent [B, C, d] -> assignment [B, n]."""
-    for _ in range(iters):
-        assign = _nearest(x, cent)
-        sums = torch.zeros_like(cent).scatter_add_(1, assign[..., None].expand(-1, -1, x.shape[-1]), x)
-        hits = torch.zeros(cent.shape[:2]).scatter_add_(1, assign, torch.ones(assign.shape))
-        cent = torch.where(hits[..., None] > 0, sums / hits.clamp_min(1)[..., None], cent)
-    return _nearest(x, cent)
 
 
 class Multipole(SparseMethod):

@@ -1,7 +1,9 @@
 """The one sparse-attention interface: build offline from the prefill, search online per step.
 
 Every method is one small class. `build` turns one layer's prefill Q/K/V into named tables
-(plain tensors, so the store can serialise them without knowing the method). `open` makes a
+(plain tensors, so the store can serialise them without knowing the method); `build_layers`
+is what the indexer calls for a whole context, so a method with a device build (CSAttention on
+a GPU) chooses it there without the indexer knowing the method. `open` makes a
 per-stream state over those tables; the tables themselves stay read-only so that concurrent
 streams share one artifact. `search` picks token indices in the middle region for one decode
 query; `attend` (default: exact attention over sinks + search + recent window) is overridden
@@ -11,13 +13,14 @@ by estimator methods that approximate the attention output instead of selecting 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
 
 from ctxcache.methods.budget import Budget
-from ctxcache.models.attention import gqa_sparse_attention
+from ctxcache.models.attention import gather_attention
 
 Tables = dict[str, torch.Tensor]
 
@@ -30,6 +33,7 @@ class Capabilities:
     reads_all_keys: bool = False  # search() scans every cached key (oracle-style references)
     streaming: bool = False  # append() indexes keys generated during decode
     estimator: bool = False  # attend() approximates the output rather than selecting keys
+    gpu_decode: bool = False  # the fast GPU runner can decode it (see SparseMethod.gpu_decodable)
 
 
 @dataclass
@@ -79,6 +83,20 @@ class SparseMethod(ABC):
             raise ValueError(f"layer={layer} must be in [0, n_layers={n_layers})")
         return self.build(q, k, v)
 
+    def gpu_decodable(self, tables: Tables) -> bool:
+        """Whether the fast GPU runner (Triton selection + split-K attention) can decode from
+        these tables; methods without a GPU selector decode on the reference path."""
+        return False
+
+    def build_layers(self, layers: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     n_layers: int) -> Iterator[Tables]:
+        """Index every layer of a context: `layers` yields each layer's (q [Hq, N, D], k and v
+        [Hkv, N, D]), in order, on any device; yields each layer's tables on the CPU, in order.
+        The default builds on the CPU, one layer at a time (build_layer); methods with a
+        device build override it."""
+        for layer, (q, k, v) in enumerate(layers):
+            yield self.build_layer(q.float().cpu(), k.float().cpu(), v.float().cpu(), layer, n_layers)
+
     def open(self, tables: Tables) -> LayerState:
         return LayerState(tables=tables)
 
@@ -99,7 +117,7 @@ class SparseMethod(ABC):
         """Attention output [Hq, D] for q [Hq, D] over the first n cached keys, and the
         indices [Hkv, K'] it read."""
         idx = self.select(state, q, keys, n, budget)
-        return gqa_sparse_attention(q, keys, values, idx), idx
+        return gather_attention(q, keys, values, idx), idx
 
     def select(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, n: int,
                budget: Budget) -> torch.Tensor:

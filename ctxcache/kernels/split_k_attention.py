@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sync import arrive_last, compiled, launch_opts, pdl_enter, pdl_wait
-from ctxcache.models.attention import gqa_sparse_attention
+from ctxcache.kernels.sync import launch_opts, pdl_enter, pdl_wait
+from ctxcache.models.attention import gather_attention
 
 # Triton 3.6's CPU interpreter computes bf16 tl.dot wrongly (seen: errors of 1e10), so under
 # TRITON_INTERPRET the kernel upcasts to fp32 dots; compiled GPU code uses native bf16 dots.
@@ -31,14 +31,14 @@ def region(n: torch.Tensor, sinks: int, recent: int) -> tuple[torch.Tensor, torc
 
 
 def sparse_attention_ref(q, k_cache, v_cache, idx, k_sel, n, sinks: int, recent: int) -> torch.Tensor:
-    """Per row: gqa_sparse_attention over [sinks, recent, idx[:k_sel]]. q [B, Hq, D] -> [B, Hq, D]."""
+    """Per row: gather_attention over [sinks, recent, idx[:k_sel]]. q [B, Hq, D] -> [B, Hq, D]."""
     outs = []
     for b in range(q.shape[0]):
         nb, kb = int(n[b]), int(k_sel[b])
         lo, hi = min(sinks, nb), max(min(sinks, nb), nb - recent)
         static = torch.cat([torch.arange(lo), torch.arange(hi, nb)]).to(q.device)
         sel = torch.cat([static.expand(k_cache.shape[1], -1), idx[b, :, :kb].long().to(q.device)], dim=1)
-        outs.append(gqa_sparse_attention(q[b], k_cache[b], v_cache[b], sel))
+        outs.append(gather_attention(q[b], k_cache[b], v_cache[b], sel))
     return torch.stack(outs)
 
 
@@ -114,10 +114,8 @@ def split_range(n, k_sel, split, SINKS, RECENT, SPLITS: tl.constexpr, BLOCK_N: t
 def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                   HKV, G, SINKS, RECENT, scale_log2,
                   sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, si_b, si_h,
-                  out_ptr, cnt_ptr, so_b, so_h,
                   SPLITS: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr,
-                  G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  FUSE_MERGE: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr,
+                  G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
                   PRE_WAIT: tl.constexpr = True):
     if not PRE_WAIT:
         pdl_enter(USE_PDL)
@@ -152,41 +150,32 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
         vb = tl.load(v_ptr + b64 * sv_b + hkv * sv_h + pos[:, None].to(tl.int64) * sv_s + offs_d[None, :])
         m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
     store_partial(o_ws, ml_ws, row * SPLITS + split, m_i, l_i, acc, G, G_PAD, D)
-    if FUSE_MERGE:  # the row's last split program merges (one launch less per step)
-        if arrive_last(cnt_ptr + row, SPLITS, GPU):
-            for g in range(G):
-                _merge_head(o_ws, ml_ws, out_ptr, row, g, HKV, G, so_b, so_h, SPLITS, G_PAD, D, ".cg")
-            tl.store(cnt_ptr + row, 0)
-
-
-@triton.jit
-def _merge_head(o_ws, ml_ws, out_ptr, row, g, HKV, G, so_b, so_h,
-                SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, CACHE: tl.constexpr):
-    """Combine the SPLITS partials (max, sum, output) of query head g of KV row `row`."""
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, D)
-    base = (row * SPLITS + offs_s) * G_PAD + g
-    m = tl.load(ml_ws + base * 2, cache_modifier=CACHE)
-    l = tl.load(ml_ws + base * 2 + 1, cache_modifier=CACHE)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
-    o = tl.load(o_ws + base[:, None] * D + offs_d[None, :], cache_modifier=CACHE)
-    res = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    b = row // HKV
-    h = (row % HKV) * G + g
-    tl.store(out_ptr + b * so_b + h * so_h + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _merge_kernel(o_ws, ml_ws, out_ptr, HKV, G, so_b, so_h,
                   SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr,
                   TRIGGER: tl.constexpr = True):
+    """Combine the SPLITS partials (max, sum, output) of one query head: program (row, g)."""
     if TRIGGER:  # let the successor launch (and do its pre-wait loads) once this one waited
         pdl_enter(USE_PDL)
     else:
         pdl_wait(USE_PDL)
-    pid = tl.program_id(0)  # (row, g)
-    _merge_head(o_ws, ml_ws, out_ptr, pid // G, pid % G, HKV, G, so_b, so_h, SPLITS, G_PAD, D, "")
+    pid = tl.program_id(0)
+    row = pid // G
+    g = pid % G
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    base = (row * SPLITS + offs_s) * G_PAD + g
+    m = tl.load(ml_ws + base * 2)
+    l = tl.load(ml_ws + base * 2 + 1)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
+    o = tl.load(o_ws + base[:, None] * D + offs_d[None, :])
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    b = row // HKV
+    h = (row % HKV) * G + g
+    tl.store(out_ptr + b * so_b + h * so_h + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
 def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128, waves: int = 2) -> int:
@@ -197,19 +186,16 @@ def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128,
 
 
 def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks: int = 0, recent: int = 0,
-                            splits: int = 16, out=None, ws=None, block_n: int = 64, merge_counter=None,
-                            pdl: bool = False, num_warps: int = 4, num_stages: int | None = None,
-                            merge_warps: int = 1, pre_wait: bool = True, partials_only: bool = False) -> torch.Tensor:
+                            splits: int = 16, out=None, ws=None, block_n: int = 64, pdl: bool = False,
+                            num_warps: int = 4, num_stages: int | None = None, pre_wait: bool = True) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [B, Hkv, S, D]; n [B] int32 (cached keys per row); idx [B, Hkv, K_max]
     int32 and k_sel [B] int32 (selected middle keys; None: dense over [0, n)) -> [B, Hq, D].
 
-    merge_counter: int32 [B * Hkv] zeros (left zeroed after each call): the last split program of
-    each row merges, instead of a second launch. pdl: programmatic dependent launch
-    (sync.pdl_available). num_warps / num_stages: the split kernel's launch shape (num_stages None:
-    Triton's default software-pipelining depth). merge_warps: see merge_partials. pre_wait: with
-    pdl, load n, k_sel and q before waiting for the predecessor (they must come from before the step's first launch, see
-    sync.py); only idx waits; the merge then lets its successor launch early. partials_only: launch the split kernel alone and leave its partials
-    in ws (merge_partials combines them into out)."""
+    pdl: programmatic dependent launch (sync.pdl_available). num_warps / num_stages: the split
+    kernel's launch shape (num_stages None: Triton's default software-pipelining depth). pre_wait:
+    with pdl, load n, k_sel and q before waiting for the predecessor (they must come from before
+    the step's first launch, see sync.py); only idx waits; the merge then lets its successor
+    launch early."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     if k_cache.shape[0] != b or v_cache.shape != k_cache.shape or k_cache.shape[3] != d or hq % hkv:
@@ -228,25 +214,17 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
     g_pad = padded_group(g)
     ws = partial_workspace(b, hq, hkv, splits, d, q.device) if ws is None else ws
     out = torch.empty_like(q) if out is None else out
-    fuse = merge_counter is not None
-    if fuse and (merge_counter.shape != (b * hkv,) or merge_counter.dtype != torch.int32):
-        raise ValueError(f"merge_counter {tuple(merge_counter.shape)} must be int32 [{b * hkv}]")
-    if fuse and partials_only:
-        raise ValueError("partials_only leaves the merge to the caller: pass no merge_counter")
     idx_t = idx if not dense else n  # unused pointer in dense mode
     si = idx.stride() if not dense else (0, 0)
     _split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, idx_t, k_sel if not dense else n, n, ws[0], ws[1],
         hkv, g, sinks, recent, d ** -0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], si[0], si[1],
-        out, merge_counter if fuse else n, out.stride(0), out.stride(1),
         SPLITS=splits, DENSE=dense, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n,
-        FUSE_MERGE=fuse, GPU=compiled(q), USE_PDL=pdl, PRE_WAIT=pre_wait, num_warps=num_warps,
+        USE_PDL=pdl, PRE_WAIT=pre_wait, num_warps=num_warps,
         **launch_opts(pdl),
         **({"num_stages": num_stages} if num_stages else {}))
-    if not fuse and not partials_only:
-        merge_partials(ws, out, hkv, splits, pdl, merge_warps, trigger=pre_wait)
-    return out
+    return merge_partials(ws, out, hkv, splits, pdl, trigger=pre_wait)
 
 
 def padded_group(g: int) -> int:
@@ -267,7 +245,7 @@ def merge_partials(ws: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, hkv
     """Combine the split programs' partials in ws (outputs, then max and sum per query head, as
     the split kernels store them) into out [B, Hq, D]. One program per query head; 1 warp keeps
     its reductions inside a warp (H100: 0.7-1.7 us per 128K step faster than 4,
-    bench/attn_parts_probe). trigger (with pdl): let the next PDL launch start as soon as this
+    bench/attn_parts_probe.py at d74d176). trigger (with pdl): let the next PDL launch start as soon as this
     one's wait returned (else at its exit), so it can do its pre-wait loads meanwhile."""
     b, hq, d = out.shape
     g = hq // hkv

@@ -19,14 +19,16 @@ def dense_attention(layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tens
 
 
 class QueryCapture:
-    """Dense attention that also keeps each layer's post-RoPE queries (row 0) for indexing."""
+    """Dense attention that also keeps each layer's post-RoPE queries (row 0) for indexing, on
+    the model's device and in its dtype: a GPU build reads them there (copying every query of a
+    32K context to the host in fp32 was most of PutContext's time on an H100)."""
 
-    def __init__(self, n_layers: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, n_layers: int, dtype: torch.dtype | None = None) -> None:
         self.chunks: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-        self.dtype = dtype
+        self.dtype = dtype  # None: the model's
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
-        self.chunks[layer].append(q[0].to(self.dtype).cpu())
+        self.chunks[layer].append(q[0] if self.dtype is None else q[0].to(self.dtype))
         return dense_attention(layer, q, cache, pos)
 
     def queries(self, layer: int) -> torch.Tensor:
@@ -34,7 +36,7 @@ class QueryCapture:
         return torch.cat(self.chunks[layer], dim=1)
 
 
-def gqa_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+def gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                          valid: torch.Tensor | None = None) -> torch.Tensor:
     """Reference sparse decode attention (one query per head, shared selection per KV head).
 

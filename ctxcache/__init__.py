@@ -1,6 +1,6 @@
 """ctxcache: context cache service for long, reusable LLM prompts.
 
-`ctxcache` (this folder, `core/`) holds what every component shares: the model, the
+`ctxcache` (this folder) holds what every component shares: the model, the
 sparse-attention methods and the artifact schema. It imports no gRPC, Redis or LMDB.
 """
 

@@ -1,7 +1,7 @@
 """Selection scores from int8 dense tables by integer dot products (dp4a), fused with radix pass 0.
 
 Why: at 128K and batch 8 the fp16 score kernel streams 128 MB of routed table rows at the
-stream floor of the H100 (bench kv_layout_probe), so only fewer bytes make it faster. int8
+stream floor of the H100 (bench/kv_layout_probe.py at d74d176), so only fewer bytes make it faster. int8
 tables halve the bytes, but converting each int8 value to fp32 and multiplying it by a fp32
 weight costs more instructions than the bytes save (the fp32-weight int8 path in
 dense_select). Here the routed weights are quantized to int8 too, and each group of 4 routed

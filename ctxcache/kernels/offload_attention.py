@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sparse_attention import (INTERPRET, empty_partial, group_queries, merge_partials,
+from ctxcache.kernels.split_k_attention import (INTERPRET, empty_partial, group_queries, merge_partials,
                                                online_softmax_step, padded_group, partial_workspace, split_range,
                                                sparse_attention_ref, store_partial)
 

@@ -3,7 +3,7 @@
 Why: `tl.histogram` lowers to a warp ballot per bin bit plus, per lane, a mask combine and popc
 for each of its 8 owned bins: ~56 instructions per key at 256 bins. In the int8 score kernel
 (dense_dot8) that made the histogram ~27 us of a ~69 us launch at 128K batch 8 (H100, bench
-step_probe --sweeps score: 41.6 us without pass 0). One `red.shared.add` per key (sm_90
+step_probe --sweeps score at d74d176: 41.6 us without pass 0). One `red.shared.add` per key (sm_90
 compiles it to a warp-aggregated ATOMS.POPC.INC) does the same work.
 
 Triton exposes no shared-memory atomics, so the histogram lives in a `.shared` array declared

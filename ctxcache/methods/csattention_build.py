@@ -1,12 +1,14 @@
 """CSAttention table build on the GPU: batched cosine k-means + tables, all device-resident.
 
 Same algorithm as ctxcache.methods.kmeans (k-means++ seeding from a subsample of 16 C points,
-Lloyd iterations) and CSAttention.build (group-sum or per-head queries, dense rows of every
-key's score or Top-L lists), but with every tensor on the input's device and the random draws
-from a device generator. The C - 1 sequential seed draws are the launch-bound part (measured
-32 ms per layer on the H100 with torch.multinomial over all 4096 sampled queries), so each
-draw is an inverse-CDF lookup (cumsum + searchsorted) over the subsample. Not bit-identical to
-the CPU build (other random streams); the tests check Lloyd steps and tables against torch."""
+Lloyd iterations: its lloyd_step, shared) and CSAttention.build (group-sum or per-head queries,
+dense rows of every key's score or Top-L lists), but with every tensor on the input's device
+and the random draws from a device generator. Only the seeding is its own: the C - 1
+sequential seed draws are the launch-bound part (measured 32 ms per layer on the H100 with
+torch.multinomial over all 4096 sampled queries), so each draw is an inverse-CDF lookup
+(cumsum + searchsorted) over the subsample; the CPU build keeps torch.multinomial on a CPU
+generator, so its tables (and the stored artifacts' seeds) stay as they were. Not
+bit-identical to the CPU build (other random streams); the tests check tables against torch."""
 
 from __future__ import annotations
 
@@ -16,16 +18,7 @@ import torch.nn.functional as F
 from ctxcache.kernels.quantize import quantize_rows_fused
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.methods.int8_tables import int8_dense_tables
-
-
-def lloyd_step(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
-    """One cosine Lloyd iteration: x [B, n, d] unit rows, cent [B, C, d] -> new unit centroids."""
-    assign = (x @ cent.transpose(1, 2)).argmax(-1)  # [B, n]
-    b, c, d = cent.shape
-    sums = torch.zeros(b, c, d, device=x.device, dtype=x.dtype).scatter_add_(
-        1, assign[..., None].expand(-1, -1, d), x)
-    hits = torch.zeros(b, c, device=x.device, dtype=x.dtype).scatter_add_(1, assign, torch.ones_like(x[..., 0]))
-    return F.normalize(torch.where(hits[..., None] > 0, sums, cent), dim=-1)
+from ctxcache.methods.kmeans import lloyd_step
 
 
 def kmeans_pp_seeds(x: torch.Tensor, n_clusters: int, gen: torch.Generator) -> torch.Tensor:
@@ -53,7 +46,7 @@ def kmeans_gpu(x: torch.Tensor, n_clusters: int, iters: int, seed: int = 0) -> t
     gen = torch.Generator(device=x.device).manual_seed(seed)
     cent = kmeans_pp_seeds(x, n_clusters, gen)
     for _ in range(iters):
-        cent = lloyd_step(x, cent)
+        cent = lloyd_step(x, cent, cosine=True)
     return cent
 
 
