@@ -1,6 +1,6 @@
 """Online decoding from cached artifacts with sparse attention."""
 
 from ctxcache.decoder.session import ArtifactMismatch, generate, start_batch
-from ctxcache.decoder.sparse_attention import SparseAttention, SparseConfig
+from ctxcache.decoder.reference_attention import ReferenceSparseAttention, SparseConfig
 
-__all__ = ["ArtifactMismatch", "SparseAttention", "SparseConfig", "generate", "start_batch"]
+__all__ = ["ArtifactMismatch", "ReferenceSparseAttention", "SparseConfig", "generate", "start_batch"]

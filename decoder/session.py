@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from ctxcache.artifact import ContextArtifact
-from ctxcache.decoder.sparse_attention import SparseAttention, SparseConfig
+from ctxcache.decoder.reference_attention import ReferenceSparseAttention, SparseConfig
 from ctxcache.generation import SamplingParams, decode_n_tokens, prefill
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel
@@ -27,7 +27,7 @@ def check_compatible(lm: LoadedModel, artifacts: list[ContextArtifact]) -> None:
 
 
 def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list[list[int]],
-                config: SparseConfig, max_new_tokens: int) -> tuple[torch.Tensor, SparseAttention, object]:
+                config: SparseConfig, max_new_tokens: int) -> tuple[torch.Tensor, ReferenceSparseAttention, object]:
     """Load each artifact into its cache row and prefill its prompt.
 
     -> (first logits [B, V], the attention callable, the cache)."""
@@ -41,8 +41,10 @@ def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list
     states = []
     for row, a in enumerate(artifacts):
         cache.load_row(row, [l.k for l in a.layers], [l.v for l in a.layers])
-        states.append([method.open(l.tables) for l in a.layers])
-    attn = SparseAttention(method, states, config)
+        # tables follow the cache's device, so the reference path decodes wherever the model is
+        states.append([method.open({name: t.to(cache.lengths.device) for name, t in l.tables.items()})
+                       for l in a.layers])
+    attn = ReferenceSparseAttention(method, states, config)
     device = cache.lengths.device
     first = []
     for row, (a, prompt) in enumerate(zip(artifacts, prompts)):

@@ -9,18 +9,15 @@ from __future__ import annotations
 import torch
 
 from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables
-from ctxcache.kernels.sparse_attention import choose_splits, sparse_decode_attention
+from ctxcache.kernels.split_k_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.attention import dense_attention
 from ctxcache.models.kv_cache import KVCache
 
 # Sparse attention split-K shape: splits cover the SMs `waves` times with >= min_keys keys each;
-# block_n keys per inner step (see bench/attention_tune.py tune_attention).
-# fuse_merge: the last split program of a row merges instead of a second launch (measured no
-# faster on the H100, bench/fused_tune.py, so off).
-ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 128, "fuse_merge": False,  # measured best on the H100 at 128K
-            "num_warps": 4, "num_stages": None}
+# block_n keys per inner step (measured best on the H100 at 128K).
+ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 128, "num_warps": 4, "num_stages": None}
 
 
 class GpuDenseAttention:
@@ -55,7 +52,6 @@ class GpuSparseAttention:
                                     min_keys=cfg["min_keys"], waves=cfg["waves"])
         self.block_n = cfg["block_n"]
         self.launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-        self.merge_counter = torch.zeros(batch * n_kv, dtype=torch.int32, device=device) if cfg["fuse_merge"] else None
         self.dense = GpuDenseAttention(batch, n_kv, max_len)
         self.last_idx: dict[int, torch.Tensor] = {}  # layer -> selection of the last step (for checks)
         self.record = False
@@ -85,5 +81,5 @@ class GpuSparseAttention:
             self.last_idx[layer] = (idx.clone(), k.clone())
         out = sparse_decode_attention(q[:, :, 0], cache.k[layer], cache.v[layer], n, idx, k,
                                       self.budget.sinks, self.budget.recent, splits=self.splits, block_n=self.block_n,
-                                      merge_counter=self.merge_counter, pdl=self.selector.pdl, **self.launch)
+                                      pdl=self.selector.pdl, **self.launch)
         return out[:, :, None]

@@ -4,7 +4,7 @@ The model's own forward reads `int(pos.max())` for a bounds check (a host sync t
 forbid), so the captured step calls the same modules without it; bounds are checked on the
 host before each replay instead, against a host copy of the longest row: reading the device
 lengths each step would be a sync that leaves the GPU idle while the host queues the next
-replay (measured ~0.5 ms per step at 128K, batch 8, bench profile_decode)."""
+replay (measured ~0.5 ms per step at 128K, batch 8, bench/profile_decode.py at d74d176)."""
 
 from __future__ import annotations
 
@@ -59,12 +59,9 @@ class GraphDecoder:
             self._run()
 
     @torch.inference_mode()
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B] -> logits [B, V]; advances every row by one position."""
-        if self._longest is None:
-            self._longest = int(self.cache.lengths.max())
-        if self._longest >= self.cache.max_len:
-            raise ValueError(f"cache full at {self.cache.max_len} tokens")
+    def run(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] at each row's current length -> logits [B, V]; lengths are left to the
+        caller (a runner advances only the rows it stepped). No bounds check."""
         self.tokens.copy_(tokens[:, None])
         self.pos.copy_(self.cache.lengths[:, None])
         if self.use_graph:
@@ -73,9 +70,19 @@ class GraphDecoder:
             self.graph.replay()
         else:
             self._run()
+        return self.logits
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] -> logits [B, V]; advances every row by one position."""
+        if self._longest is None:
+            self._longest = int(self.cache.lengths.max())
+        if self._longest >= self.cache.max_len:
+            raise ValueError(f"cache full at {self.cache.max_len} tokens")
+        logits = self.run(tokens)
         self.cache.lengths += 1
         self._longest += 1
-        return self.logits
+        return logits
 
     def greedy(self, first_logits: torch.Tensor, steps: int) -> torch.Tensor:
         """-> tokens [B, steps]: argmax of first_logits, then of each step's logits."""

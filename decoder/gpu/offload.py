@@ -16,7 +16,7 @@ import torch
 
 from ctxcache.kernels.offload_attention import offload_attention
 from ctxcache.kernels.slot_plan import plan_slots_kernel
-from ctxcache.kernels.sparse_attention import choose_splits
+from ctxcache.kernels.split_k_attention import choose_splits
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -131,9 +131,6 @@ class OffloadAttention:
         c = self.caches[layer]
         return offload_attention(q, self.k_host[layer], self.v_host[layer], c.k, c.v, idx, slot, k, n,
                                  self.sinks, self.recent, splits=self.splits)
-
-    def gpu_kv_bytes(self) -> int:
-        return sum(c.nbytes() for c in self.caches)
 
     def hit_rate(self) -> float:
         hits = sum(int(c.hits) for c in self.caches)

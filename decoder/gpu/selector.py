@@ -10,12 +10,6 @@ table_dtype, or fp16 tables stacked with score_dtype="int8"; half the bytes) wit
 are scored by integer dot products against int8-quantized routed weights (dense_dot8), the
 reference's arithmetic, instead of dense_select's fp32 arithmetic.
 
-The fused pipeline (opt-in, `fused=FusedConfig()`, for the dense layout with group routing and
-fp16 keys; measured slower than the radix pipeline on the H100, see bench/README.md) is two
-launches: dense_keys (route fused in, scores as 16-bit keys, radix statistics) ->
-select16 (exact Top-K, ties to the lowest index; the row's last program resolves the
-threshold), optionally chained by programmatic dependent launch.
-
 Static buffers sized once (rows, heads, max context, max K), so a step is a fixed sequence of
 launches that a CUDA graph can capture. Matches CSAttention.search with tau = 1 (no backoff)
 and group_combine = "sum"; other settings are refused rather than silently changed."""
@@ -27,12 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ctxcache.kernels.dense_keys import dense_keys
 from ctxcache.kernels.dense_dot8 import dense_dot8
 from ctxcache.kernels.dense_select import dense_scores
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
-from ctxcache.kernels.select16 import select16, workspace16
 from ctxcache.kernels.stream import add_streamed, stream_insert
 from ctxcache.kernels.sync import pdl_available
 from ctxcache.kernels.topk import MAX_ROW, blocks16, radix_topk, workspace
@@ -41,8 +33,7 @@ from ctxcache.methods.int8_tables import quantize_rows
 
 
 def check_params(p: CSAttentionParams) -> None:
-    if (p.backoff_cos > -1.0 or p.group_combine != "sum" or p.weighting not in ("unit", "qnorm")
-            or p.scoring not in ("absolute", "relative", "expected")):
+    if not p.gpu_selectable:
         raise ValueError(f"GPU selection supports backoff_cos=-1, group_combine='sum', weighting "
                          f"unit|qnorm and scoring absolute|relative|expected; got backoff_cos={p.backoff_cos}, "
                          f"group_combine={p.group_combine!r}, weighting={p.weighting!r}, scoring={p.scoring!r}")
@@ -155,6 +146,53 @@ class GpuDenseTables:
         """As GpuTables.insert."""
         stream_insert(k, self.centroids, self.new_scores, pos, self.stream_start, self.stream_count, perm)
 
+    @classmethod
+    def empty(cls, rows: int, like: dict[str, torch.Tensor], n_max: int, max_new: int,
+              device: torch.device | str) -> "GpuDenseTables":
+        """Zeroed int8 tables for `rows` rows of up to n_max keys, shaped like one artifact
+        layer's int8 tables `like` (centroids, dense_score, dense_scale); rows hold no keys."""
+        if "dense_scale" not in like:
+            raise ValueError("GpuDenseTables.empty takes int8 dense tables (with dense_scale)")
+        hkv, m, c = like["dense_score"].shape[:3]
+        n_pad = -(-n_max // 16) * 16
+        dev = dict(device=device)
+        n = torch.zeros(rows, dtype=torch.int32, **dev)
+        return cls(torch.zeros(rows, *like["centroids"].shape, dtype=like["centroids"].dtype, **dev),
+                   torch.zeros(rows, hkv, m, c, n_pad, dtype=torch.int8, **dev),
+                   torch.zeros(rows, hkv, m, c, **dev), n, torch.zeros(rows, hkv, m, c, max(max_new, 1), **dev),
+                   n.clone(), n.clone())
+
+    def rows(self, start: int, end: int) -> "GpuDenseTables":
+        """A view of rows [start, end) sharing storage with these tables."""
+        return GpuDenseTables(*(None if t is None else t[start:end] for t in (
+            self.centroids, self.dense_score, self.score_scale, self.n_ctx, self.new_scores,
+            self.stream_start, self.stream_count)))
+
+    def load_row(self, row: int, tables: dict[str, torch.Tensor], n: int) -> None:
+        """Copy one artifact layer's int8 tables (n keys) into row `row`; no streamed keys yet."""
+        self.centroids[row].copy_(tables["centroids"], non_blocking=True)
+        self.dense_score[row, ..., :n].copy_(tables["dense_score"], non_blocking=True)
+        self.score_scale[row].copy_(tables["dense_scale"], non_blocking=True)
+        self.n_ctx[row] = n
+        self.reset_stream(row)
+
+    def insert_span(self, row: int, keys: torch.Tensor, pos: int, perm: torch.Tensor | None) -> None:
+        """Index keys [Hkv, T, D] written at positions pos..pos+T-1 of row `row` (a prompt's
+        prefill: one product per layer instead of T stream_insert launches); the same fp32
+        centroid . key-subspace scores stream_insert writes."""
+        hkv, t, d = keys.shape
+        cent = self.centroids[row].float()  # [Hkv, m, C, d_b]
+        m, db = cent.shape[1], cent.shape[3]
+        k = (keys[..., perm] if perm is not None else keys).float().view(hkv, t, m, db)
+        col = pos - int(self.stream_start[row])
+        self.new_scores[row, ..., col:col + t] = torch.einsum("hmcd,htmd->hmct", cent, k)
+        self.stream_count[row] = max(int(self.stream_count[row]), col + t)
+
+    def reset_stream(self, row: int) -> None:
+        """Forget the keys streamed into row `row` after its context (a new stream starts)."""
+        self.stream_start[row] = self.n_ctx[row]
+        self.stream_count[row] = 0
+
 
 def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
                  device: torch.device | str, score_dtype: str = "float16") -> "GpuTables | GpuDenseTables":
@@ -166,35 +204,13 @@ def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_n
     return GpuTables.stack(per_row, n_ctx, max_new, device)
 
 
-@dataclass(frozen=True)
-class FusedConfig:
-    """Shape of the fused dense pipeline. key_block: keys per score program (and per block
-    count); select_block: keys per select16 program (a multiple of key_block); fuse_route:
-    route inside the score kernel (else one route launch first)."""
-
-    key_block: int = 2048
-    select_block: int = 4096
-    fuse_route: bool = True
-    num_warps: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("key_block", "select_block"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1) or v > PAD:
-                raise ValueError(f"{name}={v} must be a power of two in [16, {PAD}]")
-        if self.select_block % self.key_block:
-            raise ValueError(f"select_block={self.select_block} must be a multiple of key_block={self.key_block}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
-
-
 PAD = 8192  # score rows are padded to a multiple of this (any power-of-two block up to it tiles them)
 
 
 def radix_shape(rows: int, n_max: int, keys16: bool = True) -> tuple[int, int]:
     """(keys, warps) per radix program. The smallest block (>= 1024 keys, 4 warps) that keeps the
     grid within ~2048 programs, measured on the H100 for 16-bit keys at 8K-128K, batch 1 and 8
-    (bench step_probe; fp32 passes are latency-bound: more, smaller programs help them the same
+    (bench/step_probe.py at d74d176; fp32 passes are latency-bound: more, smaller programs help them the same
     way). Few rows (<= 8, batch 1) over long contexts (>= 64 programs of 4096 keys) take 4096 keys
     and 8 warps (16-bit keys): the 128K step 0.7-1.4 us faster in six comparisons over five
     calls, 32K 1.0-1.3 us (three), 64K 0.9 us (one); 8K slower."""
@@ -212,7 +228,7 @@ class GpuSelector:
 
     def __init__(self, params: CSAttentionParams, batch: int, n_heads: int, n_kv: int, head_dim: int,
                  n_max: int, k_max: int, device: torch.device | str, score_keys: str = "fp16",
-                 fused: FusedConfig | None = None, pdl: bool | None = None) -> None:
+                 pdl: bool | None = None) -> None:
         check_params(params)
         if score_keys not in ("fp16", "fp32"):
             raise ValueError(f"score_keys={score_keys!r} must be 'fp16' or 'fp32'")
@@ -233,7 +249,7 @@ class GpuSelector:
         self.keys = torch.empty(batch, n_kv, n_pad, dtype=torch.uint16, device=device) if score_keys == "fp16" else None
         # tuned on the H100 at 128K, batch 1 and 8 (bench attention; the register cap lifts occupancy);
         # 4 warps: 4-6 us faster than 8 at batch 8, and with the row-aligned radix blocks 0.3-1.7 us
-        # faster at batch 1 too (eight bench step_probe calls)
+        # faster at batch 1 too (eight bench/step_probe.py calls, at d74d176)
         self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4, "maxnreg": 80}
         # int8 tables with 16-bit keys: integer dot products (kernels/dense_dot8), 8 keys per thread;
         # the cap (from 128 registers) measured 5 us faster at 128K batch 8, 1 us at batch 1 (H100)
@@ -241,20 +257,11 @@ class GpuSelector:
         self.n_pad = n_pad
         self.set_topk_block(*radix_shape(batch * n_kv, n_max, keys16=score_keys == "fp16"))
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
-        # fused dense pipeline (group routing, fp16 keys); its buffers are made on first use
-        self.fused = fused if (fused is not None and self.group and score_keys == "fp16") else None
         # programmatic dependent launch between the step's kernels (None: where the GPU has it)
         self.pdl = pdl_available(device) if pdl is None else pdl
-        self._fused_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         # with PDL, each launch reads what the step did not write (centroids, row lengths)
         # before waiting for its predecessor (kernels/sync.py)
         self.pre_wait = True
-
-    def set_fused(self, cfg: FusedConfig) -> None:
-        """Switch the fused pipeline's shape (before any graph capture)."""
-        if self.fused is None:
-            raise ValueError("this selector does not run the fused pipeline (needs group routing, fp16 keys)")
-        self.fused, self._fused_bufs = cfg, None
 
     def set_topk_block(self, block: int, num_warps: int = 4) -> None:
         """Keys (and warps) per radix program; the workspace holds one histogram per block
@@ -300,36 +307,9 @@ class GpuSelector:
         if self.params.weighting == "unit":
             self.w.fill_(1.0)
 
-    def fused_keys(self, q: torch.Tensor, t: GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
-                   k: torch.Tensor) -> torch.Tensor:
-        """Fused pipeline, first launch: 16-bit keys [B, Hkv, n_pad] + radix statistics in ws16."""
-        cfg = self.fused
-        if self._fused_bufs is None:
-            self._fused_bufs = (workspace16(self.rows, self.n_pad, cfg.key_block, self.device),
-                                torch.zeros(self.rows // self.n_kv, self.n_kv, self.n_pad, dtype=torch.int32,
-                                            device=self.device))
-        qs = q[..., self.perm].contiguous() if self.perm is not None else q
-        routed = None
-        if not cfg.fuse_route:
-            route(qs, t.centroids, out=(self.ids, self.w), group=True, pdl=self.pdl)
-            routed = (self.ids, self.w)
-        return dense_keys(qs, t.centroids, t.dense_score, t.score_scale, t.new_scores, t.n_ctx, t.stream_start,
-                          t.stream_count, lo, hi, k, self.keys, self._fused_bufs[0], block=cfg.key_block,
-                          routed=routed, unit_weights=self.params.weighting == "unit", num_warps=cfg.num_warps,
-                          pdl=self.pdl)
-
-    def fused_topk(self, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Fused pipeline, second launch (after fused_keys): idx [B, Hkv, k_max]."""
-        ws, cand = self._fused_bufs
-        return select16(self.keys, lo, hi, k, ws, cand, self.idx, self.fused.key_block,
-                        block=self.fused.select_block, pdl=self.pdl)
-
     def select(self, q: torch.Tensor, t: GpuTables | GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
                k: torch.Tensor) -> torch.Tensor:
         """-> idx [B, Hkv, k_max] int32; row b's first k[b] entries are its selection."""
-        if isinstance(t, GpuDenseTables) and self.fused is not None:
-            self.fused_keys(q, t, lo, hi, k)
-            return self.fused_topk(lo, hi, k)
         if isinstance(t, GpuDenseTables):
             scores = self.route_dense(q, t, lo, hi, k)
             return self.finish(scores, lo, hi, k)

@@ -9,7 +9,7 @@ import torch
 
 from ctxcache.methods import Budget, LayerState, SparseMethod
 from ctxcache.methods.budget import distinct_valid
-from ctxcache.models.attention import dense_attention, gqa_sparse_attention
+from ctxcache.models.attention import dense_attention, gather_attention
 from ctxcache.models.kv_cache import KVCache
 
 _SCHEDULE = re.compile(r"^(?P<keep>0?\.\d+|1(\.0*)?)-step-(?P<period>\d+)$")
@@ -40,7 +40,7 @@ class SparseConfig:
         return cls(Budget(float(m["keep"]), sinks, recent), int(m["period"]), dense_layers)
 
 
-class SparseAttention:
+class ReferenceSparseAttention:
     """Dense for multi-token steps (question prefill) and dense layers; otherwise each row's
     query searches with the method and attends to sinks + selection + recent window.
 
@@ -53,11 +53,19 @@ class SparseAttention:
         self.keys_read = 0  # selected keys attended, summed over rows, layers and KV heads
         self.keys_total = 0  # keys a dense step would have read
 
-    def row_view(self, row: int) -> "SparseAttention":
+    def row_view(self, row: int) -> "ReferenceSparseAttention":
         """The attention of one row, for use with `KVCache.row(row)` (batch of one)."""
-        return SparseAttention(self.method, [self.states[row]], self.config)
+        return ReferenceSparseAttention(self.method, [self.states[row]], self.config)
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        if q.device.type == "cpu":
+            return self._attend(layer, q, cache, pos)
+        # the methods' decode code makes its scratch tensors without naming a device: on a GPU
+        # they land beside the cache (torch's device context; a no-op cost worth skipping on CPU)
+        with torch.device(q.device):
+            return self._attend(layer, q, cache, pos)
+
+    def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         for b in range(q.shape[0]):
             self.method.append(self.states[b][layer], cache.k[layer][b, :, pos[b]], int(pos[b, 0]))
         if q.shape[2] > 1 or layer in self.config.dense_layers:
@@ -75,7 +83,7 @@ class SparseAttention:
             return out
         idx, valid = self._select(layer, b, q, keys, n)
         self.keys_read += int(valid.sum()) if valid is not None else idx.numel()
-        return gqa_sparse_attention(q, keys, values, idx, valid)
+        return gather_attention(q, keys, values, idx, valid)
 
     def _select(self, layer: int, b: int, q: torch.Tensor, keys: torch.Tensor, n: int):
         budget, period = self.config.budget, self.config.period

@@ -1,0 +1,193 @@
+"""The decode engine: one thread steps every live stream together through a model runner.
+
+A stream is admitted in its caller's thread (the runner loads its context and prefills its
+question, under the runner's lock when the runner shares device buffers between rows), samples
+its first token there, then joins the engine loop: each step the scheduler picks the rows, the
+runner runs the model once over them (weights read once per step, attention per row), and each
+row's token goes to its consumer's queue. Streams join and leave between steps.
+
+Model code only: no gRPC here. A consumer reads its tokens with `Sequence.tokens()` and may
+cancel at any time; the engine drops a cancelled row before its next step and releases it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ctxcache.artifact import ContextArtifact
+from ctxcache.decoder.reference_attention import SparseConfig
+from ctxcache.decoder.runner import Runner
+from ctxcache.decoder.scheduler import Scheduler, StopRule
+from ctxcache.generation import SamplingParams, sample
+
+_log = logging.getLogger(__name__)
+_END = object()  # queued after a sequence's last token
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One stream: its runner row, sampling, stop rule and token queue."""
+
+    row: Any
+    path: str  # which runner serves it ("reference", "gpu-sparse", "gpu-dense")
+    sampling: SamplingParams
+    stop: StopRule
+    first_token: int
+    first_full: bool
+    ended_at_first: bool
+    gen: torch.Generator | None = None
+    produced: int = 1
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    last_token: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last_token = self.first_token
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def tokens(self, check: Callable[[], None], poll_s: float = 0.05) -> Iterator[tuple[int, bool]]:
+        """Yield (token id, cache full) from the first token on; `check` runs while waiting
+        (it raises to stop: deadline, cancellation). Leaving the loop cancels the sequence."""
+        try:
+            yield self.first_token, self.first_full
+            if self.ended_at_first:
+                return
+            while True:
+                try:
+                    item = self.out.get(timeout=poll_s)
+                except queue.Empty:
+                    check()
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancel()
+
+
+def _generator(sampling: SamplingParams) -> torch.Generator | None:
+    return torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+
+
+class Engine:
+    """Continuous batching over one runner, at most `max_batch` rows a step."""
+
+    def __init__(self, runner: Runner, max_batch: int = 32) -> None:
+        self.runner = runner
+        self.scheduler = Scheduler(max_batch)
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # batched steps run
+        self.rows_stepped = 0  # sum of batch sizes (rows_stepped / steps = mean batch)
+
+    def start(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
+              sampling: SamplingParams, check: Callable[[], None] = lambda: None) -> Sequence:
+        """Load and prefill in the caller's thread (TTFT waits for no batch step beyond the
+        runner's lock), sample the first token, and queue the rest for batching."""
+        if self._closed:
+            raise RuntimeError("the decode engine is closed")
+        row, first_logits = self.runner.admit(context_id, art, prompt, config, sampling.max_tokens, check)
+        gen = _generator(sampling)
+        tok = int(sample(first_logits[None], sampling, gen)[0])
+        stop = StopRule(sampling.max_tokens, frozenset(sampling.stop_token_ids))
+        full = self.runner.cache_full(row)
+        ends = stop.done(tok, 1, full)
+        seq = Sequence(row, self.runner.name, sampling, stop, tok, full, ends, gen=gen)
+        if ends:
+            self.runner.release(row)
+            return seq
+        with self._wake:
+            if self._closed:
+                self.runner.release(row)
+                raise RuntimeError("the decode engine is closed")
+            self.scheduler.admit(seq)
+            self._ensure_thread()
+            self._wake.notify()
+        return seq
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"ctxcache-engine-{self.runner.name}",
+                                            daemon=True)
+            self._thread.start()
+
+    def _next_batch(self) -> list[Sequence] | None:
+        with self._wake:
+            while not self._closed:
+                gone = [s for s in self.scheduler.live() if s.cancelled.is_set()]
+                self._retire(gone)
+                batch = self.scheduler.next_batch()
+                if batch:
+                    return batch
+                self._wake.wait()
+            return None
+
+    def _retire(self, seqs: list[Sequence]) -> None:
+        if seqs:
+            self.scheduler.retire(seqs)
+            for s in seqs:
+                self.runner.release(s.row)
+
+    def _loop(self) -> None:
+        try:
+            while (batch := self._next_batch()) is not None:
+                try:
+                    self._step(batch)
+                except Exception as exc:  # noqa: BLE001 - handed to each consumer, the engine lives on
+                    for s in batch:
+                        s.cancel()
+                        s.out.put(exc)
+        except BaseException as exc:  # noqa: BLE001 - the loop itself broke (a row's release failed)
+            _log.exception("the decode engine's loop stopped")
+            self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Close the engine and hand `exc` to every live consumer: none waits on a dead thread."""
+        with self._wake:
+            self._closed = True
+            live = self.scheduler.live()
+            self.scheduler.retire(live)
+        for s in live:
+            s.cancel()
+            s.out.put(RuntimeError(f"the decode engine stopped: {exc!r}"))
+
+    @torch.inference_mode()
+    def _step(self, batch: list[Sequence]) -> None:
+        logits = self.runner.step([s.row for s in batch], [s.last_token for s in batch])
+        self.steps += 1
+        self.rows_stepped += len(batch)
+        greedy = logits.argmax(-1).tolist()  # one device sync per step, for every greedy row
+        for b, s in enumerate(batch):
+            tok = greedy[b] if s.sampling.temperature == 0.0 else int(sample(logits[b:b + 1], s.sampling, s.gen)[0])
+            full = self.runner.cache_full(s.row)
+            s.last_token, s.produced = tok, s.produced + 1
+            s.out.put((tok, full))
+            if s.stop.done(tok, s.produced, full):
+                s.cancel()  # retired (and its row released) before the next step
+                s.out.put(_END)
+
+    def close(self) -> None:
+        """Stop the thread; live sequences end (their consumers see the end of tokens)."""
+        with self._wake:
+            self._closed = True
+            live = self.scheduler.live()
+            self.scheduler.retire(live)
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for s in live:
+            s.cancel()
+            s.out.put(_END)
+            self.runner.release(s.row)

@@ -1,0 +1,218 @@
+"""The fast GPU runner: rows of distinct contexts in one static cache, graph-captured steps.
+
+Slots: the runner owns one KV cache of `slots` rows (and, sparse, one int8 table buffer per
+layer of as many rows), each row up to `max_len` tokens. A slot holds one context; a stream
+decodes in a slot and, when it ends, the context stays resident there (the HBM tier): the next
+stream on that context resets the row to the context's length and skips the load. Idle slots
+are reused least recently used first. A step runs the model over the first `bucket` rows
+(buckets 1, 2, 4, ... up to `slots`, one CUDA graph each, captured on first use); rows of the
+bucket that are not stepped compute a throw-away token at their current position (past any
+resident context, overwritten by their next real step) and do not advance.
+
+Sparse mode: CSAttention's GPU selector + split-K attention per layer (GpuSparseAttention);
+dense mode: split-K attention over every cached key (the same engine with every layer dense).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ctxcache.artifact import ContextArtifact
+from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
+from ctxcache.decoder.gpu.graph import GraphDecoder
+from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.reference_attention import SparseConfig
+from ctxcache.generation import prefill
+from ctxcache.methods import make_method
+from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
+from ctxcache.models.attention import dense_attention
+from ctxcache.models.loader import LoadedModel
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    context_id: str | None = None
+    n_ctx: int = 0  # the resident context's length
+    length: int = 0  # host copy of the row's cache length
+    busy: bool = False
+    last_used: float = 0.0
+
+
+class _PrefillAttention:
+    """Dense attention for a slot's prompt prefill that also indexes the new keys (sparse)."""
+
+    def __init__(self, tables: list[GpuDenseTables] | None, row: int, start: int, perm: torch.Tensor | None) -> None:
+        self.tables, self.row, self.start, self.perm = tables, row, start, perm
+
+    def __call__(self, layer: int, q: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
+        if self.tables is not None:
+            t = pos.shape[1]
+            self.tables[layer].insert_span(self.row, cache.k[layer][0, :, self.start:self.start + t], self.start,
+                                           self.perm)
+        return dense_attention(layer, q, cache, pos)
+
+
+class GpuRunner:
+    """params None: dense mode. Serves streams whose context fits a slot with room for their
+    question and answer (`max_new` tokens streamed into the index at most)."""
+
+    def __init__(self, lm: LoadedModel, params: CSAttentionParams | None, config: SparseConfig, slots: int,
+                 max_len: int, max_new: int = 512, use_graph: bool = True) -> None:
+        if slots < 1 or max_len < 2 or max_new < 1:
+            raise ValueError(f"slots={slots}, max_len={max_len}, max_new={max_new} must be >= 1, >= 2, >= 1")
+        self.lm, self.params, self.config, self.max_new = lm, params, config, max_new
+        self.name = "gpu-dense" if params is None else "gpu-sparse"
+        model, a = lm.model, lm.args
+        self.device = model.lm_head.weight.device
+        self.cache = model.new_cache(slots, max_len=max_len)  # zero-filled: every position stays finite
+        self.slots = [Slot(i) for i in range(slots)]
+        self.tables: list[GpuDenseTables] | None = None  # sparse: allocated at the first context
+        self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
+        self._decoders: dict[int, GraphDecoder] = {}
+        self.use_graph = use_graph
+        self._perm = (None if params is None or params.layout == "contiguous"
+                      else subspace_permutation(a.head_dim, params.subspaces, params.layout).to(self.device))
+        self.lock = threading.Condition()  # device buffers are shared: admissions and steps take turns
+        self.loads = 0  # contexts copied into a slot (HBM misses)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
+        if art.n_tokens + new_tokens > self.cache.max_len:
+            return False
+        if self.params is None:
+            return True
+        method = make_method(art.method, art.method_params)
+        return (config == self.config and new_tokens <= self.max_new and method.params == self.params
+                and method.gpu_decodable(art.layers[0].tables))
+
+    @torch.inference_mode()
+    def admit(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
+              max_new: int, check: Callable[[], None] = lambda: None) -> tuple[Slot, torch.Tensor]:
+        if len(prompt) >= self.max_new:
+            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the {self.max_new}-key index overlay")
+        with self.lock:
+            slot = self._claim(context_id, check)
+            try:
+                if slot.context_id != context_id:
+                    self._load(slot, context_id, art)
+                self._reset(slot)
+                if not prompt:
+                    first = art.last_logits.to(self.device).float()
+                elif len(prompt) == 1:  # one new token is a decode step, as on the reference path
+                    first = self._step_rows([slot], prompt)[0]
+                else:
+                    first = self._prefill(slot, prompt)
+            except BaseException:
+                slot.context_id, slot.busy = None, False  # a half-loaded row holds no context
+                self.lock.notify_all()
+                raise
+        return slot, first
+
+    def _claim(self, context_id: str, check: Callable[[], None]) -> Slot:
+        """A slot for the context: its idle resident slot, else an empty one, else the least
+        recently used idle one; waits (running `check`) while every slot is busy."""
+        while True:
+            idle = [s for s in self.slots if not s.busy]
+            pick = (next((s for s in idle if s.context_id == context_id), None)
+                    or next((s for s in idle if s.context_id is None), None)
+                    or min(idle, key=lambda s: s.last_used, default=None))
+            if pick is not None:
+                pick.busy = True
+                return pick
+            check()
+            self.lock.wait(timeout=0.05)
+
+    def _load(self, slot: Slot, context_id: str, art: ContextArtifact) -> None:
+        n, row = art.n_tokens, slot.index
+        slot.context_id = None
+        for layer, la in enumerate(art.layers):
+            self.cache.k[layer][row, :, :n].copy_(la.k, non_blocking=True)
+            self.cache.v[layer][row, :, :n].copy_(la.v, non_blocking=True)
+        if self.params is not None:
+            if self.tables is None:
+                self.tables = [GpuDenseTables.empty(len(self.slots), art.layers[0].tables, self.cache.max_len,
+                                                    self.max_new, self.device) for _ in art.layers]
+            for t, la in zip(self.tables, art.layers):
+                t.load_row(row, la.tables, n)
+        slot.context_id, slot.n_ctx = context_id, n
+        self.loads += 1
+
+    def _reset(self, slot: Slot) -> None:
+        self.cache.lengths[slot.index] = slot.length = slot.n_ctx
+        if self.tables is not None:
+            for t in self.tables:
+                t.reset_stream(slot.index)
+
+    def _prefill(self, slot: Slot, prompt: list[int]) -> torch.Tensor:
+        row = slot.index
+        attn = _PrefillAttention(self.tables, row, slot.length, self._perm)
+        ids = torch.tensor([prompt], device=self.device)
+        logits = prefill(self.lm.model, ids, self.cache.row(row), attn)[0]
+        slot.length += len(prompt)
+        return logits.float()
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _decoder(self, bucket: int) -> GraphDecoder:
+        dec = self._decoders.get(bucket)
+        if dec is None:
+            a, view = self.lm.args, self.cache.rows(0, bucket)
+            if self.params is None:
+                attn = GpuDenseAttention(bucket, a.n_kv_heads, self.cache.max_len)
+            else:
+                tables = [t.rows(0, bucket) for t in self.tables]
+                attn = GpuSparseAttention(self.params, tables, self.config.budget, bucket, a.n_heads, a.n_kv_heads,
+                                          a.head_dim, self.cache.max_len)
+            dec = self._decoders[bucket] = GraphDecoder(self.lm.model, view, attn, self.use_graph)
+        return dec
+
+    @torch.inference_mode()
+    def step(self, rows: list[Slot], tokens: list[int]) -> torch.Tensor:
+        with self.lock:
+            return self._step_rows(rows, tokens)
+
+    def _step_rows(self, rows: list[Slot], tokens: list[int]) -> torch.Tensor:
+        bucket = next(b for b in self.buckets if b > max(s.index for s in rows))
+        tok, advance = [0] * bucket, [0] * bucket
+        for s, t in zip(rows, tokens):
+            tok[s.index], advance[s.index] = t, 1
+        dec = self._decoder(bucket)
+        logits = dec.run(torch.tensor(tok, device=self.device))
+        dec.cache.lengths += torch.tensor(advance, device=self.device)
+        for s in rows:
+            s.length += 1
+        return logits[[s.index for s in rows]]  # a copy: the graph's buffer is reused
+
+    def cache_full(self, row: Slot) -> bool:
+        """Full when the row's cache is, or when its index overlay holds max_new streamed keys."""
+        return row.length >= self.cache.max_len or row.length - row.n_ctx >= self.max_new
+
+    @torch.inference_mode()  # the row's tensors were made in inference mode (admit, step)
+    def release(self, row: Slot) -> None:
+        with self.lock:
+            # an idle row still computes throw-away tokens in its bucket: at its context's end,
+            # where they index into the overlay's first column, never past it
+            self._reset(row)
+            row.busy, row.last_used = False, time.monotonic()
+            self.lock.notify_all()
+
+    def evict(self, context_id: str) -> bool:
+        """Forget the context's idle slots (a busy one keeps serving its stream and is reloaded
+        for the next); -> whether any slot held it."""
+        with self.lock:
+            held = [s for s in self.slots if s.context_id == context_id]
+            for s in held:
+                if not s.busy:
+                    s.context_id = None
+                else:
+                    s.context_id = f"evicted:{context_id}"  # never matched again: the next stream reloads
+            return bool(held)
+
+    def resident(self) -> list[str]:
+        """Context ids held in HBM (busy or idle)."""
+        return [s.context_id for s in self.slots if s.context_id is not None]
