@@ -5,28 +5,28 @@ from __future__ import annotations
 from ctxcache.methods import make_method
 from ctxcache.service import convert
 from ctxcache.service.convert import PutSpec
-from ctxcache.service.decoding import Decoder
+from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.service.errors import DataLoss, FailedPrecondition, NotFound, unary
 from ctxcache.service.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
 from ctxcache.service.backend import ROLES_LABEL
-from ctxcache.service.indexing import Indexer
+from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.servicer import context_info, wait_while_client_waits
 from ctxcache.store.layout import QUERY_CHUNK
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, indexer: Indexer, decoder: Decoder) -> None:
+    def __init__(self, indexer: BuildQueue, decoder: GenerateStreams) -> None:
         self.indexer, self.decoder, self.backend = indexer, decoder, indexer.backend
 
     @unary
     def Evict(self, request, context):
         cid = convert.context_id(request.context_id)
         if request.memory_only:
-            freed = self.decoder.cache.evict(cid)
+            freed = self.decoder.evict(cid)
             return apb.EvictResponse(evicted=freed > 0, bytes_freed=freed)
         m = self.backend.manifest(cid)
         deleted = self.backend.delete(cid)  # store first: a load racing this is then not cached
-        freed = self.decoder.cache.evict(cid)
+        freed = self.decoder.evict(cid)
         return apb.EvictResponse(evicted=deleted or freed > 0,
                                  bytes_freed=(m.stored_bytes if m and deleted else 0) + freed)
 

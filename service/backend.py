@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from ctxcache.artifact import ContextArtifact
-from ctxcache.service.decoding import CachedContext
+from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.errors import NotFound, Unavailable
 from ctxcache.store import ArtifactStore, ContextMeta, Manifest, Registry, RegistryUnavailable, reconcile
 from ctxcache.store.config import StoreStats, VerifyReport

@@ -32,6 +32,11 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--max-batch", type=int, default=32,
                    help="concurrent streams decoded together per step (continuous batching)")
+    p.add_argument("--decode-mode", default="sparse", choices=["sparse", "dense"],
+                   help="dense: attend to every cached key (the baseline the sparse mode is measured against)")
+    p.add_argument("--gpu-slots", type=int, default=4,
+                   help="GPU: contexts resident in HBM and decoded together (each takes a slot of --gpu-slot-tokens)")
+    p.add_argument("--gpu-slot-tokens", type=int, default=33792, help="GPU: tokens per slot (context + question + answer)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="0.05-step-1")
     _sampling_flags(p)
 
-    p = sub.add_parser("bench", help="run ctxcache.bench.<name>.main(argv)")
+    p = sub.add_parser("bench", help="run a benchmark: `ctxcache bench --help` lists them")
     p.add_argument("name")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return ap
@@ -119,11 +124,8 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # pass everything after the name through untouched
-        if len(argv) < 2:
-            print("usage: ctxcache bench NAME [ARGS...]", file=sys.stderr)
-            return 2
-        return int(importlib.import_module(f"ctxcache.bench.{argv[1]}").main(argv[2:]) or 0)
+    if argv[:1] == ["bench"]:  # the bench package parses everything after "bench" itself
+        return int(importlib.import_module("ctxcache.bench").main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

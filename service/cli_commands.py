@@ -41,7 +41,9 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
         registry=RegistrySettings(args.redis),
         indexer=IndexerSettings(method=args.method, store_queries=args.store_queries),
         decoder=DecoderSettings(dram_cache_bytes=int(args.dram_cache_gb * GiB), schedule=args.schedule,
-                                torch_threads=args.threads, max_batch=args.max_batch))
+                                torch_threads=args.threads, max_batch=args.max_batch,
+                                decode_mode=args.decode_mode, gpu_slots=args.gpu_slots,
+                                gpu_slot_tokens=args.gpu_slot_tokens))
 
 
 def serve(args) -> int:
@@ -140,7 +142,7 @@ def _timings(final: pb.Final) -> str:
     return (f"[ttft {t.ttft_seconds:.3f}s, {t.tokens_per_second:.1f} tok/s, load {t.load_seconds:.3f}s "
             f"({'DRAM hit' if t.cache_hit else 'from store'}), cached {u.cached_tokens} + new "
             f"{u.new_prompt_tokens} prompt tokens, {u.generated_tokens} generated, "
-            f"{pb.FinishReason.Name(final.finish_reason)}]")
+            f"{pb.FinishReason.Name(final.finish_reason)}, decoded by {final.decode_path}]")
 
 
 def generate(args) -> int:

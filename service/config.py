@@ -118,8 +118,16 @@ class DecoderSettings:
     max_tokens_limit: int = 4096
     torch_threads: int = 0  # 0: leave torch's default
     max_batch: int = 32  # live streams stepped together per decode step (continuous batching)
+    decode_mode: str = "sparse"  # "dense": the same engine attending to every cached key (baseline)
+    gpu_slots: int = 4  # GPU runner: contexts resident in HBM (and decoded together) at once
+    gpu_slot_tokens: int = 33792  # GPU runner: tokens per slot (context + question + answer)
 
     def __post_init__(self) -> None:
+        if self.decode_mode not in ("sparse", "dense"):
+            raise ValueError(f"decoder.decode_mode={self.decode_mode!r} must be 'sparse' or 'dense'")
+        if self.gpu_slots < 1 or self.gpu_slot_tokens < 2:
+            raise ValueError(f"decoder.gpu_slots={self.gpu_slots} must be >= 1 and gpu_slot_tokens="
+                             f"{self.gpu_slot_tokens} >= 2")
         if self.dram_cache_bytes < 0 or self.default_max_tokens < 1 or self.max_tokens_limit < 1:
             raise ValueError(f"dram_cache_bytes={self.dram_cache_bytes}, default_max_tokens="
                              f"{self.default_max_tokens}, max_tokens_limit={self.max_tokens_limit} invalid")

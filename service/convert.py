@@ -11,7 +11,7 @@ from google.protobuf import json_format, struct_pb2
 
 from ctxcache.generation import SamplingParams
 from ctxcache.methods import make_method
-from ctxcache.service.decoding import GenerateSpec
+from ctxcache.service.generate_streams import GenerateSpec
 from ctxcache.service.errors import InvalidArgument
 from ctxcache.service.gen.v1 import context_pb2 as pb
 from ctxcache.service.prompting import ROLES, Messages, document_messages, text_messages

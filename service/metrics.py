@@ -3,7 +3,7 @@ in one process, e.g. in tests). `serve` exposes them over HTTP with --metrics-po
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30)
 
@@ -26,8 +26,7 @@ class Metrics:
         self.tokens_per_second = Histogram("ctxcache_tokens_per_second", "decode speed per stream",
                                            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500), registry=r)
         self.generated_tokens = Counter("ctxcache_generated_tokens", "tokens generated", registry=r)
+        self.decode_paths = Counter("ctxcache_decode_path", "Generate streams by the runner that decoded them",
+                                    ["path"], registry=r)
         self.streams = Gauge("ctxcache_active_streams", "Generate streams in progress", registry=r)
         self.rejected = Counter("ctxcache_rejected", "requests refused for capacity", ["rpc"], registry=r)
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)

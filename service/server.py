@@ -12,14 +12,18 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ctxcache.decoder import SparseConfig
+from ctxcache.decoder.runner import ReferenceRunner, Runner
+from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel, load_model
 from ctxcache.service.admin import AdminServicer
 from ctxcache.service.artifact_cache import ArtifactCache
 from ctxcache.service.backend import Backend
 from ctxcache.service.config import ServiceConfig
-from ctxcache.service.decoding import CachedContext, Decoder
+from ctxcache.service.cached_context import CachedContext
+from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.service.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
-from ctxcache.service.indexing import Indexer
+from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
 from ctxcache.service.servicer import ContextServicer
@@ -63,8 +67,9 @@ class CtxcacheServer:
         prompter = Prompter(lm.tokenizer if lm.tokenizer is not None else ByteTokenizer())
         d, s = config.decoder, config.server
         cache = ArtifactCache[CachedContext](d.dram_cache_bytes, self.backend.load, CachedContext.nbytes)
-        self.indexer = Indexer(lm, prompter, self.backend, config.indexer, "float16", self.metrics)
-        self.decoder = Decoder(lm, prompter, cache, s.max_streams, d.schedule, self.metrics, d.max_batch)
+        self.indexer = BuildQueue(lm, prompter, self.backend, config.indexer, "float16", self.metrics)
+        self.decoder = GenerateStreams(lm, prompter, cache, s.max_streams, d.schedule, self.metrics,
+                                       decode_runners(lm, config), d.max_batch, d.decode_mode == "dense")
         self.health = health.HealthServicer()
         self.servers: list[grpc.Server] = []
         self.port = self.admin_port = 0
@@ -128,8 +133,22 @@ class CtxcacheServer:
         self.decoder.close()
         self.backend.close()
 
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        return self._stopped.wait(timeout)
+
+def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
+    """On a GPU: the fast runner (sparse when the method has a GPU selector, or dense), then the
+    reference runner for every other method and schedule; on a CPU: the reference runner."""
+    reference = ReferenceRunner(lm)
+    if lm.model.lm_head.weight.device.type != "cuda":
+        return [reference]
+    from ctxcache.decoder.gpu.runner import GpuRunner  # Triton only where a GPU is
+    d, ix = config.decoder, config.indexer
+    method = make_method(ix.method, ix.method_params)
+    if d.decode_mode == "sparse" and not method.caps.gpu_decode:
+        return [reference]
+    params = method.params if d.decode_mode == "sparse" else None
+    fast = GpuRunner(lm, params, SparseConfig.from_schedule(d.schedule), d.gpu_slots, d.gpu_slot_tokens)
+    log.info("GPU runner %s: %d slots of %d tokens", fast.name, d.gpu_slots, d.gpu_slot_tokens)
+    return [fast, reference]
 
 
 def _open_store_and_registry(config: ServiceConfig):

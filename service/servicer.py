@@ -7,10 +7,10 @@ import time
 import grpc
 
 from ctxcache.service import convert
-from ctxcache.service.decoding import Chunk, Decoder
+from ctxcache.service.generate_streams import Chunk, GenerateStreams
 from ctxcache.service.errors import NotFound, unary, streaming
 from ctxcache.service.gen.v1 import context_pb2 as pb, context_pb2_grpc
-from ctxcache.service.indexing import Indexer, Job
+from ctxcache.service.build_queue import BuildQueue, Job
 from ctxcache.store import Manifest
 
 _STATE = {"building": pb.CONTEXT_STATE_BUILDING, "ready": pb.CONTEXT_STATE_READY,
@@ -36,7 +36,7 @@ def info_from_job(job: Job, model_id: str) -> pb.ContextInfo:
         labels=s.labels, pin=s.pin, ttl_seconds=int(s.ttl_s or 0), model_id=model_id)
 
 
-def context_info(indexer: Indexer, cid: str) -> pb.ContextInfo:
+def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
     """A stored manifest wins over a job record (a job may lag its own completion)."""
     m = indexer.backend.manifest(cid)
     if m is not None:
@@ -57,7 +57,7 @@ def wait_while_client_waits(job: Job | None, context: grpc.ServicerContext) -> N
 
 
 class ContextServicer(context_pb2_grpc.ContextServiceServicer):
-    def __init__(self, indexer: Indexer, decoder: Decoder, default_max_tokens: int,
+    def __init__(self, indexer: BuildQueue, decoder: GenerateStreams, default_max_tokens: int,
                  max_tokens_limit: int) -> None:
         self.indexer, self.decoder = indexer, decoder
         self.default_max, self.limit = default_max_tokens, max_tokens_limit
@@ -88,7 +88,7 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     def DeleteContext(self, request, context):
         cid = convert.context_id(request.context_id)
         deleted = self.indexer.backend.delete(cid)  # store first, then DRAM (see Evict)
-        self.decoder.cache.evict(cid)
+        self.decoder.evict(cid)
         return pb.DeleteContextResponse(deleted=deleted)
 
     @streaming
@@ -107,4 +107,5 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
                 timings=pb.Timings(ttft_seconds=event.ttft_seconds, tokens_per_second=event.tokens_per_second,
                                    load_seconds=event.load_seconds, total_seconds=event.total_seconds,
                                    cache_hit=event.cache_hit),
+                decode_path=event.decode_path,
                 finish_reason=_FINISH[event.finish_reason], text=event.text))

@@ -241,16 +241,18 @@ class Timings(_message.Message):
     def __init__(self, ttft_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., load_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("usage", "timings", "finish_reason", "text")
+    __slots__ = ("usage", "timings", "finish_reason", "text", "decode_path")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PATH_FIELD_NUMBER: _ClassVar[int]
     usage: Usage
     timings: Timings
     finish_reason: FinishReason
     text: str
-    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ...) -> None: ...
+    decode_path: str
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., decode_path: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "final")

@@ -1,11 +1,12 @@
-"""Decoder worker: Generate streams over cached artifacts (bounded, cancellable, timed).
+"""Generate streams over cached artifacts (bounded, cancellable, timed).
 
 A stream acquires its artifact from the DRAM cache before decoding anything, so it either
 holds a complete artifact for its whole life or fails (NOT_FOUND / DATA_LOSS) before its
-first token. Each stream prefills its question in its gRPC handler thread (the core's
-`start_batch`), samples its first token there, then joins the shared `DecodeBatcher`, which
-steps all live streams as one batch; the handler thread streams its tokens out and checks
-cancellation and its deadline while it waits.
+first token. Each stream goes to the first decode engine whose runner accepts it (on a GPU the
+fast runner, else the reference runner), which prefills its question in the gRPC handler
+thread, samples its first token there, then steps it with every live stream of that engine as
+one batch; the handler thread streams its tokens out and checks cancellation and its deadline
+while it waits. The Final message and the metrics name the runner that served the stream.
 """
 
 from __future__ import annotations
@@ -16,28 +17,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from ctxcache.artifact import ContextArtifact
-from ctxcache.decoder import SparseConfig, start_batch
-from ctxcache.decoder.batching import DecodeBatcher
+from ctxcache.decoder import SparseConfig
+from ctxcache.decoder.engine import Engine
+from ctxcache.decoder.runner import Runner
 from ctxcache.generation import SamplingParams
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.artifact_cache import ArtifactCache
+from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Messages, Prompter
 from ctxcache.service.textstream import TextStream
-
-
-@dataclass(frozen=True)
-class CachedContext:
-    """What the DRAM cache holds: the artifact and the roles its context was rendered with."""
-
-    artifact: ContextArtifact
-    roles: tuple[str, ...]
-    stored_bytes: int
-
-    def nbytes(self) -> int:
-        a = self.artifact
-        return a.kv_bytes() + a.table_bytes() + a.tokens.numel() * 8 + a.last_logits.numel() * 4
 
 
 @dataclass(frozen=True)
@@ -67,14 +57,19 @@ class Final:
     load_seconds: float
     total_seconds: float
     cache_hit: bool
+    decode_path: str  # the runner that decoded the stream
 
 
-class Decoder:
+class GenerateStreams:
     def __init__(self, lm: LoadedModel, prompter: Prompter, cache: ArtifactCache[CachedContext],
-                 max_streams: int, default_schedule: str, metrics: Metrics, max_batch: int = 32) -> None:
+                 max_streams: int, default_schedule: str, metrics: Metrics, runners: list[Runner],
+                 max_batch: int = 32, dense: bool = False) -> None:
+        """runners: in order of preference; a stream goes to the first that accepts it (the
+        last should be the reference runner, which accepts every method and schedule).
+        dense: every layer attends to every key (the baseline mode)."""
         self.lm, self.prompter, self.cache, self.metrics = lm, prompter, cache, metrics
-        self.batcher = DecodeBatcher(lm.model, max_batch)
-        self.default_schedule = default_schedule
+        self.engines = [Engine(r, max_batch) for r in runners]
+        self.default_schedule, self.dense = default_schedule, dense
         self._slots = threading.BoundedSemaphore(max_streams)
         self.active = 0
         self._lock = threading.Lock()
@@ -96,14 +91,29 @@ class Decoder:
                 self.active -= 1
             self._slots.release()
 
+    def evict(self, context_id: str) -> int:
+        """Drop a context from DRAM and from every runner's device memory; -> DRAM bytes freed."""
+        for engine in self.engines:
+            engine.runner.evict(context_id)
+        return self.cache.evict(context_id)
+
     def close(self) -> None:
-        self.batcher.close()
+        for engine in self.engines:
+            engine.close()
 
     def _config(self, schedule: str) -> SparseConfig:
         try:
-            return SparseConfig.from_schedule(schedule or self.default_schedule)
+            config = SparseConfig.from_schedule(schedule or self.default_schedule)
         except ValueError as exc:
             raise InvalidArgument("schedule", str(exc)) from exc
+        return replace(config, dense_layers=tuple(range(self.lm.args.n_layers))) if self.dense else config
+
+    def _engine(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> Engine:
+        for engine in self.engines:
+            if engine.runner.accepts(art, config, new_tokens):
+                return engine
+        raise ResourceExhausted(f"no decode runner can hold a context of {art.n_tokens} tokens "
+                                f"plus {new_tokens} new ones")
 
     def _run(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
              t0: float) -> Iterator[Chunk | Final]:
@@ -123,8 +133,9 @@ class Decoder:
         sampling = replace(spec.sampling, max_tokens=min(spec.sampling.max_tokens, room),
                            stop_token_ids=self.prompter.stop_token_ids)
         _check(alive, deadline)
-        first, attn, cache = start_batch(self.lm, [art], [prompt], config, sampling.max_tokens)
-        seq = self.batcher.start(first[0], cache, attn, sampling)
+        engine = self._engine(art, config, len(prompt) + sampling.max_tokens)
+        seq = engine.start(spec.context_id, art, prompt, config, sampling, lambda: _check(alive, deadline))
+        self.metrics.decode_paths.labels(seq.path).inc()
         text, n, reason, t_first = TextStream(self.prompter.tokenizer, spec.stop), 0, "length", 0.0
         for tid, cache_full in seq.tokens(lambda: _check(alive, deadline)):
             n += 1
@@ -148,10 +159,10 @@ class Decoder:
         tail = text.flush()
         if tail:
             yield Chunk(tail, ())
-        yield self._final(text, reason, art, prompt, n, t0, t_first, loaded)
+        yield self._final(text, reason, art, prompt, n, t0, t_first, loaded, seq.path)
 
     def _final(self, text: TextStream, reason: str, art: ContextArtifact, prompt: list[int], n: int,
-               t0: float, t_first: float, loaded) -> Final:
+               t0: float, t_first: float, loaded, path: str) -> Final:
         now = time.perf_counter()
         ttft = (t_first or now) - t0
         tps = (n - 1) / (now - t_first) if n > 1 and now > t_first else 0.0
@@ -161,7 +172,7 @@ class Decoder:
             self.metrics.tokens_per_second.observe(tps)
         full = text.tokenizer.decode(text.ids, skip_special_tokens=True)
         return Final(full[:text.emitted] if text.stopped else full, reason, art.n_tokens, len(prompt), n,
-                     ttft, tps, loaded.load_seconds, now - t0, loaded.hit)
+                     ttft, tps, loaded.load_seconds, now - t0, loaded.hit, path)
 
 
 def _check(alive: Callable[[], bool], deadline: float | None) -> None:

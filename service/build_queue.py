@@ -1,4 +1,4 @@
-"""Indexer worker: PutContext builds, one at a time, queued, idempotent.
+"""Build queue: PutContext builds, one at a time, queued, idempotent.
 
 The context id is content-addressed (`ctxcache.store.context_id_for`), so identical requests
 meet at one id: a stored manifest answers READY at once, a queued or running job is joined,
@@ -27,7 +27,7 @@ from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
 from ctxcache.store import ContextMeta, context_id_for
 
-log = logging.getLogger("ctxcache.service.indexer")
+log = logging.getLogger("ctxcache.service.build_queue")
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class Indexer:
+class BuildQueue:
     def __init__(self, lm: LoadedModel, prompter: Prompter, backend: Backend,
                  settings: IndexerSettings, kv_dtype: str, metrics: Metrics) -> None:
         self.lm, self.prompter, self.backend, self.settings = lm, prompter, backend, settings
