@@ -1,0 +1,42 @@
+"""The benchmarks a user runs, one command each: `ctxcache bench NAME [--help]`.
+
+Each prints a table and writes `bench/results/<NAME>_<device>.json` (machine, commit and date
+inside). Helpers shared by several live in bench/common/. Importing this package loads no torch."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (where it runs, what it measures); one module bench/<name>.py with main(argv) each
+BENCHMARKS = {
+    "fidelity": ("CPU", "sparse decode vs full attention on the real model: recall, top-1 agreement, NLL, passkey"),
+    "compare": ("CPU", "every sparse method side by side: fidelity, RULER-style tasks, selection cost (+ plots)"),
+    "service": ("CPU", "the service through gRPC: TTFT cached/cold/re-prefill, artifact size, tokens/s"),
+    "store_io": ("CPU", "the LMDB store: bytes per chunk kind, compression, put and load times"),
+    "check": ("GPU", "correctness of the GPU path vs the torch reference (selection overlap, greedy tokens)"),
+    "attention": ("GPU", "per-layer decode attention: dense SDPA vs CSAttention selection + sparse attention"),
+    "decode": ("GPU", "whole-model decode tokens/s dense vs CSAttention; index build time; TTFT"),
+    "offload": ("GPU", "decode attention over KV in pinned host memory vs dense on GPU and host"),
+    "serve": ("any", "the product path: a real server + gRPC client, sparse vs dense mode, TTFT tiers, tok/s"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = ["usage: ctxcache bench NAME [--help | ARGS...]", "", "benchmarks:"]
+    lines += [f"  {name:<{width}}  {where:<3}  {what}" for name, (where, what) in BENCHMARKS.items()]
+    lines += ["", "Each prints a table and writes bench/results/NAME_DEVICE.json; bench/README.md has the recipes."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """`ctxcache bench ARGV...`: the list of benchmarks, or one benchmark's main(rest)."""
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        print(f"ctxcache bench: unknown benchmark {name!r}; one of {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(f"{__name__}.{name}").main(rest) or 0)

@@ -3,12 +3,13 @@
 Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128, bf16), one layer, random
 K/V/Q and random tables of the shapes CSAttention builds (m=8, C=128): the list layout
 (L = alpha * N; rows cs_*, csattention) and the dense full-list layout, the measured default
-(dense_score [B, Hkv, m, C, N], distinct per batch row; rows cs_dense_*, csattention_dense;
+(dense_score [B, Hkv, m, C, N], each batch row its own unless --share-tables; rows cs_dense_*, csattention_dense;
 *_g16 for fp16 tables, *_g16_int8 for int8 tables with a per-row scale, CSAttention's default
 table_dtype, scored by integer dot products).
 Each variant is captured in a CUDA graph and timed by replay (median, L2 flushed). The timed
 rows run the decoder's own configs (GpuSelector's score and Top-K shapes, GpuSparseAttention's
-ATTN_CFG); the tuning sweeps are recorded beside them, with their picks.
+ATTN_CFG). The launch-shape sweeps that chose those configs were deleted with their probe
+(bench/attention_tune.py, git history).
 `ctxcache bench attention [--contexts 8192,...] [--batches 1,8] [--out DIR]`."""
 
 from __future__ import annotations
@@ -16,28 +17,22 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.decoder.gpu.selector import GpuSelector
-from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
 from ctxcache.kernels.topk import radix_topk
-from ctxcache.kernels.sparse_attention import choose_splits, region, sparse_decode_attention
+from ctxcache.kernels.split_k_attention import choose_splits, region, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 
-from ctxcache.bench import attention_tune as tune
-from ctxcache.bench.attention_tune import DENSE_VARIANTS
-from ctxcache.bench.gpu_inputs import D, HKV, HQ, gpu_cli, random_dense_tables, random_tables
+from ctxcache.bench.common.gpu import (D, HKV, HQ, batch_dense_tables, capture_graph as capture, flush_mode,
+                                      gpu_cli, random_tables, sdpa_dense, time_us)
+from ctxcache.bench.common.report import plot_lines, print_table, write_result
 
-
-
-def sdpa_dense(q, k, v):
-    try:
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "flash"
-    except RuntimeError:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "default"
+# Dense-layout variants, row suffix -> (routing, score keys, table dtype). "" is the first
+# layout (a route per query head, fp32 scores, four radix passes); "_g16_int8" the default.
+DENSE_VARIANTS = {"": ("head", "fp32", "float16"), "_g": ("group", "fp32", "float16"),
+                  "_g16": ("group", "fp16", "float16"), "_g16_int8": ("group", "fp16", "int8")}
 
 
 def step_inputs(n: int, batch: int, budget: Budget, dev: str) -> tuple[torch.Tensor, ...]:
@@ -53,7 +48,7 @@ def step_inputs(n: int, batch: int, budget: Budget, dev: str) -> tuple[torch.Ten
 
 
 def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev: str,
-              list_layout: bool = False) -> list[dict]:
+              list_layout: bool = False, shared: bool = False) -> list[dict]:
     q, k, v, nt, lo, hi, kk = step_inputs(n, batch, budget, dev)
     base = {"context": n, "batch": batch}
     rows = []
@@ -67,7 +62,7 @@ def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev
     if list_layout:
         rows += bench_list(q, k, v, nt, lo, hi, kk, params, budget, base)
     for suffix, variant in DENSE_VARIANTS.items():
-        rows += bench_dense(q, k, v, nt, lo, hi, kk, budget, base, suffix, *variant)
+        rows += bench_dense(q, k, v, nt, lo, hi, kk, budget, base, suffix, *variant, shared=shared)
     del k, v
     torch.cuda.empty_cache()
     return rows
@@ -113,13 +108,14 @@ def attend(q, k, v, nt, idx, kk, budget: Budget, splits: int, pdl: bool = False,
 
 
 def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str, routing: str,
-                score_keys: str, score_dtype: str) -> list[dict]:
-    """Dense-layout selection (broken down) + sparse attention, one variant."""
+                score_keys: str, score_dtype: str, shared: bool = False) -> list[dict]:
+    """Dense-layout selection (broken down) + sparse attention, one variant; `shared`: one
+    table for every batch row (stride 0) instead of one per row."""
     batch, n = q.shape[0], k.shape[2]
     params = CSAttentionParams(routing=routing)  # list_fraction = 1: the dense layout
-    tables = random_dense_tables(batch, n, params, q.device, score_dtype)
+    tables = batch_dense_tables(batch, n, params, q.device, score_dtype, shared=shared)
     sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys)
-    # the selector's own score and Top-K shapes, as the decoder runs them (the sweeps' picks are recorded only)
+    # the selector's own score and Top-K shapes, as the decoder runs them
     ss = attn_splits(batch, int(kk[0]), budget)
     idx = sel.select(q, tables, lo, hi, kk)
     scores = sel.route_dense(q, tables, lo, hi, kk)
@@ -145,7 +141,7 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     for name, fn in parts.items():
         g = capture(fn)
         row = {**base, "method": name + suffix, "time_us": time_us(g.replay), "routing": routing,
-               "score_keys": score_keys, "score_dtype": score_dtype}
+               "score_keys": score_keys, "score_dtype": score_dtype, "tables_shared_across_batch_rows": shared}
         if name == "cs_dense_score":
             row["rows_bytes"] = score_bytes  # routed rows of N per KV head (repeats counted)
             row["gb_per_s"] = score_bytes / row["time_us"] / 1e3
@@ -220,19 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     def extra(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--keep", type=float, default=0.05)
         ap.add_argument("--list-layout", action="store_true", help="also time the L = N/4 list layout")
-    args = gpu_cli("ctxcache bench attention", "8192,16384,32768,65536,131072", argv, extra)
+        ap.add_argument("--share-tables", action="store_true",
+                        help="one dense table for every batch row (stride 0; rows then hit in L2) instead of one per row")
+    args = gpu_cli("ctxcache bench attention", "8192,16384,32768,65536,131072", argv, extra, __doc__)
     if args is None:
         return 2
     params, budget = CSAttentionParams(list_fraction=0.25), Budget(keep=args.keep)
     n_max = max(args.contexts)
-    batches = args.batches
-    rows = (tune.tune_dense(n_max, batches, budget, "cuda") + tune.tune_topk16(n_max, batches, budget, "cuda")
-            + tune.tune_attention(n_max, batches, budget, "cuda"))
-    print("sweep picks (recorded, not applied): score", tune.DENSE_CFG, "top-K", tune.TOPK16_BLOCK, "attention",
-          tune.ATTN_PICK, "; timed rows run the decoder's configs, attention", ATTN_CFG, flush=True)
-    for b in batches:
+    rows: list[dict] = []
+    for b in args.batches:
         for n in args.contexts:
-            rows += bench_one(n, b, params, budget, "cuda", args.list_layout)
+            rows += bench_one(n, b, params, budget, "cuda", args.list_layout, args.share_tables)
             print([(r["method"], round(r["time_us"], 1)) for r in rows if r["context"] == n and r["batch"] == b],
                   flush=True)
     if args.list_layout:
@@ -240,20 +234,24 @@ def main(argv: list[str] | None = None) -> int:
     rows += sweep_topk_block(n_max, budget, "cuda")
     summary = summarize(rows)
     cross = {tag: {b: next((s["context"] for s in summary if s["batch"] == b and (s[f"speedup{tag}"] or 0) > 1), None)
-                   for b in batches} for tag in ("_h32", "_g16", "_g16_int8")}
-    picks = {"dense_cfg": tune.DENSE_CFG, "attn_cfg": tune.ATTN_PICK, "topk16": tune.TOPK16_BLOCK}
-    path = write_results("attention", rows, {"summary": summary, "crossover_context": cross, "sweep_picks": picks,
-                                             "attn_cfg": ATTN_CFG, "variants": DENSE_VARIANTS,
-                                             "keep": args.keep}, args.out)
-    print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk", "sparse_attn_", "cs_dense_score_g16_"))
-                 and (r["batch"] == 1 or not r["method"].startswith("sparse_attn_"))],
-                ["context", "batch", "method", "splits", "time_us"])
+                   for b in args.batches} for tag in ("_h32", "_g16", "_g16_int8")}
+    shared = "one table shared by every batch row (stride 0)" if args.share_tables else "each batch row its own tables"
+    path = write_result("attention", {
+        "tables_shared_across_batch_rows": args.share_tables, "l2_flush": flush_mode(), "keep": args.keep,
+        "attn_cfg": ATTN_CFG, "variants": DENSE_VARIANTS, "crossover_context": cross, "summary": summary,
+        "rows": rows}, args.out)
+    print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk"))],
+                ["context", "batch", "method", "time_us"])
+    print(f"per-layer decode attention, us; dense tables: {shared}")
     print_table(summary, ["context", "batch", "sdpa_us", "attn_us", "select_h32_us", "cs_h32_us", "speedup_h32",
                           "select_g_us", "cs_g_us", "speedup_g"])
     print_table(summary, ["context", "batch", "sdpa_us", "score_g16_us", "topk_g16_us", "select_g16_us", "cs_g16_us",
                           "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
-    print(f"device {device_info()['name']}; crossover (first context where CSAttention wins) {cross}; "
-          f"attention cfg {ATTN_CFG}; sweep picks (not applied) {picks}; wrote {path}")
+    png = plot_lines(path.with_suffix(".png"), {
+        f"batch {b}": [(s["context"], s["speedup_g16_int8"]) for s in summary if s["batch"] == b and s["speedup_g16_int8"]]
+        for b in args.batches}, "context (tokens)", "x SDPA (one layer)", "CSAttention step vs SDPA flash")
+    print(f"crossover (first context where CSAttention wins) {cross}; attention cfg {ATTN_CFG}; "
+          f"tables {shared}; wrote {path}" + (f", {png}" if png else ""))
     return 0
 
 

@@ -1,10 +1,10 @@
 """`ctxcache bench compare`: every sparse method side by side in one table.
 
 For each method (and `full`, dense attention), each keep budget and each built-in text:
-- fidelity on the real model exactly as `bench fidelity` measures it (bench/capture.py,
-  selection_metrics.py, teacher_forcing.py; one capture per text, reused by every method and
+- fidelity on the real model exactly as `bench fidelity` measures it (bench/common/capture.py,
+  selection.py, model_scores.py; one capture per text, reused by every method and
   budget; tables built once per method and text, reused by every budget);
-- the task suite (bench/tasks.py through task_run.run_suite: passkey, NIAH single / multikey /
+- the task suite (bench/common/tasks.py, run_suite: passkey, NIAH single / multikey /
   multivalue, variable tracking, common words) at the same budgets and seeds;
 - the per-step selection cost on this CPU: wall time of one `search` call (selectors) or one
   `attend` call (estimators: MagicPIG, Multipole) for one decode query of one layer, median
@@ -17,8 +17,8 @@ are relative to the top-K at the first keep (5%).
 The work is cut into cells (`fid:TEXT:METHOD`, `task:LENGTH:KIND:SEED`) so it can run as
 parallel processes: `--shard i/n` (or `--cells a,b,...`) runs a subset and writes one shard
 JSON (rewritten after each cell; a rerun skips cells already in it). `--merge DIR` merges the
-shard JSONs of DIR into the final JSON, Markdown table and PNG plots (no model needed;
-bench/compare_report.py).
+shard JSONs of DIR into compare_<device>.json, .md and .png (no model needed;
+bench/common/compare_report.py).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from ctxcache.decoder import SparseConfig
 from ctxcache.methods import Budget, make_method
 from ctxcache.methods.magicpig import PAPER_CONFIGS, PAPER_TABLE8, sampled_fraction
 
-from ctxcache.bench.machine import machine_info
-from ctxcache.bench.selection_cost import dense_cost_us, selection_cost_us
+from ctxcache.bench.common.report import commit, machine_info
+from ctxcache.bench.common.selection import dense_cost_us, selection_cost_us
 
 DEFAULT_METHODS = "full,oracle,csattention,csattention-paper,key-kmeans,quest,ctkvr,prehoc,multipole,magicpig"
 DEFAULT_TASKS = "passkey,niah_single,niah_multikey,niah_multivalue,vt,cwe"
@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default="bench/results/compare_shards", help="shard JSON folder")
     ap.add_argument("--merge", default=None, metavar="DIR", help="merge the shard JSONs of DIR")
     ap.add_argument("--results", default="bench/results", help="where --merge writes")
-    ap.add_argument("--name", default=None, help="output name (default compare_N_MACHINE_DATE)")
+    ap.add_argument("--name", default=None, help="output name (default compare_DEVICE)")
     args = ap.parse_args(argv)
     args.keep_list = [float(x) for x in args.keeps.split(",") if x]
     args.seed_list = [int(x) for x in args.seeds.split(",") if x]
@@ -167,8 +167,8 @@ class Runner:
         self._captures: dict[str, tuple] = {}
 
     def capture(self, text: str):
-        from ctxcache.bench.capture import capture
-        from ctxcache.bench.texts import builtin_text, tokens_of
+        from ctxcache.bench.common.capture import capture
+        from ctxcache.bench.common.texts import builtin_text, tokens_of
         if text not in self._captures:
             self._captures.clear()  # one text at a time bounds memory
             a = self.args
@@ -187,9 +187,9 @@ class Runner:
         return self.tasks(int(rest[0]), rest[1], int(rest[2]), labels)
 
     def fidelity(self, text: str, spec: MethodSpec) -> list[dict]:
-        from ctxcache.bench.capture import build_tables
-        from ctxcache.bench.selection_metrics import selection_metrics
-        from ctxcache.bench.teacher_forcing import teacher_forced
+        from ctxcache.bench.common.capture import build_tables
+        from ctxcache.bench.common.selection import selection_metrics
+        from ctxcache.bench.common.model_scores import teacher_forced
         a = self.args
         ids, cap = self.capture(text)
         base = {"kind": "fidelity", "text": text, "method": spec.label, "name": spec.name,
@@ -220,8 +220,8 @@ class Runner:
         return rows
 
     def tasks(self, length: int, kind: str, seed: int, labels: list[str]) -> list[dict]:
-        from ctxcache.bench.task_run import run_suite
-        from ctxcache.bench.tasks import TaskSpec
+        from ctxcache.bench.common.tasks import run_suite
+        from ctxcache.bench.common.tasks import TaskSpec
         a = self.args
         n_ctx = min(length, self.lm.args.max_seq_len - ANSWER_RESERVE)
         specs = [self.specs[label] for label in labels]
@@ -262,7 +262,7 @@ def run_shard(args: argparse.Namespace) -> Path:
     for cell in tqdm(todo, desc="compare cells", unit="cell", file=sys.stderr):
         t0 = time.perf_counter()
         done[cell] = {"rows": runner.run(cell), "seconds": time.perf_counter() - t0}
-        _write(path, {"bench": "compare", "config": config, "machine": machine_info(),
+        _write(path, {"bench": "compare", "config": config, "machine": machine_info(), "commit": commit(),
                       "date": dt.date.today().isoformat(), "cells": done})
         print(f"[compare] {cell} {done[cell]['seconds']:.0f}s", file=sys.stderr, flush=True)
     return path
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(pick_cells(args, all_cells(config_of(args)))))
         return 0
     if args.merge:
-        from ctxcache.bench.compare_report import merge
+        from ctxcache.bench.common.compare_report import merge
         paths = merge(args)
         print(paths["md"].read_text())
         print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -1,49 +1,39 @@
 """End-to-end decode tokens/s of a random-weight Llama-3.1-8B-shaped model, dense vs CSAttention,
 both as CUDA-graph-captured steps; plus index build time vs prefill at 32K and the time to first
-token from a loaded artifact (bench/ttft.py).
+token from a loaded artifact (bench/common/ttft.py).
 
 Memory decides the layer count: 8B bf16 weights are 16 GB and the KV of 128K tokens is 17 GB
 per batch row over 32 layers, so batch 8 at 128K (137 GB of KV) cannot run with 32 layers on
 one H100; such rows run fewer layers and say so (`layers`). Random list tables are shared by
 all layers of a run (`tables_shared_across_layers`): their size (1.6 GB per row and layer at
-L = N/4) would not fit otherwise. Dense-layout tables (list_fraction 1.0, the default; 2.1 GB
-per layer at 128K, 4x the KV) are one table per batch (shared by the rows, stride 0) and
-rotate over DENSE_BUFFERS distinct buffers across layers: between two uses of a buffer the
-other layers read at least 3 x 64 MB of routed rows, more than the 50 MB L2, so no layer's
-rows come from cache. `ctxcache bench decode [--configs 131072x1x32,...]`."""
+L = N/4) would not fit otherwise. Dense-layout tables (list_fraction 1.0, the default; 1.1 GB
+int8 or 2.1 GB fp16 per row and layer at 128K, 2-4x the KV) are each batch row's own (with
+--share-tables: one row's tables seen by every row, stride 0, so rows after the first read them
+from L2) and rotate over up to DENSE_BUFFERS distinct buffers across layers, as many as fit in
+the free memory (`tables_distinct_buffers`); between two uses of a buffer the other layers read
+their weights (0.4 GB a layer) and rows, more than the 50 MB L2, so no layer's rows come from
+cache. `ctxcache bench decode [--configs 131072x1x32,...] [--share-tables]`."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import sys
 import time
-from pathlib import Path
 
 import torch
 
-from ctxcache.bench.gpu_inputs import random_dense_tables, random_tables
+from ctxcache.bench.common.gpu import (batch_dense_tables, dense_table_bytes, random_model, random_tables,
+                                      rows_view)
+from ctxcache.bench.common.report import print_table, write_result
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
-from ctxcache.decoder.gpu.timing import device_info, print_table, write_results
-from ctxcache.kernels.kmeans import build_tables_gpu_layers
-from ctxcache.indexer.build import GPU_LAYER_GROUP
+from ctxcache.methods.csattention_build import build_tables_gpu_layers
+from ctxcache.methods.csattention import GPU_LAYER_GROUP
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.attention import dense_attention
-from ctxcache.models.config import NAMED_CONFIGS
-from ctxcache.models.llama import Transformer
-
-
-def random_model(layers: int, max_len: int) -> Transformer:
-    args = dataclasses.replace(NAMED_CONFIGS["llama-3.1-8b"], n_layers=layers, max_seq_len=max_len)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Transformer(args).to(torch.bfloat16)
-    for p in model.parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.02)
-    return model.cuda().eval().requires_grad_(False)  # rope_table is built on the CPU
 
 
 def tokens_per_s(model, cache, attn, batch: int, n: int, steps: int) -> float:
@@ -61,7 +51,7 @@ def tokens_per_s(model, cache, attn, batch: int, n: int, steps: int) -> float:
 
 
 def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, budget: Budget, steps: int,
-                 attn_cfg: dict | None = None) -> list[dict]:
+                 attn_cfg: dict | None = None, shared: bool = False) -> list[dict]:
     model = random_model(layers, n + steps + 8)
     a = model.args
     cache = model.new_cache(batch, max_len=n + steps + 8)
@@ -72,10 +62,16 @@ def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, bud
              "tokens_per_s": tokens_per_s(model, cache, GpuDenseAttention(batch, a.n_kv_heads, cache.max_len),
                                           batch, n, steps)}]
     if params.list_length(n) == n:
-        tabs = dense_layer_tables(batch, n, layers, params, steps)
         int8 = "_int8" if params.int8_tables else ""
-        info = {"method": f"csattention_dense_graph_{params.routing}{int8}", "tables_shared_across_batch_rows": True,
-                "tables_distinct_buffers": min(DENSE_BUFFERS, layers), "tables_rotated_across_layers": True}
+        info = {"method": f"csattention_dense_graph_{params.routing}{int8}", "tables_shared_across_batch_rows": shared}
+        free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        buffers = dense_buffers(batch, n, layers, params, shared, free)
+        if buffers == 0:
+            need = dense_table_bytes(1 if shared else batch, n, params, _dtype(params)) / 2**30
+            print(f"skipped {info['method']} at {n}x{batch}x{layers}: tables of {need:.1f} GiB do not fit", flush=True)
+            return rows + [{**base, **info, "skipped": f"tables of {need:.1f} GiB do not fit in the free memory"}]
+        tabs = dense_layer_tables(batch, n, layers, params, steps, shared, buffers)
+        info.update(tables_distinct_buffers=buffers, tables_rotated_across_layers=buffers > 1)
     else:
         tab = random_tables(batch, n, params, "cuda")
         tab.new_scores = torch.zeros(*tab.new_scores.shape[:4], steps + 8, device="cuda")
@@ -96,25 +92,28 @@ def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, bud
 
 
 DENSE_BUFFERS = 4
+RESERVE = 6 << 30  # bytes left free beside the tables: workspaces, graph pools, the streamed overlays
 
 
-def dense_layer_tables(batch: int, n: int, layers: int, params: CSAttentionParams, steps: int) -> list:
-    """Per-layer dense tables: DENSE_BUFFERS distinct [1, ...] tables expanded over the batch
-    (stride 0) and rotated across layers; each layer keeps its own streamed overlay."""
-    dtype = "int8" if params.int8_tables else "float16"
-    bufs = [random_dense_tables(1, n, params, "cuda", dtype) for _ in range(min(DENSE_BUFFERS, layers))]
-    out = []
-    for layer in range(layers):
-        src = bufs[layer % len(bufs)]
-        out.append(dataclasses.replace(
-            src, centroids=src.centroids.expand(batch, *src.centroids.shape[1:]),
-            dense_score=src.dense_score.expand(batch, *src.dense_score.shape[1:]),
-            score_scale=None if src.score_scale is None else src.score_scale.expand(batch, *src.score_scale.shape[1:]),
-            n_ctx=torch.full((batch,), n, dtype=torch.int32, device="cuda"),
-            new_scores=torch.zeros(batch, *src.new_scores.shape[1:4], steps + 8, device="cuda"),
-            stream_start=torch.full((batch,), n, dtype=torch.int32, device="cuda"),
-            stream_count=torch.zeros(batch, dtype=torch.int32, device="cuda")))
-    return out
+def _dtype(params: CSAttentionParams) -> str:
+    return "int8" if params.int8_tables else "float16"
+
+
+def dense_buffers(batch: int, n: int, layers: int, params: CSAttentionParams, shared: bool, free: int) -> int:
+    """Distinct table buffers to rotate across layers: up to DENSE_BUFFERS (and layers), as many
+    as fit in `free` bytes beside RESERVE; 0 where not even one fits."""
+    per_buffer = dense_table_bytes(1 if shared else batch, n, params, _dtype(params))
+    return max(0, min(DENSE_BUFFERS, layers, (free - RESERVE) // per_buffer))
+
+
+def dense_layer_tables(batch: int, n: int, layers: int, params: CSAttentionParams, steps: int,
+                       shared: bool = False, buffers: int = DENSE_BUFFERS, device: str = "cuda") -> list:
+    """Per-layer dense tables: `buffers` distinct tables of `batch` rows (each row its own, or
+    with `shared` one row's seen by all, stride 0) rotated across layers; each layer keeps its
+    own streamed overlay."""
+    bufs = [batch_dense_tables(batch, n, params, device, _dtype(params), shared=shared)
+            for _ in range(min(buffers, layers))]
+    return [rows_view(bufs[layer % len(bufs)], batch, steps + 8) for layer in range(layers)]
 
 
 class _GpuCapture:
@@ -174,32 +173,28 @@ def bench_build(n: int, variants: list[CSAttentionParams], chunk: int = 4096) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ctxcache bench decode")
+    ap = argparse.ArgumentParser(prog="ctxcache bench decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="131072x1x32,131072x8x8,32768x1x32,32768x8x32",
                     help="context x batch x layers, comma separated")
     ap.add_argument("--list-fractions", default="1.0", help="1.0: the dense layout; e.g. 0.25,0.015625,1.0")
     ap.add_argument("--routings", default="head,group", help="CSAttention routing variants (dense layout)")
     ap.add_argument("--table-dtypes", default="int8,float16", help="dense tables' storage (int8: the default)")
-    ap.add_argument("--attn-cfg", default=None,
-                    help='tuned configs as JSON {"attn": .., "dense": .., "topk16_block": ..}, or a path to an '
-                         'attention bench JSON (its attn_cfg, dense_cfg, topk16_block)')
+    ap.add_argument("--attn-cfg", default=None, type=json.loads,
+                    help='launch configs to try instead of the decoder\'s, as JSON {"attn": .., "dense": .., '
+                         '"topk16_block": .., "topk16_warps": ..}')
+    ap.add_argument("--share-tables", action="store_true",
+                    help="one dense table for every batch row (stride 0; rows then hit in L2) instead of one per row")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--build-context", type=int, default=32768)
     ap.add_argument("--ttft-context", type=int, default=32768, help="time to first token from a loaded artifact (0: skip)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench decode needs a CUDA GPU")
+        print("ctxcache bench decode: error: needs a CUDA GPU", file=sys.stderr)
         return 2
     budget, rows = Budget(), []
-    attn_cfg = None
-    if args.attn_cfg:
-        if args.attn_cfg.lstrip().startswith("{"):
-            attn_cfg = json.loads(args.attn_cfg)
-        else:
-            tuned = json.loads(Path(args.attn_cfg).read_text())
-            attn_cfg = {"attn": tuned["attn_cfg"], "dense": tuned["dense_cfg"], "topk16_block": tuned.get("topk16_block"),
-                        "topk16_warps": tuned.get("topk16_warps")}
+    attn_cfg = args.attn_cfg
     variants = [(float(a), r, dt) for a in args.list_fractions.split(",")
                 for r in (args.routings.split(",") if float(a) == 1.0 else ["head"])
                 for dt in (args.table_dtypes.split(",") if float(a) == 1.0 else ["float16"])]
@@ -207,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         n, b, layers = (int(x) for x in cfg.split("x"))
         for i, (alpha, routing, dtype) in enumerate(variants):
             params = CSAttentionParams(list_fraction=alpha, routing=routing, table_dtype=dtype)
-            got = bench_decode(n, b, layers, params, budget, args.steps, attn_cfg)
+            got = bench_decode(n, b, layers, params, budget, args.steps, attn_cfg, args.share_tables)
             rows += got if i == 0 else got[1:]  # the dense baseline once per config
             for r in got:
                 r["list_fraction"] = alpha
@@ -215,12 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_context:
         rows += bench_build(args.build_context, [CSAttentionParams(routing=r) for r in args.routings.split(",")])
     if args.ttft_context:
-        from ctxcache.bench.ttft import ttft_rows
+        from ctxcache.bench.common.ttft import ttft_rows
         rows += ttft_rows(args.ttft_context)
         print(rows[-3:], flush=True)
-    path = write_results("decode", rows, {"budget": dataclasses.asdict(budget), "attn_cfg": attn_cfg}, args.out)
-    print_table(rows, ["context", "batch", "layers", "method", "list_fraction", "tokens_per_s", "time_us", "ratio"])
-    print(f"device {device_info()['name']}; wrote {path}")
+    path = write_result("decode", {"tables_shared_across_batch_rows": args.share_tables,
+                                   "budget": dataclasses.asdict(budget), "attn_cfg": attn_cfg, "rows": rows}, args.out)
+    shared = "one table shared by every batch row (stride 0)" if args.share_tables else "each batch row its own tables"
+    print(f"decode tokens/s and build/TTFT times; dense tables: {shared}")
+    print_table(rows, ["context", "batch", "layers", "method", "list_fraction", "tokens_per_s", "time_us", "ratio",
+                       "tables_distinct_buffers", "skipped"])
+    print(f"wrote {path}")
     return 0
 
 

@@ -1,8 +1,8 @@
 """`ctxcache bench fidelity`: how closely sparse decode follows full attention on a real model.
 
-Per method: selection quality on decode queries (bench/selection_metrics.py), teacher-forced
-top-1 agreement and NLL over a continuation (bench/teacher_forcing.py) and passkey accuracy
-(bench/passkey.py), all on the same text, tokens and seeds. Prints a table, writes JSON.
+Per method: selection quality on decode queries (bench/common/selection.py), teacher-forced
+top-1 agreement and NLL over a continuation and passkey accuracy (bench/common/model_scores.py),
+all on the same text, tokens and seeds. Prints a table, writes <out>/fidelity_<device>.json.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from ctxcache.decoder import SparseConfig
 from ctxcache.methods import Budget, make_method
 from ctxcache.models.loader import DEFAULT_MODEL, load_model
 
-from ctxcache.bench.capture import build_tables, capture
-from ctxcache.bench.machine import machine_info, text_bench_main
-from ctxcache.bench.passkey import passkey_accuracy
-from ctxcache.bench.selection_metrics import selection_metrics
-from ctxcache.bench.teacher_forcing import teacher_forced
-from ctxcache.bench.texts import builtin_text, parse_text_args, tokens_of
+from ctxcache.bench.common.capture import build_tables, capture
+from ctxcache.bench.common.report import text_bench_main
+from ctxcache.bench.common.model_scores import passkey_accuracy, teacher_forced
+from ctxcache.bench.common.selection import selection_metrics
+from ctxcache.bench.common.texts import builtin_text, parse_text_args, tokens_of
 
 DEFAULT_METHODS = "full,oracle,csattention-paper,csattention,key-kmeans"
 COLUMNS = ["name", "mass_recall", "topk_recall", "mass_recall_per_head", "output_rel_error",
@@ -30,7 +29,8 @@ COLUMNS = ["name", "mass_recall", "topk_recall", "mass_recall_per_head", "output
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="ctxcache bench fidelity", description=__doc__)
+    ap = argparse.ArgumentParser(prog="ctxcache bench fidelity", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--tokens", type=int, default=4096, help="context length N")
     ap.add_argument("--continuation", type=int, default=256, help="teacher-forced decode steps")
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> dict:
             row.setdefault("passkey", {})[str(length)] = acc[row["name"]]
     return {"model": lm.model_id, "tokens": args.tokens, "keep": args.keep, "text": args.text,
             "continuation": args.continuation, "sinks": args.sinks, "recent": args.recent,
-            "passkey_trials": args.passkey_trials, "machine": machine_info(), "methods": rows}
+            "passkey_trials": args.passkey_trials, "methods": rows}
 
 
 def main(argv: list[str] | None = None) -> int:

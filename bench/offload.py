@@ -22,16 +22,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 import time
 
 import torch
 
-from ctxcache.bench.attention import sdpa_dense
-from ctxcache.bench.gpu_inputs import D, HKV, HQ, positive_ints, random_tables
+from ctxcache.bench.common.gpu import (D, HKV, HQ, capture_graph as capture, flush_mode, positive_ints, random_model,
+                                      random_tables, sdpa_dense, time_us)
+from ctxcache.bench.common.report import print_table, write_result
 from ctxcache.decoder.gpu.offload import OffloadAttention, pinned_empty, plan_slots
 from ctxcache.decoder.gpu.selector import GpuSelector
-from ctxcache.decoder.gpu.timing import capture, device_info, print_table, time_us, write_results
-from ctxcache.kernels.sparse_attention import choose_splits, region, sparse_decode_attention
+from ctxcache.kernels.split_k_attention import choose_splits, region, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 
@@ -49,7 +50,6 @@ def host_kv(batch: int, n: int) -> torch.Tensor:
 def non_attention_us(batches: list[int], steps: int = 20) -> dict[int, float]:
     """Decode step time per batch size of a random-weight 32-layer Llama-3.1-8B (CUDA graph)
     whose attention returns q: weights, norms, projections, MLP, lm_head, KV write."""
-    from ctxcache.bench.decode import random_model
     from ctxcache.decoder.gpu.graph import GraphDecoder
     model = random_model(LAYERS, 64)
     out = {}
@@ -219,7 +219,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ctxcache bench offload")
+    ap = argparse.ArgumentParser(prog="ctxcache bench offload", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="131072,32768", type=positive_ints)
     ap.add_argument("--batches", default="1,8", type=positive_ints)
     ap.add_argument("--rhos", default="0,0.9")
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench offload needs a CUDA GPU")
+        print("ctxcache bench offload: error: needs a CUDA GPU", file=sys.stderr)
         return 2
     # routing="head": the configuration measured in bench/README.md (before group routing was the default)
     params, budget = CSAttentionParams(list_fraction=args.list_fraction, routing="head"), Budget()
@@ -245,12 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             rows += got
     add_tokens_per_s(rows, non_attn)
     summary = summarize(rows)
-    path = write_results("offload", rows, {"summary": summary, "non_attention_us": non_attn, "layers": LAYERS,
-                                           "params": params.to_dict(), "budget": dataclasses.asdict(budget)}, args.out)
+    path = write_result("offload", {"l2_flush": flush_mode(), "layers": LAYERS, "params": params.to_dict(),
+                                    "budget": dataclasses.asdict(budget), "non_attention_us": non_attn,
+                                    "summary": summary, "rows": rows}, args.out)
     print_table(rows, ["context", "batch", "method", "time_us", "tokens_per_s", "cache_hit_rate", "gpu_kv_fraction"])
     print_table(summary, ["context", "batch", "method", "tokens_per_s", "vs_dense_host", "vs_dense_gpu", "hit_rate",
                           "gpu_kv_fraction"])
-    print(f"device {device_info()['name']}; wrote {path}")
+    print(f"wrote {path}")
     return 0
 
 

@@ -1,30 +1,29 @@
-"""`ctxcache bench service --json OUT`: the service end to end on the default model.
+"""`ctxcache bench service`: the service end to end on the default model (CPU).
 
 Measured in one run, through real gRPC on 127.0.0.1: TTFT for a cached ~4K-token context
 (artifact already in DRAM, and cold from the store) vs re-prefilling the same context +
 question with dense attention; artifact load time; artifact bytes / raw KV bytes; Generate
-throughput with 1, 4 and 16 concurrent streams. Prints a table, writes JSON with the machine.
+throughput with 1, 4 and 16 concurrent streams. Prints a table, writes <out>/service_<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from ctxcache.bench.common.report import run_together, write_result
+
 QUESTION = "In one sentence, what does this license say about distributing modified versions?"
 
 
 def _context_text(tokenizer, n_tokens: int) -> str:
-    from ctxcache.bench.texts import builtin_text
+    from ctxcache.bench.common.texts import builtin_text
 
     text = builtin_text("prose")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -60,13 +59,7 @@ def _throughput(client, pb, cid: str, streams: int, max_tokens: int) -> dict:
         except Exception as exc:  # noqa: BLE001 - recorded in the result
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=one) for _ in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_together([one] * streams)
     tokens = sum(f.usage.generated_tokens for f in finals)
     return {"streams": streams, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "mean_ttft_s": statistics.mean(f.timings.ttft_seconds for f in finals) if finals else None,
@@ -107,10 +100,10 @@ def run(args) -> dict:
         out["stored_bytes_by_part"] = _stored_parts(server, info.context_id)
         out["throughput"] = []
         for n in (1, 4, 16):
-            steps0, rows0 = server.decoder.batcher.steps, server.decoder.batcher.rows_stepped
+            steps0, rows0 = server.decoder.engines[0].steps, server.decoder.engines[0].rows_stepped
             t = _throughput(client, pb, info.context_id, n, args.max_tokens)
-            steps = server.decoder.batcher.steps - steps0
-            t["mean_decode_batch"] = (server.decoder.batcher.rows_stepped - rows0) / steps if steps else 0.0
+            steps = server.decoder.engines[0].steps - steps0
+            t["mean_decode_batch"] = (server.decoder.engines[0].rows_stepped - rows0) / steps if steps else 0.0
             out["throughput"].append(t)
         out["stats"] = str(client.admin.Stats(apb.StatsRequest())).replace("\n", "; ")
     finally:
@@ -127,11 +120,6 @@ def _stored_parts(server, cid: str) -> dict:
             "queries" if c.name == "q" else "other"
         parts[kind] += c.stored_bytes
     return parts
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
 
 
 def table(r: dict) -> str:
@@ -154,8 +142,9 @@ def table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ctxcache bench service", description=__doc__)
-    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap = argparse.ArgumentParser(prog="ctxcache bench service", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results", help="folder of the result JSON")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--method", default="csattention")
     ap.add_argument("--params", default="{}", help='JSON method parameters, e.g. {"table_dtype": "float16"}')
@@ -166,11 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = {"machine": machine(), "args": vars(args) | {"json": str(args.json)}, **run(args)}
+    result = {"args": vars(args), **run(args)}
     print(table(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    print(f"wrote {write_result('service', result, args.out)}")
     return 0
 
 

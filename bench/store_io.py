@@ -1,16 +1,16 @@
-"""Store benchmark: bytes per chunk kind, compression, encode time, whole-artifact load time.
+"""`ctxcache bench store_io`: bytes per chunk kind, compression, encode time, whole-artifact load time.
 
-    python -m ctxcache.bench.store_io --tokens 4096 --json out.json
-    python -m ctxcache.bench.store_io --artifact art.pt      # a torch.save'd ContextArtifact
+    ctxcache bench store_io --tokens 4096
+    ctxcache bench store_io --artifact art.pt      # a torch.save'd ContextArtifact
 
-Builds a real SmolLM2 + CSAttention artifact from the GPL-3 text (unless given one), puts it
-into a fresh LMDB store and loads it back several times under a few load settings.
+Builds a real SmolLM2 + CSAttention artifact from the bundled GPL-3 text (unless given one),
+puts it into a fresh LMDB store under each put profile and loads it back several times under a
+few load settings. Prints the tables, writes <out>/store_io_<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from collections import defaultdict
@@ -21,7 +21,8 @@ import torch
 from ctxcache.artifact import ContextArtifact
 from ctxcache.store import ArtifactStore, StoreConfig
 
-TEXT = Path("/usr/share/common-licenses/GPL-3")
+from ctxcache.bench.common.report import write_result
+from ctxcache.bench.common.texts import builtin_text, tokens_of
 
 
 def build(n_tokens: int) -> ContextArtifact:
@@ -30,7 +31,7 @@ def build(n_tokens: int) -> ContextArtifact:
     from ctxcache.models.loader import load_model
 
     lm = load_model("smollm2")
-    ids = lm.tokenizer(TEXT.read_text())["input_ids"][:n_tokens]
+    ids = tokens_of(lm.tokenizer, builtin_text("prose"), n_tokens, "prose")
     return build_artifact(lm, ids, make_method("csattention"))
 
 
@@ -82,13 +83,14 @@ def measure(art: ContextArtifact, profile: dict, loads: dict, reps: int = 5) -> 
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ctxcache bench store_io", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--artifact", type=Path)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    ap.add_argument("--out", default="bench/results", help="folder of the result JSON")
+    args = ap.parse_args(argv)
     art = torch.load(args.artifact, weights_only=False) if args.artifact else build(args.tokens)
     results = {}
     for prof_name, profile in PROFILES.items():
@@ -96,8 +98,8 @@ def main() -> None:
         results[prof_name] = res = measure(art, profile, loads, args.reps)
         print(f"== put profile {prof_name} {profile}")
         report(res)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    print(f"wrote {write_result('store_io', {'tokens': args.tokens, 'profiles': results}, args.out)}")
+    return 0
 
 
 def report(res: dict) -> None:
@@ -114,4 +116,4 @@ def report(res: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

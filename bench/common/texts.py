@@ -1,0 +1,50 @@
+"""Built-in evaluation texts, real and available offline.
+
+prose: the GNU GPL v3 text, bundled in bench/texts/prose.txt (verbatim copying is permitted).
+code: Python source from the running interpreter's standard library (argparse, then more
+modules as needed), so every Python installation has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+from pathlib import Path
+
+_TEXT_DIR = Path(__file__).parent.parent / "texts"  # bench/texts/ (package data)
+_CODE_MODULES = ("argparse", "dataclasses")
+
+
+def builtin_text(name: str) -> str:
+    """`prose`, `code`, or a path to any UTF-8 text file."""
+    if name == "prose":
+        return (_TEXT_DIR / "prose.txt").read_text(encoding="utf-8")
+    if name == "code":
+        return "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in _CODE_MODULES)
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"--text {name!r} is neither 'prose', 'code' nor a readable file")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def tokens_of(tokenizer, text: str, n: int, name: str = "text") -> list[int]:
+    """The first n tokens of text; ValueError if it is shorter."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < n:
+        raise ValueError(f"{name} has {len(ids)} tokens, fewer than the {n} requested")
+    return ids[:n]
+
+
+def parse_text_args(ap: argparse.ArgumentParser, argv: list[str] | None, min_continuation: int) -> argparse.Namespace:
+    """Parse a text bench's arguments (--out, --text, --tokens, --continuation among them) and
+    refuse, as argparse errors, a --text that is no text and lengths out of range."""
+    ap.add_argument("--out", default="bench/results", help="folder of the result JSON (<bench>_<device>.json)")
+    args = ap.parse_args(argv)
+    try:
+        builtin_text(args.text)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.tokens < 64 or args.continuation < min_continuation:
+        ap.error(f"--tokens={args.tokens} must be >= 64 and --continuation={args.continuation} >= {min_continuation}")
+    return args
