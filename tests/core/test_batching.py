@@ -1,12 +1,15 @@
 """Continuous batching: streams stepped together decode exactly what each decodes alone."""
 
 import threading
+import time
 
 import pytest
 import torch
 
-from ctxcache.decoder import SparseConfig, generate, start_batch
-from ctxcache.decoder.batching import DecodeBatcher, Sequence
+from ctxcache.decoder import SparseConfig, generate
+from ctxcache.decoder.engine import Engine, Sequence
+from ctxcache.decoder.runner import ReferenceRunner
+from ctxcache.decoder.scheduler import StopRule
 from ctxcache.generation import SamplingParams
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import Budget, make_method
@@ -37,8 +40,7 @@ def _alone(lm, art, prompt, sampling):
 
 
 def _start(lm, batcher, art, prompt, sampling):
-    first, attn, cache = start_batch(lm, [art], [prompt], CONFIG, sampling.max_tokens)
-    return batcher.start(first[0], cache, attn, sampling)
+    return batcher.start("ctx", art, prompt, CONFIG, sampling)
 
 
 def _never():
@@ -51,7 +53,7 @@ def test_batched_streams_equal_each_alone(tiny, artifacts):
                  SamplingParams(max_tokens=12, temperature=0.8, seed=5), SamplingParams(max_tokens=7)]
     prompts = [_tokens(tiny, 3 + i, 10 + i) for i in range(4)]
     expected = [_alone(tiny, a, p, s) for a, p, s in zip(artifacts, prompts, samplings)]
-    batcher = DecodeBatcher(tiny.model, max_batch=3)  # 4 streams > max_batch: rows take turns
+    batcher = Engine(ReferenceRunner(tiny), max_batch=3)  # 4 streams > max_batch: rows take turns
     try:
         seqs = [_start(tiny, batcher, a, p, s) for a, p, s in zip(artifacts, prompts, samplings)]
         got = [[t for t, _ in s.tokens(_never)] for s in seqs]
@@ -65,7 +67,7 @@ def test_streams_joining_from_threads(tiny, artifacts):
     sampling = SamplingParams(max_tokens=10)
     prompts = [_tokens(tiny, 4, 20 + i) for i in range(4)]
     expected = [_alone(tiny, a, p, sampling) for a, p in zip(artifacts, prompts)]
-    batcher, got = DecodeBatcher(tiny.model), [None] * 4
+    batcher, got = Engine(ReferenceRunner(tiny)), [None] * 4
 
     def one(i):
         got[i] = [t for t, _ in _start(tiny, batcher, artifacts[i], prompts[i], sampling).tokens(_never)]
@@ -85,7 +87,7 @@ def test_cancel_leaves_other_streams_intact(tiny, artifacts):
     sampling = SamplingParams(max_tokens=8)
     prompts = [_tokens(tiny, 3, 30), _tokens(tiny, 3, 31)]
     expected = _alone(tiny, artifacts[1], prompts[1], sampling)
-    batcher = DecodeBatcher(tiny.model)
+    batcher = Engine(ReferenceRunner(tiny))
     try:
         a = _start(tiny, batcher, artifacts[0], prompts[0], sampling)
         b = _start(tiny, batcher, artifacts[1], prompts[1], sampling)
@@ -105,20 +107,44 @@ def test_check_runs_while_waiting_and_closed_batcher_refuses(tiny, artifacts):
     def stop():
         raise Stop
 
-    first, attn, cache = start_batch(tiny, [artifacts[2]], [[5]], CONFIG, 4)
     # a sequence no batcher steps: its consumer must be released by the check, not hang
-    idle = Sequence(cache, attn, SamplingParams(max_tokens=4), 7, False, False)
+    idle = Sequence(None, "reference", SamplingParams(max_tokens=4), StopRule(4), 7, False, False)
     tokens = idle.tokens(stop, poll_s=0.01)
     assert next(tokens) == (7, False)
     with pytest.raises(Stop):
         next(tokens)
     assert idle.cancelled.is_set()
-    batcher = DecodeBatcher(tiny.model)
+    batcher = Engine(ReferenceRunner(tiny))
     batcher.close()
     with pytest.raises(RuntimeError, match="closed"):
-        batcher.start(first[0], cache, attn, SamplingParams(max_tokens=4))
+        batcher.start("ctx", artifacts[2], [5], CONFIG, SamplingParams(max_tokens=4))
 
 
 def test_max_batch_validated(tiny):
     with pytest.raises(ValueError, match="max_batch"):
-        DecodeBatcher(tiny.model, max_batch=0)
+        Engine(ReferenceRunner(tiny), max_batch=0)
+
+
+def test_a_broken_release_fails_the_other_streams_instead_of_hanging(tiny, artifacts):
+    class BrokenRelease(ReferenceRunner):
+        def release(self, row):
+            raise RuntimeError("release failed")
+
+    batcher = Engine(BrokenRelease(tiny))
+    sampling = SamplingParams(max_tokens=50)
+    try:
+        a = _start(tiny, batcher, artifacts[0], _tokens(tiny, 3, 40), sampling)
+        b = _start(tiny, batcher, artifacts[1], _tokens(tiny, 3, 41), sampling)
+        a.cancel()  # the engine releases a's row before its next step: that release raises
+        started = time.monotonic()
+
+        def deadline():
+            assert time.monotonic() - started < 30, "b's consumer hung on a dead engine"
+
+        with pytest.raises(RuntimeError, match="engine stopped"):
+            for _ in b.tokens(deadline):
+                pass
+        with pytest.raises(RuntimeError, match="closed"):
+            _start(tiny, batcher, artifacts[2], [5], sampling)
+    finally:
+        batcher.close()

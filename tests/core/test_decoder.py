@@ -105,19 +105,19 @@ class _PaddedEstimator(SparseMethod):
 
 
 def test_estimator_read_count_counts_distinct_indices_not_padding():
-    from ctxcache.decoder.sparse_attention import SparseAttention
+    from ctxcache.decoder.reference_attention import ReferenceSparseAttention
     from ctxcache.methods.budget import distinct_valid
 
     assert distinct_valid(torch.tensor([[3, 3, 1, -1], [5, 6, 7, 8]])).tolist() == [2, 4]
-    attn = SparseAttention(_PaddedEstimator(), [[_PaddedEstimator().open({})]], SparseConfig(Budget(0.1, 2, 2)))
+    attn = ReferenceSparseAttention(_PaddedEstimator(), [[_PaddedEstimator().open({})]], SparseConfig(Budget(0.1, 2, 2)))
     keys = torch.zeros(2, 10, 8)
     attn._row(0, 0, torch.zeros(4, 8), type("C", (), {"k": [keys[None]], "v": [keys[None]]})(), 10)
     assert attn.keys_read == 8 and attn.keys_total == 20  # the old count said 10
 
 
 def test_selection_metrics_keys_read_frac_counts_distinct_indices():
-    from ctxcache.bench.capture import Captured
-    from ctxcache.bench.selection_metrics import selection_metrics
+    from ctxcache.bench.common.capture import Captured
+    from ctxcache.bench.common.selection import selection_metrics
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(4, 11, 8, generator=gen)

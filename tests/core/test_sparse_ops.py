@@ -8,7 +8,7 @@ import torch
 from ctxcache.methods import Budget, CSAttentionParams, make_method
 from ctxcache.methods.csattention import CSAttention, subspace_permutation
 from ctxcache.methods.kmeans import kmeans
-from ctxcache.models.attention import gqa_sparse_attention
+from ctxcache.models.attention import gather_attention
 
 
 def _naive_masked_attention(q, k, v, idx):
@@ -30,7 +30,7 @@ def test_gqa_sparse_attention_matches_masked_dense(n, kk):
     torch.manual_seed(n)
     q, k, v = torch.randn(6, 16), torch.randn(2, n, 16), torch.randn(2, n, 16)
     idx = torch.stack([torch.randperm(n)[:kk] for _ in range(2)])
-    torch.testing.assert_close(gqa_sparse_attention(q, k, v, idx), _naive_masked_attention(q, k, v, idx))
+    torch.testing.assert_close(gather_attention(q, k, v, idx), _naive_masked_attention(q, k, v, idx))
 
 
 @pytest.mark.parametrize("n", [1, 3, 20, 36, 37, 500])

@@ -81,7 +81,7 @@ def test_dense_dot8_zero_weights_give_zero_scores(device):
     assert (key16_codes(keys.cpu())[0, :, :int(n_ctx[0])] == int(keys16_ref(torch.zeros(1))[0])).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the inline PTX path needs a GPU")
+@pytest.mark.gpu(reason="the inline PTX path needs a GPU")
 def test_dense_dot8_ptx_equals_shift_path():
     for group in (True, False):
         case = _int8_case("cuda", group)
@@ -100,7 +100,7 @@ def test_dense_dot8_refuses_bad_tables(device):
         dense_dot8(ids, w, dense, scale, *args, block=96)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the shared-memory histogram is inline PTX")
+@pytest.mark.gpu(reason="the shared-memory histogram is inline PTX")
 @pytest.mark.parametrize("block,warps", [(64, 4), (1024, 4), (2048, 8)])
 def test_dense_dot8_shared_memory_pass0_equals_tl_histogram(block, warps):
     case = _int8_case("cuda", group=True, n=4000 // 16 * 16)

@@ -7,7 +7,7 @@ import copy
 
 from ctxcache.decoder.gpu.offload import OffloadAttention, SlotCache, pinned_empty, plan_slots, plan_slots_ref
 from ctxcache.kernels.offload_attention import offload_attention, offload_attention_ref
-from ctxcache.kernels.sparse_attention import sparse_attention_ref
+from ctxcache.kernels.split_k_attention import sparse_attention_ref
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
 
@@ -144,11 +144,11 @@ def test_offload_attention_steps_match_host_reference(device):
     assert int(attn.caches[0].hits) == 2 * (16 + 12 + 12) and int(attn.caches[0].selected) == 2 * 4 * kmax
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and pinned memory need a GPU")
+@pytest.mark.gpu(reason="CUDA graphs and pinned memory need a GPU")
 def test_offload_step_graph_replays_match_reference():
     """The whole step (slot plan + zero-copy attention over pinned K/V) captured once and
     replayed with new selections matches attention over the host truth every time."""
-    from ctxcache.decoder.gpu.timing import capture
+    from ctxcache.bench.common.gpu import capture_graph as capture
     b, hq, hkv, s, d, kmax = 2, 8, 2, 4096, 128, 64
     kh, vh = _host((b, hkv, s, d), torch.bfloat16), _host((b, hkv, s, d), torch.bfloat16)
     sel = _FixedSelector(torch.zeros(b, hkv, kmax, dtype=torch.int32, device="cuda"))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables, stack_tables
-from ctxcache.kernels.sparse_attention import region
+from ctxcache.kernels.split_k_attention import region
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ctxcache.kernels.sparse_attention import (choose_splits, merge_partials, partial_workspace, sparse_attention_ref,
+from ctxcache.kernels.split_k_attention import (choose_splits, merge_partials, partial_workspace, sparse_attention_ref,
                                                sparse_decode_attention)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # relative L2 error
@@ -63,20 +63,15 @@ def test_choose_splits_is_power_of_two():
         assert s >= 1 and s & (s - 1) == 0 and (s == 1 or keys // s >= 128)
 
 
-def test_partials_then_merge_equal_the_attention(device):
-    """partials_only leaves the split programs' partials in ws; merge_partials then gives the
-    same output as the one-call attention (the padding query-head rows are never stored)."""
+def test_merge_of_the_left_partials_equals_the_attention(device):
+    """The partials the attention leaves in ws merge (merge_partials, as the offload attention
+    uses it) into the same output (the padding query-head rows are never stored)."""
     b, hq, hkv, s, d = 2, 6, 2, 333, 32
     q, k, v = _inputs(b, hq, hkv, s, d, torch.float32, device)
     n = torch.tensor([321, 97], dtype=torch.int32, device=device)
     idx = torch.stack([torch.randperm(60)[:41] + 4 for _ in range(b * hkv)]).view(b, hkv, 41).int().to(device)
     k_sel = torch.tensor([41, 23], dtype=torch.int32, device=device)
-    whole = sparse_decode_attention(q, k, v, n, idx, k_sel, 4, 16, splits=4, block_n=16)
     ws = partial_workspace(b, hq, hkv, 4, d, device)
+    whole = sparse_decode_attention(q, k, v, n, idx, k_sel, 4, 16, splits=4, block_n=16, ws=ws)
     out = torch.full_like(q, float("nan"))
-    sparse_decode_attention(q, k, v, n, idx, k_sel, 4, 16, splits=4, block_n=16, out=out, ws=ws, partials_only=True)
-    assert torch.isnan(out).all()
     torch.testing.assert_close(merge_partials(ws, out, hkv, 4), whole)
-    with pytest.raises(ValueError, match="partials_only"):
-        sparse_decode_attention(q, k, v, n, idx, k_sel, 4, 16, splits=4, ws=ws, partials_only=True,
-                                merge_counter=torch.zeros(b * hkv, dtype=torch.int32, device=device))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctxcache.bench.tasks import TaskSpec
+from ctxcache.bench.common.tasks import TaskSpec
 from ctxcache.decoder.session import generate
-from ctxcache.decoder.sparse_attention import SparseConfig
+from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import SamplingParams
 from ctxcache.indexer.build import IndexerConfig, build_artifact
 from ctxcache.methods import Budget, make_method

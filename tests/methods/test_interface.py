@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ctxcache.decoder.session import start_batch
-from ctxcache.decoder.sparse_attention import SparseConfig
+from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import decode_one_token, prefill
 from ctxcache.indexer.build import IndexerConfig, build_artifact
 from ctxcache.methods import METHODS, Budget, make_method

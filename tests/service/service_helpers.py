@@ -1,11 +1,8 @@
-"""Fixtures: real servers on 127.0.0.1:0 over real LMDB in temp dirs, a real redis-server."""
+"""Fixtures: real servers on 127.0.0.1:0 over real LMDB in temp dirs (the real redis-server is
+tests/conftest.py's `redis_server`)."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import grpc
@@ -72,47 +69,3 @@ def rpc_code(fn) -> grpc.StatusCode | None:
     except grpc.RpcError as err:
         return err.code()
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisProcess:
-    def __init__(self, workdir: Path) -> None:
-        self.workdir, self.port, self.proc = workdir, free_port(), None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
-
-
-@pytest.fixture
-def redis_proc(tmp_path):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server binary not installed")
-    r = RedisProcess(tmp_path)
-    r.start()
-    yield r
-    r.stop()

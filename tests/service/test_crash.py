@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
 import threading
 import time
@@ -20,7 +19,8 @@ from ctxcache.service.gen.v1 import context_pb2 as pb
 from ctxcache.store import ArtifactStore, BuildState, RedisRegistry, reconcile
 
 import crash_child
-from service_helpers import TEXT, RedisProcess, ask, tiny_config
+from redis_server import RedisServer, redis_binary
+from service_helpers import TEXT, ask, tiny_config
 
 KILLS = int(os.environ.get("CTXCACHE_CRASH_KILLS", "20"))
 
@@ -72,7 +72,7 @@ def _check_store(data, registry) -> int:
 
 
 def test_kill9_during_put_context(forkserver, tmp_path):
-    redis = RedisProcess(tmp_path) if shutil.which("redis-server") else None
+    redis = RedisServer(redis_binary(), tmp_path) if redis_binary() else None  # with Redis where there is one
     if redis:
         redis.start()
     registry = RedisRegistry(tiny_config(tmp_path, redis.url).registry.redis_config()) if redis else None

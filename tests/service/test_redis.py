@@ -5,22 +5,25 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 
 from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.store import BuildState, RedisRegistry
 
 from service_helpers import TEXT, ask, put_text, rpc_code, tiny_config
 
+pytestmark = pytest.mark.redis
 
-def test_redis_down_generate_keeps_working_put_fails_fast_then_recovers(start, redis_proc, tmp_path):
-    cfg = tiny_config(tmp_path / "data", redis_url=redis_proc.url)
+
+def test_redis_down_generate_keeps_working_put_fails_fast_then_recovers(start, redis_server, tmp_path):
+    cfg = tiny_config(tmp_path / "data", redis_url=redis_server.url)
     srv, client = start(cfg)
     cid = put_text(client).context_id
     registry = RedisRegistry(cfg.registry.redis_config())
     assert registry.get(cid).state == BuildState.READY
     ask(client, cid)  # loaded into DRAM
 
-    redis_proc.stop()
+    redis_server.stop()
     assert ask(client, cid, max_tokens=4)[1].usage.generated_tokens >= 1
     t0 = time.monotonic()
     code = rpc_code(lambda: put_text(client, TEXT + " a new context"))
@@ -29,7 +32,7 @@ def test_redis_down_generate_keeps_working_put_fails_fast_then_recovers(start, r
     assert stats.registry == "redis" and not stats.registry_available
     assert rpc_code(lambda: client.admin.Reconcile(apb.ReconcileRequest())) == grpc.StatusCode.UNAVAILABLE
 
-    redis_proc.start()  # empty: Redis held only an index; Reconcile rebuilds it from LMDB
+    redis_server.start()  # empty: Redis held only an index; Reconcile rebuilds it from LMDB
     assert client.admin.Reconcile(apb.ReconcileRequest()).registered == 1
     assert registry.get(cid).state == BuildState.READY
     info = put_text(client, TEXT + " a new context")
@@ -38,13 +41,13 @@ def test_redis_down_generate_keeps_working_put_fails_fast_then_recovers(start, r
     registry.close()
 
 
-def test_two_services_share_one_redis(start, redis_proc, tmp_path):
+def test_two_services_share_one_redis(start, redis_server, tmp_path):
     """Two workers (own stores) on one Redis: each sees its own contexts registered by location."""
-    a, ca = start(tiny_config(tmp_path / "a", redis_url=redis_proc.url))
-    b, cb = start(tiny_config(tmp_path / "b", redis_url=redis_proc.url))
+    a, ca = start(tiny_config(tmp_path / "a", redis_url=redis_server.url))
+    b, cb = start(tiny_config(tmp_path / "b", redis_url=redis_server.url))
     ida = put_text(ca, TEXT + " for a").context_id
     idb = put_text(cb, TEXT + " for b").context_id
-    registry = RedisRegistry(tiny_config(tmp_path, redis_url=redis_proc.url).registry.redis_config())
+    registry = RedisRegistry(tiny_config(tmp_path, redis_url=redis_server.url).registry.redis_config())
     assert registry.get(ida).location == a.backend.store.location
     assert registry.get(idb).location == b.backend.store.location
     assert cb.admin.Reconcile(apb.ReconcileRequest()).removed == 0  # b leaves a's entries alone

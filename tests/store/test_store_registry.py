@@ -19,7 +19,7 @@ from ctxcache.store.registry import BuildState, Registry, RegistryEntry
 from store_helpers import make_artifact
 
 
-@pytest.fixture(params=["embedded", "redis"])
+@pytest.fixture(params=["embedded", pytest.param("redis", marks=pytest.mark.redis)])
 def make_registry(request: pytest.FixtureRequest) -> Iterator[Callable[[], Registry]]:
     """A factory: each call is another client (another 'process') of the same registry."""
     if request.param == "embedded":
@@ -100,6 +100,7 @@ def test_renewed_claim_outlives_its_lease_and_lapses_once_not_renewed(
         assert not a.renew_build("h")
 
 
+@pytest.mark.redis
 def test_redis_down_fails_fast_and_recovers(redis_server, tmp_path: Path) -> None:  # noqa: ANN001
     reg = RedisRegistry(redis_server.config())
     reg.mark_ready("h1", "c1", "/data")
@@ -120,6 +121,7 @@ def test_redis_down_fails_fast_and_recovers(redis_server, tmp_path: Path) -> Non
     assert reg.get("h1").context_id == "c1" and reg.get("h1").state == BuildState.READY
 
 
+@pytest.mark.redis
 def test_redis_hung_fails_fast(redis_server) -> None:  # noqa: ANN001
     reg = RedisRegistry(redis_server.config())
     assert reg.ping()

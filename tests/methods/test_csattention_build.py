@@ -1,10 +1,12 @@
-"""GPU k-means / table build against the torch references of ctxcache.methods."""
+"""CSAttention's GPU table build (batched k-means, tables on the device) against the torch
+references of ctxcache.methods; on CPU tensors without a GPU."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ctxcache.kernels.kmeans import build_tables_gpu, kmeans_gpu, lloyd_step
+from ctxcache.methods.csattention_build import build_tables_gpu, kmeans_gpu
+from ctxcache.methods.kmeans import lloyd_step
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 
 
@@ -14,7 +16,7 @@ def test_lloyd_step_matches_reference_update(device):
     assign = (x @ cent.transpose(1, 2)).argmax(-1)
     want = torch.stack([torch.stack([F.normalize(x[b, assign[b] == c].sum(0), dim=0) if (assign[b] == c).any()
                                      else cent[b, c] for c in range(7)]) for b in range(3)])
-    got = lloyd_step(x.to(device), cent.to(device)).cpu()
+    got = lloyd_step(x.to(device), cent.to(device), cosine=True).cpu()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -83,7 +85,7 @@ def test_group_routing_clusters_the_group_sums(device):
 def test_layers_built_together_match_one_by_one_shapes_and_scores(device):
     """One batched k-means over several layers gives each layer tables of the single-layer
     kind: dense rows = its own keys scored against its own centroids."""
-    from ctxcache.kernels.kmeans import build_tables_gpu_layers
+    from ctxcache.methods.csattention_build import build_tables_gpu_layers
 
     p = CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2, table_dtype="float16")
     qs = [torch.randn(4, 300, 32).to(device) for _ in range(3)]
@@ -97,7 +99,7 @@ def test_layers_built_together_match_one_by_one_shapes_and_scores(device):
     assert not torch.equal(out[0]["centroids"], out[1]["centroids"])  # each layer its own clusters
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the indexer's GPU build path needs a GPU")
+@pytest.mark.gpu(reason="the indexer's GPU build path needs a GPU")
 def test_indexer_builds_csattention_tables_on_the_gpu():
     from ctxcache.indexer.build import IndexerConfig, build_artifact
     from ctxcache.models.loader import load_model
@@ -116,3 +118,17 @@ def test_indexer_builds_csattention_tables_on_the_gpu():
         assert ds.dtype == torch.int8  # the default table_dtype for the dense layout
         step = t["dense_scale"][..., None]
         assert ((ds.float() * step - want).abs() <= step / 2 + 2e-2).all()
+
+
+def test_build_layers_on_cpu_keys_is_the_cpu_build():
+    """Keys on the CPU: build_layers is build_layer layer by layer (the GPU build only where the
+    keys are on CUDA); tables come back in layer order."""
+    m = CSAttention(CSAttentionParams(subspaces=4, centroids=8, kmeans_iters=2))
+    layers = [(torch.randn(4, 120, 32), torch.randn(2, 120, 32), torch.randn(2, 120, 32)) for _ in range(3)]
+    got = list(m.build_layers(iter(layers), 3))
+    assert len(got) == 3
+    for (q, k, v), tables in zip(layers, got):
+        want = m.build_layer(q, k, v, 0, 3)
+        assert tables.keys() == want.keys()
+        for name in want:
+            assert torch.equal(tables[name], want[name]), name

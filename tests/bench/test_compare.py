@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ctxcache.bench.compare import all_cells, config_of, method_specs, parse_args
-from ctxcache.bench.compare_report import merge
+from ctxcache.bench.common.compare_report import merge
 
 
 def test_magicpig_expands_to_the_paper_configs_and_unknown_names_fail():
@@ -69,15 +69,6 @@ def test_merge_refuses_shards_of_other_configurations(tmp_path):
         merge(argparse.Namespace(merge=str(tmp_path), results=str(tmp_path / "out"), name=None))
 
 
-def test_table_bits_refuses_levels_outside_int8(capsys):
-    from ctxcache.bench.table_bits import parse_args as table_bits_args
-    assert table_bits_args(["--levels", "127,7"]).levels == [127, 7]
-    for bad in ("128", "0", "x"):
-        with pytest.raises(SystemExit):
-            table_bits_args(["--levels", bad])
-        assert "--levels" in capsys.readouterr().err
-
-
 def test_text_benches_refuse_a_missing_text_file(capsys):
     from ctxcache.bench.fidelity import parse_args as fidelity_args
     with pytest.raises(SystemExit):
@@ -98,6 +89,6 @@ def test_gpu_benches_refuse_bad_size_lists_before_looking_for_a_gpu(bench, capsy
 
 
 def test_gpu_bench_grid_runs_every_batch_and_context():
-    from ctxcache.bench.gpu_inputs import grid_points, positive_ints
+    from ctxcache.bench.common.gpu import grid_points, positive_ints
     args = argparse.Namespace(batches=positive_ints("1,8"), contexts=positive_ints("8192,131072"))
     assert list(grid_points(args)) == [(1, 8192), (1, 131072), (8, 8192), (8, 131072)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ctxcache.bench.tasks import KINDS, TaskSpec, match_all
+from ctxcache.bench.common.tasks import KINDS, TaskSpec, match_all
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,77 @@
+"""The fast GPU runner against the reference runner: same artifacts, same engine loop, same
+greedy tokens (a random model in fp32; on CPU the Triton kernels run interpreted, without
+graphs). Distinct contexts decode together in one static cache; a context stays resident in
+its slot for the next stream."""
+
+import pytest
+import torch
+
+from ctxcache.decoder.engine import Engine
+from ctxcache.decoder.gpu.runner import GpuRunner
+from ctxcache.decoder.reference_attention import SparseConfig
+from ctxcache.decoder.runner import ReferenceRunner
+from ctxcache.generation import SamplingParams
+from ctxcache.indexer import IndexerConfig, build_artifact
+from ctxcache.methods import Budget, make_method
+from ctxcache.models.loader import load_model
+
+CONFIG = SparseConfig(Budget(0.1, 2, 8))
+STEPS = 64 if torch.cuda.is_available() else 4  # 64 greedy tokens where the kernels run compiled
+
+
+@pytest.fixture(scope="module")
+def cpu_lm():
+    return load_model("random:tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """The decoding model, on the GPU where there is one: the artifacts are built on the CPU."""
+    return load_model("random:tiny", seed=3, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="module")
+def method():
+    return make_method("csattention", {"subspaces": 4, "centroids": 16})
+
+
+@pytest.fixture(scope="module")
+def artifacts(cpu_lm, method):
+    cfg = IndexerConfig(kv_dtype="float32", progress=False)
+    lm = cpu_lm
+    return [build_artifact(lm, torch.randint(0, lm.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n)),
+                           method, cfg) for n in (200, 130, 170)]
+
+
+def _decode(engine, arts, prompts):
+    seqs = [engine.start(f"ctx{i}", a, p, CONFIG, SamplingParams(max_tokens=STEPS))
+            for i, (a, p) in enumerate(zip(arts, prompts))]
+    return [[t for t, _ in s.tokens(lambda: None)] for s in seqs]
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_fast_runner_decodes_the_reference_tokens(lm, method, artifacts, sparse, device):
+    prompts = [[5, 6, 7], [], [9]]
+    cfg = CONFIG if sparse else SparseConfig(CONFIG.budget, dense_layers=tuple(range(lm.args.n_layers)))
+    want = [[t for t, _ in Engine(ReferenceRunner(lm)).start("x", a, p, cfg, SamplingParams(max_tokens=STEPS))
+             .tokens(lambda: None)] for a, p in zip(artifacts, prompts)]
+    runner = GpuRunner(lm, method.params if sparse else None, CONFIG, slots=3, max_len=256, max_new=STEPS + 8)
+    fast = Engine(runner)
+    try:
+        got = _decode(fast, artifacts, prompts)
+        again = _decode(fast, artifacts, prompts)  # every context is resident now: no new loads
+    finally:
+        fast.close()
+        ref.close()
+    assert got == want
+    assert again == want
+    assert runner.loads == len(artifacts)
+
+
+def test_runner_refuses_what_it_cannot_serve(lm, method, artifacts):
+    runner = GpuRunner(lm, method.params, CONFIG, slots=1, max_len=256, max_new=32)
+    assert runner.accepts(artifacts[0], CONFIG, 20)
+    assert not runner.accepts(artifacts[0], CONFIG, 100)  # past the streamed-key room
+    assert not runner.accepts(artifacts[0], SparseConfig(Budget(0.2, 2, 8)), 20)  # another budget
+    other = make_method("quest")
+    assert not other.gpu_decodable(artifacts[0].layers[0].tables)
