@@ -89,3 +89,11 @@ def test_decoder_counts_the_rerank_candidates_as_read(qkv):
     kk = BUDGET.top_k(n)
     assert reads[1.0] == 2 * (lo + n - hi + kk)
     assert reads[3.0] == 2 * (lo + n - hi + 3 * kk)
+
+
+def test_gpu_selector_refuses_a_rerank_it_does_not_implement():
+    from ctxcache.decoder.gpu.selector import check_params
+
+    check_params(CSAttentionParams())
+    with pytest.raises(ValueError, match="rerank=2.0"):
+        check_params(CSAttentionParams(rerank=2.0))
