@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ctxcache.host_copy import to_host, wait_for_host_copies
 from ctxcache.methods.base import Capabilities, LayerState, MethodParams, SparseMethod, Tables
 from ctxcache.methods.budget import fp16_rank, topk_in_region
 from ctxcache.methods.int8_tables import int8_dense_tables, int_dot_scores
@@ -186,8 +187,10 @@ class CSAttention(SparseMethod):
         device = first[1].device
         while group := list(itertools.islice(layers, GPU_LAYER_GROUP)):
             qs = [q.to(device) for q, _, _ in group]
-            for tables in build_tables_gpu_layers(self.params, qs, [k for _, k, _ in group]):
-                yield {name: t.cpu() for name, t in tables.items()}
+            built = [{name: to_host(t) for name, t in tables.items()}
+                     for tables in build_tables_gpu_layers(self.params, qs, [k for _, k, _ in group])]
+            wait_for_host_copies(device)  # once per group: the copies overlap, the caller reads landed tables
+            yield from built
 
     def _cluster_queries(self, q: torch.Tensor, hkv: int) -> torch.Tensor:
         """Cosine k-means per (KV head, subspace) over the GQA group's queries -> [Hkv, m, C, d_b]."""
