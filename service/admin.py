@@ -24,10 +24,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if request.memory_only:
             freed = self.decoder.evict(cid)
             return apb.EvictResponse(evicted=freed > 0, bytes_freed=freed)
+        cancelled = self.indexer.cancel(cid, "evicted")  # a BUILDING id stops building
         m = self.backend.manifest(cid)
         deleted = self.backend.delete(cid)  # store first: a load racing this is then not cached
         freed = self.decoder.evict(cid)
-        return apb.EvictResponse(evicted=deleted or freed > 0,
+        return apb.EvictResponse(evicted=deleted or cancelled or freed > 0,
                                  bytes_freed=(m.stored_bytes if m and deleted else 0) + freed)
 
     @unary

@@ -100,10 +100,13 @@ class IndexerSettings:
     chunk: int = 1024
     store_queries: int = 1536  # prefill query positions kept per layer, so Rebuild needs no prefill
     claim_lease_s: float = CLAIM_LEASE_S  # registry build claims, renewed every lease/3 while building
+    build_timeout_s: float = 1800.0  # a build running longer is cancelled (FAILED), never wedges the queue
 
     def __post_init__(self) -> None:
         if self.claim_lease_s <= 0:
             raise ValueError(f"indexer.claim_lease_s={self.claim_lease_s} must be > 0")
+        if not self.build_timeout_s > 0:
+            raise ValueError(f"indexer.build_timeout_s={self.build_timeout_s} must be > 0")
         if self.queue_limit < 1 or self.chunk < 1 or self.max_context_tokens < 0 or self.store_queries < 0:
             raise ValueError(f"queue_limit={self.queue_limit}, chunk={self.chunk} must be >= 1 "
                              f"and max_context_tokens={self.max_context_tokens}, store_queries="

@@ -7,10 +7,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
 from ctxcache.generation import SamplingParams
-from ctxcache.methods import make_method
+from ctxcache.methods import ParamError, make_method
 from ctxcache.service.generate_streams import GenerateSpec
 from ctxcache.service.errors import InvalidArgument
 from ctxcache.service.gen.v1 import context_pb2 as pb
@@ -21,6 +21,7 @@ _LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
 _TENANT = re.compile(r"[A-Za-z0-9_.\-]{0,64}")
 RESERVED_LABEL = "ctxcache/"  # labels the service keeps for itself (e.g. the context's roles)
 MAX_LABELS, MAX_LABEL_VALUE, MAX_STOPS, MAX_STOP_CHARS, MAX_PAGE = 64, 256, 8, 64, 1000
+MAX_NAME = 64  # method names and schedules
 
 
 @dataclass(frozen=True)
@@ -90,15 +91,28 @@ def _labels(labels: dict[str, str]) -> dict[str, str]:
     return dict(labels)
 
 
+MAX_DEPTH = 8  # nested Struct levels accepted in method params (deeper: INVALID_ARGUMENT)
+
+
+def _value(v: struct_pb2.Value, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise InvalidArgument("method.params", f"nested deeper than {MAX_DEPTH} levels")
+    kind = v.WhichOneof("kind")
+    if kind == "number_value":  # Struct numbers are doubles: integral ones become ints (params are typed)
+        x = v.number_value
+        return int(x) if math.isfinite(x) and x.is_integer() else x
+    if kind == "struct_value":
+        return {k: _value(x, depth + 1) for k, x in v.struct_value.fields.items()}
+    if kind == "list_value":
+        return [_value(x, depth + 1) for x in v.list_value.values]
+    if kind in ("string_value", "bool_value"):
+        return getattr(v, kind)
+    return None
+
+
 def struct_to_dict(s: struct_pb2.Struct) -> dict[str, Any]:
-    """Struct numbers are doubles: integral values become ints (method params are typed)."""
-    def fix(v: Any) -> Any:
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        if isinstance(v, list):
-            return [fix(x) for x in v]
-        return v
-    return {k: fix(v) for k, v in json_format.MessageToDict(s).items()}
+    """Struct -> dict without a JSON round trip (NaN and infinities reach the typed checks)."""
+    return {k: _value(v, 1) for k, v in s.fields.items()}
 
 
 def dict_to_struct(d: dict[str, Any]) -> struct_pb2.Struct:
@@ -111,8 +125,12 @@ def method_spec(spec: pb.MethodSpec, default: str, default_params: dict[str, Any
     """-> (method name, full parameter dict) validated by constructing the method."""
     name = spec.name or default
     params = struct_to_dict(spec.params) if spec.name else {**default_params, **struct_to_dict(spec.params)}
+    if len(name) > MAX_NAME:
+        raise InvalidArgument("method.name", f"{len(name)} characters; at most {MAX_NAME}")
     try:
         method = make_method(name, params)
+    except ParamError as exc:
+        raise InvalidArgument(f"method.params.{exc.field}", str(exc)) from exc
     except ValueError as exc:
         bad = "method.name" if "unknown method" in str(exc) else "method.params"
         raise InvalidArgument(bad, str(exc)) from exc

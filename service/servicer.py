@@ -87,9 +87,10 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     @unary
     def DeleteContext(self, request, context):
         cid = convert.context_id(request.context_id)
+        cancelled = self.indexer.cancel(cid, "deleted by DeleteContext")  # a BUILDING id stops building
         deleted = self.indexer.backend.delete(cid)  # store first, then DRAM (see Evict)
         self.decoder.evict(cid)
-        return pb.DeleteContextResponse(deleted=deleted)
+        return pb.DeleteContextResponse(deleted=deleted or cancelled)
 
     @streaming
     def Generate(self, request, context):
