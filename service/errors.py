@@ -62,6 +62,7 @@ def _foreign_codes() -> dict[type, grpc.StatusCode]:
 
     codes: dict[type, grpc.StatusCode] = {ArtifactMismatch: grpc.StatusCode.FAILED_PRECONDITION}
     for name, code in (("CorruptArtifact", grpc.StatusCode.DATA_LOSS),
+                       ("StoreDamaged", grpc.StatusCode.DATA_LOSS),
                        ("StoreFull", grpc.StatusCode.RESOURCE_EXHAUSTED),
                        ("RegistryUnavailable", grpc.StatusCode.UNAVAILABLE),
                        ("FormatMismatch", grpc.StatusCode.FAILED_PRECONDITION),
