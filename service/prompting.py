@@ -12,7 +12,9 @@ whole conversation at once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +53,18 @@ class ByteTokenizer:
         return text + ("assistant: " if add_generation_prompt else "")
 
 
+def tokenizer_content(t: Any) -> str:
+    """Canonical JSON of a tokenizer's behaviour (fast tokenizers: tokenizer.json's parts)."""
+    backend = getattr(t, "backend_tokenizer", None)
+    if backend is not None:
+        j = json.loads(backend.to_str())
+        parts = {k: j.get(k) for k in ("model", "added_tokens", "normalizer", "pre_tokenizer", "decoder")}
+    else:  # slow tokenizers: the vocabulary with added tokens
+        parts = {"vocab": sorted(t.get_vocab().items(), key=lambda kv: kv[1])}
+    parts["special"] = getattr(t, "special_tokens_map", {})
+    return json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 @dataclass
 class Prompter:
     tokenizer: Any
@@ -61,14 +75,15 @@ class Prompter:
         template = getattr(self.tokenizer, "chat_template", None) or "none"
         return hashlib.sha256(str(template).encode()).hexdigest()[:16]
 
-    @property
+    @functools.cached_property
     def tokenizer_id(self) -> str:
-        """Identity of the tokenizer (part of the context id)."""
+        """Identity of the tokenizer (part of the context id): a hash of what it does (vocab,
+        merges, added and special tokens, normalizer, pre-tokenizer), never where it was loaded
+        from, so the same text gets the same id from any cache directory, venv or host."""
         t = self.tokenizer
         if isinstance(t, ByteTokenizer):
             return "bytes-v1"
-        ident = f"{type(t).__name__}:{getattr(t, 'name_or_path', '')}:{len(t)}"
-        return hashlib.sha256(ident.encode()).hexdigest()[:16]
+        return hashlib.sha256(tokenizer_content(t).encode()).hexdigest()[:16]
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
