@@ -105,7 +105,11 @@ class BuildQueue:
                 self.metrics.rejected.labels("PutContext").inc()
                 raise ResourceExhausted(f"{self._queue.qsize()} builds queued; retry later")
             if not self.backend.claim_build(cid, self.settings.claim_lease_s):
-                raise Unavailable(f"context {cid} is being built by another worker; retry later")
+                elsewhere = self.backend.ready_elsewhere(cid)
+                if elsewhere is None:  # a live claim: the other build ends (or lapses) within a lease
+                    raise Unavailable(f"context {cid} is being built by another worker; retry later")
+                # READY on another worker: this worker builds its own copy (each serves its own store)
+                log.info("context %s is READY at %s; building a local copy", cid[:12], elsewhere)
             job = self._jobs[cid] = Job(cid, spec, tokens, source,
                                         token=CancelToken(self.settings.build_timeout_s))
             self._queue.put(job)
@@ -122,6 +126,14 @@ class BuildQueue:
             job.token.cancel(reason)
         job.done.wait(wait_s)
         return True
+
+    def tenant_of(self, cid: str) -> str | None:
+        """The tenant of a stored or building context; None if neither."""
+        m = self.backend.manifest(cid)
+        if m is not None:
+            return m.tenant
+        job = self.job(cid)
+        return None if job is None else job.spec.tenant
 
     def job(self, cid: str) -> Job | None:
         with self._lock:

@@ -12,7 +12,7 @@ from google.protobuf import struct_pb2
 from ctxcache.generation import SamplingParams
 from ctxcache.methods import ParamError, make_method
 from ctxcache.service.generate_streams import GenerateSpec
-from ctxcache.service.errors import InvalidArgument
+from ctxcache.service.errors import InvalidArgument, PermissionDenied
 from ctxcache.service.gen.v1 import context_pb2 as pb
 from ctxcache.service.prompting import ROLES, Messages, document_messages, text_messages
 
@@ -139,13 +139,21 @@ def method_spec(spec: pb.MethodSpec, default: str, default_params: dict[str, Any
     return method.name, method.params.to_dict()
 
 
-def put_spec(req: pb.PutContextRequest, default_method: str, default_params: dict[str, Any]) -> PutSpec:
-    messages = _content(req)
+def put_spec(req: pb.PutContextRequest, default_method: str, default_params: dict[str, Any],
+             caller_tenant: str | None = None) -> PutSpec:
+    """caller_tenant: the tenant bound to the caller's token (None: admin or an open server,
+    which may name any tenant in the request)."""
     if not _TENANT.fullmatch(req.tenant):
         raise InvalidArgument("tenant", f"{req.tenant[:80]!r} must match {_TENANT.pattern}")
+    tenant = req.tenant
+    if caller_tenant is not None:
+        if req.tenant and req.tenant != caller_tenant:
+            raise PermissionDenied(f"tenant: {req.tenant!r} is not the tenant of this token")
+        tenant = caller_tenant
+    messages = _content(req)
     name, params = method_spec(req.method, default_method, default_params)
     return PutSpec(messages, _labels(dict(req.labels)), float(req.ttl_seconds) if req.ttl_seconds else None,
-                   req.pin, name, params, req.wait, req.tenant)
+                   req.pin, name, params, req.wait, tenant)
 
 
 def _sampling(s: pb.SamplingParams, default_max: int, limit: int) -> SamplingParams:
