@@ -49,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--admin-port", type=int, default=None, help="serve admin + reflection here only")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP (on --host)")
+    p.add_argument("--grace", type=float, default=5.0, help="SIGTERM: seconds live streams get to finish")
+    p.add_argument("--advertise", default="", help="host:port the registry records for this worker "
+                   "(default: --host, or the hostname when binding all interfaces)")
     p.add_argument("--token", default=None, help="require this bearer token (or env CTXCACHE_TOKEN)")
     p.add_argument("--tls-cert", type=Path, default=None)
     p.add_argument("--tls-key", type=Path, default=None)

@@ -31,11 +31,13 @@ def run(args) -> int:
 
 
 def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | None = None,
-                   token: str | None = None, tls: tuple[Path | None, Path | None] = (None, None)) -> ServiceConfig:
+                   token: str | None = None, tls: tuple[Path | None, Path | None] = (None, None),
+                   tenant_tokens: tuple[tuple[str, str], ...] = ()) -> ServiceConfig:
     return ServiceConfig(
         server=ServerConfig(host=host, port=port, admin_port=admin_port, max_streams=args.max_streams,
                             threads=max(64, args.max_streams + 16), auth_token=token,
-                            tls_cert=tls[0], tls_key=tls[1]),
+                            tenant_tokens=tenant_tokens, tls_cert=tls[0], tls_key=tls[1],
+                            grace_seconds=getattr(args, "grace", 5.0), advertise=getattr(args, "advertise", "")),
         model=ModelConfig(args.model, args.device, args.dtype),
         store=StoreSettings(args.data, int(args.store_budget_gb * GiB)),
         registry=RegistrySettings(args.redis),
@@ -54,7 +56,7 @@ def serve(args) -> int:
     server, port = create_server(cfg)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
-        start_http_server(args.metrics_port, registry=server.metrics.registry)
+        start_http_server(args.metrics_port, addr=args.host, registry=server.metrics.registry)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
