@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ class ByteTokenizer:
     eos_token_id = 1
     chat_template = "bytes:role-colon-content-newline"
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
         return [b + 3 for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -95,15 +96,43 @@ class Prompter:
                                                   add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
+        """Template text: its control tokens (<|im_start|> ...) are real control tokens."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def encode_user(self, text: str) -> list[int]:
+        """Caller text: a control-token string in it is plain text, so no one forges a turn."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def _encode_rendered(self, rendered: str, contents: list[str]) -> list[int]:
+        """Tokens of a rendering whose message contents are sentinels: template pieces with
+        their control tokens, contents (sentinel i -> contents[i]) with theirs split."""
+        out: list[int] = []
+        for i, piece in enumerate(_SENTINEL.split(rendered)):
+            if i % 2 == 0:
+                out += self.encode(piece) if piece else []
+            else:
+                out += self.encode_user(contents[int(piece)])
+        return out
+
     def context_tokens(self, messages: Messages) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt=False))
+        marked, contents = _mark(messages)
+        return self._encode_rendered(self.render(marked, add_generation_prompt=False), contents)
 
     def turn_tokens(self, context: Messages, turn: Messages) -> list[int]:
         """Tokens to append after the cached context for a new turn (ends with the assistant prompt)."""
-        head = self.render(context, add_generation_prompt=False)
-        full = self.render(context + turn, add_generation_prompt=True)
+        marked, contents = _mark(context + turn)
+        head = self.render(marked[:len(context)], add_generation_prompt=False)
+        full = self.render(marked, add_generation_prompt=True)
         if not full.startswith(head):
             raise ValueError("the chat template does not render the context as a prefix of the conversation")
-        return self.encode(full[len(head):])
+        return self._encode_rendered(full[len(head):], contents)
+
+
+# Message contents are rendered as these markers (private-use characters no template emits),
+# then tokenized apart from the template; the pattern's group is the content's index.
+_SENTINEL = re.compile("\ue000(\\d+)\ue001")
+
+
+def _mark(messages: Messages) -> tuple[Messages, list[str]]:
+    marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+    return marked, [m["content"] for m in messages]
