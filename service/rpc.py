@@ -47,13 +47,13 @@ class LoopThread:
             self.loop.close()
 
 
-def details(message: str) -> str:
+def cut(message: str) -> str:
     return message if len(message) <= MAX_DETAILS else message[:MAX_DETAILS] + "... (cut)"
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     code, message = status_for(exc)
-    await context.abort(code, details(message))
+    await context.abort(code, cut(message))
 
 
 def unary(fn: Callable) -> Callable:
@@ -148,7 +148,7 @@ class ParseInterceptor(grpc.aio.ServerInterceptor):
                 return parse(raw)
             except Exception as exc:  # noqa: BLE001 - DecodeError, RecursionError, UnicodeDecodeError
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    details(f"request: cannot be parsed ({type(exc).__name__}: {exc})"))
+                                    cut(f"request: cannot be parsed ({type(exc).__name__}: {exc})"))
 
         if handler.response_streaming:
             inner = handler.unary_stream

@@ -83,7 +83,7 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     async def PutContext(self, request, context):
         caller = self._caller(context)
         s = self.indexer.settings
-        spec = convert.put_spec(request, s.method, s.method_params, caller.tenant)
+        spec = convert.put_spec(request, s.method, s.method_params, caller.tenant, self.indexer.max_tokens)
         cid, job, created = await in_thread(self.pool, self.indexer.submit, spec)
         if spec.wait:
             await wait_for(job)
@@ -126,7 +126,7 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     async def Generate(self, request, context):
         t0 = time.perf_counter()
         caller = self._caller(context)
-        spec = convert.generate_spec(request, self.default_max, self.limit)
+        spec = convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len)
         await in_thread(self.pool, self._check_readable, caller, spec.context_id)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
