@@ -48,11 +48,13 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ctxcache.methods.base import Capabilities, LayerState, MethodParams, SparseMethod, Tables
+from ctxcache.host_copy import to_host, wait_for_host_copies
+from ctxcache.methods.base import Capabilities, LayerState, MethodParams, ParamError, SparseMethod, Tables
 from ctxcache.methods.budget import fp16_rank, topk_in_region
 from ctxcache.methods.int8_tables import int8_dense_tables, int_dot_scores
 from ctxcache.methods.kmeans import kmeans
@@ -69,6 +71,10 @@ _CHOICES = {
 
 @dataclass(frozen=True)
 class CSAttentionParams(MethodParams):
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
+        "subspaces": (1, 64), "centroids": (1, 4096), "list_fraction": (1e-6, 1.0), "kmeans_iters": (1, 100),
+        "kmeans_batch": (1, 1 << 20), "max_queries": (1, 1 << 20), "backoff_cos": (-1.0, 1.0),
+        "backoff_tau": (1, 64), "seed": (0, (1 << 31) - 1)}
     subspaces: int = 8  # m
     centroids: int = 128  # C per subspace
     list_fraction: float = 1.0  # alpha: lists keep L = ceil(alpha * N) keys (1.0: dense layout)
@@ -96,6 +102,10 @@ class CSAttentionParams(MethodParams):
         for name in ("subspaces", "centroids", "kmeans_iters", "backoff_tau"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        work = self.subspaces * self.centroids * (self.max_queries or 4096)
+        if work > 1 << 27:  # k-means distances [Hkv, m, Nq, C] in fp32: bounded memory per layer
+            raise ValueError(f"subspaces={self.subspaces} x centroids={self.centroids} x max_queries="
+                             f"{self.max_queries} = {work} exceeds {1 << 27}")
         if not 0.0 < self.list_fraction <= 1.0:
             raise ValueError(f"list_fraction={self.list_fraction} must be in (0, 1]")
         if not 1.0 <= self.rerank <= MAX_RERANK:
@@ -175,6 +185,12 @@ class CSAttention(SparseMethod):
     caps = Capabilities(uses_queries=True, streaming=True, gpu_decode=True)
     search_params = frozenset({"rerank"})
 
+    def check_model(self, head_dim: int) -> None:
+        try:
+            subspace_permutation(head_dim, self.params.subspaces, self.params.layout)
+        except ValueError as exc:
+            raise ParamError("subspaces", str(exc)) from exc
+
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         """[..., D] -> [..., m, D/m] in subspace order."""
         p: CSAttentionParams = self.params
@@ -219,8 +235,10 @@ class CSAttention(SparseMethod):
         device = first[1].device
         while group := list(itertools.islice(layers, GPU_LAYER_GROUP)):
             qs = [q.to(device) for q, _, _ in group]
-            for tables in build_tables_gpu_layers(self.params, qs, [k for _, k, _ in group]):
-                yield {name: t.cpu() for name, t in tables.items()}
+            built = [{name: to_host(t) for name, t in tables.items()}
+                     for tables in build_tables_gpu_layers(self.params, qs, [k for _, k, _ in group])]
+            wait_for_host_copies(device)  # once per group: the copies overlap, the caller reads landed tables
+            yield from built
 
     def _cluster_queries(self, q: torch.Tensor, hkv: int) -> torch.Tensor:
         """Cosine k-means per (KV head, subspace) over the GQA group's queries -> [Hkv, m, C, d_b]."""
