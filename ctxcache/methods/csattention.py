@@ -69,12 +69,15 @@ _CHOICES = {
 }
 
 
+MAX_RERANK = 64.0  # candidates per selected key: past this the re-rank reads most of the keys
+
+
 @dataclass(frozen=True)
 class CSAttentionParams(MethodParams):
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "subspaces": (1, 64), "centroids": (1, 4096), "list_fraction": (1e-6, 1.0), "kmeans_iters": (1, 100),
         "kmeans_batch": (1, 1 << 20), "max_queries": (1, 1 << 20), "backoff_cos": (-1.0, 1.0),
-        "backoff_tau": (1, 64), "seed": (0, (1 << 31) - 1)}
+        "backoff_tau": (1, 64), "seed": (0, (1 << 31) - 1), "rerank": (1.0, MAX_RERANK)}
     subspaces: int = 8  # m
     centroids: int = 128  # C per subspace
     list_fraction: float = 1.0  # alpha: lists keep L = ceil(alpha * N) keys (1.0: dense layout)
@@ -142,9 +145,6 @@ class CSAttentionParams(MethodParams):
     def candidates(self, k: int, region: int) -> int:
         """Keys the estimate proposes for a search of k keys in a region of `region` keys."""
         return min(region, math.ceil(self.rerank * k - 1e-9))
-
-
-MAX_RERANK = 64.0
 
 
 def exact_rerank(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, k: int,
