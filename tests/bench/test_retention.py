@@ -77,3 +77,10 @@ def test_spec_errors_name_the_value():
         CopySpec(100)
     with pytest.raises(ValueError, match="filler='poem'"):
         CopySpec(2048, "poem")
+
+
+def test_methods_differing_only_in_search_share_one_build():
+    from ctxcache.bench.common.retention import build_key
+    assert build_key("csattention", {}) == build_key("csattention", {"rerank": 4.0})
+    assert build_key("csattention", {}) != build_key("csattention", {"centroids": 256})
+    assert build_key("full", {}) == build_key("oracle", {})  # full decodes densely over the oracle's artifact
