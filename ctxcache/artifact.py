@@ -10,7 +10,11 @@ from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
+# 2: tables hold the method's compact state (SparseMethod.persist; CSAttention: no dense rows),
+#    K/V stored by a per-context codec (kv_codec). 1: every table stored, K/V lossless.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)  # format 1 decodes as is: restore finds its rows already there
+KV_CODECS = ("lossless", "int8")  # store/kv_codec.py
 
 
 @dataclass
@@ -49,6 +53,7 @@ class ContextArtifact:
     tokens [N] int64: the context's token ids; last_logits [V] fp32: the logits after the
     last context token (so generation may start with no new prompt); method/method_params:
     the sparse method (`ctxcache.methods.make_method`) that built `tables`.
+    Layers hold what the method persists; `SparseMethod.restore` derives the rest at load.
     """
 
     model_id: str
@@ -59,6 +64,7 @@ class ContextArtifact:
     last_logits: torch.Tensor
     layers: list[LayerArtifact]
     kv_dtype: str = "float16"
+    kv_codec: str = "lossless"  # how the store encodes k/v (KV_CODECS); decoded to kv_dtype
     format_version: int = FORMAT_VERSION
 
     @property
