@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from ctxcache.artifact import KV_CODECS, ContextArtifact, LayerArtifact
 from ctxcache.generation import prefill
-from ctxcache.methods import SparseMethod
+from ctxcache.methods import SparseMethod, make_method
 from ctxcache.models.attention import QueryCapture
 from ctxcache.models.loader import LoadedModel
 
@@ -88,7 +88,7 @@ def query_positions(n: int, keep: int) -> torch.Tensor:
 
 def same_method(source: ContextArtifact, method: SparseMethod) -> bool:
     """Whether `method` is the one that built the source's tables (then they convert as they are)."""
-    return source.method == method.name and source.method_params == method.params.to_dict()
+    return source.method == method.name and make_method(source.method, source.method_params).params == method.params
 
 
 def reindex(source: ContextArtifact, method: SparseMethod, kv_codec: str | None = None) -> ContextArtifact:

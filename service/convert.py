@@ -9,6 +9,7 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
+from ctxcache.artifact import KV_CODECS
 from ctxcache.generation import SamplingParams
 from ctxcache.methods import make_method
 from ctxcache.service.generate_streams import GenerateSpec
@@ -33,6 +34,8 @@ class PutSpec:
     method_params: dict[str, Any] = field(default_factory=dict)
     wait: bool = True
     tenant: str = ""
+    kv_codec: str = "int8"
+    keep_queries: bool = False
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -121,13 +124,21 @@ def method_spec(spec: pb.MethodSpec, default: str, default_params: dict[str, Any
     return method.name, method.params.to_dict()
 
 
-def put_spec(req: pb.PutContextRequest, default_method: str, default_params: dict[str, Any]) -> PutSpec:
+def kv_codec(value: str, default: str) -> str:
+    if value and value not in KV_CODECS:
+        raise InvalidArgument("kv_codec", f"{value[:40]!r} must be one of {KV_CODECS} (or empty: {default!r})")
+    return value or default
+
+
+def put_spec(req: pb.PutContextRequest, default_method: str, default_params: dict[str, Any],
+             default_codec: str = "int8") -> PutSpec:
     messages = _content(req)
     if not _TENANT.fullmatch(req.tenant):
         raise InvalidArgument("tenant", f"{req.tenant[:80]!r} must match {_TENANT.pattern}")
     name, params = method_spec(req.method, default_method, default_params)
     return PutSpec(messages, _labels(dict(req.labels)), float(req.ttl_seconds) if req.ttl_seconds else None,
-                   req.pin, name, params, req.wait, req.tenant)
+                   req.pin, name, params, req.wait, req.tenant, kv_codec(req.kv_codec, default_codec),
+                   req.keep_queries)
 
 
 def _sampling(s: pb.SamplingParams, default_max: int, limit: int) -> SamplingParams:
