@@ -53,8 +53,9 @@ def _decode(engine, arts, prompts):
 def test_fast_runner_decodes_the_reference_tokens(lm, method, artifacts, sparse, device):
     prompts = [[5, 6, 7], [], [9]]
     cfg = CONFIG if sparse else SparseConfig(CONFIG.budget, dense_layers=tuple(range(lm.args.n_layers)))
-    want = [[t for t, _ in Engine(ReferenceRunner(lm)).start("x", a, p, cfg, SamplingParams(max_tokens=STEPS))
-             .tokens(lambda: None)] for a, p in zip(artifacts, prompts)]
+    ref = Engine(ReferenceRunner(lm))
+    want = [[t for t, _ in ref.start("x", a, p, cfg, SamplingParams(max_tokens=STEPS)).tokens(lambda: None)]
+            for a, p in zip(artifacts, prompts)]
     runner = GpuRunner(lm, method.params if sparse else None, CONFIG, slots=3, max_len=256, max_new=STEPS + 8)
     fast = Engine(runner)
     try:
