@@ -79,3 +79,21 @@ def test_unknown_versions_are_refused_by_name(tmp_path: Path, field: str, value:
             s.get("new")
         with pytest.raises(FormatMismatch, match=f"{field}={value}"):
             s.manifest("new")
+
+
+@pytest.mark.parametrize("n", [96, 77])  # whole and partial 32-token groups
+def test_int4_round_trip_within_half_a_step(n: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    k = (torch.randn(2, n, 64, generator=g) * torch.linspace(0.1, 8, 64) + 3).half()
+    v = torch.randn(2, n, 64, generator=g).half()
+    parts = dict(encode_kv(k, v, "int4"))
+    assert parts["k"].dtype == torch.uint8 and parts["k"].shape == (2, 64, -(-n // 32), 16)
+    assert parts["v"].shape == (2, n, 2, 16) and parts["v_scale"].shape == (2, n, 2)
+    k2, v2 = decode_kv(parts, "int4", torch.float16)
+    assert k2.shape == k.shape and v2.shape == v.shape
+    kstep = parts["k_scale"].float().repeat_interleave(32, dim=2)[..., :n].transpose(1, 2)
+    vstep = parts["v_scale"].float().repeat_interleave(32, dim=2)
+    assert ((k2.float() - k.float()).abs() <= kstep * 0.5 + k.float().abs() * 2e-3 + 1e-3).all()
+    assert ((v2.float() - v.float()).abs() <= vstep * 0.5 + v.float().abs() * 2e-3 + 1e-3).all()
+    stored = sum(t.numel() * t.element_size() for t in parts.values())
+    assert stored <= (0.3125 if n % 32 == 0 else 0.36) * (k.numel() + v.numel()) * 2  # 4 bits + 2 fp16 per 32
