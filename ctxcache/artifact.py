@@ -22,9 +22,10 @@ class LayerArtifact:
     """One layer of a cached context.
 
     k, v: [Hkv, N, D] post-RoPE keys and values (`ContextArtifact.kv_dtype`).
-    tables: the sparse method's named index arrays, e.g. for CSAttention
-      centroids [Hkv, m, C, d_b] fp16, list_idx [Hkv, m, C, L] int32,
-      list_score [Hkv, m, C, L] fp16, list_floor [Hkv, m, C] fp16.
+    tables: the sparse method's named index arrays as it persists them (SparseMethod.persist),
+      e.g. for CSAttention's dense layout only centroids [Hkv, m, C, d_b] fp16: its rows
+      dense_score [Hkv, m, C, N] are derived at load (SparseMethod.restore); its list layout
+      stores list_idx [Hkv, m, C, L] int32, list_score [Hkv, m, C, L] fp16, list_floor ....
     queries: optional [Hq, S, D] fp16 sample of the post-RoPE prefill queries (see
       `indexer.build.query_positions`), kept so query-built tables can be rebuilt with new
       parameters without re-prefilling; decoding never reads them (the store skips them).
