@@ -13,6 +13,8 @@ defaults run the bundled SmolLM2 at 4K.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import multiprocessing
 import random
 import statistics
@@ -23,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ctxcache.bench.common.report import RESULTS, machine_info, print_table, run_together, write_result
+from ctxcache.bench.common.report import (RESULTS, commit, device_tag, machine_info, print_table, run_together,
+                                          write_result)
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
 from ctxcache.models.attention import dense_attention
@@ -217,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                 if i == 0:
                     builds.append({**b, **put})
     info = machine_info()
+    stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
+    rows, builds = [{**r, **stamp} for r in rows], [{**b, **stamp} for b in builds]
+    rows, builds = keep_other_lengths(Path(args.out) / f"serve_{device_tag(info)}.json", args, contexts, rows, builds)
     out = write_result("serve", {"device": (info.get("gpu") or {}).get("name") or info["cpu"], "model": args.model,
                                  "dtype": args.dtype, "tokens_per_stream": args.tokens, "rows": rows,
                                  "build": builds}, args.out)
@@ -227,6 +233,25 @@ def main(argv: list[str] | None = None) -> int:
     print_table(builds, ["context", "prefill_seconds", "index_seconds", "put_seconds"])
     print(f"wrote {out}")
     return 0
+
+
+def keep_other_lengths(path: Path, args, contexts: list[int], rows: list[dict],
+                       builds: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Rows of the earlier result for context lengths this run did not measure, when that run
+    used the same model, dtype and tokens per stream (a long length needs a call of its own on
+    the GPU machine). Every row names the commit and date of its run; ratios between modes are
+    always within one run."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return rows, builds
+    if (old.get("model"), old.get("dtype"), old.get("tokens_per_stream")) != (args.model, args.dtype, args.tokens):
+        return rows, builds
+    stamp = {"commit": old.get("commit"), "date": old.get("date")}
+    kept = [{**stamp, **r} for r in old.get("rows", []) if r["context"] not in contexts]
+    kept_builds = [{**stamp, **b} for b in old.get("build", []) if b["context"] not in contexts]
+    by_length = lambda r: (r["context"], r.get("mode", ""), r.get("streams", 0))  # noqa: E731
+    return sorted(kept + rows, key=by_length), sorted(kept_builds + builds, key=by_length)
 
 
 def plot(rows: list[dict], path: Path) -> None:
