@@ -84,7 +84,7 @@ class BuildQueue:
     def context_id(self, spec: PutSpec, tokens: list[int]) -> str:
         return context_id_for(self.lm.model_id, self.prompter.tokenizer_id, self.prompter.template_id,
                               self.kv_dtype, FORMAT_VERSION, spec.method, spec.method_params, tokens,
-                              spec.tenant)
+                              spec.tenant, spec.kv_codec)
 
     def tokens(self, spec: PutSpec) -> list[int]:
         tokens = self.prompter.context_tokens(spec.messages)
@@ -176,9 +176,10 @@ class BuildQueue:
                 if job.source is not None:
                     art = reindex(job.source, method)
                 else:
+                    keep = self.settings.store_queries if job.spec.keep_queries else 0
                     art = build_artifact(self.lm, job.tokens, method,
-                                         IndexerConfig(self.settings.chunk, self.kv_dtype, progress=False,
-                                                       store_queries=self.settings.store_queries))
+                                         IndexerConfig(self.settings.chunk, self.kv_dtype, job.spec.kv_codec,
+                                                       progress=False, store_queries=keep))
             job.token.check()  # a delete that arrived during the last layer wins over the write
             job.stage = 0.9
             labels = {**job.spec.labels, ROLES_LABEL: ",".join(job.spec.roles)}

@@ -106,7 +106,7 @@ class MagicPIG(SparseMethod):
         key = (head_dim, str(device))
         if key not in cache:
             gen = torch.Generator().manual_seed(p.seed)
-            cache[key] = torch.randn(head_dim, p.bits * p.tables, generator=gen).to(device)
+            cache[key] = torch.randn(head_dim, p.bits * p.tables, generator=gen, device="cpu").to(device)
         return cache[key]
 
     def hash(self, x: torch.Tensor) -> torch.Tensor:

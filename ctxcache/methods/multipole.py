@@ -137,7 +137,7 @@ class Multipole(SparseMethod):
                 blocks = []
                 new = math.ceil(p.local / p.tokens_per_cluster)
                 gen = torch.Generator().manual_seed(p.seed + c_end)
-                seeds = k[:, -p.local:][:, torch.randperm(p.local, generator=gen)[:new]]
+                seeds = k[:, -p.local:][:, torch.randperm(p.local, generator=gen, device="cpu")[:new].to(k.device)]
                 assign = lloyd(k, torch.cat([old, seeds], 1), p.refine_iters)
                 stats = cluster_stats(k, v, assign, old.shape[1] + new)
                 parts = [(*stats, assign, f_start)]

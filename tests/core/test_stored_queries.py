@@ -31,6 +31,8 @@ def test_artifact_keeps_queries_and_rebuild_uses_them(tiny):
     assert new.layers[0].queries is art.layers[0].queries  # carried over for the next Rebuild
     bare = build_artifact(tiny, ids, cs, IndexerConfig(progress=False, store_queries=0))
     assert all(l.queries is None for l in bare.layers)
-    with pytest.raises(ValueError, match="did not store"):
-        reindex(bare, cs)
+    with pytest.raises(ValueError, match="did not store.*keep_queries"):
+        reindex(bare, make_method("csattention", {"subspaces": 2, "centroids": 4}))
+    same = reindex(bare, cs)  # its own method converts the stored state: no queries needed
+    assert all(torch.equal(a.tables["centroids"], b.tables["centroids"]) for a, b in zip(same.layers, bare.layers))
     reindex(bare, make_method("key-kmeans"))  # key-built methods need no queries
