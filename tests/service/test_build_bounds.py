@@ -94,3 +94,13 @@ def test_progress_moves_through_the_build(start):
         seen.add(round(client.context.GetContext(pb.GetContextRequest(context_id=info.context_id), timeout=5).progress, 2))
         time.sleep(0.05)
     assert any(0.7 <= p < 1.0 for p in seen), sorted(seen)  # the prefill counted, indexing under way
+
+
+def test_evict_cancels_a_running_build(start):
+    from test_drain import slow_put
+    srv, client = start()
+    info = client.put(slow_put("abc " * 150, False), timeout=10).context
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    assert client.admin.Evict(apb.EvictRequest(context_id=info.context_id), timeout=10).evicted
+    assert srv.indexer.counts() == (0, 0) and time.perf_counter() - t0 < 2.0
