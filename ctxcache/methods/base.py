@@ -124,6 +124,8 @@ class SparseMethod(ABC):
     name: ClassVar[str]
     Params: ClassVar[type[MethodParams]]
     caps: ClassVar[Capabilities] = Capabilities()
+    # parameters that change only search, not build: artifacts built with other values serve
+    search_params: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, params: MethodParams | None = None) -> None:
         self.params = params if params is not None else self.Params()
@@ -184,6 +186,11 @@ class SparseMethod(ABC):
         keys [Hkv, n, D] are the cached keys; only methods whose caps say reads_all_keys may
         read them beyond the indices they return. -> idx [Hkv, min(k, hi - lo)] long.
         """
+
+    def search_reads(self, k: int, region: int) -> int:
+        """Cached keys per KV head whose K a search for k keys in a region of `region` keys
+        reads, those it returns included (more when it re-ranks candidates by their keys)."""
+        return min(k, region)
 
     def append(self, state: LayerState, k_new: torch.Tensor, start: int) -> None:
         """Index keys k_new [Hkv, T, D] generated at positions start..start+T-1."""
