@@ -258,8 +258,11 @@ def args_slots_fit(lm, n_ctx: int, args) -> int:
     tokens = n_ctx + 64 + 256 + args.tokens
     kv = 2 * a.n_layers * a.n_kv_heads * a.head_dim * tokens * 2
     tables = a.n_layers * a.n_kv_heads * 8 * 128 * (tokens + 4 * 512)  # int8 rows + fp32 overlay
-    free = torch.cuda.mem_get_info()[0] - 6 * GiB  # graphs, selector and prefill scratch
-    return max(1, int(free // (kv + tables)))
+    # the driver's free memory plus what the caching allocator holds unused (the load's fp32 copies)
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    fit = max(1, int((free - 6 * GiB) // (kv + tables)))  # 6 GiB: graphs, selector and prefill scratch
+    print(f"{n_ctx} tokens: {fit} slots fit in {free / GiB:.1f} GiB free ({(kv + tables) / GiB:.1f} GiB each)")
+    return fit
 
 
 if __name__ == "__main__":
