@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+import torch
 
 log = logging.getLogger("ctxcache.service")
 
@@ -91,5 +92,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             return code, f"{type(exc).__name__}: {exc}"
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory"
+    if isinstance(exc, torch.OutOfMemoryError):  # a context or build that does not fit on the GPU
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of GPU memory: {str(exc).split('. ')[0]}"
     log.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
