@@ -13,6 +13,8 @@ BENCHMARKS = {
     "fidelity": ("CPU", "sparse decode vs full attention on the real model: recall, top-1 agreement, NLL, passkey"),
     "compare": ("CPU", "every sparse method side by side: fidelity, RULER-style tasks, selection cost (+ plots)"),
     "service": ("CPU", "the service through gRPC: TTFT cached/cold/re-prefill, artifact size, tokens/s"),
+    "footprint": ("CPU", "CSAttention's resident index: mass recall vs index bytes over C, m, row bits (+ plot)"),
+    "storage": ("CPU", "per K/V codec through the store: bytes vs fp16 K/V, cold TTFT, mass recall, NLL, passkey"),
     "store_io": ("CPU", "the LMDB store: bytes per chunk kind, compression, put and load times"),
     "check": ("GPU", "correctness of the GPU path vs the torch reference (selection overlap, greedy tokens)"),
     "attention": ("GPU", "per-layer decode attention: dense SDPA vs CSAttention selection + sparse attention"),

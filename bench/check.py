@@ -81,7 +81,7 @@ def check_captured(path: str, device: str, budget: Budget = Budget(), table_dtyp
 
 
 def check_greedy(device: str, steps: int = 64, n_ctx: int = 900, table_dtype: str = "float16") -> dict:
-    from ctxcache.decoder.session import generate
+    from ctxcache.decoder.session import generate, restore_tables
     from ctxcache.decoder.reference_attention import SparseConfig
     from ctxcache.generation import SamplingParams
     from ctxcache.indexer.build import IndexerConfig, build_artifact
@@ -98,7 +98,8 @@ def check_greedy(device: str, steps: int = 64, n_ctx: int = 900, table_dtype: st
     cache = model.new_cache(1, max_len=n_ctx + steps)
     cache.load_row(0, [l.k for l in art.layers], [l.v for l in art.layers])
     a = lm.args
-    tables = [stack_tables([l.tables], [n_ctx], steps, device) for l in art.layers]
+    # the rows derived on the device, as the GPU runner derives them at load
+    tables = [stack_tables([t], [n_ctx], steps, device) for t in restore_tables(method, art, device)]
     attn = GpuSparseAttention(method.params, tables, budget, 1, a.n_heads, a.n_kv_heads, a.head_dim,
                               cache.max_len)
     dec = GraphDecoder(model, cache, attn)

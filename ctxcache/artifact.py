@@ -10,7 +10,11 @@ from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
+# 2: tables hold the method's compact state (SparseMethod.persist; CSAttention: no dense rows),
+#    K/V stored by a per-context codec (kv_codec). 1: every table stored, K/V lossless.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)  # format 1 decodes as is: restore finds its rows already there
+KV_CODECS = ("lossless", "int8", "int4")  # store/kv_codec.py
 
 
 @dataclass
@@ -18,9 +22,10 @@ class LayerArtifact:
     """One layer of a cached context.
 
     k, v: [Hkv, N, D] post-RoPE keys and values (`ContextArtifact.kv_dtype`).
-    tables: the sparse method's named index arrays, e.g. for CSAttention
-      centroids [Hkv, m, C, d_b] fp16, list_idx [Hkv, m, C, L] int32,
-      list_score [Hkv, m, C, L] fp16, list_floor [Hkv, m, C] fp16.
+    tables: the sparse method's named index arrays as it persists them (SparseMethod.persist),
+      e.g. for CSAttention's dense layout only centroids [Hkv, m, C, d_b] fp16: its rows
+      dense_score [Hkv, m, C, N] are derived at load (SparseMethod.restore); its list layout
+      stores list_idx [Hkv, m, C, L] int32, list_score [Hkv, m, C, L] fp16, list_floor ....
     queries: optional [Hq, S, D] fp16 sample of the post-RoPE prefill queries (see
       `indexer.build.query_positions`), kept so query-built tables can be rebuilt with new
       parameters without re-prefilling; decoding never reads them (the store skips them).
@@ -49,6 +54,7 @@ class ContextArtifact:
     tokens [N] int64: the context's token ids; last_logits [V] fp32: the logits after the
     last context token (so generation may start with no new prompt); method/method_params:
     the sparse method (`ctxcache.methods.make_method`) that built `tables`.
+    Layers hold what the method persists; `SparseMethod.restore` derives the rest at load.
     """
 
     model_id: str
@@ -59,6 +65,7 @@ class ContextArtifact:
     last_logits: torch.Tensor
     layers: list[LayerArtifact]
     kv_dtype: str = "float16"
+    kv_codec: str = "lossless"  # how the store encodes k/v (KV_CODECS); decoded to kv_dtype
     format_version: int = FORMAT_VERSION
 
     @property

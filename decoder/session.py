@@ -9,7 +9,7 @@ import torch
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.reference_attention import ReferenceSparseAttention, SparseConfig
 from ctxcache.generation import SamplingParams, decode_n_tokens, prefill
-from ctxcache.methods import make_method
+from ctxcache.methods import SparseMethod, Tables, make_method
 from ctxcache.models.loader import LoadedModel
 
 
@@ -24,6 +24,13 @@ def check_compatible(lm: LoadedModel, artifacts: list[ContextArtifact]) -> None:
     methods = {(a.method, repr(sorted(a.method_params.items()))) for a in artifacts}
     if len(methods) > 1:
         raise ArtifactMismatch(f"a batch must share one method and parameters, got {sorted(methods)}")
+
+
+def restore_tables(method: SparseMethod, art: ContextArtifact, device: torch.device | str) -> list[Tables]:
+    """Each layer's full tables on `device` (where the model decodes): the stored state moved
+    there and what the method derives from it and the keys computed there (SparseMethod.restore)."""
+    return [method.restore({name: t.to(device) for name, t in l.tables.items()}, l.k.to(device))
+            for l in art.layers]
 
 
 def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list[list[int]],
@@ -41,9 +48,7 @@ def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list
     states = []
     for row, a in enumerate(artifacts):
         cache.load_row(row, [l.k for l in a.layers], [l.v for l in a.layers])
-        # tables follow the cache's device, so the reference path decodes wherever the model is
-        states.append([method.open({name: t.to(cache.lengths.device) for name, t in l.tables.items()})
-                       for l in a.layers])
+        states.append([method.open(t) for t in restore_tables(method, a, cache.lengths.device)])
     attn = ReferenceSparseAttention(method, states, config)
     device = cache.lengths.device
     first = []

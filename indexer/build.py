@@ -7,38 +7,53 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ctxcache.artifact import ContextArtifact, LayerArtifact
+from ctxcache.artifact import KV_CODECS, ContextArtifact, LayerArtifact
 from ctxcache.generation import prefill
 from ctxcache.host_copy import to_host, wait_for_host_copies
-from ctxcache.methods import SparseMethod
+from ctxcache.methods import SparseMethod, make_method
 from ctxcache.models.attention import QueryCapture
 from ctxcache.models.loader import LoadedModel
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
+# newest positions always captured: CTkvr's centroids are the last ceil(centroids / G) queries;
+# fewer than keep/4 so the clustering sample stays spread over the context
+CAPTURE_TAIL = 1024
+
 
 @dataclass(frozen=True)
 class IndexerConfig:
     chunk: int = 1024  # prefill tokens per forward pass (bounds attention memory)
-    kv_dtype: str = "float16"  # dtype of stored K/V
+    kv_dtype: str = "float16"  # dtype of K/V as decoded
+    kv_codec: str = "int8"  # how the store encodes K/V (store/kv_codec.py; measured: bench storage)
     progress: bool = True
-    # prefill query positions kept per layer (fp16) so Rebuild needs no re-prefill; 0: none.
-    # CSAttention clusters at most 4096 queries per GQA group; 1536 positions x a group of 3+
-    # heads covers that, at 0.6x the KV bytes for SmolLM2 at 4K tokens (all queries: 1.5x).
-    store_queries: int = 1536
+    # prefill query positions kept per layer (fp16) so Rebuild of a query-built method needs no
+    # re-prefill; 0 (default): none. Opt-in: 1536 positions cost 0.57x the fp16 KV bytes for
+    # SmolLM2 at 4K tokens, more than everything else stored once the rows are derived.
+    store_queries: int = 0
+    # prefill query positions captured per layer for the build (spread over the context plus the
+    # newest, as query_positions picks them); 0: all. Bounds the build's device memory at long
+    # contexts: 16384 positions are 4.3 GB at Llama-3.1-8B shapes where all of 128K are 34 GB,
+    # and CSAttention clusters 4096 (max_queries) of them.
+    capture_queries: int = 16384
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
             raise ValueError(f"chunk={self.chunk} must be >= 1")
+        if self.capture_queries < 0:
+            raise ValueError(f"capture_queries={self.capture_queries} must be >= 0")
         if self.store_queries < 0:
             raise ValueError(f"store_queries={self.store_queries} must be >= 0")
         if self.kv_dtype not in _DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} must be one of {sorted(_DTYPES)}")
+        if self.kv_codec not in KV_CODECS:
+            raise ValueError(f"kv_codec={self.kv_codec!r} must be one of {KV_CODECS}")
 
 
 def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: SparseMethod,
                    config: IndexerConfig = IndexerConfig()) -> ContextArtifact:
-    """Prefill `tokens` and index every layer with `method`."""
+    """Prefill `tokens` and index every layer with `method`; the layers hold what the method
+    persists (its compact state), the rest is derived at load (SparseMethod.restore)."""
     ids = torch.as_tensor(tokens, dtype=torch.long).flatten()
     n, args = ids.numel(), lm.args
     if n == 0:
@@ -48,7 +63,8 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
                          f"maximum length {args.max_seq_len}")
     device = lm.model.lm_head.weight.device
     cache = lm.model.new_cache(1, max_len=n)
-    capture = QueryCapture(args.n_layers)
+    bounded = 0 < config.capture_queries < n
+    capture = QueryCapture(args.n_layers, keep=query_positions(n, config.capture_queries, CAPTURE_TAIL) if bounded else None)
     with tqdm(total=n, desc="prefill", unit="tok", disable=not config.progress) as bar:
         logits = prefill(lm.model, ids[None].to(device), cache, capture, config.chunk, bar.update)
     dtype = _DTYPES[config.kv_dtype]
@@ -61,9 +77,9 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     for layer in tqdm(range(args.n_layers), desc=f"index ({method.name})", unit="layer",
                       disable=not config.progress):
         q = capture.queries(layer)
-        tables = next(built)
+        tables = method.persist(next(built))
         k, v = to_host(cache.k[layer][0, :, :n], dtype), to_host(cache.v[layer][0, :, :n], dtype)
-        kept = to_host(q[:, query_positions(n, config.store_queries).to(q.device)], torch.half) \
+        kept = to_host(q[:, query_positions(q.shape[1], config.store_queries).to(q.device)], torch.half) \
             if config.store_queries else None
         layers.append(LayerArtifact(k=k, v=v, tables=tables, queries=kept))
         capture.chunks[layer] = []  # free the queries as we go
@@ -71,28 +87,40 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     return ContextArtifact(
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
         method_params=method.params.to_dict(), tokens=ids.cpu(), last_logits=logits[0].float().cpu(),
-        layers=layers, kv_dtype=config.kv_dtype)
+        layers=layers, kv_dtype=config.kv_dtype, kv_codec=config.kv_codec)
 
 
-def query_positions(n: int, keep: int) -> torch.Tensor:
-    """Which of n prefill query positions to store: all when n <= keep; otherwise the last
-    keep/4 (recency-based methods such as CTkvr read the newest queries) plus keep - keep/4
-    evenly spaced over the rest (query clustering wants the whole context's spread)."""
+def query_positions(n: int, keep: int, tail: int | None = None) -> torch.Tensor:
+    """Which of n prefill query positions to keep: all when n <= keep; otherwise the last `tail`
+    (default keep/4: recency-based methods such as CTkvr read the newest queries) plus the rest
+    evenly spaced over the context (query clustering wants the whole context's spread)."""
     if n <= keep:
         return torch.arange(n)
-    tail = keep // 4
+    tail = keep // 4 if tail is None else min(tail, keep)
     spread = torch.linspace(0, n - tail - 1, keep - tail).round().long()
     return torch.cat([spread, torch.arange(n - tail, n)])
 
 
-def reindex(source: ContextArtifact, method: SparseMethod) -> ContextArtifact:
-    """New tables from the stored K/V (and, for query-built methods, the stored query sample);
-    no re-prefill. The query sample is carried over to the new artifact."""
-    if method.caps.uses_queries and any(l.queries is None for l in source.layers):
-        raise ValueError(f"method {method.name!r} needs the prefill queries, which this artifact did not store")
-    empty_q = torch.empty(0)
-    inputs = ((l.queries.float() if method.caps.uses_queries else empty_q, l.k, l.v) for l in source.layers)
-    tables = method.build_layers(inputs, len(source.layers))
+def same_method(source: ContextArtifact, method: SparseMethod) -> bool:
+    """Whether `method` is the one that built the source's tables (then they convert as they are)."""
+    return source.method == method.name and make_method(source.method, source.method_params).params == method.params
+
+
+def reindex(source: ContextArtifact, method: SparseMethod, kv_codec: str | None = None) -> ContextArtifact:
+    """An artifact of this format from a stored one, with no re-prefill: the source's own
+    method converts its tables (persist: an old artifact's derived rows are dropped, its
+    centroids kept); another method builds new tables from the stored K/V (and, when it is
+    query-built, the stored query sample, carried over). kv_codec: None keeps the source's."""
+    if same_method(source, method):
+        tables = (method.persist(l.tables) for l in source.layers)
+    else:
+        if method.caps.uses_queries and any(l.queries is None for l in source.layers):
+            raise ValueError(f"method {method.name!r} needs the prefill queries, which this artifact did not "
+                             "store (PutContext keeps them only when asked: keep_queries)")
+        empty_q = torch.empty(0)
+        inputs = ((l.queries.float() if method.caps.uses_queries else empty_q, l.k, l.v) for l in source.layers)
+        tables = (method.persist(t) for t in method.build_layers(inputs, len(source.layers)))
     layers = [LayerArtifact(l.k, l.v, t, queries=l.queries) for l, t in zip(source.layers, tables)]
     return ContextArtifact(source.model_id, source.model_args, method.name, method.params.to_dict(),
-                           source.tokens, source.last_logits, layers, source.kv_dtype, source.format_version)
+                           source.tokens, source.last_logits, layers, source.kv_dtype,
+                           kv_codec=kv_codec or source.kv_codec)

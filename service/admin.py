@@ -14,6 +14,7 @@ from ctxcache.service.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
 from ctxcache.service.backend import ROLES_LABEL
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.servicer import context_info, wait_for
+from ctxcache.service.footprint import codec_footprint
 from ctxcache.store.layout import QUERY_CHUNK
 
 
@@ -49,21 +50,24 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         m = self.backend.manifest(cid)
         if m is None:
             raise NotFound(f"context {cid} not found")
-        name, params = convert.method_spec(request.method, m.method, {})
-        needs_queries = make_method(name, params).caps.uses_queries
+        name, params = convert.method_spec(request.method, m.method, m.method_params if not request.method.name else {})
+        # its own method converts the stored state (an old format's derived rows dropped) from
+        # the stored K/V alone; another query-built method needs the prefill queries
+        converts = name == m.method and make_method(name, params).params == make_method(m.method, m.method_params).params
+        needs_queries = make_method(name, params).caps.uses_queries and not converts
         has_queries = any(c.name == QUERY_CHUNK for c in m.chunks)
         reprefill = needs_queries and not has_queries
         if reprefill and not request.allow_reprefill:
             raise FailedPrecondition(f"method {name!r} builds from the prefill queries, which this "
-                                     "artifact did not store; set allow_reprefill to re-prefill the "
-                                     "stored tokens")
+                                     "artifact did not store (PutContext keeps them only with keep_queries); "
+                                     "set allow_reprefill to re-prefill the stored tokens")
         art = self.backend.get(cid, with_queries=needs_queries)
         if art is None:
             raise NotFound(f"context {cid} not found")
         roles = m.labels.get(ROLES_LABEL, "system").split(",")
         labels = {k: v for k, v in m.labels.items() if not k.startswith(convert.RESERVED_LABEL)}
         spec = PutSpec([{"role": r, "content": ""} for r in roles], labels, m.ttl_s, m.pinned, name,
-                       params, request.wait, m.tenant)
+                       params, request.wait, m.tenant, m.kv_codec, has_queries)
         new_id, job, _ = self.indexer.submit(spec, art.tokens.tolist(), None if reprefill else art)
         return new_id, job, reprefill
 
@@ -95,7 +99,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             dram_cache_bytes=self.decoder.cache.bytes, dram_cache_entries=len(self.decoder.cache),
             active_streams=self.decoder.active, build_queue=self.indexer.queued(),
             registry=self.backend.registry_kind, registry_available=self.backend.registry_available(),
-            model_id=self.indexer.lm.model_id)
+            model_id=self.indexer.lm.model_id,
+            footprint=codec_footprint(self.backend.store.list_manifests(limit=1 << 31)))
 
     @unary
     async def Reconcile(self, request, context):

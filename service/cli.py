@@ -45,7 +45,9 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--method", default="csattention")
     p.add_argument("--store-queries", type=int, default=1536,
-                   help="prefill query positions kept per layer so Rebuild needs no prefill (0: none)")
+                   help="prefill query positions kept per layer when a PutContext asks (keep_queries)")
+    p.add_argument("--kv-codec", default="int8", choices=["lossless", "int8", "int4"],
+                   help="PutContext's default K/V codec (README: bytes per token of each)")
     p.add_argument("--schedule", default="0.05-step-1", help="default sparse schedule")
     p.add_argument("--dram-cache-gb", type=float, default=2.0)
     p.add_argument("--max-streams", type=int, default=16)
@@ -96,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", default="")
     p.add_argument("--no-wait", action="store_true", help="return while building")
     p.add_argument("--json", action="store_true", help="print the full context record, not just the id")
+    p.add_argument("--kv-codec", default="", choices=["", "lossless", "int8", "int4"], help="default: the server's")
+    p.add_argument("--keep-queries", action="store_true",
+                   help="keep a prefill query sample so Rebuild with other CSAttention parameters needs no prefill")
 
     p = sub.add_parser("generate", help="ask a cached context; streams the answer")
     _client_flags(p)

@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 from google.protobuf import json_format
 
 from ctxcache.service.client import Client
@@ -37,7 +36,7 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
         model=ModelConfig(args.model, args.device, args.dtype),
         store=StoreSettings(args.data, int(args.store_budget_gb * GiB)),
         registry=RegistrySettings(args.redis),
-        indexer=IndexerSettings(method=args.method, store_queries=args.store_queries),
+        indexer=IndexerSettings(method=args.method, store_queries=args.store_queries, kv_codec=args.kv_codec),
         decoder=DecoderSettings(dram_cache_bytes=int(args.dram_cache_gb * GiB), schedule=args.schedule,
                                 torch_threads=args.threads, max_batch=args.max_batch,
                                 decode_mode=args.decode_mode, gpu_slots=args.gpu_slots,
@@ -97,7 +96,8 @@ def _client(args) -> Client:
 
 
 def put_request(args) -> pb.PutContextRequest:
-    req = pb.PutContextRequest(ttl_seconds=args.ttl, pin=args.pin, wait=not args.no_wait, tenant=args.tenant)
+    req = pb.PutContextRequest(ttl_seconds=args.ttl, pin=args.pin, wait=not args.no_wait, tenant=args.tenant,
+                               kv_codec=args.kv_codec, keep_queries=args.keep_queries)
     for item in args.label:
         key, _, value = item.partition("=")
         req.labels[key] = value

@@ -111,11 +111,15 @@ class IndexerSettings:
     queue_limit: int = 64  # queued builds beyond this -> RESOURCE_EXHAUSTED
     max_context_tokens: int = 0  # 0: the model's maximum length - 256
     chunk: int = 1024
-    store_queries: int = 1536  # prefill query positions kept per layer, so Rebuild needs no prefill
+    store_queries: int = 1536  # prefill query positions kept per layer when PutContext asks (keep_queries)
+    kv_codec: str = "int8"  # PutContext's default K/V codec (measured: bench storage, README)
     claim_lease_s: float = CLAIM_LEASE_S  # registry build claims, renewed every lease/3 while building
     build_timeout_s: float = 1800.0  # a build running longer is cancelled (FAILED), never wedges the queue
 
     def __post_init__(self) -> None:
+        from ctxcache.artifact import KV_CODECS
+        if self.kv_codec not in KV_CODECS:
+            raise ValueError(f"indexer.kv_codec={self.kv_codec!r} must be one of {KV_CODECS}")
         if self.claim_lease_s <= 0:
             raise ValueError(f"indexer.claim_lease_s={self.claim_lease_s} must be > 0")
         if not self.build_timeout_s > 0:

@@ -9,6 +9,7 @@ from typing import Any
 
 from google.protobuf import struct_pb2
 
+from ctxcache.artifact import KV_CODECS
 from ctxcache.generation import SamplingParams
 from ctxcache.methods import ParamError, make_method
 from ctxcache.service.generate_streams import GenerateSpec
@@ -36,6 +37,8 @@ class PutSpec:
     method_params: dict[str, Any] = field(default_factory=dict)
     wait: bool = True
     tenant: str = ""
+    kv_codec: str = "int8"
+    keep_queries: bool = False
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -159,8 +162,14 @@ def method_spec(spec: pb.MethodSpec, default: str, default_params: dict[str, Any
     return method.name, method.params.to_dict()
 
 
+def kv_codec(value: str, default: str) -> str:
+    if value and value not in KV_CODECS:
+        raise InvalidArgument("kv_codec", f"{value[:40]!r} must be one of {KV_CODECS} (or empty: {default!r})")
+    return value or default
+
+
 def put_spec(req: pb.PutContextRequest, default_method: str, default_params: dict[str, Any],
-             caller_tenant: str | None = None, max_tokens: int = 1 << 20) -> PutSpec:
+             caller_tenant: str | None = None, max_tokens: int = 1 << 20, default_codec: str = "int8") -> PutSpec:
     """caller_tenant: the tenant bound to the caller's token (None: admin or an open server,
     which may name any tenant in the request)."""
     if not _TENANT.fullmatch(req.tenant):
@@ -174,7 +183,8 @@ def put_spec(req: pb.PutContextRequest, default_method: str, default_params: dic
     messages = _content(req)
     name, params = method_spec(req.method, default_method, default_params)
     return PutSpec(messages, _labels(dict(req.labels)), float(req.ttl_seconds) if req.ttl_seconds else None,
-                   req.pin, name, params, req.wait, tenant)
+                   req.pin, name, params, req.wait, tenant, kv_codec(req.kv_codec, default_codec),
+                   req.keep_queries)
 
 
 def _sampling(s: pb.SamplingParams, default_max: int, limit: int) -> SamplingParams:

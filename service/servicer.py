@@ -29,7 +29,8 @@ def info_from_manifest(m: Manifest) -> pb.ContextInfo:
         context_id=m.context_id, state=pb.CONTEXT_STATE_READY, progress=1.0, n_tokens=m.n_tokens,
         method=m.method, method_params=convert.dict_to_struct(m.method_params), labels=labels,
         pin=m.pinned, ttl_seconds=int(m.ttl_s or 0), created_unix_ms=int(m.created_at * 1000),
-        artifact_bytes=m.stored_bytes, raw_kv_bytes=m.raw_kv_bytes, model_id=m.model_id)
+        artifact_bytes=m.stored_bytes, raw_kv_bytes=m.raw_kv_bytes, model_id=m.model_id,
+        kv_codec=m.kv_codec, format_version=m.format_version)
 
 
 def info_from_job(job: Job, model_id: str) -> pb.ContextInfo:
@@ -37,7 +38,7 @@ def info_from_job(job: Job, model_id: str) -> pb.ContextInfo:
     return pb.ContextInfo(
         context_id=job.context_id, state=_STATE[job.state], progress=job.progress, error=job.error,
         n_tokens=len(job.tokens), method=s.method, method_params=convert.dict_to_struct(s.method_params),
-        labels=s.labels, pin=s.pin, ttl_seconds=int(s.ttl_s or 0), model_id=model_id)
+        labels=s.labels, pin=s.pin, ttl_seconds=int(s.ttl_s or 0), model_id=model_id, kv_codec=s.kv_codec)
 
 
 def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
@@ -83,7 +84,8 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     async def PutContext(self, request, context):
         caller = self._caller(context)
         s = self.indexer.settings
-        spec = convert.put_spec(request, s.method, s.method_params, caller.tenant, self.indexer.max_tokens)
+        spec = convert.put_spec(request, s.method, s.method_params, caller.tenant, self.indexer.max_tokens,
+                                default_codec=s.kv_codec)
         cid, job, created = await in_thread(self.pool, self.indexer.submit, spec)
         if spec.wait:
             await wait_for(job)

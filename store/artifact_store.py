@@ -20,15 +20,15 @@ from typing import Any
 
 import lmdb
 
-from ctxcache.artifact import ContextArtifact
+from ctxcache.artifact import READABLE_FORMATS, ContextArtifact
 from ctxcache.store import codec, eviction
 from ctxcache.store.arena import Arena
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
-from ctxcache.store.errors import CorruptArtifact, StoreClosed, StoreError, StoreFull
+from ctxcache.store.errors import CorruptArtifact, FormatMismatch, StoreClosed, StoreError, StoreFull
 from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id, prefix
 from ctxcache.store.lmdb_file import StoreDamaged, check_data_file, mapped_bytes_ok
 from ctxcache.store.layout import QUERY_CHUNK, assemble, build_manifest, chunk_tensors
-from ctxcache.store.manifest import ChunkInfo, ContextMeta, Manifest
+from ctxcache.store.manifest import READABLE_STORE_FORMATS, ChunkInfo, ContextMeta, Manifest
 from ctxcache.store.txn_ops import (ManifestRead, delete_context, read_manifest, scan_manifests,
                                     verify_chunks)
 
@@ -220,7 +220,7 @@ class ArtifactStore:
             arena = self._alloc(m, chunks)
             list(pool.map(lambda i, b: self._decode(m, chunks[i], b, arena, i), range(len(bufs)), bufs))
         self._touch(m)
-        return assemble(m, chunks, arena.tensors)
+        return assemble(m, chunks, arena.tensors, pool.map)
 
     def _alloc(self, m: Manifest, chunks: list[ChunkInfo]) -> Arena:
         try:
@@ -247,9 +247,13 @@ class ArtifactStore:
             raise CorruptArtifact(m.context_id, info.label(), str(exc)) from None
 
     def _visible(self, read: ManifestRead) -> Manifest | None:
+        if read.unsupported is not None:
+            raise FormatMismatch(read.context_id, "store_format", read.unsupported, READABLE_STORE_FORMATS)
         if read.error:
             raise CorruptArtifact(read.context_id, "manifest", read.error)
         m = read.manifest
+        if m is not None and m.format_version not in READABLE_FORMATS:
+            raise FormatMismatch(m.context_id, "format_version", m.format_version, READABLE_FORMATS)
         return None if m is None or m.expired(self._clock()) else m
 
     def _touch(self, m: Manifest) -> None:

@@ -21,3 +21,13 @@ class StoreFull(StoreError):
 
 class StoreClosed(StoreError):
     """The store was closed, or is used in a process other than the one that opened it."""
+
+
+class FormatMismatch(StoreError):
+    """A stored context of a format this code does not read: refused, never misread
+    (service: FAILED_PRECONDITION). The message names the version found and those read."""
+
+    def __init__(self, context_id: str, what: str, found: object, readable: tuple) -> None:
+        super().__init__(f"context {context_id}: {what}={found!r} is not readable by this server "
+                         f"(it reads {what} {', '.join(map(str, readable))}); rebuild it from its text")
+        self.context_id, self.found = context_id, found

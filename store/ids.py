@@ -6,8 +6,8 @@
           + json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False) + b"\\0"
           + token ids as little-endian int64 )
 
-header = {model_id, tokenizer_id, template_id, kv_dtype, format_version, method, params,
-tenant, n_tokens}. The hex digest is stable across processes, machines and Python versions
+header = {model_id, tokenizer_id, template_id, kv_dtype, kv_codec, format_version, method,
+params, tenant, n_tokens}. The hex digest is stable across processes, machines and Python versions
 (no hash randomisation, fixed byte order); any change of one field gives another id, so the
 same context always maps to the same id and nothing else does. No torch here.
 """
@@ -31,14 +31,14 @@ def canonical_json(value: Any) -> str:
 
 def context_id_for(model_id: str, tokenizer_id: str, template_id: str, kv_dtype: str,
                    format_version: int, method: str, params: Mapping[str, Any],
-                   token_ids: Sequence[int] | np.ndarray, tenant: str = "") -> str:
+                   token_ids: Sequence[int] | np.ndarray, tenant: str = "", kv_codec: str = "lossless") -> str:
     """sha256 hex (64 chars) identifying one context; see the module docstring."""
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
         raise ValueError(f"token_ids must be a 1-D sequence of ints, got shape {tokens.shape} "
                          f"dtype {tokens.dtype}")
     header = {"model_id": model_id, "tokenizer_id": tokenizer_id, "template_id": template_id,
-              "kv_dtype": kv_dtype, "format_version": int(format_version), "method": method,
+              "kv_dtype": kv_dtype, "kv_codec": kv_codec, "format_version": int(format_version), "method": method,
               "params": dict(params), "tenant": tenant, "n_tokens": int(tokens.size)}
     h = hashlib.sha256(_TAG)
     h.update(canonical_json(header).encode())

@@ -1,19 +1,21 @@
 """How a ContextArtifact maps onto named chunks and a manifest, and back.
 
-Chunks: context-wide `tokens` and `last_logits` (layer None); per layer `k`, `v`, each
-table as `t_<name>` (the prefix keeps method table names from colliding with k/v) and, when
-the indexer kept them, the prefill query sample `q` (read only by Rebuild).
+Chunks: context-wide `tokens` and `last_logits` (layer None); per layer the K/V as the
+context's kv codec stores them (`k`, `v`, plus `k_scale`, `v_scale` for int8: kv_codec.py),
+each table as `t_<name>` (the prefix keeps method table names from colliding with k/v) and,
+when the indexer kept them, the prefill query sample `q` (read only by Rebuild).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from ctxcache.artifact import ContextArtifact, LayerArtifact
-from ctxcache.store.codec import Encoded
+from ctxcache.store.codec import Encoded, torch_dtype
+from ctxcache.store.kv_codec import decode_kv, encode_kv
 from ctxcache.store.keys import check_name
 from ctxcache.store.manifest import ChunkInfo, ContextMeta, Manifest
 
@@ -27,7 +29,7 @@ def chunk_tensors(art: ContextArtifact) -> list[tuple[Slot, torch.Tensor]]:
     out: list[tuple[Slot, torch.Tensor]] = [((None, "tokens"), art.tokens),
                                             ((None, "last_logits"), art.last_logits)]
     for i, layer in enumerate(art.layers):
-        out += [((i, "k"), layer.k), ((i, "v"), layer.v)]
+        out += [((i, name), t) for name, t in encode_kv(layer.k, layer.v, art.kv_codec)]
         for name in sorted(layer.tables):
             out.append(((i, check_name(TABLE_PREFIX + name)), layer.tables[name]))
         if layer.queries is not None:
@@ -53,7 +55,7 @@ def build_manifest(context_id: str, art: ContextArtifact, meta: ContextMeta,
         for (layer, name), t, e in zip(slots, tensors, encoded, strict=True))
     return Manifest(
         context_id=context_id, format_version=art.format_version, model_id=art.model_id,
-        model_args=_check_json("model_args", art.model_args), kv_dtype=art.kv_dtype,
+        model_args=_check_json("model_args", art.model_args), kv_dtype=art.kv_dtype, kv_codec=art.kv_codec,
         method=art.method, method_params=_check_json("method_params", art.method_params),
         n_tokens=art.n_tokens, n_layers=len(art.layers), chunks=chunks, created_at=now,
         ttl_s=meta.ttl_s, pinned=meta.pinned, labels=dict(meta.labels), tenant=meta.tenant,
@@ -62,19 +64,26 @@ def build_manifest(context_id: str, art: ContextArtifact, meta: ContextMeta,
         last_access=now)
 
 
-def assemble(m: Manifest, chunks: Sequence[ChunkInfo], tensors: Sequence[torch.Tensor]) -> ContextArtifact:
+Mapper = Callable[[Callable, Iterable], Iterator]
+
+
+def assemble(m: Manifest, chunks: Sequence[ChunkInfo], tensors: Sequence[torch.Tensor],
+             mapper: Mapper = map) -> ContextArtifact:
     """Inverse of chunk_tensors: some of the manifest's chunks (in order; all but the
-    optional query chunks must be there) and their decoded tensors."""
+    optional query chunks must be there) and their decoded tensors. mapper: how the layers'
+    K/V are decoded (the store passes its thread pool's map: in parallel)."""
     ctx: dict[str, torch.Tensor] = {}
     layers: list[dict[str, torch.Tensor]] = [{} for _ in range(m.n_layers)]
     for info, t in zip(chunks, tensors, strict=True):
         (ctx if info.layer is None else layers[info.layer])[info.name] = t
+    dtype = torch_dtype(m.kv_dtype)
+    kv = list(mapper(lambda parts: decode_kv(parts, m.kv_codec, dtype), layers))
     out = []
-    for parts in layers:
+    for parts, (k, v) in zip(layers, kv):
         tables = {n.removeprefix(TABLE_PREFIX): t for n, t in parts.items()
                   if n.startswith(TABLE_PREFIX)}
-        out.append(LayerArtifact(k=parts["k"], v=parts["v"], tables=tables, queries=parts.get(QUERY_CHUNK)))
+        out.append(LayerArtifact(k=k, v=v, tables=tables, queries=parts.get(QUERY_CHUNK)))
     return ContextArtifact(
         model_id=m.model_id, model_args=m.model_args, method=m.method,
         method_params=m.method_params, tokens=ctx["tokens"], last_logits=ctx["last_logits"],
-        layers=out, kv_dtype=m.kv_dtype, format_version=m.format_version)
+        layers=out, kv_dtype=m.kv_dtype, kv_codec=m.kv_codec, format_version=m.format_version)

@@ -13,7 +13,17 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-STORE_FORMAT = 1  # layout of manifest + chunks; bump on any change of meaning
+STORE_FORMAT = 2  # layout of manifest + chunks; bump on any change of meaning
+# 2 adds kv_codec; a format-1 manifest reads as kv_codec "lossless" (what it stored)
+READABLE_STORE_FORMATS = (1, 2)
+
+
+class UnsupportedFormat(ValueError):
+    """A manifest of a store format this code does not read (never guessed at)."""
+
+    def __init__(self, found: object) -> None:
+        super().__init__(f"store_format={found!r}; this code reads {READABLE_STORE_FORMATS}")
+        self.found = found
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,7 @@ class Manifest:
     raw_kv_bytes: int
     raw_table_bytes: int
     stored_bytes: int  # sum of the chunks' stored bytes
+    kv_codec: str = "lossless"  # ContextArtifact.kv_codec (absent from store format 1)
     last_access: float = 0.0  # kept under its own key; filled in when read
     store_format: int = STORE_FORMAT
 
@@ -105,9 +116,8 @@ class Manifest:
         if not sep or hashlib.sha256(text).hexdigest().encode() != digest:
             raise ValueError("manifest checksum mismatch")
         body = json.loads(text)
-        if body.get("store_format") != STORE_FORMAT:
-            raise ValueError(f"store_format={body.get('store_format')!r}, this code reads "
-                             f"{STORE_FORMAT}")
+        if body.get("store_format") not in READABLE_STORE_FORMATS:
+            raise UnsupportedFormat(body.get("store_format"))
         body["chunks"] = tuple(_chunk(c) for c in body["chunks"])
         return cls(**body)
 

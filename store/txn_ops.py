@@ -10,7 +10,7 @@ import zstandard
 from ctxcache.store import codec
 from ctxcache.store.config import BadChunk, VerifyReport
 from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, prefix
-from ctxcache.store.manifest import ChunkInfo, Manifest
+from ctxcache.store.manifest import ChunkInfo, Manifest, UnsupportedFormat
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class ManifestRead:
     context_id: str
     manifest: Manifest | None  # None: absent, or unreadable (then error says why)
     error: str | None = None
+    unsupported: object = None  # the store_format found, when this code does not read it (not damage)
 
 
 def read_manifest(txn, context_id: str) -> ManifestRead:  # noqa: ANN001 (lmdb.Transaction)
@@ -30,6 +31,8 @@ def read_manifest(txn, context_id: str) -> ManifestRead:  # noqa: ANN001 (lmdb.T
 def _parse(txn, context_id: str, raw) -> ManifestRead:  # noqa: ANN001
     try:
         m = Manifest.from_bytes(bytes(raw))
+    except UnsupportedFormat as exc:
+        return ManifestRead(context_id, None, str(exc), unsupported=exc.found)
     except (ValueError, TypeError, KeyError) as exc:
         return ManifestRead(context_id, None, f"unreadable manifest: {exc}")
     if m.context_id != context_id:

@@ -36,11 +36,15 @@ def _recalls(p: torch.Tensor, sel: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     return mass.flatten(), hit.flatten()
 
 
-def _step_metrics(method: SparseMethod, state, q, keys, values, n: int, budget: Budget) -> dict:
+def _step_metrics(method: SparseMethod, state, q, keys, values, n: int, budget: Budget,
+                  true_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+    """true_kv: the keys and values the targets are computed from, when the method reads
+    others (K/V through a lossy codec); default: the same."""
     hkv, d = keys.shape[0], keys.shape[-1]
     out, idx = method.attend(state, q, keys, values, n, budget)
-    probs = (torch.einsum("hgd,hnd->hgn", q.view(hkv, -1, d), keys) * d ** -0.5).softmax(-1)
-    dense = torch.einsum("hgn,hnd->hgd", probs, values).reshape_as(out)
+    t_keys, t_values = true_kv or (keys, values)
+    probs = (torch.einsum("hgd,hnd->hgn", q.view(hkv, -1, d), t_keys) * d ** -0.5).softmax(-1)
+    dense = torch.einsum("hgn,hnd->hgd", probs, t_values).reshape_as(out)
     row = {"output_rel_error": ((out - dense).norm() / dense.norm()).item()}
     lo, hi = budget.region(n)
     k = min(budget.top_k(n), hi - lo)
@@ -58,10 +62,12 @@ def _step_metrics(method: SparseMethod, state, q, keys, values, n: int, budget: 
 
 @torch.inference_mode()
 def selection_metrics(method: SparseMethod, tables: list[Tables], cap: Captured, budget: Budget,
-                      stride: int = 8, opened: list[LayerState] | None = None) -> dict[str, float]:
+                      stride: int = 8, opened: list[LayerState] | None = None,
+                      truth: Captured | None = None) -> dict[str, float]:
     """Mean of each metric over all layers, KV/query heads and every `stride`-th decode step.
     `opened`, when given, receives each layer's state after the run (e.g. MagicPIG's sampling
-    statistics)."""
+    statistics). truth: the capture the targets come from when `cap` holds decoded (lossy)
+    K/V; default: cap itself."""
     sums: dict[str, list[float]] = defaultdict(list)
     n0 = cap.n_context
     total = cap.k[0].shape[1]
@@ -73,7 +79,8 @@ def selection_metrics(method: SparseMethod, tables: list[Tables], cap: Captured,
             method.append(state, k[:, pos:pos + 1], pos)
             if t % stride:
                 continue
-            row = _step_metrics(method, state, q[:, pos], k[:, :pos + 1], v[:, :pos + 1], pos + 1, budget)
+            true_kv = None if truth is None else (truth.k[layer][:, :pos + 1].float(), truth.v[layer][:, :pos + 1].float())
+            row = _step_metrics(method, state, q[:, pos], k[:, :pos + 1], v[:, :pos + 1], pos + 1, budget, true_kv)
             for name, value in row.items():
                 sums[name].append(value)
         if opened is not None:

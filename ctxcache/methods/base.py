@@ -160,6 +160,21 @@ class SparseMethod(ABC):
         for layer, (q, k, v) in enumerate(layers):
             yield self.build_layer(q.float().cpu(), k.float().cpu(), v.float().cpu(), layer, n_layers)
 
+    def persist(self, tables: Tables) -> Tables:
+        """What of one layer's tables the artifact stores: the compact state from which
+        `restore` derives the rest. Default: everything (nothing is derivable)."""
+        return tables
+
+    def restore(self, tables: Tables, k: torch.Tensor) -> Tables:
+        """One layer's full tables from its stored state and cached keys k [Hkv, N, D], on k's
+        device (the device that decodes). Idempotent: tables that already hold the derived
+        arrays (built in memory, or an artifact of format 1) come back as they are."""
+        return tables
+
+    def derived_bytes(self, n_tokens: int, n_kv_heads: int) -> int:
+        """Bytes per layer that `restore` adds to the stored tables: resident, never stored."""
+        return 0
+
     def open(self, tables: Tables) -> LayerState:
         return LayerState(tables=tables)
 

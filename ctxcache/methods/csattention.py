@@ -59,7 +59,8 @@ import torch.nn.functional as F
 from ctxcache.host_copy import to_host, wait_for_host_copies
 from ctxcache.methods.base import Capabilities, LayerState, MethodParams, ParamError, SparseMethod, Tables
 from ctxcache.methods.budget import fp16_rank, topk_in_region
-from ctxcache.methods.int8_tables import int8_dense_tables, int_dot_scores
+from ctxcache.methods.csattention_rows import DERIVED, dense_row_bytes, dense_rows
+from ctxcache.methods.int8_tables import int_dot_scores
 from ctxcache.methods.kmeans import kmeans
 
 _CHOICES = {
@@ -208,10 +209,10 @@ class CSAttention(SparseMethod):
         scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k)  # centroid-scores
         n = k.shape[1]
         if p.list_length(n) == n:
-            # Full lists: every key is in every list, so store the scores in key order and
-            # drop the indices; the reduce-by-key becomes a weighted sum of m rows.
-            tables = {"centroids": cent.half(), "dense_score": scores.half()}  # [Hkv, m, C, N]
-            return int8_dense_tables(tables) if p.int8_tables else tables
+            # Full lists: every key is in every list, so the scores sit in key order with no
+            # indices; the reduce-by-key becomes a weighted sum of m rows. The rows are what
+            # restore derives at load (the same function), so built and loaded tables agree.
+            return dense_rows(cent.half(), sub_k, p.int8_tables)
         top = torch.topk(scores, p.list_length(n), dim=-1)
         absent_mean = (scores.sum(-1) - top.values.sum(-1)) / max(n - top.values.shape[-1], 1)
         return {
@@ -239,7 +240,7 @@ class CSAttention(SparseMethod):
         device = first[1].device
         while group := list(itertools.islice(layers, GPU_LAYER_GROUP)):
             qs = [q.to(device) for q, _, _ in group]
-            built = [{name: to_host(t) for name, t in tables.items()}
+            built = [{name: to_host(t) for name, t in self.persist(tables).items()}  # derived rows stay here
                      for tables in build_tables_gpu_layers(self.params, qs, [k for _, k, _ in group])]
             wait_for_host_copies(device)  # once per group: the copies overlap, the caller reads landed tables
             yield from built
@@ -273,9 +274,30 @@ class CSAttention(SparseMethod):
             use[..., 1:] = low.float().expand(*use.shape[:-1], tau - 1)
         return best.indices, use / use.sum(-1, keepdim=True)
 
+    @property
+    def _dense(self) -> bool:
+        return self.params.list_fraction == 1.0
+
+    def persist(self, tables: Tables) -> Tables:
+        """The dense layout stores its centroids only: the rows are c . K_b (csattention_rows)."""
+        return {n: t for n, t in tables.items() if n not in DERIVED} if self._dense else tables
+
+    def restore(self, tables: Tables, k: torch.Tensor) -> Tables:
+        """Derive the dense rows from the centroids and the keys k [Hkv, N, D] on k's device."""
+        if not self._dense or "dense_score" in tables:
+            return tables
+        sub_k = self._split(k).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
+        return {**tables, **dense_rows(tables["centroids"].to(k.device), sub_k, self.params.int8_tables)}
+
+    def derived_bytes(self, n_tokens: int, n_kv_heads: int) -> int:
+        """Bytes per layer that restore adds to the stored tables (resident, not stored)."""
+        p: CSAttentionParams = self.params
+        return dense_row_bytes(n_tokens, n_kv_heads, p.subspaces, p.centroids, p.int8_tables) if self._dense else 0
+
     def gpu_decodable(self, tables: Tables) -> bool:
-        """The fast runner serves the default storage: dense int8 rows (see GpuDenseTables)."""
-        return self.params.gpu_selectable and "dense_score" in tables and "dense_scale" in tables
+        """The fast runner serves the default storage: dense int8 rows (see GpuDenseTables),
+        stored (format 1) or derived at load from the centroids (format 2)."""
+        return self.params.gpu_selectable and self._dense and self.params.int8_tables and "centroids" in tables
 
     def search(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int,
                k: int) -> torch.Tensor:

@@ -16,11 +16,15 @@ from typing import Callable
 import torch
 
 
-def quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(dense: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 dense_score [..., N] -> (int8 [..., N], scale [...] fp32), symmetric per row, values
-    in [-127, 127]."""
-    scale = dense.float().abs().amax(-1).clamp_min(1e-8) / 127.0
-    q = torch.round(dense.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    in [-L, L] with L = 2^(bits-1) - 1 (127 for 8 bits; fewer bits: the same int8 arithmetic on
+    coarser values, what `bench footprint` measures 4-bit rows with)."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits={bits} must be in [2, 8]")
+    levels = float(2 ** (bits - 1) - 1)
+    scale = dense.float().abs().amax(-1).clamp_min(1e-8) / levels
+    q = torch.round(dense.float() / scale[..., None]).clamp_(-levels, levels).to(torch.int8)
     return q, scale
 
 

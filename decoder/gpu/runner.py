@@ -29,7 +29,7 @@ from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import prefill
 from ctxcache.methods import make_method
-from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
+from ctxcache.methods.csattention import CSAttention, CSAttentionParams, subspace_permutation
 from ctxcache.models.attention import dense_attention
 from ctxcache.models.loader import LoadedModel
 
@@ -135,11 +135,16 @@ class GpuRunner:
             self.cache.k[layer][row, :, :n].copy_(la.k, non_blocking=True)
             self.cache.v[layer][row, :, :n].copy_(la.v, non_blocking=True)
         if self.params is not None:
-            if self.tables is None:
-                self.tables = [GpuDenseTables.empty(len(self.slots), art.layers[0].tables, self.cache.max_len,
-                                                    self.max_new, self.device) for _ in art.layers]
-            for t, la in zip(self.tables, art.layers):
-                t.load_row(row, la.tables, n)
+            method = CSAttention(self.params)
+            for layer, la in enumerate(art.layers):
+                # the rows are derived here, on the GPU, from the centroids and the keys just
+                # copied (one matmul per layer); format-1 artifacts bring them stored
+                stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
+                tables = method.restore(stored, self.cache.k[layer][row, :, :n])
+                if self.tables is None:
+                    self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len,
+                                                        self.max_new, self.device) for _ in art.layers]
+                self.tables[layer].load_row(row, tables, n)
         slot.context_id, slot.n_ctx = context_id, n
         self.loads += 1
 

@@ -175,12 +175,16 @@ def test_bearer_token_and_health_not_serving_on_shutdown(start):
 def test_admin_port_separate_stats_and_rebuild(start):
     srv, client = start(admin_port=0)
     assert srv.admin_port != srv.port
-    info = put_text(client)
+    info = put_text(client, keep_queries=True)
     assert rpc_code(lambda: client.admin.Stats(apb.StatsRequest()))is None
     main_only = type(client)(f"127.0.0.1:{srv.port}")
     assert rpc_code(lambda: main_only.admin.Stats(apb.StatsRequest())) == grpc.StatusCode.UNIMPLEMENTED
     stats = client.admin.Stats(apb.StatsRequest())
     assert stats.contexts_ready == 1 and stats.registry == "embedded" and stats.store_bytes > 0
+    (fp,) = stats.footprint  # the server's default codec; the query sample is not counted
+    assert fp.kv_codec == info.kv_codec == "int8" and fp.contexts == 1 and fp.tokens == info.n_tokens
+    assert fp.stored_bytes < stats.store_bytes and fp.stored_bytes_per_token == fp.stored_bytes / fp.tokens
+    assert fp.resident_bytes > info.raw_kv_bytes  # decoded K/V + the rows derived at load
     req = apb.RebuildRequest(context_id=info.context_id, wait=True, method=pb.MethodSpec(name="oracle"))
     rebuilt = client.admin.Rebuild(req)
     assert rebuilt.context.state == pb.CONTEXT_STATE_READY and not rebuilt.reprefilled
@@ -193,6 +197,19 @@ def test_admin_port_separate_stats_and_rebuild(start):
     assert cs.context.state == pb.CONTEXT_STATE_READY and not cs.reprefilled
     assert cs.context.method == "csattention" and ask(client, cs.context.context_id)[1].usage.generated_tokens > 0
     main_only.close()
+
+
+def test_kv_codec_is_chosen_per_context_and_part_of_its_identity(start):
+    _, client = start()
+    lossless = put_text(client, kv_codec="lossless")
+    default = put_text(client)
+    assert (lossless.kv_codec, default.kv_codec) == ("lossless", "int8") and lossless.context_id != default.context_id
+    assert default.artifact_bytes < 0.6 * lossless.artifact_bytes and default.format_version == 2
+    assert ask(client, default.context_id)[1].usage.generated_tokens > 0
+    assert rpc_code(lambda: put_text(client, kv_codec="fp4")) == grpc.StatusCode.INVALID_ARGUMENT
+    # its own method converts without the queries this put did not keep: no re-prefill
+    same = client.admin.Rebuild(apb.RebuildRequest(context_id=default.context_id, wait=True))
+    assert not same.reprefilled and same.context.context_id == default.context_id
 
 
 def test_rebuild_without_stored_queries_needs_reprefill(start, tmp_path):

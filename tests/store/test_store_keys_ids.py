@@ -65,7 +65,7 @@ def test_context_id_is_stable_across_processes() -> None:
 @pytest.mark.parametrize("field, value", [
     ("model_id", "other"), ("tokenizer_id", "t2"), ("template_id", "none"), ("kv_dtype", "bfloat16"),
     ("format_version", 2), ("method", "quest"), ("params", {"subspaces": 4, "list_fraction": 0.25}),
-    ("token_ids", [1, 2, 3]), ("token_ids", [1, 2, 3, 70001]), ("tenant", "other")])
+    ("token_ids", [1, 2, 3]), ("token_ids", [1, 2, 3, 70001]), ("tenant", "other"), ("kv_codec", "int8")])
 def test_context_id_changes_with_every_field(field: str, value: object) -> None:
     assert context_id_for(**dict(BASE, **{field: value})) != context_id_for(**BASE)
 

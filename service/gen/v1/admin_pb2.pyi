@@ -70,7 +70,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id")
+    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint")
     CONTEXTS_READY_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_BUILDING_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class StatsResponse(_message.Message):
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FOOTPRINT_FIELD_NUMBER: _ClassVar[int]
     contexts_ready: int
     contexts_building: int
     contexts_failed: int
@@ -95,7 +96,26 @@ class StatsResponse(_message.Message):
     registry: str
     registry_available: bool
     model_id: str
-    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ...) -> None: ...
+    footprint: _containers.RepeatedCompositeFieldContainer[CodecFootprint]
+    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ...) -> None: ...
+
+class CodecFootprint(_message.Message):
+    __slots__ = ("kv_codec", "contexts", "tokens", "stored_bytes", "resident_bytes", "stored_bytes_per_token", "resident_bytes_per_token")
+    KV_CODEC_FIELD_NUMBER: _ClassVar[int]
+    CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    kv_codec: str
+    contexts: int
+    tokens: int
+    stored_bytes: int
+    resident_bytes: int
+    stored_bytes_per_token: float
+    resident_bytes_per_token: float
+    def __init__(self, kv_codec: _Optional[str] = ..., contexts: _Optional[int] = ..., tokens: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., stored_bytes_per_token: _Optional[float] = ..., resident_bytes_per_token: _Optional[float] = ...) -> None: ...
 
 class ReconcileRequest(_message.Message):
     __slots__ = ()

@@ -71,7 +71,7 @@ class MethodSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class PutContextRequest(_message.Message):
-    __slots__ = ("text", "chat", "documents", "labels", "ttl_seconds", "pin", "method", "wait", "tenant")
+    __slots__ = ("text", "chat", "documents", "labels", "ttl_seconds", "pin", "method", "wait", "tenant", "kv_codec", "keep_queries")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class PutContextRequest(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    KV_CODEC_FIELD_NUMBER: _ClassVar[int]
+    KEEP_QUERIES_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatMessages
     documents: Documents
@@ -97,10 +99,12 @@ class PutContextRequest(_message.Message):
     method: MethodSpec
     wait: bool
     tenant: str
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., documents: _Optional[_Union[Documents, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pin: _Optional[bool] = ..., method: _Optional[_Union[MethodSpec, _Mapping]] = ..., wait: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
+    kv_codec: str
+    keep_queries: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., documents: _Optional[_Union[Documents, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pin: _Optional[bool] = ..., method: _Optional[_Union[MethodSpec, _Mapping]] = ..., wait: _Optional[bool] = ..., tenant: _Optional[str] = ..., kv_codec: _Optional[str] = ..., keep_queries: _Optional[bool] = ...) -> None: ...
 
 class ContextInfo(_message.Message):
-    __slots__ = ("context_id", "state", "progress", "error", "n_tokens", "method", "method_params", "labels", "pin", "ttl_seconds", "created_unix_ms", "artifact_bytes", "raw_kv_bytes", "model_id")
+    __slots__ = ("context_id", "state", "progress", "error", "n_tokens", "method", "method_params", "labels", "pin", "ttl_seconds", "created_unix_ms", "artifact_bytes", "raw_kv_bytes", "model_id", "kv_codec", "format_version")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +126,8 @@ class ContextInfo(_message.Message):
     ARTIFACT_BYTES_FIELD_NUMBER: _ClassVar[int]
     RAW_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_CODEC_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     context_id: str
     state: ContextState
     progress: float
@@ -136,7 +142,9 @@ class ContextInfo(_message.Message):
     artifact_bytes: int
     raw_kv_bytes: int
     model_id: str
-    def __init__(self, context_id: _Optional[str] = ..., state: _Optional[_Union[ContextState, str]] = ..., progress: _Optional[float] = ..., error: _Optional[str] = ..., n_tokens: _Optional[int] = ..., method: _Optional[str] = ..., method_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., pin: _Optional[bool] = ..., ttl_seconds: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., artifact_bytes: _Optional[int] = ..., raw_kv_bytes: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...
+    kv_codec: str
+    format_version: int
+    def __init__(self, context_id: _Optional[str] = ..., state: _Optional[_Union[ContextState, str]] = ..., progress: _Optional[float] = ..., error: _Optional[str] = ..., n_tokens: _Optional[int] = ..., method: _Optional[str] = ..., method_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., pin: _Optional[bool] = ..., ttl_seconds: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., artifact_bytes: _Optional[int] = ..., raw_kv_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., kv_codec: _Optional[str] = ..., format_version: _Optional[int] = ...) -> None: ...
 
 class PutContextResponse(_message.Message):
     __slots__ = ("context", "created")
