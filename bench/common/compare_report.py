@@ -66,7 +66,7 @@ RETENTION_SLICES = {
     **{q: (lambda q: lambda r: r["qkind"] == q)(q) for q in ("number", "code", "multivalue", "doc")},
     **{f"depth {d}": (lambda d: lambda r: r["qkind"] in ("number", "code") and r["depth"] == d)(d)
        for d in (0.1, 0.5, 0.9)},
-    **{f: (lambda f: lambda r: r["filler"] == f)(f) for f in ("prose", "code")},
+    **{f"in {f}": (lambda f: lambda r: r["filler"] == f)(f) for f in ("prose", "code")},
 }
 
 
@@ -93,6 +93,11 @@ def _f(x, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def task_lengths(config: dict) -> list[str]:
+    """The task suite's context lengths; none when its cells were skipped."""
+    return [] if "task" in config.get("skip", []) else [str(n) for n in config["task_lengths"]]
+
+
 def detail_length(config: dict) -> str:
     """The task length whose per-task scores the table spells out: the fidelity length if the
     suite ran there, else the first."""
@@ -102,8 +107,8 @@ def detail_length(config: dict) -> str:
 
 def markdown(merged: dict, rows: list[dict]) -> str:
     config, m = merged["config"], merged["machine"]
-    texts, lengths = config["texts"], [str(n) for n in config["task_lengths"]]
-    tasks, at = config["tasks"], detail_length(config)
+    texts, lengths = config["texts"], task_lengths(config)
+    tasks, at = (config["tasks"] if lengths else []), detail_length(config)
     tl = "/".join(t[0].upper() for t in texts)
     head = (["method", "keep", "keys read"] + [f"mass recall {tl}", f"top-K recall {tl}",
              f"output rel. err. {tl}", f"top-1 agr. {tl}", f"NLL change {tl}"]
@@ -141,11 +146,14 @@ def markdown(merged: dict, rows: list[dict]) -> str:
         f"Machine: {m.get('cpu')} ({m.get('cpu_count')} CPUs), torch {m.get('torch')}; "
         f"date {merged['date']}. `search us`: median of one search/attend call (one query, one layer) "
         f"on {texts[0]}, timed inside parallel shard processes.",
+        "keys read: distinct keys attended per step over all keys, plus a re-rank's other candidates "
+        "(`@rerank=R`: their K is read to score them, so R x keep of the keys' K).",
         "MagicPIG rows: sampled = mean fraction of the searched region sampled per query head; "
         f"recall columns relative to the top-K at keep {config['keeps'][0]}; keys read is set by (K, L).",
-        "Task trials per method and budget: " + ", ".join(f"{trials[n]} @{n}" for n in lengths)
-        + " (each a score in [0, 1]; `full` is dense attention).",
     ]
+    if lengths:
+        notes.append("Task trials per method and budget: " + ", ".join(f"{trials[n]} @{n}" for n in lengths)
+                     + " (each a score in [0, 1]; `full` is dense attention).")
     ret_rows = [r for r in rows if "retention" in r]
     if ret_rows:
         n = max(r["retention"]["questions"] for r in ret_rows)
@@ -191,7 +199,7 @@ def plot(merged: dict, rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     config = merged["config"]
-    texts, lengths = config["texts"], [str(n) for n in config["task_lengths"]]
+    texts, lengths = config["texts"], task_lengths(config)
     ret_rows = [r for r in rows if "retention" in r and r["method"] != FULL]
     panels = len(texts) + len(lengths) + (1 if ret_rows else 0)
     rows_n = 1 if panels <= 3 else 2

@@ -96,8 +96,11 @@ def test_merge_reports_retention_beside_mass_recall(tmp_path):
     assert cs["retention"]["kept"] == 0.25 and cs["retention"]["vs_oracle_losses"] == 3
     assert cs["retention"]["slices"]["@2048"] == 0.25 and cs["retention"]["slices"]["depth 0.1"] == 0.25
     assert cs["retention"]["slices"]["number"] is None
+    sl = cs["retention"]["slices"]  # question kind and filler are separate slices
+    assert sl["code"] == 0.25 and sl["in prose"] == 0.25 and sl["in code"] is None
     md = paths["md"].read_text()
     assert "| 0.250 (4) | 0 / 3 | 0.250 |" in md and "Retention by slice" in md
+    assert "tasks @" not in md  # the task suite was skipped: no empty columns for it
     assert paths["png"].stat().st_size > 0
 
 
