@@ -105,3 +105,13 @@ def test_a_checkpoint_by_local_path_runs_on_the_test_device(tmp_path, model_type
         got = lm.model(x.to(device), torch.arange(len(ids), device=device)[None], lm.model.new_cache(1, 16),
                        dense_attention)[0]
     torch.testing.assert_close(got.cpu(), ref, atol=2e-4, rtol=2e-4)
+
+
+def test_random_models_take_the_bundled_tokenizer_where_their_vocabulary_holds_it(smollm2):
+    from ctxcache.models.loader import load_model
+
+    assert load_model("random:tiny").tokenizer is None  # 512 ids: one token per byte
+    lm = load_model("random:smollm2-135m")
+    assert lm.model_id.startswith("random:") and lm.tokenizer is not None
+    assert lm.tokenizer.encode("the keeper", add_special_tokens=False) == \
+        smollm2.tokenizer.encode("the keeper", add_special_tokens=False)
