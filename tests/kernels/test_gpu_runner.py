@@ -32,7 +32,7 @@ def lm():
 
 @pytest.fixture(scope="module")
 def method():
-    return make_method("csattention", {"subspaces": 4, "centroids": 16})
+    return make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 1.0})
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,14 @@ def _serve(cfg, device):
     return server, Client(f"127.0.0.1:{port}")
 
 
-def _put(client, text, method):
-    info = client.put(pb.PutContextRequest(text=text, wait=True, method=pb.MethodSpec(name=method)),
-                      timeout=300).context
+GPU_PARAMS = {"rerank": 1.0}  # csattention as the GPU selector implements it (no exact re-rank)
+
+
+def _put(client, text, method, params=None):
+    spec = pb.MethodSpec(name=method)
+    if params:
+        spec.params.update(params)
+    info = client.put(pb.PutContextRequest(text=text, wait=True, method=spec), timeout=300).context
     assert info.state == pb.CONTEXT_STATE_READY, info.error
     return info.context_id
 
@@ -34,17 +39,18 @@ def test_put_and_generate_on_cuda(tmp_path, method):
     """One context built by a CPU server, one by the CUDA server, on the same store: the CUDA
     server decodes both (a one-token question goes through a decode step, not a prefill)."""
     cfg = tiny_config(tmp_path)
-    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
+    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention", method_params=GPU_PARAMS),
                   decoder=replace(cfg.decoder, gpu_slots=2, gpu_slot_tokens=2048))
     server, client = _serve(cfg, "cpu")
     try:
-        built_on_cpu = _put(client, "the keeper is named Ada. " * 20, method)
+        params = GPU_PARAMS if method == "csattention" else None
+        built_on_cpu = _put(client, "the keeper is named Ada. " * 20, method, params)
     finally:
         client.close()
         server.stop(0)
     server, client = _serve(cfg, "cuda")
     try:
-        built_on_gpu = _put(client, "the keeper is named Bo. " * 20, method)
+        built_on_gpu = _put(client, "the keeper is named Bo. " * 20, method, params)
         for cid in (built_on_cpu, built_on_gpu):
             for question in ("who is the keeper?", "?"):
                 events = list(client.generate(pb.GenerateRequest(
@@ -52,6 +58,23 @@ def test_put_and_generate_on_cuda(tmp_path, method):
                 final = events[-1].final
                 assert final.usage.generated_tokens >= 1
                 assert final.decode_path == ("gpu-sparse" if method == "csattention" else "reference")
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_a_rerank_the_gpu_does_not_implement_decodes_on_the_reference_path(tmp_path):
+    """Default csattention re-ranks exactly (rerank=4): the GPU runner, serving rerank=1, must
+    refuse it, so the reference path decodes the keys the method picks."""
+    cfg = tiny_config(tmp_path)
+    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention", method_params=GPU_PARAMS),
+                  decoder=replace(cfg.decoder, gpu_slots=2, gpu_slot_tokens=2048))
+    server, client = _serve(cfg, "cuda")
+    try:
+        cid = _put(client, "the keeper is named Cy. " * 20, "csattention")
+        events = list(client.generate(pb.GenerateRequest(
+            context_id=cid, question="who is the keeper?", sampling=pb.SamplingParams(max_tokens=8)), timeout=300))
+        assert events[-1].final.decode_path == "reference"
     finally:
         client.close()
         server.stop(0)
