@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ctxcache.methods.int8_tables import int8_dense_tables
+from ctxcache.methods.int8_tables import int8_dense_tables, quantize_rows
 
-DERIVED = ("dense_score", "dense_scale")  # what restore derives; never stored (format 2)
+DERIVED = ("dense_score", "dense_scale", "row_keys")  # what restore derives; never stored (format 2)
+ROW_KEYS = "row_keys"  # restore on_demand: the subspace keys [Hkv, m, N, d_b] the rows come from
 
 
 def dense_rows(centroids: torch.Tensor, sub_k: torch.Tensor, int8: bool) -> dict[str, torch.Tensor]:
@@ -24,9 +25,29 @@ def dense_rows(centroids: torch.Tensor, sub_k: torch.Tensor, int8: bool) -> dict
     if centroids.shape[:2] != sub_k.shape[:2] or centroids.shape[-1] != sub_k.shape[-1]:
         raise ValueError(f"centroids {tuple(centroids.shape)} and subspace keys {tuple(sub_k.shape)} "
                          "disagree in heads, subspaces or subspace width")
-    scores = torch.matmul(centroids.float(), sub_k.float().transpose(-1, -2))  # [Hkv, m, C, N]
-    tables = {"centroids": centroids, "dense_score": scores.half()}
+    # fp64: a product of fp16 (or bf16) values is exact there and so, in practice, is a sum
+    # of d_b of them, so every device and matmul shape yields the same rows (the CPU's routed
+    # rows, the GPU's materialized ones); one head at a time bounds the fp64 temporary
+    scores = torch.stack([row_scores(centroids[h], sub_k[h]) for h in range(centroids.shape[0])])
+    tables = {"centroids": centroids, "dense_score": scores}
     return int8_dense_tables(tables) if int8 else tables
+
+
+def row_scores(centroids: torch.Tensor, sub_k: torch.Tensor) -> torch.Tensor:
+    """fp16 rows [..., R, N] = centroids [..., R, d_b] . sub_k [..., N, d_b], summed in fp64."""
+    return torch.matmul(centroids.double(), sub_k.double().transpose(-1, -2)).half()
+
+
+def routed_rows(chosen: torch.Tensor, sub_k: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of the chosen centroids [Hkv, G, m, tau, d_b] over subspace keys [Hkv, m, N, d_b]
+    -> (rows [Hkv, G*m*tau, N], per-row scales [Hkv, G*m*tau] when int8): bitwise the rows
+    dense_rows materializes for the same centroids."""
+    hkv, g, m, tau, d = chosen.shape
+    rows = row_scores(chosen.permute(0, 2, 1, 3, 4).reshape(hkv, m, g * tau, d), sub_k)  # [Hkv, m, G*tau, N]
+    rows = rows.view(hkv, m, g, tau, -1).permute(0, 2, 1, 3, 4).reshape(hkv, g * m * tau, -1)
+    if not int8:
+        return rows, None
+    return quantize_rows(rows)
 
 
 def dense_row_bytes(n_tokens: int, n_kv_heads: int, subspaces: int, centroids: int, int8: bool) -> int:
