@@ -6,6 +6,10 @@ For each method (and `full`, dense attention), each keep budget and each built-i
   budget; tables built once per method and text, reused by every budget);
 - the task suite (bench/common/tasks.py, run_suite: passkey, NIAH single / multikey /
   multivalue, variable tracking, common words) at the same budgets and seeds;
+- answer retention (bench/common/copy_tasks.py, retention.py): contexts of many exact-copy
+  needles and document questions, one prefill per context for every method; per method the
+  fraction of full attention's correct answers it keeps, with a paired sign test against the
+  oracle at the same keep (`--retention-*`);
 - the per-step selection cost on this CPU: wall time of one `search` call (selectors) or one
   `attend` call (estimators: MagicPIG, Multipole) for one decode query of one layer, median
   over every layer and the first `--timing-steps` continuation steps, in microseconds. `full`
@@ -14,7 +18,10 @@ MagicPIG has no keep budget: its (K, L) configs run once each; its row reports t
 fraction of the searched region next to the paper's Table 8 value, and its recall columns
 are relative to the top-K at the first keep (5%).
 
-The work is cut into cells (`fid:TEXT:METHOD`, `task:LENGTH:KIND:SEED`) so it can run as
+A method may carry parameters: `csattention@rerank=4` is csattention with rerank=4.0
+(values are JSON literals). MagicPIG (own budget) is left out of retention.
+
+The work is cut into cells (`fid:TEXT:METHOD`, `task:LENGTH:KIND:SEED`, `ret:LENGTH:FILLER:SEED`) so it can run as
 parallel processes: `--shard i/n` (or `--cells a,b,...`) runs a subset and writes one shard
 JSON (rewritten after each cell; a rerun skips cells already in it). `--merge DIR` merges the
 shard JSONs of DIR into compare_<device>.json, .md and .png (no model needed;
@@ -60,11 +67,31 @@ class MethodSpec:
     own_budget: bool = False
 
 
+def _with_params(entry: str) -> tuple[str, dict]:
+    """`name@key=value@...` -> (name, {key: JSON value})."""
+    name, *pairs = entry.split("@")
+    params = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"method {entry!r}: {pair!r} must look like key=value")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"method {entry!r}: {value!r} is no JSON literal") from e
+    return name, params
+
+
 def method_specs(names: str) -> list[MethodSpec]:
-    """Comma-separated method names -> specs; `magicpig` expands to the paper's (K, L) configs."""
+    """Comma-separated method names -> specs; `magicpig` expands to the paper's (K, L) configs;
+    `name@key=value` sets a parameter (the label stays the entry)."""
     specs = []
-    for name in [n.strip() for n in names.split(",") if n.strip()]:
-        if name == "magicpig":
+    for entry in [n.strip() for n in names.split(",") if n.strip()]:
+        name, params = _with_params(entry)
+        if params:
+            make_method(name, params)  # unknown names and bad values fail here, before any work
+            specs.append(MethodSpec(entry, name, params))
+        elif name == "magicpig":
             specs += [MethodSpec(f"magicpig-K{k}-L{l}", name, {"bits": k, "tables": l}, True)
                       for k, l in PAPER_CONFIGS]
         else:
@@ -94,6 +121,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1", help="task seeds")
     ap.add_argument("--task-groups", type=int, default=1,
                     help="split each task cell's methods into this many cells (each re-prefills)")
+    ap.add_argument("--retention-lengths", default="2048,4096,6144", help="'' skips retention")
+    ap.add_argument("--retention-fillers", default="prose,code")
+    ap.add_argument("--retention-seeds", default="0,1,2")
+    ap.add_argument("--retention-keeps", default="0.05")
+    ap.add_argument("--doc-questions", type=int, default=2, help="document questions per context")
+    ap.add_argument("--skip", default="", help="comma-separated cell kinds to leave out: fid, task, ret")
     ap.add_argument("--timing-steps", type=int, default=4, help="continuation steps timed per layer")
     ap.add_argument("--shard", default=None, help="i/n: run every n-th cell starting at i")
     ap.add_argument("--cells", default=None, help="comma-separated cell ids (see --list-cells)")
@@ -108,6 +141,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.length_list = [int(x) for x in args.task_lengths.split(",") if x]
     args.text_list = [x for x in args.texts.split(",") if x]
     args.task_list = [x for x in args.tasks.split(",") if x]
+    args.ret_lengths = [int(x) for x in args.retention_lengths.split(",") if x]
+    args.ret_fillers = [x for x in args.retention_fillers.split(",") if x]
+    args.ret_seeds = [int(x) for x in args.retention_seeds.split(",") if x]
+    args.ret_keeps = [float(x) for x in args.retention_keeps.split(",") if x]
+    args.skip_list = [x for x in args.skip.split(",") if x]
+    if set(args.skip_list) - {"fid", "task", "ret"}:
+        ap.error(f"--skip={args.skip} names kinds other than fid, task, ret")
+    if not all(0 < k <= 1 for k in args.ret_keeps):
+        ap.error(f"--retention-keeps={args.retention_keeps} must be fractions in (0, 1]")
     if not args.keep_list or not all(0 < k <= 1 for k in args.keep_list):
         ap.error(f"--keeps={args.keeps} must be fractions in (0, 1]")
     if args.tokens < 64 or args.continuation < 2:
@@ -125,7 +167,10 @@ def config_of(args: argparse.Namespace) -> dict:
             "keeps": args.keep_list, "sinks": args.sinks, "recent": args.recent,
             "texts": args.text_list, "methods": args.methods, "stride": args.stride,
             "tasks": args.task_list, "task_lengths": args.length_list, "task_filler": args.task_filler,
-            "seeds": args.seed_list, "timing_steps": args.timing_steps, "task_groups": args.task_groups}
+            "seeds": args.seed_list, "timing_steps": args.timing_steps, "task_groups": args.task_groups,
+            "retention": {"lengths": args.ret_lengths, "fillers": args.ret_fillers, "seeds": args.ret_seeds,
+                          "keeps": args.ret_keeps, "doc_questions": args.doc_questions},
+            "skip": args.skip_list}
 
 
 def all_cells(config: dict) -> list[str]:
@@ -136,7 +181,10 @@ def all_cells(config: dict) -> list[str]:
     suffix = [""] if groups == 1 else [f":g{g}of{groups}" for g in range(groups)]
     tasks = [f"task:{n}:{kind}:{seed}{g}" for n in config["task_lengths"] for seed in config["seeds"]
              for kind in config["tasks"] for g in suffix]
-    return fid + tasks
+    ret = config.get("retention") or {"lengths": []}
+    rets = [f"ret:{n}:{f}:{s}" for n in ret["lengths"] for s in ret["seeds"] for f in ret["fillers"]]
+    skip = set(config.get("skip", []))
+    return [c for c in fid + tasks + rets if c.split(":")[0] not in skip]
 
 
 def pick_cells(args: argparse.Namespace, cells: list[str]) -> list[str]:
@@ -165,6 +213,7 @@ class Runner:
         self.lm = load_model(args.model)
         self.specs = {m.label: m for m in method_specs(args.methods)}
         self._captures: dict[str, tuple] = {}
+        self._tables: dict[tuple[str, str], tuple[list, float]] = {}  # one text's builds
 
     def capture(self, text: str):
         from ctxcache.bench.common.capture import capture
@@ -180,6 +229,8 @@ class Runner:
         kind, *rest = cell.split(":")
         if kind == "fid":
             return self.fidelity(rest[0], self.specs[rest[1]])
+        if kind == "ret":
+            return self.retention(int(rest[0]), rest[1], int(rest[2]))
         labels = list(self.specs)
         if len(rest) == 4:  # method group g of G: every G-th label from g
             g, n = (int(x) for x in rest[3].removeprefix("g").split("of"))
@@ -187,7 +238,6 @@ class Runner:
         return self.tasks(int(rest[0]), rest[1], int(rest[2]), labels)
 
     def fidelity(self, text: str, spec: MethodSpec) -> list[dict]:
-        from ctxcache.bench.common.capture import build_tables
         from ctxcache.bench.common.selection import selection_metrics
         from ctxcache.bench.common.model_scores import teacher_forced
         a = self.args
@@ -200,9 +250,7 @@ class Runner:
                    "search_us": dense_cost_us(cap, a.timing_steps)}
             return [row]
         method = make_method(spec.name, spec.params)
-        t0 = time.perf_counter()
-        tables = build_tables(method, cap)
-        build_s = time.perf_counter() - t0
+        tables, build_s = self._build(text, spec, method, cap)
         rows = []
         for keep in a.keep_list[:1] if spec.own_budget else a.keep_list:
             config = SparseConfig(Budget(keep, a.sinks, a.recent))
@@ -218,6 +266,18 @@ class Runner:
             row["search_us"] = selection_cost_us(method, tables, cap, config.budget, a.timing_steps)
             rows.append(row)
         return rows
+
+    def _build(self, text: str, spec: MethodSpec, method, cap) -> tuple[list, float]:
+        """Tables and build seconds, shared by methods that differ only in search parameters."""
+        from ctxcache.bench.common.capture import build_tables
+        from ctxcache.bench.common.retention import build_key
+        key = (text, build_key(spec.name, spec.params))
+        if key not in self._tables:
+            self._tables = {k: v for k, v in self._tables.items() if k[0] == text}
+            t0 = time.perf_counter()
+            tables = build_tables(method, cap)
+            self._tables[key] = (tables, time.perf_counter() - t0)
+        return self._tables[key]
 
     def tasks(self, length: int, kind: str, seed: int, labels: list[str]) -> list[dict]:
         from ctxcache.bench.common.tasks import run_suite
@@ -236,6 +296,16 @@ class Runner:
             if row["method"] == FULL:
                 row["keep"] = None
         return rows
+
+
+    def retention(self, length: int, filler: str, seed: int) -> list[dict]:
+        from ctxcache.bench.common.copy_tasks import CopySpec
+        from ctxcache.bench.common.retention import run_context
+        a = self.args
+        n_ctx = min(length, self.lm.args.max_seq_len - ANSWER_RESERVE)
+        methods = {m.label: (m.name, m.params) for m in self.specs.values() if not m.own_budget}
+        return run_context(self.lm, methods, CopySpec(n_ctx, filler, a.doc_questions), seed, a.ret_keeps,
+                           a.sinks, a.recent)
 
 
 # ---------------------------------------------------------------- shards

@@ -13,10 +13,12 @@ defaults run the bundled SmolLM2 at 4K.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -77,16 +79,31 @@ def generate(client: Client, cid: str, max_tokens: int) -> pb.Final:
     return final
 
 
-def concurrent_rate(client: Client, cids: list[str], tokens: int) -> tuple[float, float, str]:
-    """Aggregate generated tok/s of one stream per context, all at once; mean per-stream tok/s."""
+def _client_rate(address: str, cids: list[str], tokens: int) -> tuple[float, list[float], list[str], int]:
+    """In the load process: one stream per context, all at once -> (wall seconds, per-stream
+    tok/s, decode paths, generated tokens)."""
+    client = Client(address)
     finals: list = [None] * len(cids)
 
     def one(i: int) -> None:
         finals[i] = generate(client, cids[i], tokens)
 
-    wall = run_together([lambda i=i: one(i) for i in range(len(cids))])
-    made = sum(f.usage.generated_tokens for f in finals)
-    return made / wall, statistics.mean(f.timings.tokens_per_second for f in finals), finals[0].decode_path
+    try:
+        wall = run_together([lambda i=i: one(i) for i in range(len(cids))])
+    finally:
+        client.close()
+    return (wall, [f.timings.tokens_per_second for f in finals], [f.decode_path for f in finals],
+            sum(f.usage.generated_tokens for f in finals))
+
+
+def concurrent_rate(load: ProcessPoolExecutor, address: str, cids: list[str], tokens: int) -> tuple[float, float, str]:
+    """Aggregate generated tok/s of one stream per context, all at once, and the mean per-stream
+    tok/s. The client runs in its own process, as a user's would: client threads in the server's
+    process would take the server's interpreter lock from the decode loop."""
+    wall, rates, paths, made = load.submit(_client_rate, address, cids, tokens).result()
+    if len(set(paths)) != 1:
+        raise RuntimeError(f"streams were served by different paths: {sorted(set(paths))}")
+    return made / wall, statistics.mean(rates), paths[0]
 
 
 def ttft_tiers(server, client: Client, cid: str, repeats: int, drop_page_cache: bool) -> dict[str, list[float]]:
@@ -136,15 +153,17 @@ def run_point(lm, args, mode: str, n_ctx: int, streams: list[int], data: Path) -
         build = {"context": n_ctx, "put_seconds": statistics.median(puts)}
         tiers = ttft_tiers(server, client, cids[0], args.repeats, args.drop_page_cache)
         tiers["reprefill"] = [timed_prefill(lm, n_ctx + 20) for _ in range(args.repeats)]
-        for s in streams:  # first use of a batch size compiles kernels and captures its graph
-            concurrent_rate(client, cids[:s], 4)
-        for s in streams:
-            agg, per, path = concurrent_rate(client, cids[:s], args.tokens)
-            rows.append({"context": n_ctx, "streams": s, "mode": "csattention" if mode == "sparse" else "dense",
-                         "decode_path": path, "aggregate_tokens_per_s": agg, "per_stream_tokens_per_s": per,
-                         "ttft_p50_s": {k: statistics.median(v) for k, v in tiers.items()},
-                         "ttft_p99_s": {k: pctl(v, 0.99) for k, v in tiers.items()}})
-            print(rows[-1], flush=True)
+        address = f"127.0.0.1:{port}"
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as load:
+            for s in streams:  # first use of a batch size compiles kernels and captures its graph
+                concurrent_rate(load, address, cids[:s], 4)
+            for s in streams:
+                agg, per, path = concurrent_rate(load, address, cids[:s], args.tokens)
+                rows.append({"context": n_ctx, "streams": s, "mode": "csattention" if mode == "sparse" else "dense",
+                             "decode_path": path, "aggregate_tokens_per_s": agg, "per_stream_tokens_per_s": per,
+                             "ttft_p50_s": {k: statistics.median(v) for k, v in tiers.items()},
+                             "ttft_p99_s": {k: pctl(v, 0.99) for k, v in tiers.items()}})
+                print(rows[-1], flush=True)
     finally:
         client.close()
         server.stop(0)

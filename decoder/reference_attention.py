@@ -95,6 +95,8 @@ class ReferenceSparseAttention:
         if cached is None or cached[1] + period <= n:
             found = self.method.search(self.states[b][layer], q, keys, lo, hi, budget.top_k(n))
             self._reuse[(layer, b)] = cached = (found, n)
+            # keys a search reads beyond those it returns (a re-rank's other candidates)
+            self.keys_read += (self.method.search_reads(budget.top_k(n), hi - lo) - found.shape[1]) * found.shape[0]
         found = cached[0]
         # a reused search may now overlap the moved recent window: attend to those once
         valid = torch.cat([torch.ones_like(static, dtype=torch.bool), found < hi], dim=1)

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from ctxcache.artifact import KV_CODECS, ContextArtifact, LayerArtifact
 from ctxcache.generation import prefill
+from ctxcache.host_copy import to_host, wait_for_host_copies
 from ctxcache.methods import SparseMethod, make_method
 from ctxcache.models.attention import QueryCapture
 from ctxcache.models.loader import LoadedModel
@@ -65,10 +66,12 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
                       disable=not config.progress):
         q = capture.queries(layer)
         tables = method.persist(next(built))
-        k, v = cache.k[layer][0, :, :n].cpu(), cache.v[layer][0, :, :n].cpu()
-        kept = q[:, query_positions(n, config.store_queries).to(q.device)].half().cpu() if config.store_queries else None
-        layers.append(LayerArtifact(k=k.to(dtype), v=v.to(dtype), tables=tables, queries=kept))
+        k, v = to_host(cache.k[layer][0, :, :n], dtype), to_host(cache.v[layer][0, :, :n], dtype)
+        kept = to_host(q[:, query_positions(n, config.store_queries).to(q.device)], torch.half) \
+            if config.store_queries else None
+        layers.append(LayerArtifact(k=k, v=v, tables=tables, queries=kept))
         capture.chunks[layer] = []  # free the queries as we go
+    wait_for_host_copies(device)
     return ContextArtifact(
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
         method_params=method.params.to_dict(), tokens=ids.cpu(), last_logits=logits[0].float().cpu(),

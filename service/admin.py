@@ -2,37 +2,50 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from ctxcache.methods import make_method
 from ctxcache.service import convert
 from ctxcache.service.convert import PutSpec
 from ctxcache.service.generate_streams import GenerateStreams
-from ctxcache.service.errors import DataLoss, FailedPrecondition, NotFound, unary
+from ctxcache.service.errors import FailedPrecondition, NotFound
+from ctxcache.service.rpc import in_thread, unary
 from ctxcache.service.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
 from ctxcache.service.backend import ROLES_LABEL
 from ctxcache.service.build_queue import BuildQueue
-from ctxcache.service.servicer import context_info, wait_while_client_waits
+from ctxcache.service.servicer import context_info, wait_for
 from ctxcache.service.footprint import codec_footprint
 from ctxcache.store.layout import QUERY_CHUNK
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, indexer: BuildQueue, decoder: GenerateStreams) -> None:
-        self.indexer, self.decoder, self.backend = indexer, decoder, indexer.backend
+    def __init__(self, indexer: BuildQueue, decoder: GenerateStreams, pool: ThreadPoolExecutor) -> None:
+        self.indexer, self.decoder, self.backend, self.pool = indexer, decoder, indexer.backend, pool
 
     @unary
-    def Evict(self, request, context):
-        cid = convert.context_id(request.context_id)
-        if request.memory_only:
+    async def Evict(self, request, context):
+        return await in_thread(self.pool, self._evict, convert.context_id(request.context_id), request.memory_only)
+
+    def _evict(self, cid: str, memory_only: bool) -> apb.EvictResponse:
+        if memory_only:
             freed = self.decoder.evict(cid)
             return apb.EvictResponse(evicted=freed > 0, bytes_freed=freed)
+        cancelled = self.indexer.cancel(cid, "evicted")  # a BUILDING id stops building
         m = self.backend.manifest(cid)
         deleted = self.backend.delete(cid)  # store first: a load racing this is then not cached
         freed = self.decoder.evict(cid)
-        return apb.EvictResponse(evicted=deleted or freed > 0,
+        return apb.EvictResponse(evicted=deleted or cancelled or freed > 0,
                                  bytes_freed=(m.stored_bytes if m and deleted else 0) + freed)
 
     @unary
-    def Rebuild(self, request, context):
+    async def Rebuild(self, request, context):
+        new_id, job, reprefill = await in_thread(self.pool, self._rebuild, request)
+        if request.wait:
+            await wait_for(job)
+        info = await in_thread(self.pool, context_info, self.indexer, new_id)
+        return apb.RebuildResponse(context=info, reprefilled=reprefill)
+
+    def _rebuild(self, request):
         cid = convert.context_id(request.context_id)
         m = self.backend.manifest(cid)
         if m is None:
@@ -56,12 +69,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         spec = PutSpec([{"role": r, "content": ""} for r in roles], labels, m.ttl_s, m.pinned, name,
                        params, request.wait, m.tenant, m.kv_codec, has_queries)
         new_id, job, _ = self.indexer.submit(spec, art.tokens.tolist(), None if reprefill else art)
-        if request.wait:
-            wait_while_client_waits(job, context)
-        return apb.RebuildResponse(context=context_info(self.indexer, new_id), reprefilled=reprefill)
+        return new_id, job, reprefill
 
     @unary
-    def Verify(self, request, context):
+    async def Verify(self, request, context):
+        return await in_thread(self.pool, self._verify, request)
+
+    def _verify(self, request) -> apb.VerifyResponse:
         ids = [convert.context_id(request.context_id)] if request.context_id else self.backend.context_ids()
         results = []
         for cid in ids:
@@ -73,7 +87,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return apb.VerifyResponse(results=results)
 
     @unary
-    def Stats(self, request, context):
+    async def Stats(self, request, context):
+        return await in_thread(self.pool, self._stats)
+
+    def _stats(self) -> apb.StatsResponse:
         st = self.backend.stats()
         building, failed = self.indexer.counts()
         return apb.StatsResponse(
@@ -86,6 +103,6 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             footprint=codec_footprint(self.backend.store.list_manifests(limit=1 << 31)))
 
     @unary
-    def Reconcile(self, request, context):
-        registered, removed = self.backend.reconcile()
+    async def Reconcile(self, request, context):
+        registered, removed = await in_thread(self.pool, self.backend.reconcile)
         return apb.ReconcileResponse(registered=registered, removed=removed)

@@ -9,6 +9,7 @@ effort (logged, repaired by Reconcile), and Generate never touches the registry.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.service.cached_context import CachedContext
@@ -23,24 +24,40 @@ ROLES_LABEL = "ctxcache/roles"
 class Backend:
     def __init__(self, store: ArtifactStore, registry: Registry, registry_kind: str) -> None:
         self.store, self.registry, self.registry_kind = store, registry, registry_kind
+        self.location = store.location  # the server replaces it with its host:port once bound
 
     # ---- builds -------------------------------------------------------------------------------
     def claim_build(self, cid: str, lease_s: float) -> bool:
         try:
-            return self.registry.claim_build(cid, cid, self.store.location, lease_s)
+            return self.registry.claim_build(cid, cid, self.location, lease_s)
         except RegistryUnavailable as exc:
             raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
+
+    def ready_elsewhere(self, cid: str) -> str | None:
+        """The location of cid if the registry has it READY on another worker, else None."""
+        try:
+            entry = self.registry.get(cid)
+        except RegistryUnavailable as exc:
+            raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
+        if entry is not None and entry.state.value == "READY" and entry.location != self.location:
+            return entry.location or "another worker"
+        return None
+
+    def relocate(self, location: str) -> None:
+        """Record this worker in the registry as `location` (its reachable host:port)."""
+        self.location = location
+        self.store.config = replace(self.store.config, location=location)
 
     def renew_claim(self, cid: str, lease_s: float) -> None:
         self._best_effort("renew_build", cid, lease_s)
 
     def put(self, cid: str, art: ContextArtifact, meta: ContextMeta) -> Manifest:
         manifest = self.store.put(cid, art, meta)
-        self._best_effort("mark_ready", cid, cid, self.store.location)
+        self._best_effort("mark_ready", cid, cid, self.location)
         return manifest
 
     def build_failed(self, cid: str, error: str) -> None:
-        self._best_effort("mark_failed", cid, cid, error[:500], self.store.location)
+        self._best_effort("mark_failed", cid, cid, error[:500], self.location)
 
     def _best_effort(self, op: str, *args) -> None:
         try:
@@ -64,8 +81,20 @@ class Backend:
         roles = tuple(m.labels.get(ROLES_LABEL, "system").split(","))
         return CachedContext(art, roles, m.stored_bytes)
 
-    def list(self, limit: int, after: str | None) -> list[Manifest]:
-        return self.store.list_manifests(limit=limit, after=after)
+    def list(self, limit: int, after: str | None, tenant: str | None = None) -> list[Manifest]:
+        """tenant: only this tenant's contexts (None: every tenant)."""
+        return self.store.list_manifests(limit=limit, after=after, tenant=tenant)
+
+    def missing(self, cid: str) -> str:
+        """Why cid is not here: absent, or (per the registry) stored by another worker."""
+        try:
+            entry = self.registry.get(cid)
+        except Exception:  # noqa: BLE001 - the registry is a hint here, never a failure
+            entry = None
+        if entry is not None and entry.location and entry.location != self.location:
+            return (f"context {cid} is not in this worker's store; the registry has it "
+                    f"{entry.state.value} at {entry.location}")
+        return f"context {cid} not found"
 
     def context_ids(self) -> list[str]:
         return self.store.context_ids()

@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 
 from ctxcache.artifact import FORMAT_VERSION, ContextArtifact
+from ctxcache.cancel import BuildCancelled, CancellableMethod, CancelToken, building, install_hooks
 from ctxcache.indexer import IndexerConfig, build_artifact, reindex
-from ctxcache.methods import make_method
+from ctxcache.methods import ParamError, make_method
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.backend import ROLES_LABEL, Backend
 from ctxcache.service.config import IndexerSettings
@@ -40,6 +41,7 @@ class Job:
     progress: float = 0.0
     error: str = ""
     done: threading.Event = field(default_factory=threading.Event)
+    token: CancelToken = field(default_factory=CancelToken)
 
 
 class BuildQueue:
@@ -48,6 +50,7 @@ class BuildQueue:
         self.lm, self.prompter, self.backend, self.settings = lm, prompter, backend, settings
         self.kv_dtype, self.metrics = kv_dtype, metrics
         self.max_tokens = settings.max_context_tokens or max(1, lm.args.max_seq_len - 256)
+        install_hooks(lm.model)  # prefill checks the building thread's cancel token per block
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -84,6 +87,10 @@ class BuildQueue:
         """-> (context id, the job if one is building, created). READY contexts have no job.
 
         tokens: skip tokenization (Rebuild); source: re-index its K/V instead of prefilling."""
+        try:
+            make_method(spec.method, spec.method_params).check_model(self.lm.args.head_dim)
+        except ParamError as exc:
+            raise InvalidArgument(f"method.params.{exc.field}", str(exc)) from exc
         tokens = self.tokens(spec) if tokens is None else tokens
         cid = self.context_id(spec, tokens)
         with self._lock:
@@ -98,11 +105,35 @@ class BuildQueue:
                 self.metrics.rejected.labels("PutContext").inc()
                 raise ResourceExhausted(f"{self._queue.qsize()} builds queued; retry later")
             if not self.backend.claim_build(cid, self.settings.claim_lease_s):
-                raise Unavailable(f"context {cid} is being built by another worker; retry later")
-            job = self._jobs[cid] = Job(cid, spec, tokens, source)
+                elsewhere = self.backend.ready_elsewhere(cid)
+                if elsewhere is None:  # a live claim: the other build ends (or lapses) within a lease
+                    raise Unavailable(f"context {cid} is being built by another worker; retry later")
+                # READY on another worker: this worker builds its own copy (each serves its own store)
+                log.info("context %s is READY at %s; building a local copy", cid[:12], elsewhere)
+            job = self._jobs[cid] = Job(cid, spec, tokens, source,
+                                        token=CancelToken(self.settings.build_timeout_s))
             self._queue.put(job)
         self.metrics.put_requests.labels("created").inc()
         return cid, job, True
+
+    def cancel(self, cid: str, reason: str = "cancelled", wait_s: float = 2.0) -> bool:
+        """Cancel a queued or running build of cid; -> whether one was building. Waits up to
+        wait_s for the builder to stop, so a delete that follows does not race its write."""
+        with self._lock:
+            job = self._jobs.get(cid)
+            if job is None or job.state != "building":
+                return False
+            job.token.cancel(reason)
+        job.done.wait(wait_s)
+        return True
+
+    def tenant_of(self, cid: str) -> str | None:
+        """The tenant of a stored or building context; None if neither."""
+        m = self.backend.manifest(cid)
+        if m is not None:
+            return m.tenant
+        job = self.job(cid)
+        return None if job is None else job.spec.tenant
 
     def job(self, cid: str) -> Job | None:
         with self._lock:
@@ -124,15 +155,18 @@ class BuildQueue:
     def _build(self, job: Job) -> None:
         t0 = time.perf_counter()
         try:
+            job.token.check()  # cancelled while queued
             job.progress = 0.1
-            method = make_method(job.spec.method, job.spec.method_params)
-            if job.source is not None:
-                art = reindex(job.source, method)
-            else:
-                keep = self.settings.store_queries if job.spec.keep_queries else 0
-                art = build_artifact(self.lm, job.tokens, method,
-                                     IndexerConfig(self.settings.chunk, self.kv_dtype, job.spec.kv_codec,
-                                                   progress=False, store_queries=keep))
+            method = CancellableMethod(make_method(job.spec.method, job.spec.method_params), job.token)
+            with building(job.token):
+                if job.source is not None:
+                    art = reindex(job.source, method)
+                else:
+                    keep = self.settings.store_queries if job.spec.keep_queries else 0
+                    art = build_artifact(self.lm, job.tokens, method,
+                                         IndexerConfig(self.settings.chunk, self.kv_dtype, job.spec.kv_codec,
+                                                       progress=False, store_queries=keep))
+            job.token.check()  # a delete that arrived during the last layer wins over the write
             job.progress = 0.9
             labels = {**job.spec.labels, ROLES_LABEL: ",".join(job.spec.roles)}
             meta = ContextMeta(labels=labels, ttl_s=job.spec.ttl_s, pinned=job.spec.pin,
@@ -142,6 +176,11 @@ class BuildQueue:
             self.metrics.builds.labels("ready").inc()
             log.info("built %s: %d tokens in %.1fs, %d bytes", job.context_id[:12], len(job.tokens),
                      time.perf_counter() - t0, manifest.stored_bytes)
+        except BuildCancelled as exc:
+            job.state, job.error = "failed", f"cancelled: {exc}"
+            self.metrics.builds.labels("cancelled").inc()
+            self.backend.build_failed(job.context_id, job.error)
+            log.info("build %s cancelled after %.1fs: %s", job.context_id[:12], time.perf_counter() - t0, exc)
         except Exception as exc:  # noqa: BLE001 - a failed build is a state, not a crash
             job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
             self.metrics.builds.labels("failed").inc()
@@ -151,10 +190,15 @@ class BuildQueue:
             self.metrics.build_seconds.observe(time.perf_counter() - t0)
             job.done.set()
             with self._lock:
-                if job.state == "ready":
+                if job.state == "ready" or job.token.cancelled:  # a cancelled id is free to build again
                     self._jobs.pop(job.context_id, None)
 
     def close(self, timeout: float = 5.0) -> None:
+        """Cancel queued and running builds, then stop the builder (a drain ends here)."""
         self._closed.set()
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.state == "building"]
+        for job in jobs:
+            job.token.cancel("the server is shutting down")
         self._queue.put(None)
         self._thread.join(timeout)

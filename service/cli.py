@@ -9,9 +9,29 @@ import sys
 from pathlib import Path
 
 
+DEFAULT_PORT = 50051
+
+
+def address(value: str) -> str:
+    """host[:port] -> host:port (a bare host means the default port, never gRPC's 443)."""
+    host, sep, port = value.rpartition(":")
+    if sep and port.isdigit() and host and not host.endswith(":"):
+        return value
+    if value.startswith("[") and value.endswith("]") or value.count(":") < 2:
+        return f"{value}:{DEFAULT_PORT}"
+    return value  # a bare IPv6 address with a port already, or something grpc will refuse clearly
+
+
+def positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return n
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="127.0.0.1:50051", help="server host:port")
-    p.add_argument("--admin-address", default=None, help="admin host:port if served apart")
+    p.add_argument("--address", type=address, default=f"127.0.0.1:{DEFAULT_PORT}", help="server host[:port]")
+    p.add_argument("--admin-address", type=address, default=None, help="admin host[:port] if served apart")
     p.add_argument("--token", default=None, help="bearer token (or env CTXCACHE_TOKEN)")
     p.add_argument("--tls-ca", type=Path, default=None, help="CA certificate for TLS")
 
@@ -51,8 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--admin-port", type=int, default=None, help="serve admin + reflection here only")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP")
-    p.add_argument("--token", default=None, help="require this bearer token (or env CTXCACHE_TOKEN)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP (on --host)")
+    p.add_argument("--grace", type=float, default=5.0, help="SIGTERM: seconds live streams get to finish")
+    p.add_argument("--advertise", default="", help="host:port the registry records for this worker "
+                   "(default: --host, or the hostname when binding all interfaces)")
+    p.add_argument("--token", default=None, help="the admin bearer token (or env CTXCACHE_TOKEN)")
+    p.add_argument("--tenant-tokens", default=None, help="TOKEN=TENANT,... (or env CTXCACHE_TENANT_TOKENS): "
+                   "each token sees only its tenant's contexts")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without any token (e.g. behind a private network)")
     p.add_argument("--tls-cert", type=Path, default=None)
     p.add_argument("--tls-key", type=Path, default=None)
 
@@ -70,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default="{}", help="method parameters as JSON")
     p.add_argument("--tenant", default="")
     p.add_argument("--no-wait", action="store_true", help="return while building")
+    p.add_argument("--json", action="store_true", help="print the full context record, not just the id")
     p.add_argument("--kv-codec", default="", choices=["", "lossless", "int8", "int4"], help="default: the server's")
     p.add_argument("--keep-queries", action="store_true",
                    help="keep a prefill query sample so Rebuild with other CSAttention parameters needs no prefill")
@@ -103,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--method", default="csattention")
     p.add_argument("--question", default=None)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
 
     p = sub.add_parser("generate-local", help="no server: build the artifact in-process and answer")
     p.add_argument("--text", type=Path, required=True)
@@ -120,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
@@ -128,15 +156,41 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every failure is one line on stderr and a non-zero exit code (-v adds the traceback)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the bench package parses everything after "bench" itself
-        return int(importlib.import_module("ctxcache.bench").main(argv[1:]) or 0)
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from ctxcache.service import cli_commands
+    verbose = "-v" in argv or "--verbose" in argv
+    try:
+        if argv[:1] == ["bench"]:  # the bench package parses everything after "bench" itself
+            return _bench(argv[1:])
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        from ctxcache.service import cli_commands
 
-    return int(cli_commands.run(args) or 0)
+        return int(cli_commands.run(args) or 0)
+    except KeyboardInterrupt:
+        print("ctxcache: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI's one place that turns errors into a line
+        if verbose:
+            raise
+        print(f"ctxcache: error: {one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def one_line(exc: BaseException) -> str:
+    from ctxcache.service.cli_errors import describe
+
+    return " ".join(describe(exc).split())[:500]
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        bench = importlib.import_module("ctxcache.bench")
+    except ModuleNotFoundError as exc:
+        raise RuntimeError(f"`ctxcache bench` needs the benchmarks and their extra "
+                           f"(pip install 'ctxcache[bench]'): missing module {exc.name!r}") from exc
+    return int(bench.main(argv) or 0)
 
 
 if __name__ == "__main__":

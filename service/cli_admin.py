@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import json
+import sys
 
 from google.protobuf import json_format
 
+from ctxcache.service.cli_commands import _params
 from ctxcache.service.client import Client
 from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 
 def _print(msg) -> None:
-    print(json_format.MessageToJson(msg, preserving_proto_field_name=True))
+    """Every field, defaults included (a no-op shows evicted: false, not {})."""
+    print(json_format.MessageToJson(msg, preserving_proto_field_name=True,
+                                    always_print_fields_with_no_presence=True))
 
 
 def run_admin(client: Client, args) -> int:
@@ -30,12 +33,16 @@ def run_admin(client: Client, args) -> int:
     if cmd == "show":
         _print(client.context.GetContext(pb.GetContextRequest(context_id=args.context_id), metadata=md))
     elif cmd == "evict":
-        _print(client.admin.Evict(apb.EvictRequest(context_id=args.context_id, memory_only=args.memory_only),
-                                  metadata=md))
+        resp = client.admin.Evict(apb.EvictRequest(context_id=args.context_id, memory_only=args.memory_only),
+                                  metadata=md)
+        _print(resp)
+        if not resp.evicted:
+            print(f"ctxcache: nothing evicted: {args.context_id} is not cached", file=sys.stderr)
+            return 1
     elif cmd == "rebuild":
         req = apb.RebuildRequest(context_id=args.context_id, allow_reprefill=args.allow_reprefill, wait=True)
         req.method.name = args.method
-        req.method.params.update(json.loads(args.params))
+        req.method.params.update(_params(args.params))
         _print(client.admin.Rebuild(req, metadata=md))
     elif cmd == "verify":
         resp = client.admin.Verify(apb.VerifyRequest(context_id=args.context_id or ""), metadata=md)

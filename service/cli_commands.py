@@ -23,19 +23,17 @@ from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 def run(args) -> int:
     handler = {"serve": serve, "put": put, "generate": generate, "admin": admin, "demo": demo,
                "generate-local": generate_local}[args.command]
-    try:
-        return handler(args)
-    except grpc.RpcError as err:
-        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
+    return handler(args)  # errors become one line in cli.main
 
 
 def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | None = None,
-                   token: str | None = None, tls: tuple[Path | None, Path | None] = (None, None)) -> ServiceConfig:
+                   token: str | None = None, tls: tuple[Path | None, Path | None] = (None, None),
+                   tenant_tokens: tuple[tuple[str, str], ...] = ()) -> ServiceConfig:
     return ServiceConfig(
         server=ServerConfig(host=host, port=port, admin_port=admin_port, max_streams=args.max_streams,
                             threads=max(64, args.max_streams + 16), auth_token=token,
-                            tls_cert=tls[0], tls_key=tls[1]),
+                            tenant_tokens=tenant_tokens, tls_cert=tls[0], tls_key=tls[1],
+                            grace_seconds=getattr(args, "grace", 5.0), advertise=getattr(args, "advertise", "")),
         model=ModelConfig(args.model, args.device, args.dtype),
         store=StoreSettings(args.data, int(args.store_budget_gb * GiB)),
         registry=RegistrySettings(args.redis),
@@ -46,15 +44,43 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                                 gpu_slot_tokens=args.gpu_slot_tokens))
 
 
+def _env_token(name: str) -> str | None:
+    value = os.environ.get(name)
+    if value is not None and not value.strip():
+        raise ValueError(f"{name} is set but empty: unset it, or set it to a token")
+    return value
+
+
+def tenant_tokens(spec: str | None) -> tuple[tuple[str, str], ...]:
+    """TOKEN=TENANT,TOKEN=TENANT -> ((token, tenant), ...)."""
+    pairs = []
+    for item in filter(None, (spec or "").split(",")):
+        token, sep, tenant = item.strip().partition("=")
+        if not sep or not token or not tenant:
+            raise ValueError(f"tenant tokens: {item[:40]!r} must look like TOKEN=TENANT")
+        pairs.append((token, tenant))
+    return tuple(pairs)
+
+
 def serve(args) -> int:
+    token = args.token or _env_token("CTXCACHE_TOKEN")
+    tenants = tenant_tokens(args.tenant_tokens or _env_token("CTXCACHE_TENANT_TOKENS"))
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    if not loopback and not (token or tenants) and not args.allow_unauthenticated:
+        raise ValueError(f"--host {args.host} is reachable by others: set CTXCACHE_TOKEN (and "
+                         "CTXCACHE_TENANT_TOKENS), or pass --allow-unauthenticated")
+    if args.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA GPU")
     from ctxcache.service.server import create_server
 
-    token = args.token or os.environ.get("CTXCACHE_TOKEN")
-    cfg = service_config(args, args.port, args.host, args.admin_port, token, (args.tls_cert, args.tls_key))
+    cfg = service_config(args, args.port, args.host, args.admin_port, token, (args.tls_cert, args.tls_key),
+                         tenants)
     server, port = create_server(cfg)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
-        start_http_server(args.metrics_port, registry=server.metrics.registry)
+        start_http_server(args.metrics_port, addr=args.host, registry=server.metrics.registry)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -67,7 +93,7 @@ def serve(args) -> int:
 
 
 def _client(args) -> Client:
-    return Client(args.address, args.token or os.environ.get("CTXCACHE_TOKEN"), args.tls_ca, args.admin_address)
+    return Client(args.address, args.token or _env_token("CTXCACHE_TOKEN"), args.tls_ca, args.admin_address)
 
 
 def put_request(args) -> pb.PutContextRequest:
@@ -78,16 +104,31 @@ def put_request(args) -> pb.PutContextRequest:
         req.labels[key] = value
     if args.method:
         req.method.name = args.method
-        req.method.params.update(json.loads(args.params))
+        req.method.params.update(_params(args.params))
     if args.text:
         req.text = args.text.read_text(encoding="utf-8")
     elif args.messages:
-        for m in json.loads(args.messages.read_text(encoding="utf-8")):
+        messages = json.loads(args.messages.read_text(encoding="utf-8"))
+        if not isinstance(messages, list):
+            raise ValueError(f"--messages {args.messages}: must hold a JSON list of {{role, content}}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"--messages {args.messages}: item {i} needs string fields 'role' and 'content'")
             req.chat.messages.add(role=m["role"], content=m["content"])
     else:
         for doc in read_documents(args.documents):
             req.documents.documents.add(**doc)
     return req
+
+
+def _params(text: str) -> dict:
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--params is not JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(params, dict):
+        raise ValueError("--params must be a JSON object, e.g. '{\"centroids\": 64}'")
+    return params
 
 
 def read_documents(path: Path) -> list[dict[str, str]]:
@@ -110,20 +151,33 @@ def read_documents(path: Path) -> list[dict[str, str]]:
 
 
 def put(args) -> int:
+    """Prints the context id (--json: the full record). Ctrl-C while waiting prints the id too:
+    the build goes on on the server."""
     from tqdm import tqdm
 
     client = _client(args)
     req = put_request(args)
     wait, req.wait = req.wait, False
     info = client.put(req).context
-    with tqdm(total=100, desc="build", unit="%", disable=not wait) as bar:
-        while wait and info.state == pb.CONTEXT_STATE_BUILDING:
-            time.sleep(0.2)
-            info = client.context.GetContext(pb.GetContextRequest(context_id=info.context_id),
-                                             metadata=client.metadata)
-            bar.update(int(info.progress * 100) - bar.n)
-    print(json_format.MessageToJson(info, preserving_proto_field_name=True))
-    return 0 if info.state != pb.CONTEXT_STATE_FAILED else 1
+    try:
+        with tqdm(total=100, desc="build", unit="%", disable=not wait, file=sys.stderr) as bar:
+            while wait and info.state == pb.CONTEXT_STATE_BUILDING:
+                time.sleep(0.2)
+                info = client.context.GetContext(pb.GetContextRequest(context_id=info.context_id),
+                                                 metadata=client.metadata)
+                bar.update(int(info.progress * 100) - bar.n)
+    except KeyboardInterrupt:
+        print(f"ctxcache: interrupted; the build goes on on the server: {info.context_id}", file=sys.stderr)
+        print(info.context_id)
+        return 130
+    if args.json:
+        print(json_format.MessageToJson(info, preserving_proto_field_name=True))
+    else:
+        print(info.context_id)
+    if info.state == pb.CONTEXT_STATE_FAILED:
+        print(f"ctxcache: error: build failed: {info.error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def stream_answer(events, out=sys.stdout) -> pb.Final:
@@ -167,7 +221,8 @@ def demo(args) -> int:
     from ctxcache.service import demo_text
     from ctxcache.service.server import create_server
 
-    data = args.data or Path(tempfile.mkdtemp(prefix="ctxcache-demo-"))
+    temp = None if args.data else tempfile.TemporaryDirectory(prefix="ctxcache-demo-")
+    data = args.data or Path(temp.name)
     cfg = ServiceConfig(server=ServerConfig(port=0), model=ModelConfig(args.model),
                         store=StoreSettings(data, 2 * GiB), indexer=IndexerSettings(method=args.method))
     print(f"loading {args.model} and starting the service (store {data}) ...", flush=True)
@@ -188,6 +243,8 @@ def demo(args) -> int:
     finally:
         client.close()
         server.stop(1)
+        if temp is not None:
+            temp.cleanup()  # the demo leaves nothing behind
     return 0
 
 

@@ -23,7 +23,9 @@ class ServerConfig:
     max_message_bytes: int = 64 * MiB
     max_streams: int = 16  # concurrent Generate streams; more -> RESOURCE_EXHAUSTED
     threads: int = 64  # gRPC handler threads (streams + unary calls)
-    auth_token: str | None = None  # bearer token; None: no auth
+    auth_token: str | None = None  # the admin (operator) bearer token: every RPC, every tenant
+    tenant_tokens: tuple[tuple[str, str], ...] = ()  # (token, tenant): that tenant's contexts only
+    advertise: str = ""  # host:port the registry records for this worker; "" = host (or hostname):port
     tls_cert: Path | None = None
     tls_key: Path | None = None
     grace_seconds: float = 5.0
@@ -42,6 +44,17 @@ class ServerConfig:
             raise ValueError(f"tls_cert={self.tls_cert} and tls_key={self.tls_key}: give both or neither")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must be non-empty when set")
+        for token, tenant in self.tenant_tokens:
+            if not token or token == self.auth_token:
+                raise ValueError(f"tenant token of {tenant!r} must be non-empty and differ from the admin token")
+
+    def advertised(self, port: int) -> str:
+        """The address other workers and clients reach this one at (recorded in the registry)."""
+        if self.advertise:
+            return self.advertise
+        import socket
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
+        return f"{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,7 @@ class IndexerSettings:
     store_queries: int = 1536  # prefill query positions kept per layer when PutContext asks (keep_queries)
     kv_codec: str = "int8"  # PutContext's default K/V codec (measured: bench storage, README)
     claim_lease_s: float = CLAIM_LEASE_S  # registry build claims, renewed every lease/3 while building
+    build_timeout_s: float = 1800.0  # a build running longer is cancelled (FAILED), never wedges the queue
 
     def __post_init__(self) -> None:
         from ctxcache.artifact import KV_CODECS
@@ -108,6 +122,8 @@ class IndexerSettings:
             raise ValueError(f"indexer.kv_codec={self.kv_codec!r} must be one of {KV_CODECS}")
         if self.claim_lease_s <= 0:
             raise ValueError(f"indexer.claim_lease_s={self.claim_lease_s} must be > 0")
+        if not self.build_timeout_s > 0:
+            raise ValueError(f"indexer.build_timeout_s={self.build_timeout_s} must be > 0")
         if self.queue_limit < 1 or self.chunk < 1 or self.max_context_tokens < 0 or self.store_queries < 0:
             raise ValueError(f"queue_limit={self.queue_limit}, chunk={self.chunk} must be >= 1 "
                              f"and max_context_tokens={self.max_context_tokens}, store_queries="

@@ -7,13 +7,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
 from ctxcache.artifact import KV_CODECS
 from ctxcache.generation import SamplingParams
-from ctxcache.methods import make_method
+from ctxcache.methods import ParamError, make_method
 from ctxcache.service.generate_streams import GenerateSpec
-from ctxcache.service.errors import InvalidArgument
+from ctxcache.service.errors import InvalidArgument, PermissionDenied
 from ctxcache.service.gen.v1 import context_pb2 as pb
 from ctxcache.service.prompting import ROLES, Messages, document_messages, text_messages
 
@@ -22,6 +22,9 @@ _LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
 _TENANT = re.compile(r"[A-Za-z0-9_.\-]{0,64}")
 RESERVED_LABEL = "ctxcache/"  # labels the service keeps for itself (e.g. the context's roles)
 MAX_LABELS, MAX_LABEL_VALUE, MAX_STOPS, MAX_STOP_CHARS, MAX_PAGE = 64, 256, 8, 64, 1000
+MAX_NAME = 64  # method names and schedules
+BYTES_PER_TOKEN = 32  # no vocabulary token spans more bytes: text past limit x this is refused untokenized
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0  # 1e-37 overflows the softmax to inf/nan
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,20 @@ def context_id(value: str, name: str = "context_id") -> str:
     return value
 
 
+def check_bytes(name: str, texts: list[str], max_tokens: int) -> None:
+    """Refuse text that cannot fit in max_tokens before spending CPU on tokenizing it."""
+    n, limit = sum(len(t) for t in texts), max_tokens * BYTES_PER_TOKEN
+    if n > limit:
+        raise InvalidArgument(name, f"{n} characters; at most {limit} ({max_tokens} tokens) are accepted")
+
+
 def _messages(chat: pb.ChatMessages, name: str) -> Messages:
     if not chat.messages:
         raise InvalidArgument(f"{name}.messages", "must hold at least one message")
     out = []
     for i, m in enumerate(chat.messages):
         if m.role not in ROLES:
-            raise InvalidArgument(f"{name}.messages[{i}].role", f"{m.role!r} must be one of {ROLES}")
+            raise InvalidArgument(f"{name}.messages[{i}].role", f"{m.role[:80]!r} must be one of {ROLES}")
         if not m.content.strip():
             raise InvalidArgument(f"{name}.messages[{i}].content", "must not be empty")
         out.append({"role": m.role, "content": m.content})
@@ -81,6 +91,17 @@ def _content(req: pb.PutContextRequest) -> Messages:
     return document_messages(docs)
 
 
+def _texts(req: pb.PutContextRequest) -> list[str]:
+    kind = req.WhichOneof("content")
+    if kind == "text":
+        return [req.text]
+    if kind == "chat":
+        return [m.content for m in req.chat.messages]
+    if kind == "documents":
+        return [d.text + d.title + d.id for d in req.documents.documents]
+    return []
+
+
 def _labels(labels: dict[str, str]) -> dict[str, str]:
     if len(labels) > MAX_LABELS:
         raise InvalidArgument("labels", f"{len(labels)} labels; at most {MAX_LABELS}")
@@ -93,15 +114,28 @@ def _labels(labels: dict[str, str]) -> dict[str, str]:
     return dict(labels)
 
 
+MAX_DEPTH = 8  # nested Struct levels accepted in method params (deeper: INVALID_ARGUMENT)
+
+
+def _value(v: struct_pb2.Value, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise InvalidArgument("method.params", f"nested deeper than {MAX_DEPTH} levels")
+    kind = v.WhichOneof("kind")
+    if kind == "number_value":  # Struct numbers are doubles: integral ones become ints (params are typed)
+        x = v.number_value
+        return int(x) if math.isfinite(x) and x.is_integer() else x
+    if kind == "struct_value":
+        return {k: _value(x, depth + 1) for k, x in v.struct_value.fields.items()}
+    if kind == "list_value":
+        return [_value(x, depth + 1) for x in v.list_value.values]
+    if kind in ("string_value", "bool_value"):
+        return getattr(v, kind)
+    return None
+
+
 def struct_to_dict(s: struct_pb2.Struct) -> dict[str, Any]:
-    """Struct numbers are doubles: integral values become ints (method params are typed)."""
-    def fix(v: Any) -> Any:
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        if isinstance(v, list):
-            return [fix(x) for x in v]
-        return v
-    return {k: fix(v) for k, v in json_format.MessageToDict(s).items()}
+    """Struct -> dict without a JSON round trip (NaN and infinities reach the typed checks)."""
+    return {k: _value(v, 1) for k, v in s.fields.items()}
 
 
 def dict_to_struct(d: dict[str, Any]) -> struct_pb2.Struct:
@@ -114,8 +148,12 @@ def method_spec(spec: pb.MethodSpec, default: str, default_params: dict[str, Any
     """-> (method name, full parameter dict) validated by constructing the method."""
     name = spec.name or default
     params = struct_to_dict(spec.params) if spec.name else {**default_params, **struct_to_dict(spec.params)}
+    if len(name) > MAX_NAME:
+        raise InvalidArgument("method.name", f"{len(name)} characters; at most {MAX_NAME}")
     try:
         method = make_method(name, params)
+    except ParamError as exc:
+        raise InvalidArgument(f"method.params.{exc.field}", str(exc)) from exc
     except ValueError as exc:
         bad = "method.name" if "unknown method" in str(exc) else "method.params"
         raise InvalidArgument(bad, str(exc)) from exc
@@ -131,19 +169,28 @@ def kv_codec(value: str, default: str) -> str:
 
 
 def put_spec(req: pb.PutContextRequest, default_method: str, default_params: dict[str, Any],
-             default_codec: str = "int8") -> PutSpec:
-    messages = _content(req)
+             caller_tenant: str | None = None, max_tokens: int = 1 << 20, default_codec: str = "int8") -> PutSpec:
+    """caller_tenant: the tenant bound to the caller's token (None: admin or an open server,
+    which may name any tenant in the request)."""
     if not _TENANT.fullmatch(req.tenant):
         raise InvalidArgument("tenant", f"{req.tenant[:80]!r} must match {_TENANT.pattern}")
+    tenant = req.tenant
+    if caller_tenant is not None:
+        if req.tenant and req.tenant != caller_tenant:
+            raise PermissionDenied(f"tenant: {req.tenant!r} is not the tenant of this token")
+        tenant = caller_tenant
+    check_bytes("content", _texts(req), max_tokens)
+    messages = _content(req)
     name, params = method_spec(req.method, default_method, default_params)
     return PutSpec(messages, _labels(dict(req.labels)), float(req.ttl_seconds) if req.ttl_seconds else None,
-                   req.pin, name, params, req.wait, req.tenant, kv_codec(req.kv_codec, default_codec),
+                   req.pin, name, params, req.wait, tenant, kv_codec(req.kv_codec, default_codec),
                    req.keep_queries)
 
 
 def _sampling(s: pb.SamplingParams, default_max: int, limit: int) -> SamplingParams:
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidArgument("sampling.temperature", f"{s.temperature} must be a finite number >= 0")
+    if not math.isfinite(s.temperature) or not (s.temperature == 0 or MIN_TEMPERATURE <= s.temperature <= MAX_TEMPERATURE):
+        raise InvalidArgument("sampling.temperature", f"{s.temperature:.6g} must be 0 (greedy) or in "
+                              f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
     top_p = s.top_p or 1.0
     if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
         raise InvalidArgument("sampling.top_p", f"{s.top_p} must be in (0, 1] (0 means 1)")
@@ -162,9 +209,15 @@ def _stops(stops) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def generate_spec(req: pb.GenerateRequest, default_max: int, limit: int) -> GenerateSpec:
+def generate_spec(req: pb.GenerateRequest, default_max: int, limit: int, max_tokens: int = 1 << 20
+                  ) -> GenerateSpec:
+    """max_tokens: the model's length; a turn longer than it could ever be is refused untokenized."""
     cid = context_id(req.context_id)
+    if len(req.schedule) > MAX_NAME:
+        raise InvalidArgument("schedule", f"{len(req.schedule)} characters; at most {MAX_NAME}")
     kind = req.WhichOneof("turn")
+    check_bytes("question" if kind == "question" else "chat",
+                [req.question] if kind == "question" else [m.content for m in req.chat.messages], max_tokens)
     if kind is None:
         raise InvalidArgument("turn", "set question or chat")
     if kind == "question":

@@ -27,4 +27,6 @@ town museum. The light has been automatic since 1987, but a volunteer still visi
 month to clean the lens and check the batteries.
 """
 
-QUESTION = "How often does the Averel Light flash, and who was its longest-serving keeper?"
+# one fact, stated once in the text: SmolLM2-135M answers it right from the cached context
+# (asked two facts at once it answered "every 15 seconds" and named no keeper)
+QUESTION = "Who was the longest-serving keeper of the Averel Light?"

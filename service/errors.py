@@ -51,6 +51,14 @@ class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Cancelled(ServiceError):
     code = grpc.StatusCode.CANCELLED
 
@@ -62,6 +70,7 @@ def _foreign_codes() -> dict[type, grpc.StatusCode]:
 
     codes: dict[type, grpc.StatusCode] = {ArtifactMismatch: grpc.StatusCode.FAILED_PRECONDITION}
     for name, code in (("CorruptArtifact", grpc.StatusCode.DATA_LOSS),
+                       ("StoreDamaged", grpc.StatusCode.DATA_LOSS),
                        ("StoreFull", grpc.StatusCode.RESOURCE_EXHAUSTED),
                        ("RegistryUnavailable", grpc.StatusCode.UNAVAILABLE),
                        ("FormatMismatch", grpc.StatusCode.FAILED_PRECONDITION),

@@ -24,7 +24,7 @@ from ctxcache.generation import SamplingParams
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.artifact_cache import ArtifactCache
 from ctxcache.service.cached_context import CachedContext
-from ctxcache.service.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
+from ctxcache.service.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Messages, Prompter
 from ctxcache.service.textstream import TextStream
@@ -71,6 +71,8 @@ class GenerateStreams:
         self.engines = [Engine(r, max_batch) for r in runners]
         self.default_schedule, self.dense = default_schedule, dense
         self._slots = threading.BoundedSemaphore(max_streams)
+        self._closing = threading.Event()
+        self._closing_reason = ""
         self.active = 0
         self._lock = threading.Lock()
 
@@ -83,8 +85,13 @@ class GenerateStreams:
         with self._lock:
             self.active += 1
         self.metrics.streams.inc()
+
+        def alive_unless_closing() -> bool:
+            if self._closing.is_set():
+                raise Unavailable(self._closing_reason)
+            return alive()
         try:
-            yield from self._run(spec, alive, deadline, t_request)
+            yield from self._run(spec, alive_unless_closing, deadline, t_request)
         finally:
             self.metrics.streams.dec()
             with self._lock:
@@ -96,6 +103,11 @@ class GenerateStreams:
         for engine in self.engines:
             engine.runner.evict(context_id)
         return self.cache.evict(context_id)
+
+    def shutdown(self, reason: str) -> None:
+        """Live streams end at their next check with UNAVAILABLE(reason); new ones are refused."""
+        self._closing_reason = reason
+        self._closing.set()
 
     def close(self) -> None:
         for engine in self.engines:

@@ -12,7 +12,10 @@ whole conversation at once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +42,7 @@ class ByteTokenizer:
     eos_token_id = 1
     chat_template = "bytes:role-colon-content-newline"
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
         return [b + 3 for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -49,6 +52,18 @@ class ByteTokenizer:
                             add_generation_prompt: bool = False) -> str:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant: " if add_generation_prompt else "")
+
+
+def tokenizer_content(t: Any) -> str:
+    """Canonical JSON of a tokenizer's behaviour (fast tokenizers: tokenizer.json's parts)."""
+    backend = getattr(t, "backend_tokenizer", None)
+    if backend is not None:
+        j = json.loads(backend.to_str())
+        parts = {k: j.get(k) for k in ("model", "added_tokens", "normalizer", "pre_tokenizer", "decoder")}
+    else:  # slow tokenizers: the vocabulary with added tokens
+        parts = {"vocab": sorted(t.get_vocab().items(), key=lambda kv: kv[1])}
+    parts["special"] = getattr(t, "special_tokens_map", {})
+    return json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass
@@ -61,14 +76,15 @@ class Prompter:
         template = getattr(self.tokenizer, "chat_template", None) or "none"
         return hashlib.sha256(str(template).encode()).hexdigest()[:16]
 
-    @property
+    @functools.cached_property
     def tokenizer_id(self) -> str:
-        """Identity of the tokenizer (part of the context id)."""
+        """Identity of the tokenizer (part of the context id): a hash of what it does (vocab,
+        merges, added and special tokens, normalizer, pre-tokenizer), never where it was loaded
+        from, so the same text gets the same id from any cache directory, venv or host."""
         t = self.tokenizer
         if isinstance(t, ByteTokenizer):
             return "bytes-v1"
-        ident = f"{type(t).__name__}:{getattr(t, 'name_or_path', '')}:{len(t)}"
-        return hashlib.sha256(ident.encode()).hexdigest()[:16]
+        return hashlib.sha256(tokenizer_content(t).encode()).hexdigest()[:16]
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -80,15 +96,43 @@ class Prompter:
                                                   add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
+        """Template text: its control tokens (<|im_start|> ...) are real control tokens."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def encode_user(self, text: str) -> list[int]:
+        """Caller text: a control-token string in it is plain text, so no one forges a turn."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def _encode_rendered(self, rendered: str, contents: list[str]) -> list[int]:
+        """Tokens of a rendering whose message contents are sentinels: template pieces with
+        their control tokens, contents (sentinel i -> contents[i]) with theirs split."""
+        out: list[int] = []
+        for i, piece in enumerate(_SENTINEL.split(rendered)):
+            if i % 2 == 0:
+                out += self.encode(piece) if piece else []
+            else:
+                out += self.encode_user(contents[int(piece)])
+        return out
+
     def context_tokens(self, messages: Messages) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt=False))
+        marked, contents = _mark(messages)
+        return self._encode_rendered(self.render(marked, add_generation_prompt=False), contents)
 
     def turn_tokens(self, context: Messages, turn: Messages) -> list[int]:
         """Tokens to append after the cached context for a new turn (ends with the assistant prompt)."""
-        head = self.render(context, add_generation_prompt=False)
-        full = self.render(context + turn, add_generation_prompt=True)
+        marked, contents = _mark(context + turn)
+        head = self.render(marked[:len(context)], add_generation_prompt=False)
+        full = self.render(marked, add_generation_prompt=True)
         if not full.startswith(head):
             raise ValueError("the chat template does not render the context as a prefix of the conversation")
-        return self.encode(full[len(head):])
+        return self._encode_rendered(full[len(head):], contents)
+
+
+# Message contents are rendered as these markers (private-use characters no template emits),
+# then tokenized apart from the template; the pattern's group is the content's index.
+_SENTINEL = re.compile("\ue000(\\d+)\ue001")
+
+
+def _mark(messages: Messages) -> tuple[Messages, list[str]]:
+    marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+    return marked, [m["content"] for m in messages]

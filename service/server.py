@@ -1,11 +1,11 @@
-"""create_server(config) -> (server, port): wires model, store, registry, workers and gRPC."""
+"""create_server(config) -> (server, port): wires model, store, registry, workers and gRPC (aio)."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
-from concurrent import futures
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -17,6 +17,8 @@ from ctxcache.decoder.runner import ReferenceRunner, Runner
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel, load_model
 from ctxcache.service.admin import AdminServicer
+from ctxcache.service.auth import Auth, AuthInterceptor
+from ctxcache.service.rpc import LoopThread, ParseInterceptor
 from ctxcache.service.artifact_cache import ArtifactCache
 from ctxcache.service.backend import Backend
 from ctxcache.service.config import ServiceConfig
@@ -27,7 +29,7 @@ from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
 from ctxcache.service.servicer import ContextServicer
-from ctxcache.store import ArtifactStore, EmbeddedRegistry, StoreConfig, reconcile
+from ctxcache.store import ArtifactStore, EmbeddedRegistry, StoreConfig
 
 log = logging.getLogger("ctxcache.service")
 CONTEXT_SERVICE = context_pb2.DESCRIPTOR.services_by_name["ContextService"].full_name
@@ -35,31 +37,9 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class _BearerAuth(grpc.ServerInterceptor):
-    """Every RPC but health checks needs `authorization: Bearer <token>` (constant-time compare)."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
-            return handler
-        given = dict(details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(given.encode(), self._expected):
-            return handler
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
-
-        make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else \
-            grpc.unary_unary_rpc_method_handler
-        return make(deny, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
-
-
 class CtxcacheServer:
-    """The running service: main (and optional admin) gRPC servers plus workers."""
+    """The running service: main (and optional admin) grpc.aio servers on their own event loop,
+    plus the build queue and decode engines."""
 
     def __init__(self, config: ServiceConfig, lm: LoadedModel) -> None:
         self.config, self.lm, self.metrics = config, lm, Metrics()
@@ -70,24 +50,28 @@ class CtxcacheServer:
         self.indexer = BuildQueue(lm, prompter, self.backend, config.indexer, "float16", self.metrics)
         self.decoder = GenerateStreams(lm, prompter, cache, s.max_streams, d.schedule, self.metrics,
                                        decode_runners(lm, config), d.max_batch, d.decode_mode == "dense")
-        self.health = health.HealthServicer()
-        self.servers: list[grpc.Server] = []
+        self.auth = Auth(dict(s.tenant_tokens), s.auth_token)
+        self.pool = ThreadPoolExecutor(s.threads, "ctxcache-rpc")
+        self.loop = LoopThread()
+        self.health = self.loop.run(_make_health())
+        self.servers: list[grpc.aio.Server] = []
         self.port = self.admin_port = 0
+        self.draining = threading.Event()
         self._stopped = threading.Event()
 
-    def _new_server(self) -> grpc.Server:
+    def _new_server(self) -> grpc.aio.Server:
         s = self.config.server
         opts = [("grpc.max_send_message_length", s.max_message_bytes),
                 ("grpc.max_receive_message_length", s.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
-        interceptors = [_BearerAuth(s.auth_token)] if s.auth_token else []
-        server = grpc.server(futures.ThreadPoolExecutor(s.threads, "ctxcache-rpc"),
-                             interceptors=interceptors, options=opts)
+        interceptors = [AuthInterceptor(self.auth, (f"/{ADMIN_SERVICE}/", "/grpc.reflection."))] \
+            if self.auth.enabled else []
+        server = grpc.aio.server(interceptors=[*interceptors, ParseInterceptor()], options=opts)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.servers.append(server)
         return server
 
-    def _bind(self, server: grpc.Server, port: int) -> int:
+    def _bind(self, server: grpc.aio.Server, port: int) -> int:
         s = self.config.server
         address = f"{s.host}:{port}"
         if s.tls_cert is not None:
@@ -100,38 +84,83 @@ class CtxcacheServer:
         return bound
 
     def start(self) -> int:
-        s = self.config.server
+        self.port = self.loop.run(self._start())
+        self.backend.relocate(self.config.server.advertised(self.port))
+        _reconcile(self.backend)  # the store is the truth; repair the index at start
+        log.info("serving on %s:%d (admin %d) as %s", self.config.server.host, self.port, self.admin_port,
+                 self.backend.location)
+        return self.port
+
+    async def _start(self) -> int:
+        s, d = self.config.server, self.config.decoder
         main = self._new_server()
         context_pb2_grpc.add_ContextServiceServicer_to_server(
-            ContextServicer(self.indexer, self.decoder, self.config.decoder.default_max_tokens,
-                            self.config.decoder.max_tokens_limit), main)
+            ContextServicer(self.indexer, self.decoder, d.default_max_tokens, d.max_tokens_limit, self.pool,
+                            self.auth, self.draining.is_set), main)
         admin = main if s.admin_port is None else self._new_server()
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.indexer, self.decoder), admin)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.indexer, self.decoder, self.pool), admin)
+        elsewhere = AdminElsewhere()
+        if admin is not main:
+            admin_pb2_grpc.add_AdminServiceServicer_to_server(elsewhere, main)
         names = [CONTEXT_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME]
         if s.reflection:
             reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], admin)
-        self.port = self._bind(main, s.port)
-        self.admin_port = self.port if admin is main else self._bind(admin, s.admin_port)
+        port = self._bind(main, s.port)
+        self.admin_port = port if admin is main else self._bind(admin, s.admin_port)
+        elsewhere.port = self.admin_port
         for server in self.servers:
-            server.start()
+            await server.start()
         for name in ("", *names):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving on %s:%d (admin %d)", s.host, self.port, self.admin_port)
-        return self.port
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return port
 
     def stop(self, grace: float | None = None) -> None:
-        """Health NOT_SERVING, refuse new RPCs, drain running ones for `grace` s, close the store."""
+        """Drain: health NOT_SERVING and new RPCs refused (UNAVAILABLE) while the port stays
+        open, builds cancelled, live streams get `grace` s to finish (each ends with its Final),
+        streams still running then end with UNAVAILABLE; then the ports close and the store."""
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self.health.enter_graceful_shutdown()
         grace = self.config.server.grace_seconds if grace is None else grace
-        events = [server.stop(grace) for server in self.servers]
-        for event in events:
-            event.wait()
-        self.indexer.close()
+        self.draining.set()
+        self.loop.run(self.health.enter_graceful_shutdown())
+        self.indexer.close()  # cancels queued and running builds, joins the builder
+        end = time.monotonic() + grace
+        while self.decoder.active and time.monotonic() < end:
+            time.sleep(0.05)
+        if self.decoder.active:
+            log.warning("grace of %.1fs over: ending %d live streams", grace, self.decoder.active)
+        self.decoder.shutdown("the server is shutting down")
+        end = time.monotonic() + 2.0
+        while self.decoder.active and time.monotonic() < end:
+            time.sleep(0.02)
+        self.loop.run(_stop_all(self.servers, 0.5))
         self.decoder.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
+        self.loop.close()
+
+
+async def _make_health():
+    return health.aio.HealthServicer()
+
+
+async def _stop_all(servers: list[grpc.aio.Server], grace: float) -> None:
+    for server in servers:
+        await server.stop(grace)
+
+
+class AdminElsewhere(admin_pb2_grpc.AdminServiceServicer):
+    """On the main port when AdminService is served apart: say where, not "Method not found!"."""
+
+    def __init__(self) -> None:
+        self.port = 0
+
+    async def _refuse(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"AdminService is served on the admin port ({self.port}), not on this one")
+
+    Evict = Rebuild = Verify = Stats = Reconcile = _refuse
 
 
 def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
@@ -157,16 +186,17 @@ def _open_store_and_registry(config: ServiceConfig):
                                                          budget_bytes=budget))
     url = config.registry.redis_url
     if url is None:
-        registry, kind = EmbeddedRegistry(), "embedded"
-    else:
-        from ctxcache.store import RedisRegistry
-        registry, kind = RedisRegistry(config.registry.redis_config()), "redis"
+        return store, EmbeddedRegistry(), "embedded"
+    from ctxcache.store import RedisRegistry
+    return store, RedisRegistry(config.registry.redis_config()), "redis"
+
+
+def _reconcile(backend: Backend) -> None:
     try:
-        report = reconcile(registry, store)  # the store is the truth; repair the index at start
-        log.info("reconciled registry: %d added, %d removed", len(report.added), len(report.removed))
+        added, removed = backend.reconcile()
+        log.info("reconciled registry: %d added, %d removed", added, removed)
     except Exception as exc:  # noqa: BLE001 - Redis down at start: serve, Reconcile later
         log.warning("registry reconcile at start failed: %s", exc)
-    return store, registry, kind
 
 
 def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple[CtxcacheServer, int]:
@@ -180,5 +210,7 @@ def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple
     try:
         return server, server.start()
     except BaseException:
+        server.indexer.close()
         server.backend.close()
+        server.loop.close()
         raise

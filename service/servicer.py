@@ -1,14 +1,18 @@
-"""Thin servicers: proto in, domain call, proto out. Errors are mapped in errors.py only."""
+"""Thin async servicers (grpc.aio): proto in, domain call on the pool, proto out. Errors are
+mapped in errors.py only; the caller's tenant scopes every read."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-
-import grpc
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from ctxcache.service import convert
-from ctxcache.service.generate_streams import Chunk, GenerateStreams
-from ctxcache.service.errors import NotFound, unary, streaming
+from ctxcache.service.auth import Auth, Caller
+from ctxcache.service.generate_streams import Chunk, Final, GenerateStreams
+from ctxcache.service.errors import FailedPrecondition, NotFound, Unauthenticated, Unavailable
+from ctxcache.service.rpc import in_thread, iterate_in_thread, streaming, unary
 from ctxcache.service.gen.v1 import context_pb2 as pb, context_pb2_grpc
 from ctxcache.service.build_queue import BuildQueue, Job
 from ctxcache.store import Manifest
@@ -48,65 +52,107 @@ def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
     return info_from_job(job, indexer.lm.model_id)
 
 
-def wait_while_client_waits(job: Job | None, context: grpc.ServicerContext) -> None:
-    """Block until the build job finishes or the client goes away (a cancelled RPC must not pin
-    a server thread for the length of a build)."""
-    if job is None:
-        return
-    while not job.done.wait(0.05) and context.is_active():
-        pass
+async def wait_for(job: Job | None) -> None:
+    """Wait for a build without holding a thread; a cancelled RPC cancels this coroutine."""
+    while job is not None and not job.done.is_set():
+        await asyncio.sleep(0.05)
 
 
 class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     def __init__(self, indexer: BuildQueue, decoder: GenerateStreams, default_max_tokens: int,
-                 max_tokens_limit: int) -> None:
-        self.indexer, self.decoder = indexer, decoder
-        self.default_max, self.limit = default_max_tokens, max_tokens_limit
+                 max_tokens_limit: int, pool: ThreadPoolExecutor, auth: Auth,
+                 draining: Callable[[], bool] = lambda: False) -> None:
+        self.indexer, self.decoder, self.pool, self.auth = indexer, decoder, pool, auth
+        self.default_max, self.limit, self.draining = default_max_tokens, max_tokens_limit, draining
+
+    def _caller(self, context) -> Caller:
+        caller = self.auth.caller(context.invocation_metadata())
+        if caller is None:  # the interceptor refuses these first; kept for servers built without it
+            raise Unauthenticated("authorization: missing or wrong bearer token")
+        if self.draining():
+            raise Unavailable("the server is shutting down; retry on another worker")
+        return caller
+
+    def _visible(self, caller: Caller, cid: str) -> str:
+        """NOT_FOUND for another tenant's context, as if it were absent."""
+        tenant = self.indexer.tenant_of(cid)
+        if tenant is not None and not caller.sees(tenant):
+            raise NotFound(f"context {cid} not found")
+        return cid
 
     @unary
-    def PutContext(self, request, context):
+    async def PutContext(self, request, context):
+        caller = self._caller(context)
         s = self.indexer.settings
-        spec = convert.put_spec(request, s.method, s.method_params, s.kv_codec)
-        cid, job, created = self.indexer.submit(spec)
+        spec = convert.put_spec(request, s.method, s.method_params, caller.tenant, self.indexer.max_tokens,
+                                default_codec=s.kv_codec)
+        cid, job, created = await in_thread(self.pool, self.indexer.submit, spec)
         if spec.wait:
-            wait_while_client_waits(job, context)
-        return pb.PutContextResponse(context=context_info(self.indexer, cid), created=created)
+            await wait_for(job)
+        info = await in_thread(self.pool, context_info, self.indexer, cid)
+        return pb.PutContextResponse(context=info, created=created)
 
     @unary
-    def GetContext(self, request, context):
-        return context_info(self.indexer, convert.context_id(request.context_id))
+    async def GetContext(self, request, context):
+        caller = self._caller(context)
+        cid = convert.context_id(request.context_id)
+        return await in_thread(self.pool, lambda: context_info(self.indexer, self._visible(caller, cid)))
 
     @unary
-    def ListContexts(self, request, context):
+    async def ListContexts(self, request, context):
+        caller = self._caller(context)
         size, after = convert.page(request)
-        ms = self.indexer.backend.list(size + 1, after or None)
+        ms = await in_thread(self.pool, self.indexer.backend.list, size + 1, after or None, caller.tenant)
         more = len(ms) > size
         ms = ms[:size]
         return pb.ListContextsResponse(contexts=[info_from_manifest(m) for m in ms],
                                        next_page_token=ms[-1].context_id if more else "")
 
     @unary
-    def DeleteContext(self, request, context):
+    async def DeleteContext(self, request, context):
+        caller = self._caller(context)
         cid = convert.context_id(request.context_id)
+        return await in_thread(self.pool, self._delete, caller, cid)
+
+    def _delete(self, caller: Caller, cid: str) -> pb.DeleteContextResponse:
+        try:
+            self._visible(caller, cid)
+        except NotFound:
+            return pb.DeleteContextResponse(deleted=False)
+        cancelled = self.indexer.cancel(cid, "deleted by DeleteContext")  # a BUILDING id stops building
         deleted = self.indexer.backend.delete(cid)  # store first, then DRAM (see Evict)
         self.decoder.evict(cid)
-        return pb.DeleteContextResponse(deleted=deleted)
+        return pb.DeleteContextResponse(deleted=deleted or cancelled)
 
     @streaming
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         t0 = time.perf_counter()
-        spec = convert.generate_spec(request, self.default_max, self.limit)
+        caller = self._caller(context)
+        spec = convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len)
+        await in_thread(self.pool, self._check_readable, caller, spec.context_id)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        for event in self.decoder.stream(spec, context.is_active, deadline, t0):
-            if isinstance(event, Chunk):
-                yield pb.GenerateResponse(chunk=pb.Chunk(text=event.text, token_ids=event.token_ids))
-                continue
-            yield pb.GenerateResponse(final=pb.Final(
-                usage=pb.Usage(cached_tokens=event.cached_tokens, new_prompt_tokens=event.new_prompt_tokens,
-                               generated_tokens=event.generated_tokens),
-                timings=pb.Timings(ttft_seconds=event.ttft_seconds, tokens_per_second=event.tokens_per_second,
-                                   load_seconds=event.load_seconds, total_seconds=event.total_seconds,
-                                   cache_hit=event.cache_hit),
-                decode_path=event.decode_path,
-                finish_reason=_FINISH[event.finish_reason], text=event.text))
+        events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, deadline, t0))
+        async for event in events:
+            yield _response(event)
+
+    def _check_readable(self, caller: Caller, cid: str) -> None:
+        self._visible(caller, cid)
+        if self.indexer.backend.manifest(cid) is None:
+            job = self.indexer.job(cid)
+            if job is not None and job.state == "building":
+                raise FailedPrecondition(f"context {cid} is still BUILDING ({job.progress:.0%}); "
+                                         "retry when GetContext says READY")
+            raise NotFound(self.indexer.backend.missing(cid))
+
+
+def _response(event: Chunk | Final) -> pb.GenerateResponse:
+    if isinstance(event, Chunk):
+        return pb.GenerateResponse(chunk=pb.Chunk(text=event.text, token_ids=event.token_ids))
+    return pb.GenerateResponse(final=pb.Final(
+        usage=pb.Usage(cached_tokens=event.cached_tokens, new_prompt_tokens=event.new_prompt_tokens,
+                       generated_tokens=event.generated_tokens),
+        timings=pb.Timings(ttft_seconds=event.ttft_seconds, tokens_per_second=event.tokens_per_second,
+                           load_seconds=event.load_seconds, total_seconds=event.total_seconds,
+                           cache_hit=event.cache_hit),
+        decode_path=event.decode_path, finish_reason=_FINISH[event.finish_reason], text=event.text))

@@ -15,7 +15,7 @@ _EXPORTS = {
     "ContextMeta": "manifest", "Manifest": "manifest", "ChunkInfo": "manifest",
     "STORE_FORMAT": "manifest",
     "StoreError": "errors", "CorruptArtifact": "errors", "StoreFull": "errors",
-    "StoreClosed": "errors", "FormatMismatch": "errors",
+    "StoreClosed": "errors", "StoreDamaged": "lmdb_file", "FormatMismatch": "errors",
     "context_id_for": "ids",
     "ManifestKey": "keys", "ChunkKey": "keys", "AccessKey": "keys", "PromptKey": "keys",
     "BuildLockKey": "keys",

@@ -26,6 +26,7 @@ from ctxcache.store.arena import Arena
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch, StoreClosed, StoreError, StoreFull
 from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id, prefix
+from ctxcache.store.lmdb_file import StoreDamaged, check_data_file, mapped_bytes_ok
 from ctxcache.store.layout import QUERY_CHUNK, assemble, build_manifest, chunk_tensors
 from ctxcache.store.manifest import READABLE_STORE_FORMATS, ChunkInfo, ContextMeta, Manifest
 from ctxcache.store.txn_ops import (ManifestRead, delete_context, read_manifest, scan_manifests,
@@ -38,16 +39,28 @@ class ArtifactStore:
         self.path, self.config, self._clock = Path(path), config, clock
         if not config.readonly:
             self.path.mkdir(parents=True, exist_ok=True)
+        check_data_file(self.path)  # a truncated data.mdb would SIGBUS on its first missing page
         self._env = lmdb.open(str(self.path), map_size=config.map_size_bytes, subdir=True,
                               max_readers=config.max_readers, readonly=config.readonly,
                               sync=config.sync, metasync=config.sync, lock=True, max_dbs=0)
         self.stale_readers_cleared = self._env.reader_check()
+        self._psize = self._env.stat()["psize"]
         self._pid = os.getpid()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(config.threads, "ctxstore")
 
     @property
     def location(self) -> str:
         return self.config.location or str(self.path.resolve())
+
+    def _intact(self, context_id: str | None = None) -> None:
+        """Before a read transaction: the file still holds every page LMDB may map (else a read
+        of a page past its end is SIGBUS); a context read answers CorruptArtifact (DATA_LOSS)."""
+        if mapped_bytes_ok(self.path / "data.mdb", self._env.info()["last_pgno"], self._psize):
+            return
+        why = "data.mdb is shorter than its meta page says (truncated while open)"
+        if context_id is not None:
+            raise CorruptArtifact(context_id, "data.mdb", why)
+        raise StoreDamaged(f"{self.path}: {why}")
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _live(self) -> ThreadPoolExecutor:
@@ -197,6 +210,7 @@ class ArtifactStore:
         does not, so it is skipped by default and costs no load time)."""
         pool = self._live()
         check_id(context_id)
+        self._intact(context_id)
         with self._env.begin(buffers=True) as txn:
             m = self._visible(read_manifest(txn, context_id))
             if m is None:
@@ -256,6 +270,7 @@ class ArtifactStore:
 
     def manifest(self, context_id: str) -> Manifest | None:
         self._live()
+        self._intact(context_id)
         with self._env.begin() as txn:
             return self._visible(read_manifest(txn, check_id(context_id)))
 
@@ -270,6 +285,7 @@ class ArtifactStore:
             raise ValueError(f"offset={offset} and limit={limit} must be >= 0")
         want = dict(labels or {})
         now = self._clock()
+        self._intact()
         with self._env.begin() as txn:
             reads = scan_manifests(txn, after)
         ms = [r.manifest for r in reads if r.manifest and not r.manifest.expired(now)]
@@ -280,17 +296,20 @@ class ArtifactStore:
     def context_ids(self) -> list[str]:
         """Every context with a manifest, corrupt or expired ones included."""
         self._live()
+        self._intact()
         with self._env.begin() as txn:
             return [r.context_id for r in scan_manifests(txn)]
 
     def verify(self, context_id: str) -> VerifyReport:
         """Hash every stored chunk of a context against its manifest."""
         self._live()
+        self._intact(context_id)
         with self._env.begin(buffers=True) as txn:
             return verify_chunks(txn, check_id(context_id))
 
     def stats(self) -> StoreStats:
         self._live()
+        self._intact()
         with self._env.begin() as txn:
             reads = scan_manifests(txn)
         ms = [r.manifest for r in reads if r.manifest]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ctxcache.bench.common.report import device_tag
+from ctxcache.bench.common.retention import retention
 from ctxcache.bench.compare import FULL, _write, all_cells, method_specs
 
 
@@ -37,9 +38,11 @@ def summarize(merged: dict) -> list[dict]:
     config, cells = merged["config"], merged["cells"]
     fid = [r for c in cells.values() for r in c["rows"] if r["kind"] == "fidelity"]
     tasks = [r for c in cells.values() for r in c["rows"] if r["kind"] == "task"]
+    ret = [r for c in cells.values() for r in c["rows"] if r["kind"] == "retention"]
+    ret_keeps = (config.get("retention") or {}).get("keeps", [])
     rows = []
     for spec in method_specs(config["methods"]):
-        keeps = [None] if spec.name == FULL or spec.own_budget else config["keeps"]
+        keeps = [None] if spec.name == FULL or spec.own_budget else sorted(set(config["keeps"]) | set(ret_keeps))
         for keep in keeps:
             row: dict = {"method": spec.label, "keep": keep, "params": spec.params}
             for r in fid:
@@ -52,8 +55,26 @@ def summarize(merged: dict) -> list[dict]:
             mine = [r for r in tasks if r["method"] == spec.label and r["keep"] == keep]
             if mine:
                 row["tasks"] = _task_means(mine)
+            if any(r["method"] == spec.label and r["keep"] == keep for r in ret):
+                row["retention"] = _retention(ret, spec.label, keep)
             rows.append(row)
     return rows
+
+
+RETENTION_SLICES = {
+    **{f"@{n}": (lambda n: lambda r: r["length"] == n)(n) for n in (2048, 4096, 6144)},
+    **{q: (lambda q: lambda r: r["qkind"] == q)(q) for q in ("number", "code", "multivalue", "doc")},
+    **{f"depth {d}": (lambda d: lambda r: r["qkind"] in ("number", "code") and r["depth"] == d)(d)
+       for d in (0.1, 0.5, 0.9)},
+    **{f: (lambda f: lambda r: r["filler"] == f)(f) for f in ("prose", "code")},
+}
+
+
+def _retention(ret: list[dict], label: str, keep: float | None) -> dict:
+    """Overall retention against full and the oracle, and its slices (length, kind, depth, filler)."""
+    out = retention(ret, label, keep)
+    out["slices"] = {name: retention(ret, label, keep, where=f)["kept"] for name, f in RETENTION_SLICES.items()}
+    return out
 
 
 def _task_means(rows: list[dict]) -> dict:
@@ -87,6 +108,7 @@ def markdown(merged: dict, rows: list[dict]) -> str:
     head = (["method", "keep", "keys read"] + [f"mass recall {tl}", f"top-K recall {tl}",
              f"output rel. err. {tl}", f"top-1 agr. {tl}", f"NLL change {tl}"]
             + [f"tasks @{n}" for n in lengths] + [f"{t} @{at}" for t in tasks]
+            + ["kept of full's right", "W/L vs oracle", "sign p"]
             + ["search us", f"build s ({texts[0]})"])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
@@ -108,6 +130,7 @@ def markdown(merged: dict, rows: list[dict]) -> str:
                   per_text("output_rel_error"), per_text("top1_agreement"), per_text("nll_delta_pct", "+.2f", "%")]
                  + [_f(task.get(n, {}).get("mean")) for n in lengths]
                  + [_f(task.get(at, {}).get("per_task", {}).get(t), ".2f") for t in tasks]
+                 + _retention_cells(r)
                  + [_f(first.get("search_us"), ".0f"), _f(first.get("build_s"), ".1f")])
         lines.append("| " + " | ".join(cells) + " |")
     trials = {n: max((r.get("tasks", {}).get(n, {}).get("trials", 0) for r in rows), default=0) for n in lengths}
@@ -123,10 +146,43 @@ def markdown(merged: dict, rows: list[dict]) -> str:
         "Task trials per method and budget: " + ", ".join(f"{trials[n]} @{n}" for n in lengths)
         + " (each a score in [0, 1]; `full` is dense attention).",
     ]
+    ret_rows = [r for r in rows if "retention" in r]
+    if ret_rows:
+        n = max(r["retention"]["questions"] for r in ret_rows)
+        right = max(r["retention"]["full_correct"] for r in ret_rows)
+        notes.append(f"Retention: {n} questions per method (exact-copy numbers and codes at depths 0.1 / 0.5 / 0.9, "
+                     f"a two-value key, document lines), {right} answered correctly by full attention; `kept` is the "
+                     "fraction of those the method also answers exactly; W/L and the two-sided sign test p pair it "
+                     "with the oracle at the same keep, question by question.")
     missing = merged.get("missing_cells") or []
     if missing:
         notes.append(f"INCOMPLETE: {len(missing)} cells missing: {', '.join(missing)}")
-    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    return ("\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+            + retention_table(ret_rows))
+
+
+def _retention_cells(r: dict) -> list[str]:
+    ret = r.get("retention")
+    if not ret:
+        return ["-", "-", "-"]
+    wl = "-" if r["method"] in (FULL, "oracle") else f"{ret['vs_oracle_wins']} / {ret['vs_oracle_losses']}"
+    p = "-" if r["method"] in (FULL, "oracle") else _f(ret["sign_test_p"])
+    return [f"{_f(ret['kept'])} ({ret['full_correct']})", wl, p]
+
+
+def retention_table(rows: list[dict]) -> str:
+    """Retention by slice: context length, question kind, needle depth, filler."""
+    if not rows:
+        return ""
+    names = list(RETENTION_SLICES)
+    lines = ["", "Retention by slice (fraction of full attention's correct answers kept):", "",
+             "| method | keep | " + " | ".join(names) + " |", "|" + " --- |" * (len(names) + 2)]
+    for r in rows:
+        if r["method"] == FULL:
+            continue
+        sl = r["retention"]["slices"]
+        lines.append(f"| {r['method']} | {_f(r['keep'], '.2f')} | " + " | ".join(_f(sl[n]) for n in names) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(merged: dict, rows: list[dict], path: Path) -> None:
@@ -136,7 +192,8 @@ def plot(merged: dict, rows: list[dict], path: Path) -> None:
 
     config = merged["config"]
     texts, lengths = config["texts"], [str(n) for n in config["task_lengths"]]
-    panels = len(texts) + len(lengths)
+    ret_rows = [r for r in rows if "retention" in r and r["method"] != FULL]
+    panels = len(texts) + len(lengths) + (1 if ret_rows else 0)
     rows_n = 1 if panels <= 3 else 2
     cols_n = -(-panels // rows_n)
     fig, grid = plt.subplots(rows_n, cols_n, figsize=(5 * cols_n, 4.2 * rows_n), squeeze=False)
@@ -170,12 +227,26 @@ def plot(merged: dict, rows: list[dict], path: Path) -> None:
         if full:
             ax.axhline(full["tasks"][length]["mean"], color="k", ls="--", label="full")
         ax.set(title=f"task accuracy @{length} tokens", xlabel="keys searched (fraction)", ylabel="mean score")
-    axes[-1].legend(fontsize=7, loc="lower right")
+    if ret_rows:
+        _retention_panel(axes[len(texts) + len(lengths)], ret_rows, texts[0])
+    axes[len(texts) + len(lengths) - 1].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{config['model']} on {merged['machine'].get('cpu')} ({merged['date']}); "
                  "MagicPIG (squares) at its sampled fraction")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _retention_panel(ax, rows: list[dict], text: str) -> None:
+    """Retention (task answers kept) against mass recall, one point per method and keep."""
+    for r in rows:
+        recall = r.get("fidelity", {}).get(text, {}).get("mass_recall")
+        x = recall if recall is not None else 0.0
+        ax.plot([x], [r["retention"]["kept"] or 0.0], "o")
+        ax.annotate(f"{r['method']} {_f(r['keep'], '.2f')}", (x, r["retention"]["kept"] or 0.0), fontsize=6)
+    ax.axhline(0.95, color="k", ls=":", lw=0.8)
+    ax.set(title=f"answers kept vs mass recall ({text}; 0 = not measured)", xlabel="mass recall",
+           ylabel="fraction of full's correct answers kept")
 
 
 def merge(args: argparse.Namespace) -> dict[str, Path]:

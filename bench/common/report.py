@@ -52,7 +52,11 @@ def device_tag(info: dict | None = None) -> str:
 
 
 def commit() -> str | None:
-    """The checkout's short commit (with "+dirty" for uncommitted changes); None outside git."""
+    """The checkout's short commit (with "+dirty" for uncommitted changes); None outside git.
+    CTXCACHE_COMMIT overrides it where the tree is a copy whose git history is not the source's
+    (the GPU machine receives the working tree, not the commits)."""
+    if os.environ.get("CTXCACHE_COMMIT"):
+        return os.environ["CTXCACHE_COMMIT"]
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     try:

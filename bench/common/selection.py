@@ -55,7 +55,8 @@ def _step_metrics(method: SparseMethod, state, q, keys, values, n: int, budget: 
         mh, th = _recalls(region, sel, k)
         row.update(mass_recall=mg.mean().item(), topk_recall=tg.mean().item(),
                    mass_recall_per_head=mh.mean().item(), topk_recall_per_head=th.mean().item(),
-                   keys_read_frac=distinct_valid(idx).float().mean().item() / n)
+                   keys_read_frac=(distinct_valid(idx).float().mean().item()
+                                   + method.search_reads(k, hi - lo) - min(k, hi - lo)) / n)
     return row
 
 

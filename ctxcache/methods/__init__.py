@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ctxcache.methods.base import Capabilities, LayerState, MethodParams, SparseMethod, Tables
+from ctxcache.methods.base import Capabilities, LayerState, MethodParams, ParamError, SparseMethod, Tables
 from ctxcache.methods.budget import Budget
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 from ctxcache.methods.ctkvr import CTkvr
@@ -44,4 +44,4 @@ def make_method(name: str, params: dict[str, Any] | None = None) -> SparseMethod
 
 
 __all__ = ["Budget", "Capabilities", "CSAttention", "CSAttentionParams", "LayerState", "METHODS",
-           "MethodParams", "PRESETS", "SparseMethod", "Tables", "make_method", "method_names"]
+           "MethodParams", "ParamError", "PRESETS", "SparseMethod", "Tables", "make_method", "method_names"]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+import math
+import re
+from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -44,9 +46,57 @@ class LayerState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class ParamError(ValueError):
+    """A method parameter out of type or bounds; `field` names it (the service reports it)."""
+
+    def __init__(self, field_name: str, why: str) -> None:
+        super().__init__(why)
+        self.field = field_name
+
+
+INT_LIMIT = 1 << 31  # a parameter int outside (-2^31, 2^31) is a mistake, never a setting
+MAX_STR = 64
+
+
+def _check_value(f: Field, value: Any, bounds: tuple[float, float] | None) -> None:
+    """Type (from the annotation: int, float, bool, str, `| None`), finiteness and bounds."""
+    kinds = {t.strip() for t in str(f.type).split("|")}
+    if value is None:
+        if "None" not in kinds:
+            raise ParamError(f.name, f"{f.name}=None: must not be null")
+        return
+    if isinstance(value, bool):
+        ok = "bool" in kinds
+    elif isinstance(value, int):
+        ok = bool(kinds & {"int", "float"})
+    elif isinstance(value, float):
+        ok = "float" in kinds
+    elif isinstance(value, str):
+        ok = "str" in kinds
+    else:
+        ok = False
+    if isinstance(value, str) and len(value) > MAX_STR:
+        raise ParamError(f.name, f"{f.name}: {len(value)} characters; at most {MAX_STR}")
+    if not ok:
+        raise ParamError(f.name, f"{f.name}={str(value)[:MAX_STR]!r} ({type(value).__name__}) must be {f.type}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ParamError(f.name, f"{f.name}={value} must be finite")
+        lo, hi = bounds or (-INT_LIMIT + 1, INT_LIMIT - 1)
+        if not lo <= value <= hi:
+            raise ParamError(f.name, f"{f.name}={value:.6g} must be in [{lo}, {hi}]")
+
+
 @dataclass(frozen=True)
 class MethodParams:
-    """Base for each method's frozen parameter dataclass."""
+    """Base for each method's frozen parameter dataclass.
+
+    BOUNDS: inclusive [lo, hi] per numeric field, checked (with the annotated type) by
+    `from_dict` before construction, so a request can never ask for a build that runs for
+    hours (kmeans_iters=1e9) or fails later (centroids=2.5): every value a client can send is
+    refused up front, with the field named."""
+
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,18 +104,28 @@ class MethodParams:
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> "MethodParams":
         values = dict(values or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ValueError(f"unknown parameter(s) {unknown} for {cls.__name__}; "
-                             f"known: {sorted(known)}")
-        return cls(**values)
+            raise ValueError(f"unknown parameter(s) {[str(u)[:MAX_STR] for u in unknown[:8]]} for "
+                             f"{cls.__name__}; known: {sorted(known)}")
+        for name, value in values.items():
+            _check_value(known[name], value, cls.BOUNDS.get(name))
+        try:
+            return cls(**values)
+        except ParamError:
+            raise
+        except (ValueError, TypeError) as exc:  # the dataclass's own cross-field checks
+            named = re.match(r"(\w+)=", str(exc))
+            raise ParamError(named.group(1) if named else "params", str(exc)) from exc
 
 
 class SparseMethod(ABC):
     name: ClassVar[str]
     Params: ClassVar[type[MethodParams]]
     caps: ClassVar[Capabilities] = Capabilities()
+    # parameters that change only search, not build: artifacts built with other values serve
+    search_params: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, params: MethodParams | None = None) -> None:
         self.params = params if params is not None else self.Params()
@@ -82,6 +142,9 @@ class SparseMethod(ABC):
         if not 0 <= layer < n_layers:
             raise ValueError(f"layer={layer} must be in [0, n_layers={n_layers})")
         return self.build(q, k, v)
+
+    def check_model(self, head_dim: int) -> None:
+        """Raise ParamError if these parameters cannot index a model with this head_dim."""
 
     def gpu_decodable(self, tables: Tables) -> bool:
         """Whether the fast GPU runner (Triton selection + split-K attention) can decode from
@@ -125,6 +188,11 @@ class SparseMethod(ABC):
         keys [Hkv, n, D] are the cached keys; only methods whose caps say reads_all_keys may
         read them beyond the indices they return. -> idx [Hkv, min(k, hi - lo)] long.
         """
+
+    def search_reads(self, k: int, region: int) -> int:
+        """Cached keys per KV head whose K a search for k keys in a region of `region` keys
+        reads, those it returns included (more when it re-ranks candidates by their keys)."""
+        return min(k, region)
 
     def append(self, state: LayerState, k_new: torch.Tensor, start: int) -> None:
         """Index keys k_new [Hkv, T, D] generated at positions start..start+T-1."""

@@ -33,6 +33,10 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   runs the same arithmetic with dp4a, bitwise equal). On SmolLM2 at 4K the fidelity matches
   fp16 tables within run-to-run noise (mass recall 0.919 / 0.901 on prose / code for both);
   at 128K batch 8 on the H100 the step is 8.4x SDPA instead of 7.5x (bench/README.md).
+- `rerank` (> 1): the estimate proposes ceil(rerank * K) candidates and exact attention over
+  the candidates' keys picks the K (`exact_rerank`, the same group criterion as the oracle).
+  The candidates' keys count as read (`search_reads`). The GPU selector does not implement
+  it: `gpu_selectable` is False then, and a GPU service decodes on the reference path.
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
   shared tables stay read-only while many streams decode from one artifact.
@@ -44,11 +48,13 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ctxcache.methods.base import Capabilities, LayerState, MethodParams, SparseMethod, Tables
+from ctxcache.host_copy import to_host, wait_for_host_copies
+from ctxcache.methods.base import Capabilities, LayerState, MethodParams, ParamError, SparseMethod, Tables
 from ctxcache.methods.budget import fp16_rank, topk_in_region
 from ctxcache.methods.csattention_rows import DERIVED, ROW_KEYS, dense_row_bytes, dense_rows, routed_rows
 from ctxcache.methods.int8_tables import int_dot_scores
@@ -64,8 +70,15 @@ _CHOICES = {
 }
 
 
+MAX_RERANK = 64.0  # candidates per selected key: past this the re-rank reads most of the keys
+
+
 @dataclass(frozen=True)
 class CSAttentionParams(MethodParams):
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
+        "subspaces": (1, 64), "centroids": (1, 4096), "list_fraction": (1e-6, 1.0), "kmeans_iters": (1, 100),
+        "kmeans_batch": (1, 1 << 20), "max_queries": (1, 1 << 20), "backoff_cos": (-1.0, 1.0),
+        "backoff_tau": (1, 64), "seed": (0, (1 << 31) - 1), "rerank": (1.0, MAX_RERANK)}
     subspaces: int = 8  # m
     centroids: int = 128  # C per subspace
     list_fraction: float = 1.0  # alpha: lists keep L = ceil(alpha * N) keys (1.0: dense layout)
@@ -82,6 +95,8 @@ class CSAttentionParams(MethodParams):
     # dense_score storage: int8 rows + per-row scale (integer estimate) or float16; "auto": int8
     # where it applies (the dense layout with group_combine="sum"), else float16
     table_dtype: str = "auto"
+    # > 1: propose ceil(rerank * K) keys by the estimate, keep the K best by exact attention
+    rerank: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -91,8 +106,14 @@ class CSAttentionParams(MethodParams):
         for name in ("subspaces", "centroids", "kmeans_iters", "backoff_tau"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        work = self.subspaces * self.centroids * (self.max_queries or 4096)
+        if work > 1 << 27:  # k-means distances [Hkv, m, Nq, C] in fp32: bounded memory per layer
+            raise ValueError(f"subspaces={self.subspaces} x centroids={self.centroids} x max_queries="
+                             f"{self.max_queries} = {work} exceeds {1 << 27}")
         if not 0.0 < self.list_fraction <= 1.0:
             raise ValueError(f"list_fraction={self.list_fraction} must be in (0, 1]")
+        if not 1.0 <= self.rerank <= MAX_RERANK:
+            raise ValueError(f"rerank={self.rerank} must be in [1, {MAX_RERANK}]")
         if not -1.0 <= self.backoff_cos <= 1.0:
             raise ValueError(f"backoff_cos={self.backoff_cos} must be in [-1, 1]")
         if self.table_dtype == "int8" and not self._int8_applies:
@@ -114,12 +135,33 @@ class CSAttentionParams(MethodParams):
 
     @property
     def gpu_selectable(self) -> bool:
-        """Whether the GPU selector computes exactly this selection (no backoff, summed group)."""
-        return (self.backoff_cos <= -1.0 and self.group_combine == "sum" and self.weighting in ("unit", "qnorm")
-                and self.scoring in ("absolute", "relative", "expected"))
+        """Whether the GPU selector computes exactly this selection (no backoff, summed group,
+        no exact re-rank)."""
+        return (self.rerank == 1.0 and self.backoff_cos <= -1.0 and self.group_combine == "sum"
+                and self.weighting in ("unit", "qnorm") and self.scoring in ("absolute", "relative", "expected"))
 
     def list_length(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.list_fraction * n)))
+
+    def candidates(self, k: int, region: int) -> int:
+        """Keys the estimate proposes for a search of k keys in a region of `region` keys."""
+        return min(region, math.ceil(self.rerank * k - 1e-9))
+
+
+def exact_rerank(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, k: int,
+                 others: torch.Tensor | None = None) -> torch.Tensor:
+    """The k of the candidates cand [Hkv, c] (key indices) with the largest attention probability
+    summed over the GQA group: the oracle's criterion over the keys a step reads, the softmax
+    normalized over the candidates plus `others` [Hkv, s] (the sinks and recent window, read
+    anyway; with every key among them this is the oracle's ranking). q [Hq, D], keys [Hkv, n, D]
+    -> [Hkv, min(k, c)] key indices: the torch reference a GPU re-rank must match."""
+    hkv, _, d = keys.shape
+    read = cand if others is None else torch.cat([cand, others], dim=1)
+    kr = torch.gather(keys, 1, read[..., None].expand(-1, -1, d)).float()  # [Hkv, c + s, D]
+    logits = torch.einsum("hgd,hcd->hgc", q.float().view(hkv, -1, d), kr) * d ** -0.5
+    score = logits.softmax(-1)[..., :cand.shape[1]].sum(1)  # [Hkv, c]
+    best = torch.topk(score, min(k, cand.shape[-1]), dim=-1, sorted=False).indices
+    return torch.gather(cand, 1, best)
 
 
 def subspace_permutation(head_dim: int, m: int, layout: str) -> torch.Tensor:
@@ -142,6 +184,13 @@ class CSAttention(SparseMethod):
     name = "csattention"
     Params = CSAttentionParams
     caps = Capabilities(uses_queries=True, streaming=True, gpu_decode=True)
+    search_params = frozenset({"rerank"})
+
+    def check_model(self, head_dim: int) -> None:
+        try:
+            subspace_permutation(head_dim, self.params.subspaces, self.params.layout)
+        except ValueError as exc:
+            raise ParamError("subspaces", str(exc)) from exc
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         """[..., D] -> [..., m, D/m] in subspace order."""
@@ -187,8 +236,10 @@ class CSAttention(SparseMethod):
         device = first[1].device
         while group := list(itertools.islice(layers, GPU_LAYER_GROUP)):
             qs = [q.to(device) for q, _, _ in group]
-            for tables in build_tables_gpu_layers(self.params, qs, [k for _, k, _ in group]):
-                yield {name: t.cpu() for name, t in tables.items()}
+            built = [{name: to_host(t) for name, t in self.persist(tables).items()}  # derived rows stay here
+                     for tables in build_tables_gpu_layers(self.params, qs, [k for _, k, _ in group])]
+            wait_for_host_copies(device)  # once per group: the copies overlap, the caller reads landed tables
+            yield from built
 
     def _cluster_queries(self, q: torch.Tensor, hkv: int) -> torch.Tensor:
         """Cosine k-means per (KV head, subspace) over the GQA group's queries -> [Hkv, m, C, d_b]."""
@@ -255,7 +306,16 @@ class CSAttention(SparseMethod):
         est = self.estimate(state, q, n=keys.shape[1])  # [Hkv, G, n]
         # rank fp16-rounded estimates, ties to the lower index: deterministic, and what the GPU
         # selection computes (its radix select runs over 16-bit keys), so both paths agree
-        return topk_in_region(fp16_rank(self._combine(est, q.shape[-1])), lo, hi, k)
+        c = self.params.candidates(k, hi - lo)
+        found = topk_in_region(fp16_rank(self._combine(est, q.shape[-1])), lo, hi, c)
+        if c <= k:
+            return found
+        n = keys.shape[1]
+        others = torch.cat([torch.arange(lo), torch.arange(hi, n)]).to(found.device).expand(found.shape[0], -1)
+        return exact_rerank(q, keys, found, k, others)
+
+    def search_reads(self, k: int, region: int) -> int:
+        return self.params.candidates(k, region)
 
     def estimate(self, state: LayerState, q: torch.Tensor, n: int) -> torch.Tensor:
         """Estimated (offset) logits [Hkv, G, n] of every cached key for q [Hq, D] (int8 tables:

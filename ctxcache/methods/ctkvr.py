@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,8 @@ from ctxcache.methods.base import Capabilities, LayerState, MethodParams, Sparse
 
 @dataclass(frozen=True)
 class CTkvrParams(MethodParams):
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
+        "centroids": (1, 8192), "keys_per_centroid": (1, 1 << 16), "recall": (1, 1024)}
     centroids: int = 640  # qcIVF entries per KV head (paper: accuracy plateaus near 320 to 640)
     keys_per_centroid: int = 256  # top-k keys stored per centroid
     recall: int = 8  # r: centroids recalled per step (paper: plateau from about 5)

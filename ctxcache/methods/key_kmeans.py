@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -17,6 +18,8 @@ from ctxcache.methods.oracle import group_probabilities
 
 @dataclass(frozen=True)
 class KeyKMeansParams(MethodParams):
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
+        "keys_per_cluster": (1, 1 << 16), "kmeans_iters": (1, 100), "seed": (0, (1 << 31) - 1)}
     keys_per_cluster: int = 16
     kmeans_iters: int = 10
     seed: int = 0

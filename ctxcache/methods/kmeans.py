@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ctxcache.cancel import check as check_cancel
+
 
 def _distances(x: torch.Tensor, c: torch.Tensor, cosine: bool) -> torch.Tensor:
     """[B, n, C]: 1 - cos for cosine (inputs normalised), squared L2 otherwise."""
@@ -60,6 +62,7 @@ def lloyd_step(x: torch.Tensor, cent: torch.Tensor, cosine: bool) -> torch.Tenso
 def lloyd(x: torch.Tensor, cent: torch.Tensor, iters: int, cosine: bool = False) -> torch.Tensor:
     """Lloyd iterations from given centroids: x [B, n, d], cent [B, C, d] -> assignment [B, n]."""
     for _ in range(iters):
+        check_cancel()
         cent = lloyd_step(x, cent, cosine)
     return nearest(x, cent, cosine)
 
@@ -80,6 +83,7 @@ def kmeans(x: torch.Tensor, n_clusters: int, iters: int = 10, cosine: bool = Tru
     cent = kmeans_pp_init(x, c_eff, cosine, gen)
     counts = torch.zeros(b, c_eff)
     for _ in range(iters):
+        check_cancel()  # a build's cancellation or time bound, between iterations
         if batch_size is None or batch_size >= n:
             cent = lloyd_step(x, cent, cosine)
             continue

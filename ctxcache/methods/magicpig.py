@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,8 @@ PAPER_TABLE8 = {(8, 75): 0.05, (9, 120): 0.04, (10, 150): 0.02}  # measured budg
 
 @dataclass(frozen=True)
 class MagicPIGParams(MethodParams):
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
+        "bits": (1, 15), "tables": (1, 1024), "min_collisions": (1, 2), "seed": (0, (1 << 31) - 1)}
     bits: int = 9  # K: sign bits per table
     tables: int = 120  # L: hash tables
     min_collisions: int = 2  # a key is sampled when it collides in at least this many tables
@@ -103,7 +106,7 @@ class MagicPIG(SparseMethod):
         key = (head_dim, str(device))
         if key not in cache:
             gen = torch.Generator().manual_seed(p.seed)
-            cache[key] = torch.randn(head_dim, p.bits * p.tables, generator=gen).to(device)
+            cache[key] = torch.randn(head_dim, p.bits * p.tables, generator=gen, device="cpu").to(device)
         return cache[key]
 
     def hash(self, x: torch.Tensor) -> torch.Tensor:

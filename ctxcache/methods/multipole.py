@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -41,6 +42,9 @@ from ctxcache.methods.magicpig import padded_indices
 
 @dataclass(frozen=True)
 class MultipoleParams(MethodParams):
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
+        "tokens_per_cluster": (1, 4096), "block": (1, 1 << 20), "slack": (0.0, 1.0), "local": (1, 4096),
+        "sinks": (0, 4096), "kmeans_iters": (1, 100), "refine_iters": (0, 100), "seed": (0, (1 << 31) - 1)}
     tokens_per_cluster: int = 16
     block: int = 8192  # W
     slack: float = 0.5  # alpha = slack * W
@@ -133,7 +137,7 @@ class Multipole(SparseMethod):
                 blocks = []
                 new = math.ceil(p.local / p.tokens_per_cluster)
                 gen = torch.Generator().manual_seed(p.seed + c_end)
-                seeds = k[:, -p.local:][:, torch.randperm(p.local, generator=gen)[:new]]
+                seeds = k[:, -p.local:][:, torch.randperm(p.local, generator=gen, device="cpu")[:new].to(k.device)]
                 assign = lloyd(k, torch.cat([old, seeds], 1), p.refine_iters)
                 stats = cluster_stats(k, v, assign, old.shape[1] + new)
                 parts = [(*stats, assign, f_start)]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,9 @@ from ctxcache.methods.oracle import group_probabilities
 
 @dataclass(frozen=True)
 class PrehocParams(MethodParams):
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
+        "block": (1, 4096), "tau": (-1.0, 2.0), "dilate_fraction": (0.0, 1.0), "radius": (0, 64),
+        "psaw_start": (0.0, 1.0), "phi": (0.0, 1.0), "alpha": (0.0, 100.0)}
     block: int = 16  # s: decode steps per sharing block
     tau: float = 0.8  # cosine threshold for reuse (> 1 disables sharing)
     dilate_fraction: float = 1 / 3  # m = floor(dilate_fraction * k)

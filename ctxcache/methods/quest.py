@@ -15,6 +15,7 @@ Generated keys extend or open pages in a per-stream copy (`append`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -24,6 +25,7 @@ from ctxcache.methods.budget import topk_in_region
 
 @dataclass(frozen=True)
 class QuestParams(MethodParams):
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {"page": (1, 4096)}
     page: int = 16
 
     def __post_init__(self) -> None:

@@ -18,10 +18,25 @@ def test_magicpig_expands_to_the_paper_configs_and_unknown_names_fail():
 
 def test_cells_cover_texts_methods_tasks_and_seeds():
     cfg = config_of(parse_args(["--methods", "full,csattention", "--tasks", "passkey,vt",
-                                "--task-lengths", "2048,4096", "--seeds", "0,1"]))
+                                "--task-lengths", "2048,4096", "--seeds", "0,1", "--retention-lengths", ""]))
     cells = all_cells(cfg)
     assert len(cells) == 2 * 2 + 2 * 2 * 2  # fidelity: texts x methods; tasks: lengths x tasks x seeds
     assert "fid:code:csattention" in cells and "task:4096:vt:1" in cells
+
+
+def test_methods_take_parameters_and_retention_cells_can_run_alone():
+    specs = method_specs("full,csattention@rerank=4,csattention@rerank=2@centroids=256")
+    assert [(m.label, m.name, m.params) for m in specs][1:] == [
+        ("csattention@rerank=4", "csattention", {"rerank": 4}),
+        ("csattention@rerank=2@centroids=256", "csattention", {"rerank": 2, "centroids": 256})]
+    with pytest.raises(ValueError, match="rerank=0.5"):
+        method_specs("csattention@rerank=0.5")
+    with pytest.raises(ValueError, match="key=value"):
+        method_specs("csattention@rerank")
+    cfg = config_of(parse_args(["--methods", "full,csattention", "--skip", "fid,task",
+                                "--retention-lengths", "2048,6144", "--retention-seeds", "0,1,2"]))
+    cells = all_cells(cfg)
+    assert len(cells) == 2 * 3 * 2 and "ret:6144:code:2" in cells  # lengths x seeds x fillers
 
 
 def _shard(path, cfg, cells):
@@ -41,7 +56,7 @@ def _task(method, keep, score, task="passkey", length=2048):
 
 def test_merge_writes_one_table_json_and_plot(tmp_path):
     args = parse_args(["--methods", "full,csattention", "--keeps", "0.05", "--tasks", "passkey",
-                       "--task-lengths", "2048", "--seeds", "0"])
+                       "--task-lengths", "2048", "--seeds", "0", "--retention-lengths", ""])
     cfg = config_of(args)
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -57,6 +72,32 @@ def test_merge_writes_one_table_json_and_plot(tmp_path):
     assert set(report["missing_cells"]) == {"fid:prose:full", "fid:code:full", "fid:code:csattention"}
     md = paths["md"].read_text()
     assert "| csattention | 0.05 |" in md and "INCOMPLETE: 3 cells missing" in md
+    assert paths["png"].stat().st_size > 0
+
+
+def _ret(method, keep, question, score, length=2048):
+    return {"kind": "retention", "length": length, "filler": "prose", "seed": 0, "question": question,
+            "qkind": "code", "depth": 0.1, "method": method, "keep": keep, "score": score}
+
+
+def test_merge_reports_retention_beside_mass_recall(tmp_path):
+    args = parse_args(["--methods", "full,oracle,csattention", "--keeps", "0.05", "--skip", "task",
+                       "--retention-lengths", "2048", "--retention-seeds", "0", "--retention-fillers", "prose"])
+    cfg = config_of(args)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    rows = ([_ret("full", None, i, 1.0) for i in range(4)] + [_ret("oracle", 0.05, i, 1.0) for i in range(4)]
+            + [_ret("csattention", 0.05, i, float(i < 1)) for i in range(4)])
+    _shard(shards / "a.json", cfg, {"ret:2048:prose:0": {"rows": rows, "seconds": 1.0},
+                                    "fid:prose:csattention": {"rows": [_fid("prose", "csattention", 0.05, 0.9)],
+                                                              "seconds": 1.0}})
+    paths = merge(argparse.Namespace(merge=str(shards), results=str(tmp_path / "out"), name=None))
+    cs = next(r for r in json.loads(paths["json"].read_text())["rows"] if r["method"] == "csattention")
+    assert cs["retention"]["kept"] == 0.25 and cs["retention"]["vs_oracle_losses"] == 3
+    assert cs["retention"]["slices"]["@2048"] == 0.25 and cs["retention"]["slices"]["depth 0.1"] == 0.25
+    assert cs["retention"]["slices"]["number"] is None
+    md = paths["md"].read_text()
+    assert "| 0.250 (4) | 0 / 3 | 0.250 |" in md and "Retention by slice" in md
     assert paths["png"].stat().st_size > 0
 
 

@@ -56,7 +56,7 @@ def test_fast_runner_decodes_the_reference_tokens(lm, method, artifacts, sparse,
     ref = Engine(ReferenceRunner(lm))
     want = [[t for t, _ in ref.start("x", a, p, cfg, SamplingParams(max_tokens=STEPS)).tokens(lambda: None)]
             for a, p in zip(artifacts, prompts)]
-    runner = GpuRunner(lm, method.params if sparse else None, CONFIG, slots=3, max_len=256, max_new=STEPS + 8)
+    runner = GpuRunner(lm, method.params if sparse else None, CONFIG, slots=3, max_len=384, max_new=STEPS + 8)
     fast = Engine(runner)
     try:
         got = _decode(fast, artifacts, prompts)

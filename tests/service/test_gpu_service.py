@@ -17,24 +17,41 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def _serve(cfg, device):
+    server, port = create_server(cfg, load_model("random:tiny", device=device))
+    return server, Client(f"127.0.0.1:{port}")
+
+
+def _put(client, text, method):
+    info = client.put(pb.PutContextRequest(text=text, wait=True, method=pb.MethodSpec(name=method)),
+                      timeout=300).context
+    assert info.state == pb.CONTEXT_STATE_READY, info.error
+    return info.context_id
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_put_and_generate_on_cuda(tmp_path, method):
-    lm = load_model("random:tiny", device="cuda")
+    """One context built by a CPU server, one by the CUDA server, on the same store: the CUDA
+    server decodes both (a one-token question goes through a decode step, not a prefill)."""
     cfg = tiny_config(tmp_path)
     cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
                   decoder=replace(cfg.decoder, gpu_slots=2, gpu_slot_tokens=2048))
-    server, port = create_server(cfg, lm)
-    client = Client(f"127.0.0.1:{port}")
+    server, client = _serve(cfg, "cpu")
     try:
-        info = client.put(pb.PutContextRequest(text="the keeper is named Ada. " * 20, wait=True,
-                                               method=pb.MethodSpec(name=method)), timeout=300).context
-        assert info.state == pb.CONTEXT_STATE_READY, info.error
-        for question in ("who is the keeper?", ""):
-            events = list(client.generate(pb.GenerateRequest(
-                context_id=info.context_id, question=question, sampling=pb.SamplingParams(max_tokens=8)), timeout=300))
-            final = events[-1].final
-            assert final.usage.generated_tokens >= 1
-            assert final.decode_path == ("gpu-sparse" if method == "csattention" else "reference")
+        built_on_cpu = _put(client, "the keeper is named Ada. " * 20, method)
+    finally:
+        client.close()
+        server.stop(0)
+    server, client = _serve(cfg, "cuda")
+    try:
+        built_on_gpu = _put(client, "the keeper is named Bo. " * 20, method)
+        for cid in (built_on_cpu, built_on_gpu):
+            for question in ("who is the keeper?", "?"):
+                events = list(client.generate(pb.GenerateRequest(
+                    context_id=cid, question=question, sampling=pb.SamplingParams(max_tokens=8)), timeout=300))
+                final = events[-1].final
+                assert final.usage.generated_tokens >= 1
+                assert final.decode_path == ("gpu-sparse" if method == "csattention" else "reference")
     finally:
         client.close()
         server.stop(0)

@@ -53,3 +53,20 @@ def test_two_services_share_one_redis(start, redis_server, tmp_path):
     assert cb.admin.Reconcile(apb.ReconcileRequest()).removed == 0  # b leaves a's entries alone
     assert registry.get(ida) is not None
     registry.close()
+
+
+def test_a_context_ready_on_one_worker_is_never_a_permanent_unavailable_on_the_other(start, redis_server, tmp_path):
+    """Issue 22 #4: the registry records a reachable host:port; worker b, lacking a context READY
+    on a, names where it lives for Generate and builds its own copy on PutContext."""
+    a, ca = start(tiny_config(tmp_path / "a", redis_url=redis_server.url))
+    b, cb = start(tiny_config(tmp_path / "b", redis_url=redis_server.url))
+    cid = put_text(ca).context_id
+    registry = RedisRegistry(tiny_config(tmp_path, redis_url=redis_server.url).registry.redis_config())
+    assert registry.get(cid).location == f"127.0.0.1:{a.port}"  # an address, not a path
+    with pytest.raises(grpc.RpcError) as err:
+        ask(cb, cid)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and f"127.0.0.1:{a.port}" in err.value.details()
+    info = put_text(cb)  # same text: same id; b builds its own copy instead of UNAVAILABLE forever
+    assert info.context_id == cid and info.state == pb.CONTEXT_STATE_READY
+    assert ask(cb, cid)[1].usage.cached_tokens == info.n_tokens
+    registry.close()

@@ -1,0 +1,99 @@
+"""CSAttention's exact re-rank: candidates from the estimate, the K best by exact attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctxcache.methods import Budget, make_method
+from ctxcache.methods.csattention import CSAttention, CSAttentionParams, exact_rerank
+from ctxcache.methods.oracle import Oracle
+
+from tests.methods.helpers import make_qkv
+
+BUDGET = Budget(0.05, 4, 16)
+
+
+@pytest.fixture(scope="module")
+def qkv():
+    return make_qkv(hq=6, hkv=2, n=400, d=32, seed=3)
+
+
+def _tables(params: CSAttentionParams, q, k, v):
+    return CSAttention(params).build(q, k, v)
+
+
+def test_rerank_over_the_whole_region_is_the_oracle(qkv):
+    q, k, v, q_dec = qkv
+    method = CSAttention(CSAttentionParams(centroids=8, rerank=64.0))
+    state = method.open(_tables(method.params, q, k, v))
+    lo, hi = BUDGET.region(k.shape[1])
+    kk = BUDGET.top_k(k.shape[1])
+    assert method.params.candidates(kk, hi - lo) == hi - lo  # every region key is a candidate
+    got = method.search(state, q_dec, k, lo, hi, kk)
+    want = Oracle().search(Oracle().open({}), q_dec, k, lo, hi, kk)
+    assert got.shape == want.shape
+    assert all(set(g.tolist()) == set(w.tolist()) for g, w in zip(got, want))
+
+
+def test_rerank_keeps_the_best_candidates_and_counts_them_as_read(qkv):
+    q, k, v, q_dec = qkv
+    plain = CSAttention(CSAttentionParams(centroids=8))
+    ranked = CSAttention(CSAttentionParams(centroids=8, rerank=3.0))
+    tables = _tables(plain.params, q, k, v)  # rerank changes only the search: same tables
+    assert "rerank" in CSAttention.search_params
+    lo, hi = BUDGET.region(k.shape[1])
+    kk = BUDGET.top_k(k.shape[1])
+    cand = CSAttention(CSAttentionParams(centroids=8, rerank=1.0)).search(
+        plain.open(tables), q_dec, k, lo, hi, 3 * kk)
+    got = ranked.search(ranked.open(tables), q_dec, k, lo, hi, kk)
+    assert got.shape == (2, kk)
+    assert all(set(g.tolist()) <= set(c.tolist()) for g, c in zip(got, cand))
+    assert set(got.flatten().tolist()) != set(plain.search(plain.open(tables), q_dec, k, lo, hi, kk).flatten().tolist())
+    assert ranked.search_reads(kk, hi - lo) == 3 * kk and plain.search_reads(kk, hi - lo) == kk
+
+
+def test_exact_rerank_picks_the_group_probability_top():
+    keys = torch.zeros(1, 5, 2)
+    keys[0, :, 0] = torch.tensor([0.0, 3.0, 1.0, 5.0, 2.0])
+    q = torch.tensor([[1.0, 0.0], [1.0, 0.0]])  # two query heads of one group
+    got = exact_rerank(q, keys, torch.tensor([[0, 1, 2, 4]]), 2)  # key 3 is no candidate
+    assert sorted(got[0].tolist()) == [1, 4]
+
+
+def test_rerank_is_validated_and_not_gpu_selectable(qkv):
+    with pytest.raises(ValueError, match="rerank=0.5"):
+        CSAttentionParams(rerank=0.5)
+    with pytest.raises(ValueError, match="rerank=100"):
+        make_method("csattention", {"rerank": 100.0})
+    q, k, v, _ = qkv
+    tables = _tables(CSAttentionParams(centroids=8), q, k, v)
+    assert CSAttention(CSAttentionParams(centroids=8)).gpu_decodable(tables)
+    ranked = CSAttention(CSAttentionParams(centroids=8, rerank=2.0))
+    assert not ranked.params.gpu_selectable and not ranked.gpu_decodable(tables)
+
+
+def test_decoder_counts_the_rerank_candidates_as_read(qkv):
+    from ctxcache.decoder.reference_attention import ReferenceSparseAttention, SparseConfig
+
+    q, k, v, q_dec = qkv
+    n, config = k.shape[1], SparseConfig(BUDGET)
+    lo, hi = BUDGET.region(n)
+    reads = {}
+    for rerank in (1.0, 3.0):
+        method = CSAttention(CSAttentionParams(centroids=8, rerank=rerank))
+        attn = ReferenceSparseAttention(method, [[method.open(_tables(method.params, q, k, v))]], config)
+        cache = type("C", (), {"k": [k[None]], "v": [v[None]]})()
+        attn._row(0, 0, q_dec, cache, n)
+        reads[rerank] = attn.keys_read
+    kk = BUDGET.top_k(n)
+    assert reads[1.0] == 2 * (lo + n - hi + kk)
+    assert reads[3.0] == 2 * (lo + n - hi + 3 * kk)
+
+
+def test_gpu_selector_refuses_a_rerank_it_does_not_implement():
+    from ctxcache.decoder.gpu.selector import check_params
+
+    check_params(CSAttentionParams())
+    with pytest.raises(ValueError, match="rerank=2.0"):
+        check_params(CSAttentionParams(rerank=2.0))
