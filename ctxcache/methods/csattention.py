@@ -285,6 +285,8 @@ class CSAttention(SparseMethod):
         30 layers at 4K tokens took 18-31 s on the 2-core box, a step's rows take < 1 ms)."""
         if not self._dense or "dense_score" in tables or ROW_KEYS in tables:
             return tables
+        if on_demand and self.params.layout == "contiguous":  # a view of the loaded keys: no copy
+            return {**tables, ROW_KEYS: k.unflatten(-1, (self.params.subspaces, -1)).permute(0, 2, 1, 3)}
         sub_k = self._split(k).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
         if on_demand:
             return {**tables, ROW_KEYS: sub_k.contiguous()}
