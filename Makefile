@@ -19,12 +19,12 @@ setup: $(BIN)/ctxcache
 demo: setup
 	$(BIN)/ctxcache demo
 
-# system tools some tests drive (a real redis-server; docker-compose to validate the compose file)
+# system tools some tests drive (a real redis-server). The compose file is validated by
+# `docker compose config` where Docker Compose is installed (skipped otherwise; never installed here)
+# and always by running its exact command and environment (tests/service/test_compose.py).
 sysdeps:
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; } \
 	  || echo "redis-server unavailable: Redis tests will skip"
-	@command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } \
-	  || echo "docker-compose unavailable: the compose validation test will skip"
 
 test: setup sysdeps
 	$(BIN)/python -m pytest -q

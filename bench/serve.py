@@ -13,6 +13,8 @@ defaults run the bundled SmolLM2 at 4K.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import multiprocessing
 import random
 import statistics
@@ -23,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ctxcache.bench.common.report import RESULTS, machine_info, print_table, run_together, write_result
+from ctxcache.bench.common.report import (RESULTS, commit, device_tag, machine_info, print_table, run_together,
+                                          write_result)
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
 from ctxcache.models.attention import dense_attention
@@ -137,6 +140,8 @@ def run_point(lm, args, mode: str, n_ctx: int, streams: list[int], data: Path) -
         indexer=IndexerSettings(store_queries=0, max_context_tokens=n_ctx + 64),
         decoder=DecoderSettings(dram_cache_bytes=int(args.dram_gb * GiB), decode_mode=mode,
                                 gpu_slots=slots, gpu_slot_tokens=n_ctx + 64 + 256 + args.tokens))
+    # before the server holds its slots: a long context's second cache may not fit beside them
+    reprefill = [timed_prefill(lm, n_ctx + 20) for _ in range(args.repeats)]
     server, port = create_server(cfg, lm)
     client = Client(f"127.0.0.1:{port}")
     build, rows = {}, []
@@ -152,7 +157,7 @@ def run_point(lm, args, mode: str, n_ctx: int, streams: list[int], data: Path) -
             cids.append(info.context_id)
         build = {"context": n_ctx, "put_seconds": statistics.median(puts)}
         tiers = ttft_tiers(server, client, cids[0], args.repeats, args.drop_page_cache)
-        tiers["reprefill"] = [timed_prefill(lm, n_ctx + 20) for _ in range(args.repeats)]
+        tiers["reprefill"] = reprefill
         address = f"127.0.0.1:{port}"
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as load:
             for s in streams:  # first use of a batch size compiles kernels and captures its graph
@@ -217,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                 if i == 0:
                     builds.append({**b, **put})
     info = machine_info()
+    stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
+    rows, builds = [{**r, **stamp} for r in rows], [{**b, **stamp} for b in builds]
+    rows, builds = keep_other_lengths(Path(args.out) / f"serve_{device_tag(info)}.json", args, contexts, rows, builds)
     out = write_result("serve", {"device": (info.get("gpu") or {}).get("name") or info["cpu"], "model": args.model,
                                  "dtype": args.dtype, "tokens_per_stream": args.tokens, "rows": rows,
                                  "build": builds}, args.out)
@@ -227,6 +235,25 @@ def main(argv: list[str] | None = None) -> int:
     print_table(builds, ["context", "prefill_seconds", "index_seconds", "put_seconds"])
     print(f"wrote {out}")
     return 0
+
+
+def keep_other_lengths(path: Path, args, contexts: list[int], rows: list[dict],
+                       builds: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Rows of the earlier result for context lengths this run did not measure, when that run
+    used the same model, dtype and tokens per stream (a long length needs a call of its own on
+    the GPU machine). Every row names the commit and date of its run; ratios between modes are
+    always within one run."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return rows, builds
+    if (old.get("model"), old.get("dtype"), old.get("tokens_per_stream")) != (args.model, args.dtype, args.tokens):
+        return rows, builds
+    stamp = {"commit": old.get("commit"), "date": old.get("date")}
+    kept = [{**stamp, **r} for r in old.get("rows", []) if r["context"] not in contexts]
+    kept_builds = [{**stamp, **b} for b in old.get("build", []) if b["context"] not in contexts]
+    by_length = lambda r: (r["context"], r.get("mode", ""), r.get("streams", 0))  # noqa: E731
+    return sorted(kept + rows, key=by_length), sorted(kept_builds + builds, key=by_length)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -258,8 +285,11 @@ def args_slots_fit(lm, n_ctx: int, args) -> int:
     tokens = n_ctx + 64 + 256 + args.tokens
     kv = 2 * a.n_layers * a.n_kv_heads * a.head_dim * tokens * 2
     tables = a.n_layers * a.n_kv_heads * 8 * 128 * (tokens + 4 * 512)  # int8 rows + fp32 overlay
-    free = torch.cuda.mem_get_info()[0] - 6 * GiB  # graphs, selector and prefill scratch
-    return max(1, int(free // (kv + tables)))
+    # the driver's free memory plus what the caching allocator holds unused (the load's fp32 copies)
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    fit = max(1, int((free - 6 * GiB) // (kv + tables)))  # 6 GiB: graphs, selector and prefill scratch
+    print(f"{n_ctx} tokens: {fit} slots fit in {free / GiB:.1f} GiB free ({(kv + tables) / GiB:.1f} GiB each)")
+    return fit
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ class CancelToken:
         self.reason = ""
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.timeout_s = timeout_s
+        self.blocks = self.layers = 0  # progress: transformer blocks run, method layers built
 
     def cancel(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -56,7 +57,10 @@ def check() -> None:
 
 
 def _check_current(module: torch.nn.Module, args: Any) -> None:
-    check()
+    token: CancelToken | None = getattr(_current, "token", None)
+    if token is not None:
+        token.check()
+        token.blocks += 1
 
 
 def install_hooks(model: torch.nn.Module) -> None:
@@ -94,4 +98,5 @@ class CancellableMethod:
                 yield item
         for tables in self._method.build_layers(checked(), n_layers):
             self._token.check()
+            self._token.layers += 1
             yield tables

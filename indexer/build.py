@@ -16,6 +16,10 @@ from ctxcache.models.loader import LoadedModel
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
+# newest positions always captured: CTkvr's centroids are the last ceil(centroids / G) queries;
+# fewer than keep/4 so the clustering sample stays spread over the context
+CAPTURE_TAIL = 1024
+
 
 @dataclass(frozen=True)
 class IndexerConfig:
@@ -27,10 +31,17 @@ class IndexerConfig:
     # re-prefill; 0 (default): none. Opt-in: 1536 positions cost 0.57x the fp16 KV bytes for
     # SmolLM2 at 4K tokens, more than everything else stored once the rows are derived.
     store_queries: int = 0
+    # prefill query positions captured per layer for the build (spread over the context plus the
+    # newest, as query_positions picks them); 0: all. Bounds the build's device memory at long
+    # contexts: 16384 positions are 4.3 GB at Llama-3.1-8B shapes where all of 128K are 34 GB,
+    # and CSAttention clusters 4096 (max_queries) of them.
+    capture_queries: int = 16384
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
             raise ValueError(f"chunk={self.chunk} must be >= 1")
+        if self.capture_queries < 0:
+            raise ValueError(f"capture_queries={self.capture_queries} must be >= 0")
         if self.store_queries < 0:
             raise ValueError(f"store_queries={self.store_queries} must be >= 0")
         if self.kv_dtype not in _DTYPES:
@@ -52,7 +63,8 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
                          f"maximum length {args.max_seq_len}")
     device = lm.model.lm_head.weight.device
     cache = lm.model.new_cache(1, max_len=n)
-    capture = QueryCapture(args.n_layers)
+    bounded = 0 < config.capture_queries < n
+    capture = QueryCapture(args.n_layers, keep=query_positions(n, config.capture_queries, CAPTURE_TAIL) if bounded else None)
     with tqdm(total=n, desc="prefill", unit="tok", disable=not config.progress) as bar:
         logits = prefill(lm.model, ids[None].to(device), cache, capture, config.chunk, bar.update)
     dtype = _DTYPES[config.kv_dtype]
@@ -67,7 +79,7 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         q = capture.queries(layer)
         tables = method.persist(next(built))
         k, v = to_host(cache.k[layer][0, :, :n], dtype), to_host(cache.v[layer][0, :, :n], dtype)
-        kept = to_host(q[:, query_positions(n, config.store_queries).to(q.device)], torch.half) \
+        kept = to_host(q[:, query_positions(q.shape[1], config.store_queries).to(q.device)], torch.half) \
             if config.store_queries else None
         layers.append(LayerArtifact(k=k, v=v, tables=tables, queries=kept))
         capture.chunks[layer] = []  # free the queries as we go
@@ -78,13 +90,13 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         layers=layers, kv_dtype=config.kv_dtype, kv_codec=config.kv_codec)
 
 
-def query_positions(n: int, keep: int) -> torch.Tensor:
-    """Which of n prefill query positions to store: all when n <= keep; otherwise the last
-    keep/4 (recency-based methods such as CTkvr read the newest queries) plus keep - keep/4
-    evenly spaced over the rest (query clustering wants the whole context's spread)."""
+def query_positions(n: int, keep: int, tail: int | None = None) -> torch.Tensor:
+    """Which of n prefill query positions to keep: all when n <= keep; otherwise the last `tail`
+    (default keep/4: recency-based methods such as CTkvr read the newest queries) plus the rest
+    evenly spaced over the context (query clustering wants the whole context's spread)."""
     if n <= keep:
         return torch.arange(n)
-    tail = keep // 4
+    tail = keep // 4 if tail is None else min(tail, keep)
     spread = torch.linspace(0, n - tail - 1, keep - tail).round().long()
     return torch.cat([spread, torch.arange(n - tail, n)])
 

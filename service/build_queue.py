@@ -3,8 +3,9 @@
 The context id is content-addressed (`ctxcache.store.context_id_for`), so identical requests
 meet at one id: a stored manifest answers READY at once, a queued or running job is joined,
 and only the request that creates the job (and wins the registry's build claim) builds.
-Progress is coarse (queued 0, prefill+index 0.1..0.9, writing 0.9, done 1): the core's
-build_artifact exposes no per-chunk hook.
+Progress (Job.progress) follows the build: the cancel hooks (ctxcache/cancel.py) count the
+prefill's transformer blocks and the method's layers, so a client's bar moves through the
+prefill instead of sitting at 10%. Every build can be cancelled and has a time bound.
 """
 
 from __future__ import annotations
@@ -38,10 +39,20 @@ class Job:
     tokens: list[int]
     source: ContextArtifact | None = None  # Rebuild: re-index these K/V, no prefill
     state: str = "building"  # building | ready | failed
-    progress: float = 0.0
+    stage: float = 0.0  # 0 queued, 0.1 started, 0.9 writing, 1 done
     error: str = ""
     done: threading.Event = field(default_factory=threading.Event)
     token: CancelToken = field(default_factory=CancelToken)
+    expected_blocks: int = 1  # transformer blocks the prefill runs (chunks x layers)
+    n_layers: int = 1
+
+    @property
+    def progress(self) -> float:
+        """Queued 0; prefill 0.1..0.7 by blocks run; indexing 0.7..0.9 by layers; writing 0.9; 1."""
+        if self.stage != 0.1:
+            return self.stage
+        t = self.token
+        return 0.1 + 0.6 * min(1.0, t.blocks / self.expected_blocks) + 0.2 * min(1.0, t.layers / self.n_layers)
 
 
 class BuildQueue:
@@ -110,8 +121,11 @@ class BuildQueue:
                     raise Unavailable(f"context {cid} is being built by another worker; retry later")
                 # READY on another worker: this worker builds its own copy (each serves its own store)
                 log.info("context %s is READY at %s; building a local copy", cid[:12], elsewhere)
+            chunks = 0 if source is not None else -(-len(tokens) // self.settings.chunk)
             job = self._jobs[cid] = Job(cid, spec, tokens, source,
-                                        token=CancelToken(self.settings.build_timeout_s))
+                                        token=CancelToken(self.settings.build_timeout_s),
+                                        expected_blocks=max(1, chunks * self.lm.args.n_layers),
+                                        n_layers=self.lm.args.n_layers)
             self._queue.put(job)
         self.metrics.put_requests.labels("created").inc()
         return cid, job, True
@@ -156,7 +170,7 @@ class BuildQueue:
         t0 = time.perf_counter()
         try:
             job.token.check()  # cancelled while queued
-            job.progress = 0.1
+            job.stage = 0.1
             method = CancellableMethod(make_method(job.spec.method, job.spec.method_params), job.token)
             with building(job.token):
                 if job.source is not None:
@@ -167,12 +181,12 @@ class BuildQueue:
                                          IndexerConfig(self.settings.chunk, self.kv_dtype, job.spec.kv_codec,
                                                        progress=False, store_queries=keep))
             job.token.check()  # a delete that arrived during the last layer wins over the write
-            job.progress = 0.9
+            job.stage = 0.9
             labels = {**job.spec.labels, ROLES_LABEL: ",".join(job.spec.roles)}
             meta = ContextMeta(labels=labels, ttl_s=job.spec.ttl_s, pinned=job.spec.pin,
                                tenant=job.spec.tenant, prompt_hash=job.context_id)
             manifest = self.backend.put(job.context_id, art, meta)
-            job.state, job.progress = "ready", 1.0
+            job.state, job.stage = "ready", 1.0
             self.metrics.builds.labels("ready").inc()
             log.info("built %s: %d tokens in %.1fs, %d bytes", job.context_id[:12], len(job.tokens),
                      time.perf_counter() - t0, manifest.stored_bytes)

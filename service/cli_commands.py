@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 from google.protobuf import json_format
 
 from ctxcache.service.client import Client

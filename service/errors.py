@@ -1,16 +1,16 @@
 """The one place where exceptions become gRPC status codes (never UNKNOWN).
 
 Servicer methods raise domain errors (below, or the store's / decoder's own) and are wrapped
-by `unary` / `streaming`, which abort the call with the mapped code and message.
+by `rpc.unary` / `rpc.streaming` (grpc.aio), which abort the call with the mapped code and a
+message cut to a bounded length.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable, Iterator
 
 import grpc
+import torch
 
 log = logging.getLogger("ctxcache.service")
 
@@ -92,37 +92,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             return code, f"{type(exc).__name__}: {exc}"
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory"
+    if isinstance(exc, torch.OutOfMemoryError):  # a context or build that does not fit on the GPU
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of GPU memory: {str(exc).split('. ')[0]}"
     log.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-
-
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
-    code, message = status_for(exc)
-    context.abort(code, message)
-
-
-def unary(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(self, request, context):
-        try:
-            return fn(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - mapped, never leaked as UNKNOWN
-            if isinstance(exc, grpc.RpcError) or context.code() is not None:
-                raise  # already aborted
-            failure = exc
-        _abort(context, failure)
-    return wrapper
-
-
-def streaming(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(self, request, context) -> Iterator:
-        try:
-            yield from fn(self, request, context)
-            return
-        except Exception as exc:  # noqa: BLE001
-            if isinstance(exc, grpc.RpcError) or context.code() is not None:
-                raise
-            failure = exc
-        _abort(context, failure)
-    return wrapper

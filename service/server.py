@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -199,10 +200,17 @@ def _reconcile(backend: Backend) -> None:
         log.warning("registry reconcile at start failed: %s", exc)
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple[CtxcacheServer, int]:
     """Build and start the service; -> (server, bound port). `lm`: reuse an already loaded model."""
     if config.decoder.torch_threads:
         torch.set_num_threads(config.decoder.torch_threads)
+    # The decode loop shares the interpreter with the gRPC handlers: after each step's device
+    # sync it waits for the interpreter lock, up to the switch interval (5 ms by default, half a
+    # GPU decode step). 0.5 ms lets it back within a small fraction of a step.
+    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
     if lm is None:
         m = config.model
         lm = load_model(m.model, _DTYPES[m.dtype], m.device)

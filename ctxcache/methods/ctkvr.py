@@ -57,9 +57,11 @@ class CTkvr(SparseMethod):
         p: CTkvrParams = self.params
         hkv, n, d = k.shape
         g = q.shape[0] // hkv
-        positions = min(n, math.ceil(p.centroids / g))
+        # the newest queries: q may be a sample of the prefill's (capture_queries, the stored
+        # query sample), which always ends with the newest positions
+        positions = min(q.shape[1], math.ceil(p.centroids / g))
         # [Hkv, G, P, D] -> [Hkv, P*G, D], oldest position first (the FIFO order)
-        cent = q[:, n - positions:].float().view(hkv, g, positions, d).transpose(1, 2).reshape(hkv, -1, d)
+        cent = q[:, -positions:].float().view(hkv, g, positions, d).transpose(1, 2).reshape(hkv, -1, d)
         cent = cent[:, -p.centroids:]
         scores = torch.einsum("hcd,hnd->hcn", cent, k.float())
         lists = torch.topk(scores, min(p.keys_per_centroid, n), dim=-1).indices

@@ -21,18 +21,36 @@ def dense_attention(layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tens
 class QueryCapture:
     """Dense attention that also keeps each layer's post-RoPE queries (row 0) for indexing, on
     the model's device and in its dtype: a GPU build reads them there (copying every query of a
-    32K context to the host in fp32 was most of PutContext's time on an H100)."""
+    32K context to the host in fp32 was most of PutContext's time on an H100).
 
-    def __init__(self, n_layers: int, dtype: torch.dtype | None = None) -> None:
+    `keep` (sorted positions, or None for all) bounds what is kept: every query of a 128K
+    context is 34 GB at Llama-3.1-8B shapes, while the builds read a few thousand positions
+    (CSAttention samples max_queries, CTkvr reads the newest). Chunks arrive in order per layer,
+    so each chunk's kept columns are found on the host from a running offset: no device sync."""
+
+    def __init__(self, n_layers: int, dtype: torch.dtype | None = None, keep: torch.Tensor | None = None) -> None:
         self.chunks: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
         self.dtype = dtype  # None: the model's
+        self.keep = None if keep is None else keep.cpu().long()
+        self._seen = [0] * n_layers  # positions of each layer's chunks so far
+        self._columns: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
-        self.chunks[layer].append(q[0] if self.dtype is None else q[0].to(self.dtype))
+        start, t = self._seen[layer], q.shape[2]
+        self._seen[layer] += t
+        kept = q[0] if self.keep is None else q[0][:, self._kept_columns(start, t, q.device)]
+        self.chunks[layer].append(kept if self.dtype is None else kept.to(self.dtype))
         return dense_attention(layer, q, cache, pos)
 
+    def _kept_columns(self, start: int, t: int, device: torch.device) -> torch.Tensor:
+        key = (start, t, device)
+        if key not in self._columns:
+            lo, hi = torch.searchsorted(self.keep, torch.tensor([start, start + t])).tolist()
+            self._columns[key] = (self.keep[lo:hi] - start).to(device)
+        return self._columns[key]
+
     def queries(self, layer: int) -> torch.Tensor:
-        """All captured queries of a layer, [Hq, N, D]."""
+        """The kept queries of a layer, [Hq, N or len(keep), D], in position order."""
         return torch.cat(self.chunks[layer], dim=1)
 
 

@@ -82,3 +82,25 @@ def test_a_build_past_its_time_bound_fails_and_frees_the_queue(tiny_lm, tmp_path
     srv, client = start(cfg)
     info = put_text(client)
     assert info.state == pb.CONTEXT_STATE_FAILED and "time bound" in info.error, info.error
+
+
+def test_progress_moves_through_the_build(start):
+    from test_drain import slow_put
+    srv, client = start()
+    info = client.put(slow_put("abc " * 150, False), timeout=10).context
+    seen = set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(0.7 <= p < 1.0 for p in seen):
+        seen.add(round(client.context.GetContext(pb.GetContextRequest(context_id=info.context_id), timeout=5).progress, 2))
+        time.sleep(0.05)
+    assert any(0.7 <= p < 1.0 for p in seen), sorted(seen)  # the prefill counted, indexing under way
+
+
+def test_evict_cancels_a_running_build(start):
+    from test_drain import slow_put
+    srv, client = start()
+    info = client.put(slow_put("abc " * 150, False), timeout=10).context
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    assert client.admin.Evict(apb.EvictRequest(context_id=info.context_id), timeout=10).evicted
+    assert srv.indexer.counts() == (0, 0) and time.perf_counter() - t0 < 2.0

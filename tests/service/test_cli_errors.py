@@ -109,3 +109,14 @@ def test_ctrl_c_during_put_prints_the_id(start, files, capsys, monkeypatch):
                    "--method", "csattention", "--params", str(SLOW).replace("'", '"')])
     captured = capsys.readouterr()
     assert rc == 130 and len(captured.out.strip()) == 64 and "goes on" in captured.err
+
+
+def test_admin_output_shows_defaults_and_a_no_op_evict_fails(start, capsys, tmp_path):
+    from service_helpers import tiny_config
+    srv, client = start(tiny_config(tmp_path / "d", redis_url="redis://127.0.0.1:1/0"))  # nothing there
+    address = f"127.0.0.1:{srv.port}"
+    assert cli.main(["admin", "--address", address, "stats"]) == 0
+    assert '"registry_available": false' in capsys.readouterr().out  # printed although the proto default
+    assert cli.main(["admin", "--address", address, "evict", "0" * 64]) == 1
+    captured = capsys.readouterr()
+    assert '"evicted": false' in captured.out and "nothing evicted" in captured.err

@@ -38,3 +38,52 @@ def test_compose_file_validates(profile):
 def test_dockerfile_runs_the_cli():
     text = (ROOT / "Dockerfile").read_text()
     assert "ctxcache" in text and "serve" in text
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # ~14 s on 2 busy cores: torch import and the SmolLM2 load of the real command
+def test_the_compose_command_starts_with_no_environment(tmp_path):
+    """Issue 22 #14: the ctxcache service's exact command and environment, with an empty shell
+    environment, starts and serves; only what Docker would map is mapped (volumes to folders,
+    published ports to free ports, the image's `ctxcache` to this venv's)."""
+    import os
+    import re
+    import signal
+    import sys
+
+    import grpc
+    import yaml
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from ctxcache.models.loader import cache_root
+
+    svc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["ctxcache"]
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root")}
+    for item in svc["environment"]:  # list form: "NAME" passes the shell's value (unset here), "NAME=v" sets v
+        name, sep, value = item.partition("=")
+        if sep:
+            env[name] = value
+    volumes = {"/data": str(tmp_path / "data"), "/models": str(cache_root())}
+    env = {k: volumes.get(v, v) for k, v in env.items()}
+    ports = {p: str(_free_port()) for p in ("50051", "50052", "9100")}
+    cmd = [volumes.get(a, ports.get(a, a)) for a in svc["command"]]
+    assert cmd[0] == "ctxcache"
+    cmd[0] = str(Path(sys.executable).parent / "ctxcache")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving on 0.0.0.0:" in line, proc.stderr.read()[-2000:] if proc.poll() is not None else line
+        with grpc.insecure_channel(f"127.0.0.1:{ports['50051']}") as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -94,3 +94,14 @@ def test_a_load_racing_an_evict_is_not_cached():
     gate.set()
     t.join()
     assert "k" not in cache
+
+
+def test_out_of_gpu_memory_is_resource_exhausted_in_one_line():
+    import grpc
+    import torch
+
+    from ctxcache.service.errors import status_for
+
+    code, text = status_for(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.75 GiB. GPU 0 has ..."))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert text == "out of GPU memory: CUDA out of memory" and "\n" not in text
