@@ -58,9 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--keep", type=float, default=0.05)
     ap.add_argument("--question", type=int, default=20, help="question tokens of the cold TTFT")
     ap.add_argument("--repeats", type=int, default=3, help="cold TTFT runs (median)")
-    ap.add_argument("--stride", type=int, default=8)
+    ap.add_argument("--stride", type=int, default=16, help="score every stride-th decode step")
     ap.add_argument("--passkey-lengths", default="2048,4096")
     ap.add_argument("--passkey-trials", type=int, default=5, help="0 skips passkey")
+    ap.add_argument("--ttft-only", action="store_true", help="bytes and cold TTFT only (no fidelity, no passkey)")
     return parse_text_args(ap, argv, 2)
 
 
@@ -99,10 +100,14 @@ def resident_bytes(method: SparseMethod, art: ContextArtifact) -> int:
 def text_rows(lm: LoadedModel, text: str, args: argparse.Namespace, codecs: list[str], work: Path) -> list[dict]:
     method, config = make_method("csattention"), SparseConfig(Budget(args.keep))
     ids = tokens_of(lm.tokenizer, builtin_text(text), args.tokens + args.continuation, text)
+    if args.ttft_only:
+        return ttft_rows(lm, ids, args, codecs, work, text)
     cap = capture(lm, ids, args.tokens)
+    in_memory = build_tables(method, cap)
     built = {"text": text, "variant": "built (in memory)", "mass_recall": selection_metrics(
-        method, build_tables(method, cap), cap, config.budget, args.stride)["mass_recall"]}
-    built.update(teacher_forced(lm, ids, cap, method, build_tables(method, cap), config))
+        method, in_memory, cap, config.budget, args.stride)["mass_recall"]}
+    built.update(teacher_forced(lm, ids, cap, method, in_memory, config))
+    del in_memory
     rows = [built]
     art = build_artifact(lm, ids[:args.tokens], method, IndexerConfig(progress=False))
     question = ids[args.tokens:args.tokens + args.question]
@@ -111,7 +116,7 @@ def text_rows(lm: LoadedModel, text: str, args: argparse.Namespace, codecs: list
         m, loaded = stored(art, codec, path)
         times = sorted(cold_ttft(lm, path, question, config) for _ in range(args.repeats))
         dec = decoded_capture(cap, loaded)
-        tables = restore_tables(method, loaded, "cpu")
+        tables = restore_tables(method, loaded, "cpu", on_demand=True)  # as the reference decoder
         row = {"text": text, "variant": codec, "stored_bytes": m.stored_bytes, "kv_fp16_bytes": art.kv_bytes(),
                "stored_over_kv": m.stored_bytes / art.kv_bytes(),
                "resident_over_kv": resident_bytes(method, loaded) / art.kv_bytes(),
@@ -123,6 +128,22 @@ def text_rows(lm: LoadedModel, text: str, args: argparse.Namespace, codecs: list
         rows.append(row)
         print(f"[storage] {text} {codec}: {row['stored_over_kv']:.3f}x, cold TTFT {row['cold_ttft_s']:.2f}s",
               file=sys.stderr, flush=True)
+    return rows
+
+
+def ttft_rows(lm: LoadedModel, ids: list[int], args: argparse.Namespace, codecs: list[str], work: Path,
+              text: str) -> list[dict]:
+    """Stored bytes and cold TTFT per codec (--ttft-only)."""
+    method, config = make_method("csattention"), SparseConfig(Budget(args.keep))
+    art = build_artifact(lm, ids[:args.tokens], method, IndexerConfig(progress=False))
+    question, rows = ids[args.tokens:args.tokens + args.question], []
+    for codec in codecs:
+        path = work / f"{text}-{codec}"
+        m, _ = stored(art, codec, path)
+        times = sorted(cold_ttft(lm, path, question, config) for _ in range(args.repeats))
+        rows.append({"text": text, "variant": codec, "stored_bytes": m.stored_bytes, "kv_fp16_bytes": art.kv_bytes(),
+                     "stored_over_kv": m.stored_bytes / art.kv_bytes(), "cold_ttft_s": times[len(times) // 2][0],
+                     "load_s": times[len(times) // 2][1], "cold_ttft_all_s": [t for t, _ in times]})
     return rows
 
 
@@ -163,14 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"ctxcache bench storage: error: {e}", file=sys.stderr)
             return 2
-        lengths = [int(x) for x in args.passkey_lengths.split(",") if x] if args.passkey_trials else []
+        lengths = [int(x) for x in args.passkey_lengths.split(",") if x] if args.passkey_trials and not args.ttft_only else []
         keys = passkey(lm, lengths, args.passkey_trials, codecs, args.keep, Path(tmp))
     print(f"model={lm.model_id} tokens={args.tokens} keep={args.keep} (page cache not dropped)")
     print_table(rows, COLUMNS)
     print_table([{"length": k, **v} for k, v in keys.items()], ["length", "full", *codecs])
-    payload = {"model": lm.model_id, "tokens": args.tokens, "keep": args.keep, "question_tokens": args.question,
+    payload = {"model": lm.model_id, "torch_threads": torch.get_num_threads(), "tokens": args.tokens, "keep": args.keep, "question_tokens": args.question,
                "page_cache_dropped": False, "rows": rows, "passkey": keys}
-    print(f"wrote {write_result('storage', payload, args.out)}")
+    print(f"wrote {write_result('storage_ttft' if args.ttft_only else 'storage', payload, args.out)}")
     return 0
 
 

@@ -26,10 +26,12 @@ def check_compatible(lm: LoadedModel, artifacts: list[ContextArtifact]) -> None:
         raise ArtifactMismatch(f"a batch must share one method and parameters, got {sorted(methods)}")
 
 
-def restore_tables(method: SparseMethod, art: ContextArtifact, device: torch.device | str) -> list[Tables]:
+def restore_tables(method: SparseMethod, art: ContextArtifact, device: torch.device | str,
+                   on_demand: bool = False) -> list[Tables]:
     """Each layer's full tables on `device` (where the model decodes): the stored state moved
-    there and what the method derives from it and the keys computed there (SparseMethod.restore)."""
-    return [method.restore({name: t.to(device) for name, t in l.tables.items()}, l.k.to(device))
+    there and what the method derives from it and the keys computed there (SparseMethod.restore;
+    on_demand: derived per step where the method can, as the reference path reads them)."""
+    return [method.restore({name: t.to(device) for name, t in l.tables.items()}, l.k.to(device), on_demand)
             for l in art.layers]
 
 
@@ -48,7 +50,7 @@ def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list
     states = []
     for row, a in enumerate(artifacts):
         cache.load_row(row, [l.k for l in a.layers], [l.v for l in a.layers])
-        states.append([method.open(t) for t in restore_tables(method, a, cache.lengths.device)])
+        states.append([method.open(t) for t in restore_tables(method, a, cache.lengths.device, on_demand=True)])
     attn = ReferenceSparseAttention(method, states, config)
     device = cache.lengths.device
     first = []

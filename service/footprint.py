@@ -2,8 +2,10 @@
 user can size a deployment (store budget from the stored bytes, DRAM / HBM from the resident).
 
 Resident = the K/V decoded to their dtype + the tables as stored + what the method derives at
-load (SparseMethod.derived_bytes: CSAttention's dense rows, format 2 only; format 1 stored
-them). The prefill query sample is never resident (decoding does not load it)."""
+load on a GPU (SparseMethod.derived_bytes: CSAttention's dense rows, format 2 only; format 1
+stored them): the most a context holds while decoding. The CPU reference computes each step's
+routed rows instead, so there it holds the K/V and the stored tables only. The prefill query
+sample is never resident (decoding does not load it)."""
 
 from __future__ import annotations
 

@@ -165,10 +165,12 @@ class SparseMethod(ABC):
         `restore` derives the rest. Default: everything (nothing is derivable)."""
         return tables
 
-    def restore(self, tables: Tables, k: torch.Tensor) -> Tables:
+    def restore(self, tables: Tables, k: torch.Tensor, on_demand: bool = False) -> Tables:
         """One layer's full tables from its stored state and cached keys k [Hkv, N, D], on k's
         device (the device that decodes). Idempotent: tables that already hold the derived
-        arrays (built in memory, or an artifact of format 1) come back as they are."""
+        arrays (built in memory, or an artifact of format 1) come back as they are.
+        on_demand: the caller decodes through this method's own search (the reference path),
+        so the method may derive lazily what a step reads instead of everything at load."""
         return tables
 
     def derived_bytes(self, n_tokens: int, n_kv_heads: int) -> int:

@@ -38,8 +38,8 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   answer-retention suite (bench compare, SmolLM2, keep 5%) the estimate alone lost exact copies
   the oracle kept (a number's last digit dropped, at 10-50% depth); rerank 4 kept them (rerank 2
   did not). The candidates' keys count as read (`search_reads`): 4K keys' K + K keys' K/V per step
-  instead of K keys' K/V. The GPU selector does not implement it: `gpu_selectable` is False
-  unless rerank=1, and a GPU service then decodes on the reference path.
+  instead of K keys' K/V. On the GPU the selector proposes the candidates and
+  `decoder/gpu/attention.rerank_candidates` re-ranks them in the captured step (torch ops).
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
   shared tables stay read-only while many streams decode from one artifact.
@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from ctxcache.host_copy import to_host, wait_for_host_copies
 from ctxcache.methods.base import Capabilities, LayerState, MethodParams, ParamError, SparseMethod, Tables
 from ctxcache.methods.budget import fp16_rank, topk_in_region
-from ctxcache.methods.csattention_rows import DERIVED, dense_row_bytes, dense_rows
+from ctxcache.methods.csattention_rows import DERIVED, ROW_KEYS, dense_row_bytes, dense_rows, routed_rows
 from ctxcache.methods.int8_tables import int_dot_scores
 from ctxcache.methods.kmeans import kmeans
 
@@ -139,9 +139,9 @@ class CSAttentionParams(MethodParams):
 
     @property
     def gpu_selectable(self) -> bool:
-        """Whether the GPU selector computes exactly this selection (no backoff, summed group,
-        no exact re-rank)."""
-        return (self.rerank == 1.0 and self.backoff_cos <= -1.0 and self.group_combine == "sum"
+        """Whether the GPU path computes exactly this selection (no backoff, summed group; the
+        exact re-rank in decoder/gpu/attention.rerank_candidates)."""
+        return (self.backoff_cos <= -1.0 and self.group_combine == "sum"
                 and self.weighting in ("unit", "qnorm") and self.scoring in ("absolute", "relative", "expected"))
 
     def list_length(self, n: int) -> int:
@@ -282,15 +282,23 @@ class CSAttention(SparseMethod):
         """The dense layout stores its centroids only: the rows are c . K_b (csattention_rows)."""
         return {n: t for n, t in tables.items() if n not in DERIVED} if self._dense else tables
 
-    def restore(self, tables: Tables, k: torch.Tensor) -> Tables:
-        """Derive the dense rows from the centroids and the keys k [Hkv, N, D] on k's device."""
-        if not self._dense or "dense_score" in tables:
+    def restore(self, tables: Tables, k: torch.Tensor, on_demand: bool = False) -> Tables:
+        """Derive the dense rows from the centroids and the keys k [Hkv, N, D] on k's device
+        (GPU: one matmul per layer). on_demand: keep the subspace keys instead and compute
+        each step's m routed rows (what the CPU reference reads: materializing all C rows of
+        30 layers at 4K tokens took 18-31 s on the 2-core box, a step's rows take < 1 ms)."""
+        if not self._dense or "dense_score" in tables or ROW_KEYS in tables:
             return tables
+        if on_demand and self.params.layout == "contiguous":  # a view of the loaded keys: no copy
+            return {**tables, ROW_KEYS: k.unflatten(-1, (self.params.subspaces, -1)).permute(0, 2, 1, 3)}
         sub_k = self._split(k).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
+        if on_demand:
+            return {**tables, ROW_KEYS: sub_k.contiguous()}
         return {**tables, **dense_rows(tables["centroids"].to(k.device), sub_k, self.params.int8_tables)}
 
     def derived_bytes(self, n_tokens: int, n_kv_heads: int) -> int:
-        """Bytes per layer that restore adds to the stored tables (resident, not stored)."""
+        """Bytes per layer that restore adds to the stored tables when it materializes the rows
+        (resident on a GPU; the CPU reference computes the routed rows per step instead)."""
         p: CSAttentionParams = self.params
         return dense_row_bytes(n_tokens, n_kv_heads, p.subspaces, p.centroids, p.int8_tables) if self._dense else 0
 
@@ -327,15 +335,11 @@ class CSAttention(SparseMethod):
         hh = torch.arange(hkv)[:, None, None, None]
         mm = torch.arange(m)[None, None, :, None]
         acc = torch.zeros(hkv, sub_q.shape[1], n)
-        if "dense_score" in t:
-            dense = t["dense_score"]  # [Hkv, m, C, N]
-            # one index_select of the chosen rows + a batched matvec: 6x faster on CPU than
-            # advanced indexing with broadcast index tensors followed by an einsum
-            flat = ((hh * m + mm) * dense.shape[2] + ids).flatten()
-            rows = dense.reshape(-1, dense.shape[-1]).index_select(0, flat).view(hkv, -1, dense.shape[-1])
+        if "dense_score" in t or ROW_KEYS in t:
+            rows, scale = self._routed_rows(t, hh, mm, ids)  # [Hkv, R, N], [Hkv, R] (int8) or None
             n_rows = rows.shape[-1]
-            if "dense_scale" in t:  # int8 rows: the integer estimate of the group's sum, in head slot 0
-                ws = wts.reshape(hkv, -1) * t["dense_scale"].reshape(-1)[flat].view(hkv, -1)
+            if scale is not None:  # int8 rows: the integer estimate of the group's sum, in head slot 0
+                ws = wts.reshape(hkv, -1) * scale
                 acc[:, 0, :n_rows] = int_dot_scores(rows, ws)
             else:
                 g = sub_q.shape[1]
@@ -351,6 +355,22 @@ class CSAttention(SparseMethod):
         acc.scatter_add_(2, idx.flatten(2), ((val - offset[..., None]) * wts[..., None]).flatten(2))
         self._add_streamed(state, acc, ids, wts, floor, offset)
         return acc
+
+    def _routed_rows(self, t: Tables, hh: torch.Tensor, mm: torch.Tensor, ids: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The routed rows [Hkv, R, N] (R = G * m * tau, in ids' order) and, int8, their scales
+        [Hkv, R]: read from the materialized rows, or computed for just these centroids from the
+        subspace keys (restore on_demand), bitwise the same rows (csattention_rows)."""
+        hkv = ids.shape[0]
+        if ROW_KEYS in t:
+            return routed_rows(t["centroids"][hh, mm, ids], t[ROW_KEYS], self.params.int8_tables)
+        dense = t["dense_score"]  # [Hkv, m, C, N]
+        # one index_select of the chosen rows + a batched matvec: 6x faster on CPU than
+        # advanced indexing with broadcast index tensors followed by an einsum
+        flat = ((hh * dense.shape[1] + mm) * dense.shape[2] + ids).flatten()
+        rows = dense.reshape(-1, dense.shape[-1]).index_select(0, flat).view(hkv, -1, dense.shape[-1])
+        scale = t["dense_scale"].reshape(-1)[flat].view(hkv, -1) if "dense_scale" in t else None
+        return rows, scale
 
     def _score_offset(self, t: Tables, hh, mm, ids, floor: torch.Tensor) -> torch.Tensor:
         """What an unlisted key is taken to score, subtracted from listed scores:

@@ -3,7 +3,7 @@
 A dense row is one centroid's dot products with the keys of its subspace, `c . K_b`: it holds
 nothing beyond the centroids and the keys, so the artifact stores the centroids [Hkv, m, C,
 d_b] (1.6% of the K/V at SmolLM2 shapes) and the decoder derives the rows on its own device:
-one batched matmul per layer (fp32, so the CPU and the GPU round the same products), then
+one batched matmul per layer (summed in fp64, so every device derives the same rows), then
 int8 rows with a per-row scale where the parameters store int8 (methods/int8_tables).
 Stored, the rows were 4x the K/V at head_dim 64 (int8) and 2x at 128.
 """
@@ -14,12 +14,12 @@ import torch
 
 from ctxcache.methods.int8_tables import quantize_rows
 
-DERIVED = ("dense_score", "dense_scale")  # what restore derives; never stored (format 2)
-# centroids scored at once: bounds the fp32 scratch (0.5 GB for a 120K-token layer at
-# Llama-3.1-8B shapes, where all 128 at once were 3.9 GB beside a GPU runner's full table
-# buffer). Fixed, not sized from memory: the block changes the matmul's rounding, and the
-# build and every load must derive the same rows.
-_CENTROID_BLOCK = 16
+DERIVED = ("dense_score", "dense_scale", "row_keys")  # what restore derives; never stored (format 2)
+ROW_KEYS = "row_keys"  # restore on_demand: the subspace keys [Hkv, m, N, d_b] the rows come from
+# centroids scored at once: bounds the fp64 scratch (0.5 GB for a 120K-token layer at
+# Llama-3.1-8B shapes, where all 128 at once in fp32 were 3.9 GB beside a GPU runner's full
+# table buffer). The fp64 sums make the rows independent of the block (and of the device).
+_CENTROID_BLOCK = 8
 
 
 def dense_rows(centroids: torch.Tensor, sub_k: torch.Tensor, int8: bool) -> dict[str, torch.Tensor]:
@@ -29,20 +29,39 @@ def dense_rows(centroids: torch.Tensor, sub_k: torch.Tensor, int8: bool) -> dict
     if centroids.shape[:2] != sub_k.shape[:2] or centroids.shape[-1] != sub_k.shape[-1]:
         raise ValueError(f"centroids {tuple(centroids.shape)} and subspace keys {tuple(sub_k.shape)} "
                          "disagree in heads, subspaces or subspace width")
+    # fp64: a product of fp16 (or bf16) values is exact there and so, in practice, is a sum
+    # of d_b of them, so every device, block and matmul shape yields the same rows (the CPU's
+    # routed rows, the GPU's materialized ones)
     hkv, m, c, _ = centroids.shape
     n = sub_k.shape[2]
-    keys_t = sub_k.float().transpose(-1, -2)
     rows = torch.empty(hkv, m, c, n, dtype=torch.int8 if int8 else torch.float16, device=sub_k.device)
     scales = torch.empty(hkv, m, c, dtype=torch.float32, device=sub_k.device) if int8 else None
     block = _CENTROID_BLOCK
     for lo in range(0, c, block):
-        scores = torch.matmul(centroids[:, :, lo:lo + block].float(), keys_t).half()  # [Hkv, m, b, N]
+        scores = row_scores(centroids[:, :, lo:lo + block], sub_k)  # [Hkv, m, b, N] fp16
         if int8:
             rows[:, :, lo:lo + block], scales[:, :, lo:lo + block] = quantize_rows(scores)
         else:
             rows[:, :, lo:lo + block] = scores
     tables = {"centroids": centroids, "dense_score": rows}
     return {**tables, "dense_scale": scales} if int8 else tables
+
+
+def row_scores(centroids: torch.Tensor, sub_k: torch.Tensor) -> torch.Tensor:
+    """fp16 rows [..., R, N] = centroids [..., R, d_b] . sub_k [..., N, d_b], summed in fp64."""
+    return torch.matmul(centroids.double(), sub_k.double().transpose(-1, -2)).half()
+
+
+def routed_rows(chosen: torch.Tensor, sub_k: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of the chosen centroids [Hkv, G, m, tau, d_b] over subspace keys [Hkv, m, N, d_b]
+    -> (rows [Hkv, G*m*tau, N], per-row scales [Hkv, G*m*tau] when int8): bitwise the rows
+    dense_rows materializes for the same centroids."""
+    hkv, g, m, tau, d = chosen.shape
+    rows = row_scores(chosen.permute(0, 2, 1, 3, 4).reshape(hkv, m, g * tau, d), sub_k)  # [Hkv, m, G*tau, N]
+    rows = rows.view(hkv, m, g, tau, -1).permute(0, 2, 1, 3, 4).reshape(hkv, g * m * tau, -1)
+    if not int8:
+        return rows, None
+    return quantize_rows(rows)
 
 
 def dense_row_bytes(n_tokens: int, n_kv_heads: int, subspaces: int, centroids: int, int8: bool) -> int:

@@ -22,9 +22,6 @@ def _serve(cfg, device):
     return server, Client(f"127.0.0.1:{port}")
 
 
-GPU_PARAMS = {"rerank": 1.0}  # csattention as the GPU selector implements it (no exact re-rank)
-
-
 def _put(client, text, method, params=None):
     spec = pb.MethodSpec(name=method)
     if params:
@@ -39,18 +36,17 @@ def test_put_and_generate_on_cuda(tmp_path, method):
     """One context built by a CPU server, one by the CUDA server, on the same store: the CUDA
     server decodes both (a one-token question goes through a decode step, not a prefill)."""
     cfg = tiny_config(tmp_path)
-    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention", method_params=GPU_PARAMS),
+    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
                   decoder=replace(cfg.decoder, gpu_slots=2, gpu_slot_tokens=2048))
     server, client = _serve(cfg, "cpu")
     try:
-        params = GPU_PARAMS if method == "csattention" else None
-        built_on_cpu = _put(client, "the keeper is named Ada. " * 20, method, params)
+        built_on_cpu = _put(client, "the keeper is named Ada. " * 20, method)
     finally:
         client.close()
         server.stop(0)
     server, client = _serve(cfg, "cuda")
     try:
-        built_on_gpu = _put(client, "the keeper is named Bo. " * 20, method, params)
+        built_on_gpu = _put(client, "the keeper is named Bo. " * 20, method)
         for cid in (built_on_cpu, built_on_gpu):
             for question in ("who is the keeper?", "?"):
                 events = list(client.generate(pb.GenerateRequest(
@@ -63,18 +59,19 @@ def test_put_and_generate_on_cuda(tmp_path, method):
         server.stop(0)
 
 
-def test_a_rerank_the_gpu_does_not_implement_decodes_on_the_reference_path(tmp_path):
-    """Default csattention re-ranks exactly (rerank=4): the GPU runner, serving rerank=1, must
-    refuse it, so the reference path decodes the keys the method picks."""
+def test_parameters_other_than_the_runners_decode_on_the_reference_path(tmp_path):
+    """The fast runner serves the server's csattention parameters (default: exact re-rank 4);
+    a context built with others (rerank 1) decodes on the reference path, correctly."""
     cfg = tiny_config(tmp_path)
-    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention", method_params=GPU_PARAMS),
+    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
                   decoder=replace(cfg.decoder, gpu_slots=2, gpu_slot_tokens=2048))
     server, client = _serve(cfg, "cuda")
     try:
-        cid = _put(client, "the keeper is named Cy. " * 20, "csattention")
-        events = list(client.generate(pb.GenerateRequest(
-            context_id=cid, question="who is the keeper?", sampling=pb.SamplingParams(max_tokens=8)), timeout=300))
-        assert events[-1].final.decode_path == "reference"
+        for params, path in (({"rerank": 1.0}, "reference"), (None, "gpu-sparse")):
+            cid = _put(client, f"the keeper is named Cy {params}. " * 20, "csattention", params)
+            events = list(client.generate(pb.GenerateRequest(
+                context_id=cid, question="who is the keeper?", sampling=pb.SamplingParams(max_tokens=8)), timeout=300))
+            assert events[-1].final.decode_path == path
     finally:
         client.close()
         server.stop(0)
