@@ -112,7 +112,7 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     """Dense-layout selection (broken down) + sparse attention, one variant; `shared`: one
     table for every batch row (stride 0) instead of one per row."""
     batch, n = q.shape[0], k.shape[2]
-    params = CSAttentionParams(routing=routing)  # list_fraction = 1: the dense layout
+    params = CSAttentionParams(routing=routing, rerank=1.0)  # list_fraction = 1: the dense layout
     tables = batch_dense_tables(batch, n, params, q.device, score_dtype, shared=shared)
     sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys)
     # the selector's own score and Top-K shapes, as the decoder runs them
@@ -161,7 +161,7 @@ def sweep_list_len(n: int, params: CSAttentionParams, budget: Budget, dev: str) 
     """Selection time at batch 1 for shorter lists (gathered entries per step scale with L)."""
     rows = []
     for alpha in (0.25, 0.125, 0.0625, 0.03125, 0.015625):
-        p = CSAttentionParams(list_fraction=alpha)
+        p = CSAttentionParams(list_fraction=alpha, rerank=1.0)
         q = torch.randn(1, HQ, D, device=dev, dtype=torch.bfloat16)
         nt = torch.full((1,), n, dtype=torch.int32, device=dev)
         lo, hi = region(nt, budget.sinks, budget.recent)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = gpu_cli("ctxcache bench attention", "8192,16384,32768,65536,131072", argv, extra, __doc__)
     if args is None:
         return 2
-    params, budget = CSAttentionParams(list_fraction=0.25), Budget(keep=args.keep)
+    params, budget = CSAttentionParams(list_fraction=0.25, rerank=1.0), Budget(keep=args.keep)
     n_max = max(args.contexts)
     rows: list[dict] = []
     for b in args.batches:

@@ -89,7 +89,7 @@ def check_greedy(device: str, steps: int = 64, n_ctx: int = 900, table_dtype: st
 
     lm = load_model("random:tiny", seed=3)
     tokens = torch.randint(0, lm.args.vocab_size, (n_ctx,), generator=torch.Generator().manual_seed(0))
-    method = CSAttention(CSAttentionParams(table_dtype=table_dtype))
+    method = CSAttention(CSAttentionParams(table_dtype=table_dtype, rerank=1.0))
     art = build_artifact(lm, tokens, method, IndexerConfig(kv_dtype="float32", progress=False))
     budget = Budget()
     ref = torch.stack([t for t, _ in generate(lm, [art], [[]], SamplingParams(max_tokens=steps),

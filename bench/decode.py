@@ -201,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in filter(None, args.configs.split(",")):  # "" runs only the build / TTFT parts
         n, b, layers = (int(x) for x in cfg.split("x"))
         for i, (alpha, routing, dtype) in enumerate(variants):
-            params = CSAttentionParams(list_fraction=alpha, routing=routing, table_dtype=dtype)
+            params = CSAttentionParams(list_fraction=alpha, routing=routing, table_dtype=dtype, rerank=1.0)
             got = bench_decode(n, b, layers, params, budget, args.steps, attn_cfg, args.share_tables)
             rows += got if i == 0 else got[1:]  # the dense baseline once per config
             for r in got:
                 r["list_fraction"] = alpha
             print(got, flush=True)
     if args.build_context:
-        rows += bench_build(args.build_context, [CSAttentionParams(routing=r) for r in args.routings.split(",")])
+        rows += bench_build(args.build_context, [CSAttentionParams(routing=r, rerank=1.0) for r in args.routings.split(",")])
     if args.ttft_context:
         from ctxcache.bench.common.ttft import ttft_rows
         rows += ttft_rows(args.ttft_context)

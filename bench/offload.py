@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         print("ctxcache bench offload: error: needs a CUDA GPU", file=sys.stderr)
         return 2
     # routing="head": the configuration measured in bench/README.md (before group routing was the default)
-    params, budget = CSAttentionParams(list_fraction=args.list_fraction, routing="head"), Budget()
+    params, budget = CSAttentionParams(list_fraction=args.list_fraction, routing="head", rerank=1.0), Budget()
     batches = args.batches
     non_attn = non_attention_us(batches)
     print("non-attention step us", non_attn, flush=True)

@@ -67,7 +67,7 @@ def check_capture(n_ctx: int, n_dec: int, layers: list[int], text: str = "prose"
     decode queries, each attending over the keys before and at its own position (torch.save it)."""
     lm = load_model(DEFAULT_MODEL)
     cap = capture(lm, tokens_of(lm.tokenizer, builtin_text(text), n_ctx + n_dec, text), n_ctx)
-    method = CSAttention(CSAttentionParams(table_dtype="float16"))  # the check quantizes them for int8
+    method = CSAttention(CSAttentionParams(table_dtype="float16", rerank=1.0))  # int8: the check quantizes
     out = {"n_ctx": n_ctx, "layers": layers, "params": method.params.to_dict(), "data": []}
     for layer in layers:
         q, k, v = cap.q[layer], cap.k[layer], cap.v[layer]

@@ -34,7 +34,7 @@ def _seconds(fn) -> float:
 @torch.inference_mode()
 def ttft_rows(n: int, question: int = 32, layers: int = 32, repeats: int = 3) -> list[dict]:
     model = random_model(layers, n + question + 8)
-    a, params, budget = model.args, CSAttentionParams(), Budget()
+    a, params, budget = model.args, CSAttentionParams(rerank=1.0), Budget()
     cache = model.new_cache(1, max_len=n + question + 8)
     tables = [random_dense_tables(1, n, params, "cuda", max_new=question + 8) for _ in range(layers)]
     host_k = torch.randn(a.n_kv_heads, n, a.head_dim, dtype=torch.bfloat16).pin_memory()

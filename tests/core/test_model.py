@@ -79,3 +79,39 @@ def test_positions_past_cache_are_refused():
     with pytest.raises(ValueError, match="exceeds"):
         model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[64]]), model.new_cache(1, 64),
               dense_attention)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_a_checkpoint_by_local_path_runs_on_the_test_device(tmp_path, model_type, device):
+    """`load_model(PATH, device=...)`: a saved Hugging Face checkpoint (weights + tokenizer)
+    decodes on the device (the GPU on the GPU machine) with the reference's logits."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from ctxcache.models.loader import load_model
+
+    hf, _ = _hf_pair(model_type)
+    hf.save_pretrained(tmp_path)
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(299)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), device=device)
+    assert lm.tokenizer is not None and lm.model_id == str(tmp_path)
+    ids = [6, 18, 4, 251, 10]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ref = hf(x).logits[0]
+        got = lm.model(x.to(device), torch.arange(len(ids), device=device)[None], lm.model.new_cache(1, 16),
+                       dense_attention)[0]
+    torch.testing.assert_close(got.cpu(), ref, atol=2e-4, rtol=2e-4)
+
+
+def test_random_models_take_the_bundled_tokenizer_where_their_vocabulary_holds_it(smollm2):
+    from ctxcache.models.loader import load_model
+
+    assert load_model("random:tiny").tokenizer is None  # 512 ids: one token per byte
+    lm = load_model("random:smollm2-135m")
+    assert lm.model_id.startswith("random:") and lm.tokenizer is not None
+    assert lm.tokenizer.encode("the keeper", add_special_tokens=False) == \
+        smollm2.tokenizer.encode("the keeper", add_special_tokens=False)

@@ -127,7 +127,7 @@ def test_route_then_dense_scores_follow_csattention_estimate(device, routing):
     from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 
     hq, hkv, d, m, c, n = 4, 2, 32, 4, 8, 300
-    method = CSAttention(CSAttentionParams(subspaces=m, centroids=c, routing=routing))
+    method = CSAttention(CSAttentionParams(subspaces=m, centroids=c, routing=routing, rerank=1.0))
     cent = F.normalize(torch.randn(hkv, m, c, d // m), dim=-1).half()
     dense = torch.randn(hkv, m, c, n).half()
     q = torch.randn(hq, d)

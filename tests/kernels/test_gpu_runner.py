@@ -30,17 +30,24 @@ def lm():
     return load_model("random:tiny", seed=3, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _method(rerank: float):
+    return make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": rerank})
+
+
+def _artifacts(lm, method):
+    cfg = IndexerConfig(kv_dtype="float32", progress=False)
+    return [build_artifact(lm, torch.randint(0, lm.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n)),
+                           method, cfg) for n in (200, 130, 170)]
+
+
 @pytest.fixture(scope="module")
 def method():
-    return make_method("csattention", {"subspaces": 4, "centroids": 16})
+    return _method(1.0)
 
 
 @pytest.fixture(scope="module")
 def artifacts(cpu_lm, method):
-    cfg = IndexerConfig(kv_dtype="float32", progress=False)
-    lm = cpu_lm
-    return [build_artifact(lm, torch.randint(0, lm.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n)),
-                           method, cfg) for n in (200, 130, 170)]
+    return _artifacts(cpu_lm, method)
 
 
 def _decode(engine, arts, prompts):
@@ -49,8 +56,12 @@ def _decode(engine, arts, prompts):
     return [[t for t, _ in s.tokens(lambda: None)] for s in seqs]
 
 
-@pytest.mark.parametrize("sparse", [True, False])
-def test_fast_runner_decodes_the_reference_tokens(lm, method, artifacts, sparse, device):
+@pytest.mark.parametrize("sparse, rerank", [(True, 1.0), (True, 4.0), (False, 1.0)])
+def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, device):
+    """rerank 4: the GPU re-ranks the selector's candidates exactly (rerank_candidates), as the
+    reference's search does (exact_rerank)."""
+    method = _method(rerank)
+    artifacts = _artifacts(cpu_lm, method)
     prompts = [[5, 6, 7], [], [9]]
     cfg = CONFIG if sparse else SparseConfig(CONFIG.budget, dense_layers=tuple(range(lm.args.n_layers)))
     ref = Engine(ReferenceRunner(lm))

@@ -32,7 +32,7 @@ def _stream_then_select(sel, tables, q, k, n, streamed, budget, device):
                                                               ("contiguous", "qnorm", "expected", "group")])
 def test_selection_matches_csattention_search(device, layout, weighting, scoring, routing):
     hq, hkv, d, n, streamed = 6, 2, 32, 600, 5
-    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, list_fraction=0.25, layout=layout, weighting=weighting,
+    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, list_fraction=0.25, rerank=1.0, layout=layout, weighting=weighting,
                                scoring=scoring, routing=routing)
     method = CSAttention(params)
     q_pre, k, v = torch.randn(hq, n, d), torch.randn(hkv, n + streamed, d), torch.randn(hkv, n + streamed, d)
@@ -64,7 +64,7 @@ def test_dense_selection_matches_csattention_search(device, layout, score_dtype,
     (both paths run the same integer estimate)."""
     hq, hkv, d, n, streamed = 6, 2, 32, 600, 5
     built8 = score_dtype == "built-int8"
-    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout, routing=routing,
+    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, layout=layout, rerank=1.0, routing=routing,
                                table_dtype="int8" if built8 else "float16")
     method = CSAttention(params)
     q_pre, k, v = torch.randn(hq, n, d), torch.randn(hkv, n + streamed, d), torch.randn(hkv, n + streamed, d)
@@ -100,4 +100,4 @@ def test_selector_refuses_rows_the_radix_walk_cannot_count(device):
     from ctxcache.kernels.topk import MAX_ROW
 
     with pytest.raises(ValueError, match="fewer than"):
-        GpuSelector(CSAttentionParams(), 1, 4, 2, 16, MAX_ROW, 10, device)
+        GpuSelector(CSAttentionParams(rerank=1.0), 1, 4, 2, 16, MAX_ROW, 10, device)

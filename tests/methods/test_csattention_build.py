@@ -113,9 +113,10 @@ def test_indexer_builds_csattention_tables_on_the_gpu():
     art = build_artifact(lm, tokens, CSAttention(), IndexerConfig(kv_dtype="float32", progress=False))
     hkv = lm.args.n_kv_heads
     for layer in art.layers:
-        t = layer.tables
+        assert "dense_score" not in layer.tables  # format 2 stores the centroids; rows derive at load
+        t = CSAttention().restore(layer.tables, layer.k)
         ds = t["dense_score"]
-        assert ds.device.type == "cpu" and ds.shape[0] == hkv and ds.shape[-1] == 300
+        assert layer.tables["centroids"].device.type == "cpu" and ds.shape[0] == hkv and ds.shape[-1] == 300
         sub_k = CSAttention()._split(layer.k.float()).permute(0, 2, 1, 3)
         want = torch.einsum("hmcd,hmnd->hmcn", t["centroids"].float(), sub_k)
         assert ds.dtype == torch.int8  # the default table_dtype for the dense layout

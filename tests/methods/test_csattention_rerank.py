@@ -38,7 +38,7 @@ def test_rerank_over_the_whole_region_is_the_oracle(qkv):
 
 def test_rerank_keeps_the_best_candidates_and_counts_them_as_read(qkv):
     q, k, v, q_dec = qkv
-    plain = CSAttention(CSAttentionParams(centroids=8))
+    plain = CSAttention(CSAttentionParams(centroids=8, rerank=1.0))
     ranked = CSAttention(CSAttentionParams(centroids=8, rerank=3.0))
     tables = _tables(plain.params, q, k, v)  # rerank changes only the search: same tables
     assert "rerank" in CSAttention.search_params
@@ -61,16 +61,16 @@ def test_exact_rerank_picks_the_group_probability_top():
     assert sorted(got[0].tolist()) == [1, 4]
 
 
-def test_rerank_is_validated_and_not_gpu_selectable(qkv):
+def test_rerank_is_validated_and_gpu_decodable(qkv):
     with pytest.raises(ValueError, match="rerank=0.5"):
         CSAttentionParams(rerank=0.5)
     with pytest.raises(ValueError, match="rerank=100"):
         make_method("csattention", {"rerank": 100.0})
     q, k, v, _ = qkv
     tables = _tables(CSAttentionParams(centroids=8), q, k, v)
-    assert CSAttention(CSAttentionParams(centroids=8)).gpu_decodable(tables)
-    ranked = CSAttention(CSAttentionParams(centroids=8, rerank=2.0))
-    assert not ranked.params.gpu_selectable and not ranked.gpu_decodable(tables)
+    for rerank in (1.0, 2.0, None):  # None: the default (4); the GPU re-ranks in decoder/gpu/attention
+        params = CSAttentionParams(centroids=8) if rerank is None else CSAttentionParams(centroids=8, rerank=rerank)
+        assert CSAttention(params).params.gpu_selectable and CSAttention(params).gpu_decodable(tables)
 
 
 def test_decoder_counts_the_rerank_candidates_as_read(qkv):
@@ -89,11 +89,3 @@ def test_decoder_counts_the_rerank_candidates_as_read(qkv):
     kk = BUDGET.top_k(n)
     assert reads[1.0] == 2 * (lo + n - hi + kk)
     assert reads[3.0] == 2 * (lo + n - hi + 3 * kk)
-
-
-def test_gpu_selector_refuses_a_rerank_it_does_not_implement():
-    from ctxcache.decoder.gpu.selector import check_params
-
-    check_params(CSAttentionParams())
-    with pytest.raises(ValueError, match="rerank=2.0"):
-        check_params(CSAttentionParams(rerank=2.0))

@@ -22,9 +22,11 @@ def _serve(cfg, device):
     return server, Client(f"127.0.0.1:{port}")
 
 
-def _put(client, text, method):
-    info = client.put(pb.PutContextRequest(text=text, wait=True, method=pb.MethodSpec(name=method)),
-                      timeout=300).context
+def _put(client, text, method, params=None):
+    spec = pb.MethodSpec(name=method)
+    if params:
+        spec.params.update(params)
+    info = client.put(pb.PutContextRequest(text=text, wait=True, method=spec), timeout=300).context
     assert info.state == pb.CONTEXT_STATE_READY, info.error
     return info.context_id
 
@@ -52,6 +54,24 @@ def test_put_and_generate_on_cuda(tmp_path, method):
                 final = events[-1].final
                 assert final.usage.generated_tokens >= 1
                 assert final.decode_path == ("gpu-sparse" if method == "csattention" else "reference")
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_parameters_other_than_the_runners_decode_on_the_reference_path(tmp_path):
+    """The fast runner serves the server's csattention parameters (default: exact re-rank 4);
+    a context built with others (rerank 1) decodes on the reference path, correctly."""
+    cfg = tiny_config(tmp_path)
+    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
+                  decoder=replace(cfg.decoder, gpu_slots=2, gpu_slot_tokens=2048))
+    server, client = _serve(cfg, "cuda")
+    try:
+        for params, path in (({"rerank": 1.0}, "reference"), (None, "gpu-sparse")):
+            cid = _put(client, f"the keeper is named Cy {params}. " * 20, "csattention", params)
+            events = list(client.generate(pb.GenerateRequest(
+                context_id=cid, question="who is the keeper?", sampling=pb.SamplingParams(max_tokens=8)), timeout=300))
+            assert events[-1].final.decode_path == path
     finally:
         client.close()
         server.stop(0)
