@@ -206,13 +206,13 @@ class CSAttention(SparseMethod):
         p: CSAttentionParams = self.params
         cent = self._cluster_queries(q, k.shape[0])  # [Hkv, m, C, d_b]
         sub_k = self._split(k.float()).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
-        scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k)  # centroid-scores
         n = k.shape[1]
         if p.list_length(n) == n:
             # Full lists: every key is in every list, so the scores sit in key order with no
             # indices; the reduce-by-key becomes a weighted sum of m rows. The rows are what
             # restore derives at load (the same function), so built and loaded tables agree.
             return dense_rows(cent.half(), sub_k, p.int8_tables)
+        scores = torch.einsum("hmcd,hmnd->hmcn", cent, sub_k)  # centroid-scores
         top = torch.topk(scores, p.list_length(n), dim=-1)
         absent_mean = (scores.sum(-1) - top.values.sum(-1)) / max(n - top.values.shape[-1], 1)
         return {
@@ -240,8 +240,8 @@ class CSAttention(SparseMethod):
         device = first[1].device
         while group := list(itertools.islice(layers, GPU_LAYER_GROUP)):
             qs = [q.to(device) for q, _, _ in group]
-            built = [{name: to_host(t) for name, t in self.persist(tables).items()}  # derived rows stay here
-                     for tables in build_tables_gpu_layers(self.params, qs, [k for _, k, _ in group])]
+            built = [{name: to_host(t) for name, t in self.persist(tables).items()}
+                     for tables in build_tables_gpu_layers(self.params, qs, [k for _, k, _ in group], rows=False)]
             wait_for_host_copies(device)  # once per group: the copies overlap, the caller reads landed tables
             yield from built
 

@@ -56,11 +56,12 @@ def build_tables_gpu(params: CSAttentionParams, q: torch.Tensor, k: torch.Tensor
     return build_tables_gpu_layers(params, [q], [k])[0]
 
 
-def build_tables_gpu_layers(params: CSAttentionParams, qs: list[torch.Tensor], ks: list[torch.Tensor]
-                            ) -> list[dict[str, torch.Tensor]]:
+def build_tables_gpu_layers(params: CSAttentionParams, qs: list[torch.Tensor], ks: list[torch.Tensor],
+                            rows: bool = True) -> list[dict[str, torch.Tensor]]:
     """Tables of several layers (q [Hq, N, D], k [Hkv, N, D] each) with one batched k-means:
     the C - 1 sequential seed draws are launch-bound, so clustering L layers together costs
-    about what one layer costs."""
+    about what one layer costs. rows=False: the dense layout's centroids alone (what an
+    artifact stores; the rows are derived at load), not rows computed to be dropped."""
     if params.layout != "contiguous":
         raise ValueError(f"layout={params.layout!r}: the GPU build supports 'contiguous' only")
     if len(qs) != len(ks) or not qs:
@@ -71,7 +72,7 @@ def build_tables_gpu_layers(params: CSAttentionParams, qs: list[torch.Tensor], k
         raise ValueError(f"layers disagree in shape: {sorted({tuple(s.shape) for s in subs})}")
     cent = kmeans_gpu(torch.cat(subs), params.centroids, params.kmeans_iters, params.seed)
     cent = cent.view(len(qs), hkv, m, params.centroids, -1)
-    return [_tables(params, c, k) for c, k in zip(cent, ks)]
+    return [_tables(params, c, k, rows) for c, k in zip(cent, ks)]
 
 
 def _cluster_input(params: CSAttentionParams, q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -84,10 +85,12 @@ def _cluster_input(params: CSAttentionParams, q: torch.Tensor, hkv: int) -> torc
     return gq.unflatten(-1, (params.subspaces, -1)).permute(0, 2, 1, 3).flatten(0, 1)
 
 
-def _tables(params: CSAttentionParams, cent: torch.Tensor, k: torch.Tensor) -> dict[str, torch.Tensor]:
+def _tables(params: CSAttentionParams, cent: torch.Tensor, k: torch.Tensor, rows: bool = True) -> dict[str, torch.Tensor]:
     """Tables of one layer from its centroids [Hkv, m, C, d_b] and keys [Hkv, N, D]."""
     n = k.shape[1]
     sub_k = k.unflatten(-1, (params.subspaces, -1)).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
+    if params.list_length(n) == n and not rows:
+        return {"centroids": cent.half()}
     if params.list_length(n) == n:  # the dense layout: fp16 products (fp32 accumulate) straight out
         tables = {"centroids": cent.half(), "dense_score": torch.matmul(cent.half(), sub_k.half().transpose(2, 3))}
         return int8_dense_tables(tables, quantize_rows_fused) if params.int8_tables else tables
