@@ -15,7 +15,7 @@ import torch
 from ctxcache.methods.int8_tables import quantize_rows
 
 DERIVED = ("dense_score", "dense_scale", "row_keys")  # what restore derives; never stored (format 2)
-ROW_KEYS = "row_keys"  # restore on_demand: the subspace keys [Hkv, m, N, d_b] the rows come from
+ROW_KEYS = "row_keys"  # restore on_demand: the subspace keys, fp64 [Hkv, m, d_b, N], the rows come from
 # centroids scored at once: bounds the fp64 scratch (0.5 GB for a 120K-token layer at
 # Llama-3.1-8B shapes, where all 128 at once in fp32 were 3.9 GB beside a GPU runner's full
 # table buffer). The fp64 sums make the rows independent of the block (and of the device).
@@ -52,12 +52,13 @@ def row_scores(centroids: torch.Tensor, sub_k: torch.Tensor) -> torch.Tensor:
     return torch.matmul(centroids.double(), sub_k.double().transpose(-1, -2)).half()
 
 
-def routed_rows(chosen: torch.Tensor, sub_k: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rows of the chosen centroids [Hkv, G, m, tau, d_b] over subspace keys [Hkv, m, N, d_b]
-    -> (rows [Hkv, G*m*tau, N], per-row scales [Hkv, G*m*tau] when int8): bitwise the rows
-    dense_rows materializes for the same centroids."""
+def routed_rows(chosen: torch.Tensor, keys_t: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of the chosen centroids [Hkv, G, m, tau, d_b] over the subspace keys as restore
+    keeps them (ROW_KEYS: fp64 [Hkv, m, d_b, N]) -> (rows [Hkv, G*m*tau, N], per-row scales
+    [Hkv, G*m*tau] when int8): bitwise the rows dense_rows materializes for the same centroids."""
     hkv, g, m, tau, d = chosen.shape
-    rows = row_scores(chosen.permute(0, 2, 1, 3, 4).reshape(hkv, m, g * tau, d), sub_k)  # [Hkv, m, G*tau, N]
+    cent = chosen.permute(0, 2, 1, 3, 4).reshape(hkv, m, g * tau, d)
+    rows = torch.matmul(cent.double(), keys_t).half()  # [Hkv, m, G*tau, N], as row_scores sums
     rows = rows.view(hkv, m, g, tau, -1).permute(0, 2, 1, 3, 4).reshape(hkv, g * m * tau, -1)
     if not int8:
         return rows, None
