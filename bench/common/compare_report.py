@@ -237,7 +237,9 @@ def plot(merged: dict, rows: list[dict], path: Path) -> None:
         ax.set(title=f"task accuracy @{length} tokens", xlabel="keys searched (fraction)", ylabel="mean score")
     if ret_rows:
         _retention_panel(axes[len(texts) + len(lengths)], ret_rows, texts[0])
-    axes[len(texts) + len(lengths) - 1].legend(fontsize=7, loc="lower right")
+    legend_ax = axes[len(texts) + len(lengths) - 1]
+    if legend_ax.get_legend_handles_labels()[0]:  # a retention-only run draws no labelled lines there
+        legend_ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{config['model']} on {merged['machine'].get('cpu')} ({merged['date']}); "
                  "MagicPIG (squares) at its sampled fraction")
     fig.tight_layout()
