@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,10 @@ class StoreConfig:
     track_access: bool = True  # get() records the access time (LRU); off for read-only workers
     access_granularity_s: float = 1.0  # rewrite the access time at most this often
     huge_pages: bool = False  # THP-advised load memory: faster when warm, 1.8 s stalls when cold (arena.py)
-    threads: int = 2  # encode/decode/hash threads (zstd and hashlib release the GIL)
+    # encode/decode/hash threads (zstd, hashlib and the K/V codecs release the GIL): one per core
+    # up to 8. On a 16-core H100 host a 32K lossless artifact read in 0.49 s with 16 threads
+    # against 1.94 s with 2 (int8: 2.50 vs 3.35 s, its decode is the larger part).
+    threads: int = field(default_factory=lambda: max(1, min(8, os.cpu_count() or 1)))
     max_readers: int = 126
     sync: bool = True  # fsync at commit (a process crash is safe either way; power loss is not)
     readonly: bool = False
