@@ -59,19 +59,22 @@ class GpuSparseAttention:
         self.record = False
         self._step: tuple[torch.Tensor, ...] = ()
 
-    def _limits(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Budget.region and Budget.top_k on the device (same double-precision ceil as the host)."""
+    def _limits(self, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Budget.region, Budget.top_k and the re-rank's candidate count on the device (same
+        double-precision ceil as the host), once per step."""
         b = self.budget
         lo = torch.clamp(n, max=b.sinks)
         hi = torch.maximum(lo, n - b.recent)
-        k = torch.ceil(n.double() * b.keep).clamp(min=1).long()
-        return lo.int(), hi.int(), torch.minimum(k, (hi - lo).long()).int()
+        k = torch.minimum(torch.ceil(n.double() * b.keep).clamp(min=1).long(), (hi - lo).long())
+        # CSAttentionParams.candidates: what the selector proposes when the re-rank is on
+        kc = torch.minimum(hi - lo, torch.ceil(k.double() * self.params.rerank - 1e-9).long())
+        return lo.int(), hi.int(), k.int(), kc.int()
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         if layer == 0 or not self._step:  # every layer of a step shares the rows, positions and limits
             n = (pos[:, 0] + 1).int()
             self._step = (pos.int(), n, *self._limits(n))
-        pos32, n, lo, hi, k = self._step
+        pos32, n, lo, hi, k, kc = self._step
         for t in range(pos.shape[1]):
             self.tables[layer].insert(cache.k[layer], pos32[:, t].contiguous(), self.selector.perm)
         if q.shape[2] > 1:
@@ -79,7 +82,6 @@ class GpuSparseAttention:
         if layer in self.dense_layers:
             return self.dense(layer, q, cache, pos)
         if self.kc_max > self.k_max:
-            kc = torch.minimum(hi - lo, torch.ceil(k.double() * self.params.rerank - 1e-9).int())
             cand = self.selector.select(q[:, :, 0], self.tables[layer], lo, hi, kc)
             idx = rerank_candidates(q[:, :, 0], cache.k[layer], cand, kc, lo, hi, n, self.k_max,
                                     self.budget.sinks, self.budget.recent)
@@ -105,8 +107,8 @@ def rerank_candidates(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, k
     slot = torch.arange(n_cand, device=cand.device)
     cand_ok = (slot[None] < kc[:, None])[:, None]  # [B, 1, KC]
     cand_pos = torch.where(cand_ok, cand.long(), 0)
-    others = torch.cat([torch.arange(sinks, device=cand.device)[None] + torch.zeros_like(lo)[:, None].long(),
-                        hi[:, None].long() + torch.arange(recent, device=cand.device)[None]], dim=1)  # [B, S+R]
+    others = torch.cat([torch.arange(sinks, device=cand.device).expand(b, -1),
+                        hi[:, None].long() + torch.arange(recent, device=cand.device)], dim=1)  # [B, S+R]
     others_ok = torch.cat([others[:, :sinks] < lo[:, None], others[:, sinks:] < n[:, None]], dim=1)[:, None]
     pos = torch.cat([cand_pos, torch.where(others_ok, others[:, None], 0).expand(-1, hkv, -1)], dim=2)
     read = torch.gather(keys, 2, pos[..., None].expand(-1, -1, -1, d)).float()  # [B, Hkv, KC+S+R, D]
