@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from ctxcache.host_copy import to_host, wait_for_host_copies
 from ctxcache.methods.base import Capabilities, LayerState, MethodParams, ParamError, SparseMethod, Tables
 from ctxcache.methods.budget import fp16_rank, topk_in_region
-from ctxcache.methods.csattention_rows import DERIVED, ROW_KEYS, dense_row_bytes, dense_rows, routed_rows
+from ctxcache.methods.csattention_rows import DERIVED, ROW_KEYS, dense_row_bytes, dense_rows, routed_rows, row_keys
 from ctxcache.methods.int8_tables import int_dot_scores
 from ctxcache.methods.kmeans import kmeans
 
@@ -293,7 +293,7 @@ class CSAttention(SparseMethod):
         if on_demand:
             # fp64 and transposed once here, not per step and layer: converting and relaying
             # the keys each step was a third of a 4K CPU decode step (2x the K bytes resident)
-            return {**tables, ROW_KEYS: sub_k.double().transpose(-1, -2).contiguous()}
+            return {**tables, ROW_KEYS: row_keys(sub_k)}
         return {**tables, **dense_rows(tables["centroids"].to(k.device), sub_k, self.params.int8_tables)}
 
     def derived_bytes(self, n_tokens: int, n_kv_heads: int) -> int:

@@ -36,9 +36,10 @@ def dense_rows(centroids: torch.Tensor, sub_k: torch.Tensor, int8: bool) -> dict
     n = sub_k.shape[2]
     rows = torch.empty(hkv, m, c, n, dtype=torch.int8 if int8 else torch.float16, device=sub_k.device)
     scales = torch.empty(hkv, m, c, dtype=torch.float32, device=sub_k.device) if int8 else None
+    keys_t = row_keys(sub_k)  # once per layer, not per block
     block = _CENTROID_BLOCK
     for lo in range(0, c, block):
-        scores = row_scores(centroids[:, :, lo:lo + block], sub_k)  # [Hkv, m, b, N] fp16
+        scores = row_scores(centroids[:, :, lo:lo + block], keys_t)  # [Hkv, m, b, N] fp16
         if int8:
             rows[:, :, lo:lo + block], scales[:, :, lo:lo + block] = quantize_rows(scores)
         else:
@@ -47,9 +48,14 @@ def dense_rows(centroids: torch.Tensor, sub_k: torch.Tensor, int8: bool) -> dict
     return {**tables, "dense_scale": scales} if int8 else tables
 
 
-def row_scores(centroids: torch.Tensor, sub_k: torch.Tensor) -> torch.Tensor:
-    """fp16 rows [..., R, N] = centroids [..., R, d_b] . sub_k [..., N, d_b], summed in fp64."""
-    return torch.matmul(centroids.double(), sub_k.double().transpose(-1, -2)).half()
+def row_keys(sub_k: torch.Tensor) -> torch.Tensor:
+    """Subspace keys [..., N, d_b] as the rows are scored against them: fp64 [..., d_b, N]."""
+    return sub_k.double().transpose(-1, -2).contiguous()
+
+
+def row_scores(centroids: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
+    """fp16 rows [..., R, N] = centroids [..., R, d_b] . keys (row_keys), summed in fp64."""
+    return torch.matmul(centroids.double(), keys_t).half()
 
 
 def routed_rows(chosen: torch.Tensor, keys_t: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,7 +64,7 @@ def routed_rows(chosen: torch.Tensor, keys_t: torch.Tensor, int8: bool) -> tuple
     [Hkv, G*m*tau] when int8): bitwise the rows dense_rows materializes for the same centroids."""
     hkv, g, m, tau, d = chosen.shape
     cent = chosen.permute(0, 2, 1, 3, 4).reshape(hkv, m, g * tau, d)
-    rows = torch.matmul(cent.double(), keys_t).half()  # [Hkv, m, G*tau, N], as row_scores sums
+    rows = row_scores(cent, keys_t)  # [Hkv, m, G*tau, N]
     rows = rows.view(hkv, m, g, tau, -1).permute(0, 2, 1, 3, 4).reshape(hkv, g * m * tau, -1)
     if not int8:
         return rows, None
