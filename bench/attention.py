@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from ctxcache.decoder.gpu.attention import ATTN_CFG
+from ctxcache.decoder.gpu.attention import ATTN_CFG, rerank_candidates
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.kernels.topk import radix_topk
 from ctxcache.kernels.split_k_attention import choose_splits, region, sparse_decode_attention
@@ -48,7 +48,7 @@ def step_inputs(n: int, batch: int, budget: Budget, dev: str) -> tuple[torch.Ten
 
 
 def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev: str,
-              list_layout: bool = False, shared: bool = False) -> list[dict]:
+              list_layout: bool = False, shared: bool = False, reranks: tuple[float, ...] = ()) -> list[dict]:
     q, k, v, nt, lo, hi, kk = step_inputs(n, batch, budget, dev)
     base = {"context": n, "batch": batch}
     rows = []
@@ -63,6 +63,8 @@ def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev
         rows += bench_list(q, k, v, nt, lo, hi, kk, params, budget, base)
     for suffix, variant in DENSE_VARIANTS.items():
         rows += bench_dense(q, k, v, nt, lo, hi, kk, budget, base, suffix, *variant, shared=shared)
+    for r in reranks:
+        rows += bench_rerank(q, k, v, nt, lo, hi, kk, budget, base, r, shared)
     del k, v
     torch.cuda.empty_cache()
     return rows
@@ -157,6 +159,39 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     return rows
 
 
+def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: float, shared: bool) -> list[dict]:
+    """The default variant (group routing, int8 tables) with CSAttention's exact re-rank, as
+    GpuSparseAttention runs it: the selector proposes ceil(rerank * K) candidates,
+    rerank_candidates keeps the K best by exact group attention, then the sparse attention."""
+    batch, n = q.shape[0], k.shape[2]
+    params = CSAttentionParams(routing="group", rerank=rerank)
+    k_max = int(kk[0])
+    kc_max = params.candidates(k_max, int(hi[0] - lo[0]))
+    kc = torch.full_like(kk, kc_max)
+    tables = batch_dense_tables(batch, n, params, q.device, "int8", shared=shared)
+    sel = GpuSelector(params, batch, HQ, HKV, D, n, kc_max, q.device, score_keys="fp16")
+    ss = attn_splits(batch, k_max, budget)
+    cand = sel.select(q, tables, lo, hi, kc)
+
+    def rerank_only():
+        rerank_candidates(q, k, cand, kc, lo, hi, nt, k_max, budget.sinks, budget.recent)
+
+    def total():
+        c = sel.select(q, tables, lo, hi, kc)
+        idx = rerank_candidates(q, k, c, kc, lo, hi, nt, k_max, budget.sinks, budget.recent)
+        attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl)
+    tag = f"_rerank{rerank:g}"
+    rows = []
+    for name, fn in {"cs_dense_select": lambda: sel.select(q, tables, lo, hi, kc), "cs_rerank": rerank_only,
+                     "csattention_dense": total}.items():
+        g = capture(fn)
+        rows.append({**base, "method": name + tag, "time_us": time_us(g.replay), "rerank": rerank,
+                     "candidates": kc_max, "top_k": k_max, "tables_shared_across_batch_rows": shared})
+    del tables, sel, cand
+    torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_list_len(n: int, params: CSAttentionParams, budget: Budget, dev: str) -> list[dict]:
     """Selection time at batch 1 for shorter lists (gathered entries per step scale with L)."""
     rows = []
@@ -208,6 +243,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             row[f"cs{tag}_us"] = t.get(f"csattention_dense{suffix}")
             row[f"speedup{tag}"] = dense / row[f"cs{tag}_us"] if row[f"cs{tag}_us"] else None
         row.update(score_g16_us=t.get("cs_dense_score_g16"), topk_g16_us=t.get("cs_dense_topk_g16"))
+        for m, us in t.items():  # the re-rank variants (--rerank)
+            if m.startswith("csattention_dense_rerank"):
+                tag = m.removeprefix("csattention_dense_")
+                row.update({f"cs_{tag}_us": us, f"{tag}_only_us": t.get(f"cs_{tag}"), f"speedup_{tag}": dense / us})
         out.append(row)
     return out
 
@@ -218,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--list-layout", action="store_true", help="also time the L = N/4 list layout")
         ap.add_argument("--share-tables", action="store_true",
                         help="one dense table for every batch row (stride 0; rows then hit in L2) instead of one per row")
+        ap.add_argument("--rerank", default="4", type=lambda x: tuple(float(r) for r in x.split(",") if r),
+                        help="comma-separated re-rank factors to time with the default variant "
+                             "(candidates = factor x K; CSAttention's default is 4; '' for none)")
     args = gpu_cli("ctxcache bench attention", "8192,16384,32768,65536,131072", argv, extra, __doc__)
     if args is None:
         return 2
@@ -226,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for b in args.batches:
         for n in args.contexts:
-            rows += bench_one(n, b, params, budget, "cuda", args.list_layout, args.share_tables)
+            rows += bench_one(n, b, params, budget, "cuda", args.list_layout, args.share_tables, args.rerank)
             print([(r["method"], round(r["time_us"], 1)) for r in rows if r["context"] == n and r["batch"] == b],
                   flush=True)
     if args.list_layout:
@@ -247,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                           "select_g_us", "cs_g_us", "speedup_g"])
     print_table(summary, ["context", "batch", "sdpa_us", "score_g16_us", "topk_g16_us", "select_g16_us", "cs_g16_us",
                           "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
+    for r in args.rerank:
+        tag = f"rerank{r:g}"
+        print_table(summary, ["context", "batch", "sdpa_us", "cs_g16_int8_us", f"{tag}_only_us", f"cs_{tag}_us",
+                              f"speedup_{tag}"])
     png = plot_lines(path.with_suffix(".png"), {
         f"batch {b}": [(s["context"], s["speedup_g16_int8"]) for s in summary if s["batch"] == b and s["speedup_g16_int8"]]
         for b in args.batches}, "context (tokens)", "x SDPA (one layer)", "CSAttention step vs SDPA flash")
