@@ -68,7 +68,7 @@ def test_parameters_other_than_the_runners_decode_on_the_reference_path(tmp_path
     server, client = _serve(cfg, "cuda")
     try:
         for params, path in (({"rerank": 1.0}, "reference"), (None, "gpu-sparse")):
-            cid = _put(client, f"the keeper is named Cy {params}. " * 20, "csattention", params)
+            cid = _put(client, f"the keeper is named Cy ({path}). " * 16, "csattention", params)
             events = list(client.generate(pb.GenerateRequest(
                 context_id=cid, question="who is the keeper?", sampling=pb.SamplingParams(max_tokens=8)), timeout=300))
             assert events[-1].final.decode_path == path
