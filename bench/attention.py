@@ -18,7 +18,8 @@ import argparse
 
 import torch
 
-from ctxcache.decoder.gpu.attention import ATTN_CFG, rerank_candidates
+from ctxcache.decoder.gpu.attention import ATTN_CFG
+from ctxcache.kernels.rerank import Reranker
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.kernels.topk import radix_topk
 from ctxcache.kernels.split_k_attention import choose_splits, region, sparse_decode_attention
@@ -162,7 +163,7 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
 def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: float, shared: bool) -> list[dict]:
     """The default variant (group routing, int8 tables) with CSAttention's exact re-rank, as
     GpuSparseAttention runs it: the selector proposes ceil(rerank * K) candidates,
-    rerank_candidates keeps the K best by exact group attention, then the sparse attention."""
+    the Reranker keeps the K best by exact group attention, then the sparse attention."""
     batch, n = q.shape[0], k.shape[2]
     params = CSAttentionParams(routing="group", rerank=rerank)
     k_max = int(kk[0])
@@ -172,17 +173,17 @@ def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: fl
     sel = GpuSelector(params, batch, HQ, HKV, D, n, kc_max, q.device, score_keys="fp16")
     ss = attn_splits(batch, k_max, budget)
     cand = sel.select(q, tables, lo, hi, kc)
+    rr = Reranker(batch, HKV, HQ // HKV, kc_max, k_max, q.device)
 
     def rerank_only():
-        rerank_candidates(q, k, cand, kc, lo, hi, nt, k_max, budget.sinks, budget.recent)
+        rr(q, k, cand, kc, kk, lo, hi, nt, budget.sinks, budget.recent)
 
     def total():
-        c = sel.select(q, tables, lo, hi, kc)
-        idx = rerank_candidates(q, k, c, kc, lo, hi, nt, k_max, budget.sinks, budget.recent)
+        idx = rr(q, k, sel.select(q, tables, lo, hi, kc), kc, kk, lo, hi, nt, budget.sinks, budget.recent)
         attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl)
     tag = f"_rerank{rerank:g}"
     rows = []
-    for name, fn in {"cs_dense_select": lambda: sel.select(q, tables, lo, hi, kc), "cs_rerank": rerank_only,
+    for name, fn in {"cs_dense_select": lambda: sel.select(q, tables, lo, hi, kc), "cs_rerank_only": rerank_only,
                      "csattention_dense": total}.items():
         g = capture(fn)
         rows.append({**base, "method": name + tag, "time_us": time_us(g.replay), "rerank": rerank,
@@ -246,7 +247,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         for m, us in t.items():  # the re-rank variants (--rerank)
             if m.startswith("csattention_dense_rerank"):
                 tag = m.removeprefix("csattention_dense_")
-                row.update({f"cs_{tag}_us": us, f"{tag}_only_us": t.get(f"cs_{tag}"), f"speedup_{tag}": dense / us})
+                row.update({f"cs_{tag}_us": us, f"{tag}_only_us": t.get(f"cs_rerank_only_{tag}"), f"speedup_{tag}": dense / us})
         out.append(row)
     return out
 

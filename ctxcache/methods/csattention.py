@@ -39,7 +39,7 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   the oracle kept (a number's last digit dropped, at 10-50% depth); rerank 4 kept them (rerank 2
   did not). The candidates' keys count as read (`search_reads`): 4K keys' K + K keys' K/V per step
   instead of K keys' K/V. On the GPU the selector proposes the candidates and
-  `decoder/gpu/attention.rerank_candidates` re-ranks them in the captured step (torch ops).
+  `kernels/rerank.Reranker` re-ranks them in the captured step (Triton).
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
   shared tables stay read-only while many streams decode from one artifact.
@@ -140,7 +140,7 @@ class CSAttentionParams(MethodParams):
     @property
     def gpu_selectable(self) -> bool:
         """Whether the GPU path computes exactly this selection (no backoff, summed group; the
-        exact re-rank in decoder/gpu/attention.rerank_candidates)."""
+        exact re-rank in kernels/rerank.Reranker)."""
         return (self.backoff_cos <= -1.0 and self.group_combine == "sum"
                 and self.weighting in ("unit", "qnorm") and self.scoring in ("absolute", "relative", "expected"))
 

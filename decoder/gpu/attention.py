@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables
+from ctxcache.kernels.rerank import Reranker
 from ctxcache.kernels.split_k_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
@@ -49,6 +50,8 @@ class GpuSparseAttention:
         # with an exact re-rank the selector proposes ceil(rerank * K) candidates per row
         self.kc_max = params.candidates(self.k_max, max_len)
         self.selector = GpuSelector(params, batch, n_heads, n_kv, head_dim, max_len, self.kc_max, device)
+        self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device)
+                         if self.kc_max > self.k_max else None)
         cfg = {**ATTN_CFG, **(attn_cfg or {})}
         self.splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent,
                                     min_keys=cfg["min_keys"], waves=cfg["waves"])
@@ -81,10 +84,10 @@ class GpuSparseAttention:
             return dense_attention(layer, q, cache, pos)
         if layer in self.dense_layers:
             return self.dense(layer, q, cache, pos)
-        if self.kc_max > self.k_max:
+        if self.reranker is not None:
             cand = self.selector.select(q[:, :, 0], self.tables[layer], lo, hi, kc)
-            idx = rerank_candidates(q[:, :, 0], cache.k[layer], cand, kc, lo, hi, n, self.k_max,
-                                    self.budget.sinks, self.budget.recent)
+            idx = self.reranker(q[:, :, 0], cache.k[layer], cand, kc, k, lo, hi, n, self.budget.sinks,
+                                self.budget.recent)
         else:
             idx = self.selector.select(q[:, :, 0], self.tables[layer], lo, hi, k)
         if self.record:
@@ -94,27 +97,3 @@ class GpuSparseAttention:
                                       pdl=self.selector.pdl, **self.launch)
         return out[:, :, None]
 
-
-def rerank_candidates(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, kc: torch.Tensor, lo: torch.Tensor,
-                      hi: torch.Tensor, n: torch.Tensor, k_max: int, sinks: int, recent: int) -> torch.Tensor:
-    """CSAttention's exact re-rank (methods.csattention.exact_rerank, its reference) for a batch
-    of rows, in torch ops a CUDA graph can hold: of row b's first kc[b] candidates cand [B, Hkv,
-    KC], the keys with the largest attention probability summed over the GQA group, softmax over
-    the candidates plus the keys outside [lo, hi) (the sinks and recent window). q [B, Hq, D],
-    keys [B, Hkv, L, D] -> [B, Hkv, k_max] int32, best first (row b reads its first k[b])."""
-    b, hkv, n_cand = cand.shape
-    d = keys.shape[-1]
-    slot = torch.arange(n_cand, device=cand.device)
-    cand_ok = (slot[None] < kc[:, None])[:, None]  # [B, 1, KC]
-    cand_pos = torch.where(cand_ok, cand.long(), 0)
-    others = torch.cat([torch.arange(sinks, device=cand.device).expand(b, -1),
-                        hi[:, None].long() + torch.arange(recent, device=cand.device)], dim=1)  # [B, S+R]
-    others_ok = torch.cat([others[:, :sinks] < lo[:, None], others[:, sinks:] < n[:, None]], dim=1)[:, None]
-    pos = torch.cat([cand_pos, torch.where(others_ok, others[:, None], 0).expand(-1, hkv, -1)], dim=2)
-    read = torch.gather(keys, 2, pos[..., None].expand(-1, -1, -1, d)).float()  # [B, Hkv, KC+S+R, D]
-    logits = torch.einsum("bhgd,bhcd->bhgc", q.float().view(b, hkv, -1, d), read) * d ** -0.5
-    valid = torch.cat([cand_ok, others_ok], dim=2)[:, :, None]  # [B, 1, 1, KC+S+R]
-    prob = logits.masked_fill(~valid, float("-inf")).softmax(-1)
-    score = prob[..., :n_cand].sum(2).masked_fill(~cand_ok, -1.0)  # [B, Hkv, KC]
-    best = torch.topk(score, min(k_max, n_cand), dim=-1).indices
-    return torch.gather(cand, 2, best).int()

@@ -58,7 +58,7 @@ def _decode(engine, arts, prompts):
 
 @pytest.mark.parametrize("sparse, rerank", [(True, 1.0), (True, 4.0), (False, 1.0)])
 def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, device):
-    """rerank 4: the GPU re-ranks the selector's candidates exactly (rerank_candidates), as the
+    """rerank 4: the GPU re-ranks the selector's candidates exactly (kernels.rerank.Reranker), as the
     reference's search does (exact_rerank)."""
     method = _method(rerank)
     artifacts = _artifacts(cpu_lm, method)

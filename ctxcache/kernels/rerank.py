@@ -1,0 +1,180 @@
+"""CSAttention's exact re-rank on the GPU: of the candidates the tables propose, keep the K keys
+with the largest attention probability summed over the GQA group.
+
+The softmax of each query head is normalized over the candidates plus the keys a step reads
+anyway (sinks and recent window), so the ranking is the oracle's over the keys read
+(methods.csattention.exact_rerank is the per-row reference, `rerank_ref` the batched torch one).
+
+Two launches and a Top-K, all graph-capturable (lengths come from the device):
+1. `_logits_kernel`: per (row, split) program, gathered candidate keys in blocks, one bf16 MMA per
+   block for the group's query heads; writes the logits and the split's online-softmax (max,
+   sum) per head. Split 0 also folds in the sinks and recent window.
+2. `_score_kernel`: merges the splits' (max, sum) into each head's normalizer and writes the
+   group-summed probability per candidate slot (-1 past the row's candidate count).
+3. `radix_topk` over the slots [0, kc), then the slots are mapped back to key positions.
+Reading the candidates' keys (rerank x K keys, K only) is the cost: a third of the K/V bytes a
+dense step reads at rerank 4 and keep 5% would be 20% of K."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ctxcache.kernels.sync import INTERPRET
+from ctxcache.kernels.topk import radix_topk, workspace
+
+BLOCK = 64  # candidate slots per inner step
+NEG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (exp(NEG - NEG) is 1, not NaN)
+
+
+def rerank_ref(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, kc: torch.Tensor, lo: torch.Tensor,
+               hi: torch.Tensor, n: torch.Tensor, k_max: int, sinks: int, recent: int) -> torch.Tensor:
+    """Batched torch reference: of row b's first kc[b] candidates cand [B, Hkv, KC], the keys
+    with the largest group-summed attention probability, softmax over the candidates plus the
+    keys outside [lo, hi) (sinks and recent window). q [B, Hq, D], keys [B, Hkv, L, D] ->
+    [B, Hkv, k_max] int32, best first (row b reads its first k[b])."""
+    b, hkv, n_cand = cand.shape
+    d = keys.shape[-1]
+    slot = torch.arange(n_cand, device=cand.device)
+    cand_ok = (slot[None] < kc[:, None])[:, None]  # [B, 1, KC]
+    cand_pos = torch.where(cand_ok, cand.long(), 0)
+    others, others_ok = _others(lo, hi, n, sinks, recent)
+    pos = torch.cat([cand_pos, torch.where(others_ok, others, 0)[:, None].expand(-1, hkv, -1)], dim=2)
+    read = torch.gather(keys, 2, pos[..., None].expand(-1, -1, -1, d)).float()  # [B, Hkv, KC+S+R, D]
+    logits = torch.einsum("bhgd,bhcd->bhgc", q.float().view(b, hkv, -1, d), read) * d ** -0.5
+    valid = torch.cat([cand_ok, others_ok[:, None]], dim=2)[:, :, None]  # [B, 1, 1, KC+S+R]
+    prob = logits.masked_fill(~valid, float("-inf")).softmax(-1)
+    score = prob[..., :n_cand].sum(2).masked_fill(~cand_ok, -1.0)  # [B, Hkv, KC]
+    best = torch.topk(score, min(k_max, n_cand), dim=-1).indices
+    return torch.gather(cand, 2, best).int()
+
+
+def _others(lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int,
+            recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, S+R] of the sinks and the recent window, and which of them exist."""
+    dev = lo.device
+    pos = torch.cat([torch.arange(sinks, device=dev).expand(lo.shape[0], -1),
+                     hi[:, None].long() + torch.arange(recent, device=dev)], dim=1)
+    ok = torch.cat([pos[:, :sinks] < lo[:, None], pos[:, sinks:] < n[:, None]], dim=1)
+    return pos, ok
+
+
+@triton.jit
+def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_ptr, part_ptr,
+                   HKV, KC, NSPLIT, sq_b, sq_h, sk_b, sk_h, sk_n, sc_b, sc_h, scale,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                   SINKS: tl.constexpr, RECENT: tl.constexpr, OB: tl.constexpr, IEEE: tl.constexpr):
+    r = tl.program_id(0)
+    split = tl.program_id(1)
+    b = r // HKV
+    h = r % HKV
+    kc = tl.load(kc_ptr + b)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    gmask = offs_g < G
+    q = tl.load(q_ptr + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    kbase = k_ptr + b.to(tl.int64) * sk_b + h * sk_h
+    m_i = tl.full([GP], NEG, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    for start in range(split * BLOCK, kc, NSPLIT * BLOCK):
+        slots = start + tl.arange(0, BLOCK)
+        ok = slots < kc
+        pos = tl.load(cand_ptr + b * sc_b + h * sc_h + slots, mask=ok, other=0)
+        keys = tl.load(kbase + pos.to(tl.int64)[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        s = _dot(q, keys, IEEE) * scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        tl.store(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :], s,
+                 mask=gmask[:, None] & ok[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+        m_i = m_new
+    if split == 0:  # the sinks and the recent window join every head's normalizer
+        lo = tl.load(lo_ptr + b)
+        hi = tl.load(hi_ptr + b)
+        n = tl.load(n_ptr + b)
+        j = tl.arange(0, OB)
+        pos = tl.where(j < SINKS, j, hi + j - SINKS)
+        ok = tl.where(j < SINKS, j < lo, (j < SINKS + RECENT) & (pos < n))
+        keys = tl.load(kbase + pos.to(tl.int64)[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        s = tl.where(ok[None, :], _dot(q, keys, IEEE) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+        m_i = m_new
+    part = part_ptr + ((r * NSPLIT + split) * GP + offs_g) * 2
+    tl.store(part, m_i)
+    tl.store(part + 1, l_i)
+
+
+@triton.jit
+def _dot(q, keys, IEEE: tl.constexpr):
+    """q [GP, D] . keys [BLOCK, D]^T in fp32: exact fp32 products where IEEE (fp32 inputs, and
+    under the CPU interpreter, whose bf16 tl.dot is wrong), else one bf16 MMA."""
+    if IEEE:
+        return tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+    return tl.dot(q, tl.trans(keys))
+
+
+@triton.jit
+def _score_kernel(logit_ptr, part_ptr, kc_ptr, score_ptr, HKV, KC, NSPLIT, NSPLIT2,
+                  G: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    split = tl.program_id(1)
+    kc = tl.load(kc_ptr + r // HKV)
+    offs_g = tl.arange(0, GP)
+    offs_s = tl.arange(0, SP)
+    gmask = offs_g < G
+    part = part_ptr + ((r * NSPLIT + offs_s[:, None]) * GP + offs_g[None, :]) * 2
+    smask = (offs_s < NSPLIT)[:, None]
+    pm = tl.load(part, mask=smask, other=NEG)
+    pl = tl.load(part + 1, mask=smask, other=0.0)
+    m = tl.max(pm, 0)
+    z = tl.sum(pl * tl.exp(pm - m[None, :]), 0)
+    inv = tl.where(gmask, 1.0 / tl.maximum(z, 1e-30), 0.0)
+    for start in range(split * BLOCK, KC, NSPLIT2 * BLOCK):
+        slots = start + tl.arange(0, BLOCK)
+        ok = slots < kc
+        lg = tl.load(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :],
+                     mask=gmask[:, None] & ok[None, :], other=float("-inf"))
+        p = tl.exp(lg - m[:, None]) * inv[:, None]
+        score = tl.where(ok, tl.sum(p, 0), -1.0)
+        tl.store(score_ptr + r.to(tl.int64) * KC + slots, score, mask=slots < KC)
+
+
+class Reranker:
+    """The re-rank of a fixed batch shape with its buffers (static, so a graph can hold it):
+    batch rows x n_kv KV heads, `group` query heads per KV head, up to kc_max candidates and
+    k_max kept keys per row."""
+
+    def __init__(self, batch: int, n_kv: int, group: int, kc_max: int, k_max: int, device: torch.device | str,
+                 programs: int = 264) -> None:
+        rows = batch * n_kv
+        self.group, self.kc_max = group, kc_max
+        self.gp = max(16, triton.next_power_of_2(group))  # MMA rows
+        blocks = triton.cdiv(kc_max, BLOCK)
+        self.splits = max(1, min(blocks, programs // rows))  # ~2 waves of programs on 132 SMs
+        self.splits2 = self.splits
+        self.logits = torch.empty(rows, group, kc_max, device=device)
+        self.part = torch.empty(rows, self.splits, self.gp, 2, device=device)
+        self.score = torch.empty(batch, n_kv, kc_max, device=device)
+        self.slots = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
+        self.ws = workspace(rows, device)
+        self.zero = torch.zeros(batch, dtype=torch.int32, device=device)
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, kc: torch.Tensor, k: torch.Tensor,
+                 lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+        """q [B, Hq, D], keys [B, Hkv, L, D] (stride 1 in D), cand [B, Hkv, >= kc_max] int32,
+        kc, k, lo, hi, n [B] int32 -> key positions [B, Hkv, k_max] int32 (row b: its first k[b])."""
+        b, hkv, _, d = keys.shape
+        rows = b * hkv
+        ob = max(16, triton.next_power_of_2(sinks + recent))
+        _logits_kernel[(rows, self.splits)](
+            q, keys, cand, kc, lo, hi, n, self.logits, self.part, hkv, self.kc_max, self.splits,
+            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), cand.stride(0), cand.stride(1),
+            d ** -0.5, G=self.group, GP=self.gp, D=d, BLOCK=BLOCK, SINKS=sinks, RECENT=recent, OB=ob,
+            IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=4)
+        _score_kernel[(rows, self.splits2)](
+            self.logits, self.part, kc, self.score, hkv, self.kc_max, self.splits, self.splits2,
+            G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=BLOCK, num_warps=4)
+        radix_topk(self.score, self.zero, kc, k, self.slots, self.ws)
+        return torch.gather(cand[:, :, :self.kc_max], 2, self.slots.long())
