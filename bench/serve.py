@@ -31,11 +31,11 @@ from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
 from ctxcache.models.attention import dense_attention
 from ctxcache.models.loader import load_model
-from ctxcache.service.client import Client
+from ctxcache.client import Client
 from ctxcache.service.config import (GiB, DecoderSettings, IndexerSettings, ModelConfig, ServerConfig,
                                      ServiceConfig, StoreSettings)
-from ctxcache.service.gen.v1 import admin_pb2 as apb
-from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.client.gen.v1 import admin_pb2 as apb
+from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service.server import create_server
 
 QUESTION = "Which of the facts above matters most? Answer in one line."  # ~20 tokens

@@ -68,10 +68,10 @@ def _throughput(client, pb, cid: str, streams: int, max_tokens: int) -> dict:
 
 def run(args) -> dict:
     from ctxcache.models.loader import load_model
-    from ctxcache.service.client import Client
+    from ctxcache.client import Client
     from ctxcache.service.config import (GiB, IndexerSettings, ModelConfig, ServerConfig, ServiceConfig,
                                          StoreSettings)
-    from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+    from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
     from ctxcache.service.prompting import Prompter, text_messages
     from ctxcache.service.server import create_server
 

@@ -10,7 +10,7 @@ from ctxcache.service.convert import PutSpec
 from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.service.errors import FailedPrecondition, NotFound
 from ctxcache.service.rpc import in_thread, unary
-from ctxcache.service.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
+from ctxcache.client.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
 from ctxcache.service.backend import ROLES_LABEL
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.servicer import context_info, wait_for

@@ -7,8 +7,8 @@ import sys
 from google.protobuf import json_format
 
 from ctxcache.service.cli_commands import _params
-from ctxcache.service.client import Client
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 
 def _print(msg) -> None:

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from ctxcache.methods import make_method
-from ctxcache.service.gen.v1 import admin_pb2 as apb
+from ctxcache.client.gen.v1 import admin_pb2 as apb
 from ctxcache.store import Manifest
 from ctxcache.store.layout import QUERY_CHUNK
 

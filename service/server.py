@@ -25,7 +25,7 @@ from ctxcache.service.backend import Backend
 from ctxcache.service.config import ServiceConfig
 from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.generate_streams import GenerateStreams
-from ctxcache.service.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
+from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter

@@ -18,7 +18,7 @@ from google.protobuf import struct_pb2
 from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 from service_helpers import put_text, tiny_config
 
@@ -126,7 +126,7 @@ def _class(desc):
 
 @pytest.fixture(scope="module")
 def server(tiny_lm, tmp_path_factory):
-    from ctxcache.service.client import Client
+    from ctxcache.client import Client
     from ctxcache.service.server import create_server
     cfg = tiny_config(tmp_path_factory.mktemp("fuzz") / "d")
     cfg = replace(cfg, indexer=replace(cfg.indexer, build_timeout_s=1.0, queue_limit=4),

@@ -1,4 +1,4 @@
-from ctxcache.service.gen.v1 import context_pb2 as _context_pb2
+from ctxcache.client.gen.v1 import context_pb2 as _context_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
