@@ -161,7 +161,7 @@ class AdminElsewhere(admin_pb2_grpc.AdminServiceServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                             f"AdminService is served on the admin port ({self.port}), not on this one")
 
-    Evict = Rebuild = Verify = Stats = Reconcile = _refuse
+    Evict = Rebuild = Verify = Stats = Describe = Reconcile = _refuse
 
 
 def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
