@@ -6,6 +6,7 @@ WORKDIR /app
 RUN pip install --no-cache-dir torch==2.13.0 --index-url ${TORCH_INDEX}
 COPY pyproject.toml setup.py ./
 COPY ctxcache ctxcache
+COPY client client
 COPY service service
 COPY indexer indexer
 COPY store store

@@ -11,6 +11,7 @@ from setuptools import setup
 
 ROOTS = {
     "ctxcache": "ctxcache",
+    "ctxcache.client": "client",
     "ctxcache.service": "service",
     "ctxcache.indexer": "indexer",
     "ctxcache.store": "store",

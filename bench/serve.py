@@ -1,4 +1,4 @@
-"""The product path under load: a real `ctxcache` server and a real gRPC client in one run.
+"""The product path under load: a `ctxcache serve` process and a gRPC client in one run.
 
 For each decode mode (csattention, then the same engine with every layer dense) and context
 length: PutContext of as many distinct contexts as streams need, TTFT of a 20-token question
@@ -6,71 +6,61 @@ with the context hot in HBM, warm in DRAM and cold in LMDB, the TTFT of re-prefi
 context instead, and aggregate generated tok/s of 1 / 4 / 8 / 16 concurrent streams on
 distinct contexts (as many as the GPU's slots hold). Build rows: the prefill alone, the
 indexer's prefill + tables up to the artifact in host memory, and PutContext until READY.
-`ctxcache bench serve --model random:llama-3.1-8b --device cuda --dtype bfloat16`; on a CPU the
-defaults run the bundled SmolLM2 at 4K.
+The server runs as a user runs it (`python -m ctxcache.service serve` on a free port, ready on
+gRPC health) and is read through its API alone (admin Evict for the tiers); the prefill, build
+and re-prefill rows run on this process's own copy of the model first, freed before a server
+starts. `ctxcache bench serve --model random:llama-3.1-8b --device cuda --dtype bfloat16`; on a
+CPU the defaults run the bundled SmolLM2 at 4K.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
-import multiprocessing
 import random
 import statistics
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ctxcache.bench.common.report import (RESULTS, commit, device_tag, machine_info, print_table, run_together,
                                           write_result)
+from ctxcache.bench.common.reprefill import reprefill_seconds
+from ctxcache.bench.common.server import running_server
+from ctxcache.bench.common.texts import text_of_tokens
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import admin_pb2 as apb
+from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
-from ctxcache.models.attention import dense_attention
 from ctxcache.models.loader import load_model
-from ctxcache.service.client import Client
-from ctxcache.service.config import (GiB, DecoderSettings, IndexerSettings, ModelConfig, ServerConfig,
-                                     ServiceConfig, StoreSettings)
-from ctxcache.service.gen.v1 import admin_pb2 as apb
-from ctxcache.service.gen.v1 import context_pb2 as pb
-from ctxcache.service.server import create_server
 
+GiB = 1 << 30
 QUESTION = "Which of the facts above matters most? Answer in one line."  # ~20 tokens
 
 
-def context_text(lm, n_tokens: int, seed: int) -> str:
-    """Distinct filler of about n_tokens tokens under the model's tokenizer."""
+@dataclass
+class Point:
+    """One context length, measured on the model in this process before any server runs."""
+    n_ctx: int
+    streams: list[int]  # the stream counts whose slots fit
+    texts: list[str]  # one distinct context per slot
+    reprefill: list[float]  # seconds, one per repeat
+    build: dict  # prefill and index seconds
+
+
+def context_text(tokenizer, n_tokens: int, seed: int) -> str:
+    """Distinct filler of about n_tokens tokens under the model's tokenizer (32 left for the
+    chat template's wrapping)."""
     rng = random.Random(seed)
     words = [f"fact{rng.randrange(10**6)} is {rng.choice(['red', 'blue', 'green', 'odd', 'even'])}."
              for _ in range(n_tokens)]
-    text, tok = " ".join(words), lm.tokenizer
-    if tok is None:  # bytes tokenizer: one token per byte
-        return text[:max(1, n_tokens - 16)]
-    ids = tok.encode(text, add_special_tokens=False)[:max(1, n_tokens - 32)]
-    return tok.decode(ids)
-
-
-def timed_prefill(lm, n: int, chunk: int = 4096) -> float:
-    """Seconds to prefill n tokens densely and take the first token (what serving without a
-    cache does per request: the re-prefill TTFT)."""
-    model, dev = lm.model, lm.model.lm_head.weight.device
-    ids = torch.randint(3, 200, (1, n), device=dev)
-    cache = model.new_cache(1, max_len=n + 1)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    with torch.inference_mode():
-        sync()
-        t0 = time.perf_counter()
-        for s in range(0, n, chunk):
-            part = ids[:, s:s + chunk]
-            pos = cache.lengths[:, None] + torch.arange(part.shape[1], device=dev)
-            logits = model(part, pos, cache, dense_attention, last_only=True)
-            cache.lengths += part.shape[1]
-        int(logits[0, -1].argmax())
-        sync()
-    return time.perf_counter() - t0
+    return text_of_tokens(tokenizer, " ".join(words), max(1, n_tokens - 32))
 
 
 def generate(client: Client, cid: str, max_tokens: int) -> pb.Final:
@@ -82,37 +72,26 @@ def generate(client: Client, cid: str, max_tokens: int) -> pb.Final:
     return final
 
 
-def _client_rate(address: str, cids: list[str], tokens: int) -> tuple[float, list[float], list[str], int]:
-    """In the load process: one stream per context, all at once -> (wall seconds, per-stream
-    tok/s, decode paths, generated tokens)."""
-    client = Client(address)
+def concurrent_rate(client: Client, cids: list[str], tokens: int) -> tuple[float, float, str]:
+    """Aggregate generated tok/s of one stream per context, all at once, and the mean per-stream
+    tok/s. The client threads run in this process, the server in its own: they never take the
+    decode loop's interpreter lock."""
     finals: list = [None] * len(cids)
 
     def one(i: int) -> None:
         finals[i] = generate(client, cids[i], tokens)
 
-    try:
-        wall = run_together([lambda i=i: one(i) for i in range(len(cids))])
-    finally:
-        client.close()
-    return (wall, [f.timings.tokens_per_second for f in finals], [f.decode_path for f in finals],
-            sum(f.usage.generated_tokens for f in finals))
+    wall = run_together([lambda i=i: one(i) for i in range(len(cids))])
+    paths = {f.decode_path for f in finals}
+    if len(paths) != 1:
+        raise RuntimeError(f"streams were served by different paths: {sorted(paths)}")
+    made = sum(f.usage.generated_tokens for f in finals)
+    return made / wall, statistics.mean(f.timings.tokens_per_second for f in finals), paths.pop()
 
 
-def concurrent_rate(load: ProcessPoolExecutor, address: str, cids: list[str], tokens: int) -> tuple[float, float, str]:
-    """Aggregate generated tok/s of one stream per context, all at once, and the mean per-stream
-    tok/s. The client runs in its own process, as a user's would: client threads in the server's
-    process would take the server's interpreter lock from the decode loop."""
-    wall, rates, paths, made = load.submit(_client_rate, address, cids, tokens).result()
-    if len(set(paths)) != 1:
-        raise RuntimeError(f"streams were served by different paths: {sorted(set(paths))}")
-    return made / wall, statistics.mean(rates), paths[0]
-
-
-def ttft_tiers(server, client: Client, cid: str, repeats: int, drop_page_cache: bool) -> dict[str, list[float]]:
-    """cold: evicted from DRAM and the device (admin Evict, memory only), read from LMDB;
-    hot: resident on the device; warm: in DRAM, dropped from the device (the in-process
-    server's runners, which no RPC reaches alone)."""
+def ttft_tiers(client: Client, cid: str, repeats: int, drop_page_cache: bool) -> dict[str, list[float]]:
+    """cold: evicted from DRAM and the device (admin Evict memory_only), read from LMDB; hot:
+    resident on the device; warm: in DRAM, its device slots released (admin Evict device_only)."""
     tiers: dict[str, list[float]] = {"hot": [], "warm": [], "cold": []}
     for _ in range(repeats):
         client.admin.Evict(apb.EvictRequest(context_id=cid, memory_only=True))
@@ -120,8 +99,7 @@ def ttft_tiers(server, client: Client, cid: str, repeats: int, drop_page_cache: 
             Path("/proc/sys/vm/drop_caches").write_text("3\n")
         tiers["cold"].append(generate(client, cid, 1).timings.ttft_seconds)
         tiers["hot"].append(generate(client, cid, 1).timings.ttft_seconds)
-        for engine in server.decoder.engines:
-            engine.runner.evict(cid)
+        client.admin.Evict(apb.EvictRequest(context_id=cid, device_only=True))
         tiers["warm"].append(generate(client, cid, 1).timings.ttft_seconds)
     return tiers
 
@@ -131,47 +109,52 @@ def pctl(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def run_point(lm, args, mode: str, n_ctx: int, streams: list[int], data: Path) -> tuple[list[dict], dict]:
-    slots = max(streams)
-    cfg = ServiceConfig(
-        server=ServerConfig(port=0, max_streams=max(16, slots), threads=64),
-        model=ModelConfig(args.model, args.device, args.dtype),
-        store=StoreSettings(data, int(args.store_gb * GiB)),
-        indexer=IndexerSettings(store_queries=0, max_context_tokens=n_ctx + 64),
-        decoder=DecoderSettings(dram_cache_bytes=int(args.dram_gb * GiB), decode_mode=mode,
-                                gpu_slots=slots, gpu_slot_tokens=n_ctx + 64 + 256 + args.tokens))
-    # before the server holds its slots: a long context's second cache may not fit beside them
-    reprefill = [timed_prefill(lm, n_ctx + 20) for _ in range(args.repeats)]
-    server, port = create_server(cfg, lm)
-    client = Client(f"127.0.0.1:{port}")
-    build, rows = {}, []
-    try:
-        cids, puts = [], []
-        for i in range(slots):
-            t0 = time.perf_counter()
-            info = client.put(pb.PutContextRequest(text=context_text(lm, n_ctx, 1000 * n_ctx + i), wait=True),
-                              timeout=3600).context
-            puts.append(time.perf_counter() - t0)
-            if info.state != pb.CONTEXT_STATE_READY:
-                raise RuntimeError(f"PutContext failed: {info.error}")
-            cids.append(info.context_id)
-        build = {"context": n_ctx, "put_seconds": statistics.median(puts)}
-        tiers = ttft_tiers(server, client, cids[0], args.repeats, args.drop_page_cache)
-        tiers["reprefill"] = reprefill
-        address = f"127.0.0.1:{port}"
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as load:
-            for s in streams:  # first use of a batch size compiles kernels and captures its graph
-                concurrent_rate(load, address, cids[:s], 4)
-            for s in streams:
-                agg, per, path = concurrent_rate(load, address, cids[:s], args.tokens)
-                rows.append({"context": n_ctx, "streams": s, "mode": "csattention" if mode == "sparse" else "dense",
-                             "decode_path": path, "aggregate_tokens_per_s": agg, "per_stream_tokens_per_s": per,
-                             "ttft_p50_s": {k: statistics.median(v) for k, v in tiers.items()},
-                             "ttft_p99_s": {k: pctl(v, 0.99) for k, v in tiers.items()}})
-                print(rows[-1], flush=True)
-    finally:
-        client.close()
-        server.stop(0)
+def server_flags(args, mode: str, point: Point, data: Path) -> list[str]:
+    """`ctxcache serve` flags of one mode at one length: a slot per stream, each holding the
+    context, the question and the answer."""
+    slots = max(point.streams)
+    return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
+            "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb), "--decode-mode", mode,
+            "--max-streams", str(max(16, slots)), "--gpu-slots", str(slots),
+            "--gpu-slot-tokens", str(point.n_ctx + 64 + 256 + args.tokens)]
+
+
+def put_all(client: Client, texts: list[str]) -> tuple[list[str], list[float]]:
+    """PutContext (wait) of each text; -> context ids, seconds each."""
+    cids, puts = [], []
+    for text in texts:
+        t0 = time.perf_counter()
+        info = client.put(pb.PutContextRequest(text=text, wait=True), timeout=3600).context
+        puts.append(time.perf_counter() - t0)
+        if info.state != pb.CONTEXT_STATE_READY:
+            raise RuntimeError(f"PutContext failed: {info.error}")
+        cids.append(info.context_id)
+    return cids, puts
+
+
+def run_point(args, mode: str, point: Point, data: Path) -> tuple[list[dict], dict]:
+    with running_server(server_flags(args, mode, point, data), data.parent / f"serve-{mode}.log") as address:
+        client = Client(address)
+        try:
+            return measure(client, args, mode, point)
+        finally:
+            client.close()
+
+
+def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], dict]:
+    cids, puts = put_all(client, point.texts)
+    build = {"context": point.n_ctx, "put_seconds": statistics.median(puts)}
+    tiers = {**ttft_tiers(client, cids[0], args.repeats, args.drop_page_cache), "reprefill": point.reprefill}
+    for s in point.streams:  # first use of a batch size compiles kernels and captures its graph
+        concurrent_rate(client, cids[:s], 4)
+    rows = []
+    for s in point.streams:
+        agg, per, path = concurrent_rate(client, cids[:s], args.tokens)
+        rows.append({"context": point.n_ctx, "streams": s, "mode": "csattention" if mode == "sparse" else "dense",
+                     "decode_path": path, "aggregate_tokens_per_s": agg, "per_stream_tokens_per_s": per,
+                     "ttft_p50_s": {k: statistics.median(v) for k, v in tiers.items()},
+                     "ttft_p99_s": {k: pctl(v, 0.99) for k, v in tiers.items()}})
+        print(rows[-1], flush=True)
     return rows, build
 
 
@@ -185,7 +168,23 @@ def build_times(lm, n_ctx: int) -> dict:
     sync()
     t0 = time.perf_counter()
     build_artifact(lm, tokens, make_method("csattention"), cfg)
-    return {"index_seconds": time.perf_counter() - t0, "prefill_seconds": timed_prefill(lm, n_ctx)}
+    return {"index_seconds": time.perf_counter() - t0, "prefill_seconds": reprefill_seconds(lm, n_ctx, 4096)}
+
+
+def points_on_the_model(args, contexts: list[int], streams: list[int]) -> list[Point]:
+    """What this process measures on its own copy of the model, for every length, before any
+    server starts; the copy is freed on return, so a server's weights and slots fit beside it."""
+    lm = load_model(args.model, getattr(torch, args.dtype), args.device)
+    points = []
+    for n in contexts:
+        fit = [s for s in streams if s <= args_slots_fit(lm, n, args)]
+        if not fit:
+            raise ValueError(f"{n} tokens: no --streams count in {streams} fits the GPU's free memory")
+        texts = [context_text(lm.tokenizer, n, 1000 * n + i) for i in range(max(fit))]
+        build = build_times(lm, n)
+        reprefill = [reprefill_seconds(lm, n + 20, 4096) for _ in range(args.repeats)]  # + the question
+        points.append(Point(n, fit, texts, reprefill, build))
+    return points
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,19 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if any(m not in ("sparse", "dense") for m in modes):
         ap.error(f"--modes {args.modes!r}: each must be sparse or dense")
-    lm = load_model(args.model, getattr(torch, args.dtype), args.device)
+    points = points_on_the_model(args, contexts, streams)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the freed weights back to the driver, for the server's process
     rows, builds = [], []
-    for n in contexts:
-        fit = [s for s in streams if s <= args_slots_fit(lm, n, args)]
-        b = build_times(lm, n)
+    for point in points:
         # one store per length: the later mode's server finds the first one's artifacts (the
         # server reconciles its registry from the store at start), so each context is built once
         with tempfile.TemporaryDirectory(prefix="ctxcache-bench-serve-") as tmp:
             for i, mode in enumerate(modes):
-                got, put = run_point(lm, args, mode, n, fit, Path(tmp))
+                got, put = run_point(args, mode, point, Path(tmp) / "data")
                 rows += got
                 if i == 0:
-                    builds.append({**b, **put})
+                    builds.append({**point.build, **put})
     info = machine_info()
     stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
     rows, builds = [{**r, **stamp} for r in rows], [{**b, **stamp} for b in builds]
@@ -285,7 +285,8 @@ def args_slots_fit(lm, n_ctx: int, args) -> int:
     tokens = n_ctx + 64 + 256 + args.tokens
     kv = 2 * a.n_layers * a.n_kv_heads * a.head_dim * tokens * 2
     tables = a.n_layers * a.n_kv_heads * 8 * 128 * (tokens + 4 * 512)  # int8 rows + fp32 overlay
-    # the driver's free memory plus what the caching allocator holds unused (the load's fp32 copies)
+    # the driver's free memory plus what the caching allocator holds unused (the load's fp32 copies),
+    # with this process's weights loaded: the server's process holds the same once these are freed
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     fit = max(1, int((free - 6 * GiB) // (kv + tables)))  # 6 GiB: graphs, selector and prefill scratch
     print(f"{n_ctx} tokens: {fit} slots fit in {free / GiB:.1f} GiB free ({(kv + tables) / GiB:.1f} GiB each)")

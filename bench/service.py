@@ -1,9 +1,11 @@
 """`ctxcache bench service`: the service end to end on the default model (CPU).
 
-Measured in one run, through real gRPC on 127.0.0.1: TTFT for a cached ~4K-token context
-(artifact already in DRAM, and cold from the store) vs re-prefilling the same context +
-question with dense attention; artifact load time; artifact bytes / raw KV bytes; Generate
-throughput with 1, 4 and 16 concurrent streams. Prints a table, writes <out>/service_<device>.json.
+Measured in one run against a `ctxcache serve` process on 127.0.0.1, through its gRPC API
+only: TTFT for a cached ~4K-token context (artifact already in DRAM, and cold from the store)
+vs re-prefilling a prompt of the same length with dense attention (the model in this process);
+artifact load time; artifact bytes / raw KV bytes and the stored bytes by part (admin
+Describe); Generate throughput and mean decode batch (admin Stats) with 1, 4 and 16 concurrent
+streams. Prints a table, writes <out>/service_<device>.json.
 """
 
 from __future__ import annotations
@@ -18,108 +20,87 @@ from pathlib import Path
 import torch
 
 from ctxcache.bench.common.report import run_together, write_result
+from ctxcache.bench.common.reprefill import reprefill_seconds
+from ctxcache.bench.common.server import running_server
+from ctxcache.bench.common.texts import builtin_text, text_of_tokens
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 QUESTION = "In one sentence, what does this license say about distributing modified versions?"
 
 
-def _context_text(tokenizer, n_tokens: int) -> str:
-    from ctxcache.bench.common.texts import builtin_text
-
-    text = builtin_text("prose")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    while len(ids) < n_tokens:
-        ids = ids + ids
-    return tokenizer.decode(ids[:n_tokens])
-
-
-def _ask(client, pb, cid: str, max_tokens: int):
+def _ask(client: Client, cid: str, max_tokens: int) -> pb.Final:
     req = pb.GenerateRequest(context_id=cid, question=QUESTION, sampling=pb.SamplingParams(max_tokens=max_tokens))
     return [e for e in client.generate(req, timeout=600)][-1].final
 
 
-def _reprefill_ttft(lm, prompter, context, turn) -> float:
-    """Dense prefill of the whole conversation from nothing, then the first token."""
-    from ctxcache.generation import prefill, sample, SamplingParams
-    from ctxcache.models.attention import dense_attention
-
-    ids = prompter.context_tokens(context) + prompter.turn_tokens(context, turn)
-    t0 = time.perf_counter()
-    cache = lm.model.new_cache(1, max_len=len(ids) + 1)
-    logits = prefill(lm.model, torch.tensor([ids]), cache, dense_attention)
-    sample(logits, SamplingParams(), None)
-    return time.perf_counter() - t0
-
-
-def _throughput(client, pb, cid: str, streams: int, max_tokens: int) -> dict:
+def _throughput(client: Client, cid: str, streams: int, max_tokens: int) -> dict:
     finals, errors = [], []
 
     def one() -> None:
         try:
-            finals.append(_ask(client, pb, cid, max_tokens))
+            finals.append(_ask(client, cid, max_tokens))
         except Exception as exc:  # noqa: BLE001 - recorded in the result
             errors.append(repr(exc))
 
+    before = client.admin.Stats(apb.StatsRequest())
     wall = run_together([one] * streams)
+    after = client.admin.Stats(apb.StatsRequest())
+    steps, rows = after.decode_steps - before.decode_steps, after.decode_rows - before.decode_rows
     tokens = sum(f.usage.generated_tokens for f in finals)
     return {"streams": streams, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "mean_ttft_s": statistics.mean(f.timings.ttft_seconds for f in finals) if finals else None,
-            "errors": errors}
+            "mean_decode_batch": rows / steps if steps else 0.0, "errors": errors}
+
+
+def _server_flags(args, data: Path) -> list[str]:
+    flags = ["--model", args.model, "--method", args.method, "--data", str(data), "--store-budget-gb", "8",
+             "--max-streams", "32"]
+    return flags + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def _put(client: Client, args, text: str) -> pb.ContextInfo:
+    req = pb.PutContextRequest(text=text, wait=True)
+    req.method.name = args.method
+    req.method.params.update(json.loads(args.params))  # per request, as a user sets them
+    info = client.put(req, timeout=3600).context
+    if info.state != pb.CONTEXT_STATE_READY:
+        raise RuntimeError(f"PutContext failed: {info.error}")
+    return info
 
 
 def run(args) -> dict:
     from ctxcache.models.loader import load_model
-    from ctxcache.service.client import Client
-    from ctxcache.service.config import (GiB, IndexerSettings, ModelConfig, ServerConfig, ServiceConfig,
-                                         StoreSettings)
-    from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
-    from ctxcache.service.prompting import Prompter, text_messages
-    from ctxcache.service.server import create_server
 
-    lm = load_model(args.model)
-    prompter = Prompter(lm.tokenizer)
-    text = _context_text(lm.tokenizer, args.tokens)
-    cfg = ServiceConfig(server=ServerConfig(port=0, max_streams=32, threads=64), model=ModelConfig(args.model),
-                        store=StoreSettings(Path(tempfile.mkdtemp(prefix="ctxcache-bench-")), 8 * GiB),
-                        indexer=IndexerSettings(method=args.method, method_params=json.loads(args.params)))
-    server, port = create_server(cfg, lm)
-    client = Client(f"127.0.0.1:{port}")
-    out: dict = {"model": lm.model_id, "method": args.method, "method_params": json.loads(args.params)}
-    try:
-        t0 = time.perf_counter()
-        info = client.put(pb.PutContextRequest(text=text, wait=True), timeout=3600).context
-        out.update(build_s=time.perf_counter() - t0, context_tokens=info.n_tokens,
-                   artifact_bytes=info.artifact_bytes, raw_kv_bytes=info.raw_kv_bytes,
-                   artifact_over_raw_kv=info.artifact_bytes / info.raw_kv_bytes)
-        cold = _ask(client, pb, info.context_id, 1)
-        out.update(cold_ttft_s=cold.timings.ttft_seconds, load_s=cold.timings.load_seconds,
-                   question_tokens=cold.usage.new_prompt_tokens)
-        warm = [_ask(client, pb, info.context_id, 1).timings.ttft_seconds for _ in range(args.repeats)]
-        out.update(cached_ttft_s=statistics.median(warm), cached_ttft_all_s=warm)
-        turn = [{"role": "user", "content": QUESTION}]
-        out["reprefill_ttft_s"] = _reprefill_ttft(lm, prompter, text_messages(text), turn)
-        out["stored_bytes_by_part"] = _stored_parts(server, info.context_id)
-        out["throughput"] = []
-        for n in (1, 4, 16):
-            steps0, rows0 = server.decoder.engines[0].steps, server.decoder.engines[0].rows_stepped
-            t = _throughput(client, pb, info.context_id, n, args.max_tokens)
-            steps = server.decoder.engines[0].steps - steps0
-            t["mean_decode_batch"] = (server.decoder.engines[0].rows_stepped - rows0) / steps if steps else 0.0
-            out["throughput"].append(t)
-        out["stats"] = str(client.admin.Stats(apb.StatsRequest())).replace("\n", "; ")
-    finally:
-        client.close()
-        server.stop(1)
+    lm = load_model(args.model)  # the bench's own copy: the text's tokens and the re-prefill baseline
+    text = text_of_tokens(lm.tokenizer, builtin_text("prose"), args.tokens)
+    with tempfile.TemporaryDirectory(prefix="ctxcache-bench-") as tmp, \
+            running_server(_server_flags(args, Path(tmp) / "data"), Path(tmp) / "serve.log") as address:
+        client = Client(address)
+        try:
+            return _measure(client, lm, args, text)
+        finally:
+            client.close()
+
+
+def _measure(client: Client, lm, args, text: str) -> dict:
+    out: dict = {"method": args.method, "method_params": json.loads(args.params)}
+    t0 = time.perf_counter()
+    info = _put(client, args, text)
+    out.update(model=info.model_id, build_s=time.perf_counter() - t0, context_tokens=info.n_tokens,
+               artifact_bytes=info.artifact_bytes, raw_kv_bytes=info.raw_kv_bytes,
+               artifact_over_raw_kv=info.artifact_bytes / info.raw_kv_bytes)
+    cold = _ask(client, info.context_id, 1)
+    out.update(cold_ttft_s=cold.timings.ttft_seconds, load_s=cold.timings.load_seconds,
+               question_tokens=cold.usage.new_prompt_tokens)
+    warm = [_ask(client, info.context_id, 1).timings.ttft_seconds for _ in range(args.repeats)]
+    out.update(cached_ttft_s=statistics.median(warm), cached_ttft_all_s=warm)
+    out["reprefill_ttft_s"] = reprefill_seconds(lm, cold.usage.cached_tokens + cold.usage.new_prompt_tokens)
+    parts = client.admin.Describe(apb.DescribeRequest(context_id=info.context_id)).stored_bytes_by_part
+    out["stored_bytes_by_part"] = dict(parts)
+    out["throughput"] = [_throughput(client, info.context_id, n, args.max_tokens) for n in (1, 4, 16)]
+    out["stats"] = str(client.admin.Stats(apb.StatsRequest())).replace("\n", "; ")
     return out
-
-
-def _stored_parts(server, cid: str) -> dict:
-    """Stored (compressed) bytes of the artifact by part: K/V, index tables, query sample."""
-    parts = {"kv": 0, "tables": 0, "queries": 0, "other": 0}
-    for c in server.backend.manifest(cid).chunks:
-        kind = "kv" if c.name in ("k", "v") else "tables" if c.name.startswith("t_") else \
-            "queries" if c.name == "q" else "other"
-        parts[kind] += c.stored_bytes
-    return parts
 
 
 def table(r: dict) -> str:
@@ -151,8 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4000, help="context length in tokens")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per stream in the throughput runs")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads of this process and the server (0: torch's default, one per core)")
     args = ap.parse_args(argv)
+    try:
+        if not isinstance(json.loads(args.params), dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        ap.error(f"--params {args.params!r} must be a JSON object: {exc}")
     if args.threads:
         torch.set_num_threads(args.threads)
     result = {"args": vars(args), **run(args)}

@@ -1,4 +1,4 @@
-"""AdminService: evict, rebuild (from stored K/V), verify, stats, reconcile."""
+"""AdminService: evict, rebuild (from stored K/V), verify, stats, describe, reconcile."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from ctxcache.methods import make_method
 from ctxcache.service import convert
 from ctxcache.service.convert import PutSpec
 from ctxcache.service.generate_streams import GenerateStreams
-from ctxcache.service.errors import FailedPrecondition, NotFound
+from ctxcache.service.errors import FailedPrecondition, InvalidArgument, NotFound
 from ctxcache.service.rpc import in_thread, unary
-from ctxcache.service.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
+from ctxcache.client.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
 from ctxcache.service.backend import ROLES_LABEL
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.servicer import context_info, wait_for
-from ctxcache.service.footprint import codec_footprint
+from ctxcache.service.footprint import codec_footprint, stored_bytes_by_part
 from ctxcache.store.layout import QUERY_CHUNK
 
 
@@ -24,9 +24,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     @unary
     async def Evict(self, request, context):
-        return await in_thread(self.pool, self._evict, convert.context_id(request.context_id), request.memory_only)
+        if request.memory_only and request.device_only:
+            raise InvalidArgument("device_only", "set at most one of memory_only and device_only")
+        return await in_thread(self.pool, self._evict, convert.context_id(request.context_id), request.memory_only,
+                               request.device_only)
 
-    def _evict(self, cid: str, memory_only: bool) -> apb.EvictResponse:
+    def _evict(self, cid: str, memory_only: bool, device_only: bool) -> apb.EvictResponse:
+        if device_only:
+            return apb.EvictResponse(evicted=self.decoder.evict_device(cid))
         if memory_only:
             freed = self.decoder.evict(cid)
             return apb.EvictResponse(evicted=freed > 0, bytes_freed=freed)
@@ -93,6 +98,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def _stats(self) -> apb.StatsResponse:
         st = self.backend.stats()
         building, failed = self.indexer.counts()
+        steps, rows = self.decoder.decode_counts()
         return apb.StatsResponse(
             contexts_ready=st.contexts, contexts_building=building, contexts_failed=failed,
             store_bytes=st.stored_bytes, store_budget_bytes=st.budget_bytes,
@@ -100,7 +106,17 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             active_streams=self.decoder.active, build_queue=self.indexer.queued(),
             registry=self.backend.registry_kind, registry_available=self.backend.registry_available(),
             model_id=self.indexer.lm.model_id,
-            footprint=codec_footprint(self.backend.store.list_manifests(limit=1 << 31)))
+            footprint=codec_footprint(self.backend.store.list_manifests(limit=1 << 31)),
+            decode_steps=steps, decode_rows=rows)
+
+    @unary
+    async def Describe(self, request, context):
+        return await in_thread(self.pool, self._describe, convert.context_id(request.context_id))
+
+    def _describe(self, cid: str) -> apb.DescribeResponse:
+        info = context_info(self.indexer, cid)  # NotFound for an unknown id
+        m = self.backend.manifest(cid)  # None while building: nothing stored yet
+        return apb.DescribeResponse(context=info, stored_bytes_by_part=stored_bytes_by_part(m) if m else {})
 
     @unary
     async def Reconcile(self, request, context):

@@ -114,11 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     asub = p.add_subparsers(dest="admin_command", required=True)
     lp = asub.add_parser("list")
     lp.add_argument("--page-size", type=int, default=100)
-    for name in ("show", "verify"):
+    for name in ("show", "describe", "verify"):
         asub.add_parser(name).add_argument("context_id", nargs="?" if name == "verify" else None, default="")
     ep = asub.add_parser("evict")
     ep.add_argument("context_id")
-    ep.add_argument("--memory-only", action="store_true")
+    where = ep.add_mutually_exclusive_group()
+    where.add_argument("--memory-only", action="store_true", help="from DRAM and the device; the store keeps it")
+    where.add_argument("--device-only", action="store_true", help="release its device slots; DRAM keeps it")
     rp = asub.add_parser("rebuild")
     rp.add_argument("context_id")
     rp.add_argument("--method", required=True)

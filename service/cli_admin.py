@@ -7,8 +7,8 @@ import sys
 from google.protobuf import json_format
 
 from ctxcache.service.cli_commands import _params
-from ctxcache.service.client import Client
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 
 def _print(msg) -> None:
@@ -32,12 +32,15 @@ def run_admin(client: Client, args) -> int:
                 return 0
     if cmd == "show":
         _print(client.context.GetContext(pb.GetContextRequest(context_id=args.context_id), metadata=md))
+    elif cmd == "describe":
+        _print(client.admin.Describe(apb.DescribeRequest(context_id=args.context_id), metadata=md))
     elif cmd == "evict":
-        resp = client.admin.Evict(apb.EvictRequest(context_id=args.context_id, memory_only=args.memory_only),
-                                  metadata=md)
+        req = apb.EvictRequest(context_id=args.context_id, memory_only=args.memory_only, device_only=args.device_only)
+        resp = client.admin.Evict(req, metadata=md)
         _print(resp)
         if not resp.evicted:
-            print(f"ctxcache: nothing evicted: {args.context_id} is not cached", file=sys.stderr)
+            where = "on a device" if args.device_only else "cached"
+            print(f"ctxcache: nothing evicted: {args.context_id} is not {where}", file=sys.stderr)
             return 1
     elif cmd == "rebuild":
         req = apb.RebuildRequest(context_id=args.context_id, allow_reprefill=args.allow_reprefill, wait=True)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from ctxcache.service.client import Client
+from ctxcache.client import Client
 from ctxcache.service.config import (GiB, DecoderSettings, IndexerSettings, ModelConfig, RegistrySettings,
                                      ServerConfig, ServiceConfig, StoreSettings)
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 
 def run(args) -> int:

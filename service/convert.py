@@ -14,7 +14,7 @@ from ctxcache.generation import SamplingParams
 from ctxcache.methods import ParamError, make_method
 from ctxcache.service.generate_streams import GenerateSpec
 from ctxcache.service.errors import InvalidArgument, PermissionDenied
-from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service.prompting import ROLES, Messages, document_messages, text_messages
 
 _CONTEXT_ID = re.compile(r"[0-9a-f]{64}")

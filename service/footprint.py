@@ -13,9 +13,9 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from ctxcache.methods import make_method
-from ctxcache.service.gen.v1 import admin_pb2 as apb
+from ctxcache.client.gen.v1 import admin_pb2 as apb
 from ctxcache.store import Manifest
-from ctxcache.store.layout import QUERY_CHUNK
+from ctxcache.store.layout import QUERY_CHUNK, TABLE_PREFIX
 
 
 def resident_bytes(m: Manifest) -> int:
@@ -23,13 +23,30 @@ def resident_bytes(m: Manifest) -> int:
     if m.format_version >= 2:
         method = make_method(m.method, m.method_params)
         derived = m.n_layers * method.derived_bytes(m.n_tokens, int(m.model_args.get("n_kv_heads", 0)))
-    tables = sum(c.raw_bytes for c in m.chunks if c.name.startswith("t_"))
+    tables = sum(c.raw_bytes for c in m.chunks if c.name.startswith(TABLE_PREFIX))
     return m.raw_kv_bytes + tables + derived
 
 
 def stored_bytes(m: Manifest) -> int:
     """Stored bytes without the optional query sample (reported apart: it is opt-in)."""
     return sum(c.stored_bytes for c in m.chunks if c.name != QUERY_CHUNK)
+
+
+def stored_bytes_by_part(m: Manifest) -> dict[str, int]:
+    """Stored bytes of one context by part: kv (K, V and their codec's scales), tables, queries,
+    other (context-wide chunks: tokens, last logits)."""
+    parts = dict.fromkeys(("kv", "tables", "queries", "other"), 0)
+    for c in m.chunks:
+        parts[_part(c.layer, c.name)] += c.stored_bytes
+    return parts
+
+
+def _part(layer: int | None, name: str) -> str:
+    if layer is None:
+        return "other"
+    if name == QUERY_CHUNK:
+        return "queries"
+    return "tables" if name.startswith(TABLE_PREFIX) else "kv"  # per layer the rest is the K/V codec's
 
 
 def codec_footprint(manifests: Iterable[Manifest]) -> list[apb.CodecFootprint]:

@@ -100,9 +100,16 @@ class GenerateStreams:
 
     def evict(self, context_id: str) -> int:
         """Drop a context from DRAM and from every runner's device memory; -> DRAM bytes freed."""
-        for engine in self.engines:
-            engine.runner.evict(context_id)
+        self.evict_device(context_id)
         return self.cache.evict(context_id)
+
+    def evict_device(self, context_id: str) -> bool:
+        """Release the context's device slots, keeping its DRAM copy; -> whether any held it."""
+        return any([engine.runner.evict(context_id) for engine in self.engines])  # a list: every runner
+
+    def decode_counts(self) -> tuple[int, int]:
+        """(batched steps run, stream rows stepped) since start, over every engine."""
+        return sum(e.steps for e in self.engines), sum(e.rows_stepped for e in self.engines)
 
     def shutdown(self, reason: str) -> None:
         """Live streams end at their next check with UNAVAILABLE(reason); new ones are refused."""

@@ -25,7 +25,7 @@ from ctxcache.service.backend import Backend
 from ctxcache.service.config import ServiceConfig
 from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.generate_streams import GenerateStreams
-from ctxcache.service.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
+from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
@@ -161,7 +161,7 @@ class AdminElsewhere(admin_pb2_grpc.AdminServiceServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                             f"AdminService is served on the admin port ({self.port}), not on this one")
 
-    Evict = Rebuild = Verify = Stats = Reconcile = _refuse
+    Evict = Rebuild = Verify = Stats = Describe = Reconcile = _refuse
 
 
 def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:

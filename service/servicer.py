@@ -13,7 +13,7 @@ from ctxcache.service.auth import Auth, Caller
 from ctxcache.service.generate_streams import Chunk, Final, GenerateStreams
 from ctxcache.service.errors import FailedPrecondition, NotFound, Unauthenticated, Unavailable
 from ctxcache.service.rpc import in_thread, iterate_in_thread, streaming, unary
-from ctxcache.service.gen.v1 import context_pb2 as pb, context_pb2_grpc
+from ctxcache.client.gen.v1 import context_pb2 as pb, context_pb2_grpc
 from ctxcache.service.build_queue import BuildQueue, Job
 from ctxcache.store import Manifest
 

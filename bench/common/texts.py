@@ -36,6 +36,15 @@ def tokens_of(tokenizer, text: str, n: int, name: str = "text") -> list[int]:
     return ids[:n]
 
 
+def text_of_tokens(tokenizer, text: str, n: int) -> str:
+    """text repeated and cut to n tokens, decoded back (tokenizer None: one token per byte)."""
+    if tokenizer is None:
+        data = text.encode("utf-8")
+        return (data * (n // max(1, len(data)) + 1))[:n].decode("utf-8", errors="ignore")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.decode((ids * (n // max(1, len(ids)) + 1))[:n])
+
+
 def parse_text_args(ap: argparse.ArgumentParser, argv: list[str] | None, min_continuation: int) -> argparse.Namespace:
     """Parse a text bench's arguments (--out, --text, --tokens, --continuation among them) and
     refuse, as argparse errors, a --text that is no text and lengths out of range."""

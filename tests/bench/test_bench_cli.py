@@ -5,7 +5,6 @@ from __future__ import annotations
 import pkgutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -80,14 +79,6 @@ def test_decode_rotates_as_many_table_buffers_as_fit():
     assert dense_buffers(8, 131072, 32, p, False, RESERVE + 1.5 * one) == 1
     assert dense_buffers(8, 131072, 32, p, False, RESERVE) == 0
     assert dense_buffers(8, 131072, 32, p, True, RESERVE + one) == DENSE_BUFFERS  # one row's tables
-
-
-def test_nothing_outside_bench_imports_it():
-    root = Path(bench.__file__).resolve().parent.parent
-    for folder in ("ctxcache", "decoder", "indexer", "store", "service"):
-        for f in (root / folder).rglob("*.py"):
-            text = f.read_text()
-            assert "ctxcache.bench." not in text and "from ctxcache.bench import" not in text, f
 
 
 def test_plot_lines_writes_a_png(tmp_path):

@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from ctxcache.models.loader import load_model
-from ctxcache.service.client import Client
+from ctxcache.client import Client
 from ctxcache.service.config import (GiB, DecoderSettings, IndexerSettings, ModelConfig, RegistrySettings,
                                      ServerConfig, ServiceConfig, StoreSettings)
-from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service.server import create_server
 
 TEXT = ("The harbour of Port Averel has a lighthouse on a granite spur called the Needle. "

@@ -12,7 +12,7 @@ import lmdb
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.store import ChunkKey
 
 from service_helpers import TEXT, ask, put_text, rpc_code, tiny_config

@@ -15,7 +15,7 @@ from google.protobuf import struct_pb2
 
 from ctxcache.service.config import GiB, IndexerSettings, ModelConfig, ServerConfig, ServiceConfig, StoreSettings
 from ctxcache.service.demo_text import TEXT
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 from service_helpers import put_text, rpc_code
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ctxcache.service import cli
-from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.client.gen.v1 import context_pb2 as pb
 
 from service_helpers import put_text
 

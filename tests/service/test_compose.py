@@ -40,6 +40,16 @@ def test_dockerfile_runs_the_cli():
     assert "ctxcache" in text and "serve" in text
 
 
+def test_dockerfile_copies_every_package_folder():
+    """setup.py maps top-level folders to packages: an image without one fails at import."""
+    import ast
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    roots = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "ROOTS")
+    folders = {v.value for v in roots.values}
+    copied = {line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")}
+    assert folders <= copied, f"Dockerfile does not COPY {sorted(folders - copied)}"
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:

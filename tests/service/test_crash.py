@@ -14,8 +14,8 @@ import time
 import grpc
 import pytest
 
-from ctxcache.service.client import Client
-from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.store import ArtifactStore, BuildState, RedisRegistry, reconcile
 
 import crash_child

@@ -19,8 +19,8 @@ import grpc
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ctxcache.service.client import Client
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 from service_helpers import put_text, tiny_config
 

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
-from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.client.gen.v1 import context_pb2 as pb
 
 from service_helpers import put_text, rpc_code
 

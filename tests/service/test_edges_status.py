@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from ctxcache.service.client import Client
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 from service_helpers import ask
 from test_drain import slow_put

@@ -7,7 +7,7 @@ import pytest
 from google.protobuf.struct_pb2 import Struct
 
 from ctxcache.methods import method_names
-from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.client.gen.v1 import context_pb2 as pb
 
 from service_helpers import ask, put_text
 

@@ -13,7 +13,7 @@ from ctxcache.artifact import ContextArtifact, LayerArtifact
 from ctxcache.decoder.session import restore_tables
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.store import ArtifactStore, StoreConfig
 
 from service_helpers import ask, tiny_config

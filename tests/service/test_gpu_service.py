@@ -8,8 +8,8 @@ import torch
 
 from ctxcache.methods import METHODS
 from ctxcache.models.loader import load_model
-from ctxcache.service.client import Client
-from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service.server import create_server
 from service_helpers import tiny_config
 

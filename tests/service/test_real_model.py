@@ -9,7 +9,7 @@ import pytest
 from ctxcache.service.config import (GiB, IndexerSettings, ModelConfig, ServerConfig, ServiceConfig,
                                      StoreSettings)
 from ctxcache.service.demo_text import QUESTION, TEXT
-from ctxcache.service.gen.v1 import context_pb2 as pb
+from ctxcache.client.gen.v1 import context_pb2 as pb
 
 from service_helpers import ask
 from test_every_method import CASES
@@ -22,7 +22,7 @@ def test_smollm2_put_then_generate_answers_from_the_context(smollm2, tmp_path, s
                         indexer=IndexerSettings(method="csattention",
                                                 method_params={"centroids": 16, "kmeans_iters": 3}))
     from ctxcache.service.server import create_server
-    from ctxcache.service.client import Client
+    from ctxcache.client import Client
     srv, port = create_server(cfg, smollm2)
     client = Client(f"127.0.0.1:{port}")
     try:
@@ -46,7 +46,7 @@ def test_smollm2_put_then_generate_answers_from_the_context(smollm2, tmp_path, s
 @pytest.fixture(scope="module")
 def smollm2_client(smollm2, tmp_path_factory):
     """One server on the default model (default method parameters) for the per-method test."""
-    from ctxcache.service.client import Client
+    from ctxcache.client import Client
     from ctxcache.service.server import create_server
     cfg = ServiceConfig(server=ServerConfig(port=0), model=ModelConfig("smollm2"),
                         store=StoreSettings(Path(tmp_path_factory.mktemp("every") / "d"), 4 * GiB),

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.store import BuildState, RedisRegistry
 
 from service_helpers import TEXT, ask, put_text, rpc_code, tiny_config

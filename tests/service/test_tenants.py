@@ -8,8 +8,8 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from ctxcache.service.client import Client
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 from service_helpers import TEXT, ask, put_text, rpc_code, tiny_config
 

@@ -6,7 +6,7 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
-from ctxcache.service.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 from service_helpers import put_text
 
@@ -114,6 +114,10 @@ def test_other_rpc_fields(served):
         (lambda: c.ListContexts(pb.ListContextsRequest(page_token="garbage")), INVALID, "page_token"),
         (lambda: c.DeleteContext(pb.DeleteContextRequest(context_id="")), INVALID, "context_id"),
         (lambda: a.Evict(apb.EvictRequest(context_id="zz")), INVALID, "context_id"),
+        (lambda: a.Evict(apb.EvictRequest(context_id=cid, memory_only=True, device_only=True)), INVALID,
+         "device_only"),
+        (lambda: a.Describe(apb.DescribeRequest(context_id="zz")), INVALID, "context_id"),
+        (lambda: a.Describe(apb.DescribeRequest(context_id=ID0)), grpc.StatusCode.NOT_FOUND, ID0),
         (lambda: a.Verify(apb.VerifyRequest(context_id="zz")), INVALID, "context_id"),
         (lambda: a.Verify(apb.VerifyRequest(context_id=ID0)), grpc.StatusCode.NOT_FOUND, ID0),
         (lambda: a.Rebuild(apb.RebuildRequest(context_id="zz")), INVALID, "context_id"),

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ctxcache.service.gen.v1 import context_pb2 as ctxcache_dot_v1_dot_context__pb2
+from ctxcache.client.gen.v1 import context_pb2 as ctxcache_dot_v1_dot_context__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,4 +1,4 @@
-"""A small client for the CLI and the benchmark: channel options, auth and stubs in one place."""
+"""A small client for the CLI, the benchmarks and users: channel options, auth and stubs in one place."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from ctxcache.service.gen.v1 import admin_pb2_grpc, context_pb2 as pb, context_pb2_grpc
+from ctxcache.client.gen.v1 import admin_pb2_grpc, context_pb2 as pb, context_pb2_grpc
 
 MAX_MESSAGE = 64 << 20
 

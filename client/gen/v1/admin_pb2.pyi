@@ -1,4 +1,4 @@
-from ctxcache.service.gen.v1 import context_pb2 as _context_pb2
+from ctxcache.client.gen.v1 import context_pb2 as _context_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EvictRequest(_message.Message):
-    __slots__ = ("context_id", "memory_only")
+    __slots__ = ("context_id", "memory_only", "device_only")
     CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ONLY_FIELD_NUMBER: _ClassVar[int]
     context_id: str
     memory_only: bool
-    def __init__(self, context_id: _Optional[str] = ..., memory_only: _Optional[bool] = ...) -> None: ...
+    device_only: bool
+    def __init__(self, context_id: _Optional[str] = ..., memory_only: _Optional[bool] = ..., device_only: _Optional[bool] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("evicted", "bytes_freed")
@@ -70,7 +72,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint")
+    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint", "decode_steps", "decode_rows")
     CONTEXTS_READY_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_BUILDING_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,8 @@ class StatsResponse(_message.Message):
     REGISTRY_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FOOTPRINT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
     contexts_ready: int
     contexts_building: int
     contexts_failed: int
@@ -97,7 +101,30 @@ class StatsResponse(_message.Message):
     registry_available: bool
     model_id: str
     footprint: _containers.RepeatedCompositeFieldContainer[CodecFootprint]
-    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ...) -> None: ...
+    decode_steps: int
+    decode_rows: int
+    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ..., decode_steps: _Optional[int] = ..., decode_rows: _Optional[int] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("context_id",)
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    context_id: str
+    def __init__(self, context_id: _Optional[str] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("context", "stored_bytes_by_part")
+    class StoredBytesByPartEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_BY_PART_FIELD_NUMBER: _ClassVar[int]
+    context: _context_pb2.ContextInfo
+    stored_bytes_by_part: _containers.ScalarMap[str, int]
+    def __init__(self, context: _Optional[_Union[_context_pb2.ContextInfo, _Mapping]] = ..., stored_bytes_by_part: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class CodecFootprint(_message.Message):
     __slots__ = ("kv_codec", "contexts", "tokens", "stored_bytes", "resident_bytes", "stored_bytes_per_token", "resident_bytes_per_token")

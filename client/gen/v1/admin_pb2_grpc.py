@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ctxcache.service.gen.v1 import admin_pb2 as ctxcache_dot_v1_dot_admin__pb2
+from ctxcache.client.gen.v1 import admin_pb2 as ctxcache_dot_v1_dot_admin__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -54,6 +54,11 @@ class AdminServiceStub:
                 request_serializer=ctxcache_dot_v1_dot_admin__pb2.StatsRequest.SerializeToString,
                 response_deserializer=ctxcache_dot_v1_dot_admin__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/ctxcache.v1.AdminService/Describe',
+                request_serializer=ctxcache_dot_v1_dot_admin__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=ctxcache_dot_v1_dot_admin__pb2.DescribeResponse.FromString,
+                _registered_method=True)
         self.Reconcile = channel.unary_unary(
                 '/ctxcache.v1.AdminService/Reconcile',
                 request_serializer=ctxcache_dot_v1_dot_admin__pb2.ReconcileRequest.SerializeToString,
@@ -65,7 +70,8 @@ class AdminServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Evict(self, request, context):
-        """Drop a context from DRAM (memory_only) or from the store and registry.
+        """Drop a context from DRAM (memory_only), from the accelerator only (device_only), or from
+        the store and registry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +96,13 @@ class AdminServiceServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
+        """One context's record with its stored bytes by part (what ContextInfo sums in artifact_bytes).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -123,6 +136,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=ctxcache_dot_v1_dot_admin__pb2.StatsRequest.FromString,
                     response_serializer=ctxcache_dot_v1_dot_admin__pb2.StatsResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=ctxcache_dot_v1_dot_admin__pb2.DescribeRequest.FromString,
+                    response_serializer=ctxcache_dot_v1_dot_admin__pb2.DescribeResponse.SerializeToString,
             ),
             'Reconcile': grpc.unary_unary_rpc_method_handler(
                     servicer.Reconcile,
@@ -238,6 +256,33 @@ class AdminService:
             '/ctxcache.v1.AdminService/Stats',
             ctxcache_dot_v1_dot_admin__pb2.StatsRequest.SerializeToString,
             ctxcache_dot_v1_dot_admin__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ctxcache.v1.AdminService/Describe',
+            ctxcache_dot_v1_dot_admin__pb2.DescribeRequest.SerializeToString,
+            ctxcache_dot_v1_dot_admin__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

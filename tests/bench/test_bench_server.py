@@ -1,0 +1,49 @@
+"""`bench service` and `bench serve` end to end on the CPU with the tiny random model: each starts
+a `ctxcache serve` process, waits for its health and reads it through the gRPC API alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ctxcache.bench.common.server import running_server
+
+TINY = ["--model", "random:tiny", "--repeats", "1"]
+
+
+def _result(folder: Path, bench: str) -> dict:
+    (path,) = folder.glob(f"{bench}_*.json")
+    return json.loads(path.read_text())
+
+
+def test_bench_service_reads_parts_and_batches_from_the_api(tmp_path):
+    from ctxcache.bench import service
+    assert service.main([*TINY, "--method", "key-kmeans", "--tokens", "300", "--max-tokens", "4",
+                         "--out", str(tmp_path)]) == 0
+    got = _result(tmp_path, "service")
+    assert got["context_tokens"] > 250 and got["model"].startswith("random:tiny")
+    assert sum(got["stored_bytes_by_part"].values()) == got["artifact_bytes"] > 0
+    assert got["cold_ttft_s"] > 0 and got["reprefill_ttft_s"] > 0
+    assert [t["streams"] for t in got["throughput"]] == [1, 4, 16]
+    assert all(not t["errors"] and t["tokens"] > 0 for t in got["throughput"])
+    assert got["throughput"][0]["mean_decode_batch"] == 1.0  # one stream: batches of one
+
+
+def test_bench_serve_measures_every_tier_in_both_modes_on_one_store(tmp_path):
+    from ctxcache.bench import serve
+    assert serve.main([*TINY, "--contexts", "300", "--streams", "1,2", "--tokens", "4", "--out", str(tmp_path)]) == 0
+    got = _result(tmp_path, "serve")
+    assert [(r["mode"], r["streams"]) for r in got["rows"]] == [
+        ("csattention", 1), ("csattention", 2), ("dense", 1), ("dense", 2)]
+    for row in got["rows"]:
+        assert set(row["ttft_p50_s"]) == {"hot", "warm", "cold", "reprefill"} and row["aggregate_tokens_per_s"] > 0
+    (build,) = got["build"]
+    assert build["context"] == 300 and build["put_seconds"] > 0 and build["prefill_seconds"] > 0
+
+
+def test_a_server_that_cannot_start_is_one_error_with_its_reason(tmp_path):
+    with pytest.raises(RuntimeError, match="exited with 2 before serving.*invalid choice"):
+        with running_server(["--decode-mode", "bogus"], tmp_path / "serve.log"):
+            pass
