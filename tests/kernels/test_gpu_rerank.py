@@ -1,6 +1,7 @@
 """The GPU path's exact re-rank picks the keys its reference, CSAttention's exact_rerank, picks
-for every row of a batch with different lengths: the Triton kernels (Reranker, interpreted on
-CPU) and the batched torch reference (rerank_ref)."""
+for every row of a batch with different lengths: the batched torch reference (rerank_ref)
+exactly, the Triton kernels (Reranker, interpreted on CPU) up to near-ties (it ranks by fp16
+log-probabilities)."""
 
 import pytest
 import torch
@@ -37,25 +38,33 @@ def _run(impl: str, device, q, keys, cand, n, lo, hi, k, kc, sinks, recent) -> t
     return rr(qd, kd, cd, kcd, kd32, lod, hid, nd, sinks, recent).cpu()
 
 
+def _group_probs(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+    """exact_rerank's criterion per candidate: [Hkv, c] group-summed attention probabilities."""
+    hkv, d = keys.shape[0], keys.shape[-1]
+    idx = torch.cat([cand, others], dim=1)
+    read = torch.gather(keys.float(), 1, idx[..., None].expand(-1, -1, d))
+    prob = (torch.einsum("hgd,hcd->hgc", q.float().view(hkv, -1, d), read) * d ** -0.5).softmax(-1)
+    return prob[..., :cand.shape[1]].sum(1)
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_batched_rerank_equals_the_reference_per_row(device, impl):
-    rows = _rows(torch.Generator().manual_seed(0), torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_rerank_equals_the_reference_per_row(device, impl, dtype):
+    rows = _rows(torch.Generator().manual_seed(0), dtype)
     q, keys, cand, n, lo, hi, k, kc, sinks, recent = rows
     got = _run(impl, device, *rows)
     for r in range(q.shape[0]):
-        nr = int(n[r])
+        nr, kr = int(n[r]), int(k[r])
         others = torch.cat([torch.arange(int(lo[r])), torch.arange(int(hi[r]), nr)]).expand(keys.shape[1], -1)
-        want = exact_rerank(q[r], keys[r, :, :nr], cand[r, :, :int(kc[r])].long(), int(k[r]), others)
+        cr = cand[r, :, :int(kc[r])].long()
+        want = exact_rerank(q[r], keys[r, :, :nr], cr, kr, others)
+        probs = _group_probs(q[r], keys[r, :, :nr], cr, others)
         for h in range(keys.shape[1]):
-            assert set(got[r, h, :int(k[r])].tolist()) == set(want[h].tolist()), (impl, r, h)
-
-
-def test_the_kernel_ranks_bf16_keys_as_the_reference(device):
-    """bf16 inputs (the model's): the MMA's order of summation may swap near-ties only."""
-    rows = _rows(torch.Generator().manual_seed(1), torch.bfloat16)
-    q, keys, cand, n, lo, hi, k, kc, sinks, recent = rows
-    got, want = _run("triton", device, *rows), _run("torch", device, *rows)
-    for r in range(q.shape[0]):
-        for h in range(keys.shape[1]):
-            same = set(got[r, h, :int(k[r])].tolist()) & set(want[r, h, :int(k[r])].tolist())
-            assert len(same) >= int(k[r]) - 1, (r, h)
+            diff = set(got[r, h, :kr].tolist()) ^ set(want[h].tolist())
+            if impl == "torch" and dtype == torch.float32:
+                assert not diff, (r, h)
+                continue
+            by_key = dict(zip(cr[h].tolist(), probs[h].tolist()))
+            kth = sorted(probs[h].tolist(), reverse=True)[kr - 1]
+            # only keys within 1% of the K-th probability may swap (fp16 keys, bf16 products)
+            assert all(abs(by_key[x] - kth) <= 0.01 * kth for x in diff), (r, h, diff)
