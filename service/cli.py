@@ -45,6 +45,9 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--method", default="csattention")
+    p.add_argument("--method-params", default="{}",
+                   help='the method\'s parameters as JSON (csattention: \'{"rerank": 1}\' trades answers kept for GPU speed, '
+                        'DESIGN.md); the GPU runner serves contexts built with these')
     p.add_argument("--store-queries", type=int, default=1536,
                    help="prefill query positions kept per layer when a PutContext asks (keep_queries)")
     p.add_argument("--kv-codec", default="int8", choices=["lossless", "int8", "int4"],

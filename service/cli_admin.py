@@ -45,7 +45,7 @@ def run_admin(client: Client, args) -> int:
     elif cmd == "rebuild":
         req = apb.RebuildRequest(context_id=args.context_id, allow_reprefill=args.allow_reprefill, wait=True)
         req.method.name = args.method
-        req.method.params.update(_params(args.params))
+        req.method.params.update(_params(args.params, "--params"))
         _print(client.admin.Rebuild(req, metadata=md))
     elif cmd == "verify":
         resp = client.admin.Verify(apb.VerifyRequest(context_id=args.context_id or ""), metadata=md)

@@ -36,7 +36,8 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
         model=ModelConfig(args.model, args.device, args.dtype),
         store=StoreSettings(args.data, int(args.store_budget_gb * GiB)),
         registry=RegistrySettings(args.redis),
-        indexer=IndexerSettings(method=args.method, store_queries=args.store_queries, kv_codec=args.kv_codec),
+        indexer=IndexerSettings(method=args.method, store_queries=args.store_queries, kv_codec=args.kv_codec,
+                                method_params=_params(getattr(args, "method_params", "{}"), "--method-params")),
         decoder=DecoderSettings(dram_cache_bytes=int(args.dram_cache_gb * GiB), schedule=args.schedule,
                                 torch_threads=args.threads, max_batch=args.max_batch,
                                 decode_mode=args.decode_mode, gpu_slots=args.gpu_slots,
@@ -103,7 +104,7 @@ def put_request(args) -> pb.PutContextRequest:
         req.labels[key] = value
     if args.method:
         req.method.name = args.method
-        req.method.params.update(_params(args.params))
+        req.method.params.update(_params(args.params, "--params"))
     if args.text:
         req.text = args.text.read_text(encoding="utf-8")
     elif args.messages:
@@ -120,13 +121,13 @@ def put_request(args) -> pb.PutContextRequest:
     return req
 
 
-def _params(text: str) -> dict:
+def _params(text: str, flag: str) -> dict:
     try:
         params = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--params is not JSON: {exc.msg} at column {exc.colno}") from None
+        raise ValueError(f"{flag} is not JSON: {exc.msg} at column {exc.colno}") from None
     if not isinstance(params, dict):
-        raise ValueError("--params must be a JSON object, e.g. '{\"centroids\": 64}'")
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{{\"rerank\": 1}}'")
     return params
 
 

@@ -118,6 +118,11 @@ class IndexerSettings:
 
     def __post_init__(self) -> None:
         from ctxcache.artifact import KV_CODECS
+        from ctxcache.methods import make_method
+        try:  # the server's default method must build: a bad one fails at start, not at a PutContext
+            make_method(self.method, self.method_params)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"indexer.method={self.method!r} method_params={self.method_params}: {exc}") from None
         if self.kv_codec not in KV_CODECS:
             raise ValueError(f"indexer.kv_codec={self.kv_codec!r} must be one of {KV_CODECS}")
         if self.claim_lease_s <= 0:

@@ -42,6 +42,10 @@ CASES = {  # name -> (argv with {d} = files dir, env, expected words in the line
     "nonexistent model": (["serve", "--model", "/nonexistent", "--data", "{d}/s"], {}, "nonexistent"),
     "open on a public host": (["serve", "--model", "random:tiny", "--host", "0.0.0.0", "--data", "{d}/s"], {},
                               "CTXCACHE_TOKEN"),
+    "server method params out of bounds": (["serve", "--model", "random:tiny", "--data", "{d}/s", "--method-params",
+                                             '{"rerank": 99}'], {}, "rerank=99"),
+    "server method params not an object": (["serve", "--model", "random:tiny", "--data", "{d}/s", "--method-params",
+                                            "[1]"], {}, "JSON object"),
     "cuda on a CPU torch": (["serve", "--model", "random:tiny", "--device", "cuda", "--data", "{d}/s"], {}, "CUDA"),
     "unreachable server": (["admin", "--address", "127.0.0.1:{free}", "stats"], {}, "UNAVAILABLE"),
 }
