@@ -43,7 +43,7 @@ CASES = {  # name -> (argv with {d} = files dir, env, expected words in the line
     "open on a public host": (["serve", "--model", "random:tiny", "--host", "0.0.0.0", "--data", "{d}/s"], {},
                               "CTXCACHE_TOKEN"),
     "server method params out of bounds": (["serve", "--model", "random:tiny", "--data", "{d}/s", "--method-params",
-                                             '{"rerank": 99}'], {}, "rerank=99"),
+                                             '{{"rerank": 99}}'], {}, "rerank=99"),
     "server method params not an object": (["serve", "--model", "random:tiny", "--data", "{d}/s", "--method-params",
                                             "[1]"], {}, "JSON object"),
     "cuda on a CPU torch": (["serve", "--model", "random:tiny", "--device", "cuda", "--data", "{d}/s"], {}, "CUDA"),
