@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from ctxcache.host_copy import to_host, wait_for_host_copies
 from ctxcache.methods.base import Capabilities, LayerState, MethodParams, ParamError, SparseMethod, Tables
-from ctxcache.methods.budget import fp16_rank, topk_in_region
+from ctxcache.methods.budget import fp16_rank, outside_region, topk_in_region
 from ctxcache.methods.csattention_lean import lean_state
 from ctxcache.methods.csattention_rows import DERIVED, ROW_KEYS, dense_row_bytes, dense_rows, routed_rows, row_keys
 from ctxcache.methods.int8_tables import int_dot_scores
@@ -319,7 +319,7 @@ class CSAttention(SparseMethod):
         if c <= k:
             return found
         n = keys.shape[1]
-        others = torch.cat([torch.arange(lo), torch.arange(hi, n)]).to(found.device).expand(found.shape[0], -1)
+        others = outside_region(lo, hi, n, found.device).expand(found.shape[0], -1)
         return exact_rerank(q, keys, found, k, others)
 
     def search_reads(self, k: int, region: int) -> int:
