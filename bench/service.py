@@ -75,10 +75,10 @@ def run(args) -> dict:
     from ctxcache.service.prompting import Prompter, text_messages
     from ctxcache.service.server import create_server
 
-    lm = load_model(args.model, dtype=getattr(torch, args.dtype))
+    lm = load_model(args.model)
     prompter = Prompter(lm.tokenizer)
     text = _context_text(lm.tokenizer, args.tokens)
-    cfg = ServiceConfig(server=ServerConfig(port=0, max_streams=32, threads=64), model=ModelConfig(args.model, dtype=args.dtype),
+    cfg = ServiceConfig(server=ServerConfig(port=0, max_streams=32, threads=64), model=ModelConfig(args.model),
                         store=StoreSettings(Path(tempfile.mkdtemp(prefix="ctxcache-bench-")), 8 * GiB),
                         indexer=IndexerSettings(method=args.method, method_params=json.loads(args.params)))
     server, port = create_server(cfg, lm)
@@ -146,8 +146,6 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results", help="folder of the result JSON")
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="model weights and KV cache dtype (the service's model.dtype)")
     ap.add_argument("--method", default="csattention")
     ap.add_argument("--params", default="{}", help='JSON method parameters, e.g. {"table_dtype": "float16"}')
     ap.add_argument("--tokens", type=int, default=4000, help="context length in tokens")
