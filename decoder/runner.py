@@ -9,6 +9,8 @@ GPU runner (decoder/gpu/runner.py), which serves the same engine loop.
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,7 +19,8 @@ import torch
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.reference_attention import ReferenceSparseAttention, SparseConfig
-from ctxcache.decoder.session import start_batch
+from ctxcache.decoder.session import restore_on_demand, start_batch
+from ctxcache.methods import SparseMethod, Tables
 from ctxcache.models.kv_cache import KVCache
 from ctxcache.models.loader import LoadedModel
 
@@ -76,6 +79,41 @@ class _RowAttention:
         return torch.cat([r.attn(layer, q[b:b + 1], r.cache, pos[b:b + 1]) for b, r in enumerate(self.rows)])
 
 
+class RestoredTables:
+    """Each context's restored tables, shared by its streams while its artifact object lives.
+
+    Why: restore derives per-context data (CSAttention: the fp64 subspace keys its routed rows
+    are computed from, 8x the fp16 K/V bytes) that every stream of a context reads unchanged;
+    deriving it per stream cost part of every cached TTFT and one copy per stream in memory.
+    Keyed by context id and checked by identity of the artifact (a reloaded artifact restores
+    anew); the entry goes with the artifact (weak reference) or with `drop` (an eviction)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[str, tuple[weakref.ref, tuple[str, str, str], list[Tables]]] = {}
+
+    def get(self, context_id: str, method: SparseMethod, art: ContextArtifact, device: torch.device) -> list[Tables]:
+        key = (method.name, repr(sorted(art.method_params.items())), str(device))
+        with self._lock:
+            hit = self._by_id.get(context_id)
+        if hit is not None and hit[0]() is art and hit[1] == key:
+            return hit[2]
+        tables = restore_on_demand(method, art, device)
+        ref = weakref.ref(art, lambda _: self._forget(context_id, ref))
+        with self._lock:
+            self._by_id[context_id] = (ref, key, tables)
+        return tables
+
+    def _forget(self, context_id: str, ref: weakref.ref) -> None:
+        with self._lock:
+            if context_id in self._by_id and self._by_id[context_id][0] is ref:
+                del self._by_id[context_id]
+
+    def drop(self, context_id: str) -> bool:
+        with self._lock:
+            return self._by_id.pop(context_id, None) is not None
+
+
 class ReferenceRunner:
     """The torch reference decode on the model's device; serves every method and schedule."""
 
@@ -83,14 +121,16 @@ class ReferenceRunner:
 
     def __init__(self, lm: LoadedModel) -> None:
         self.lm = lm
-        self.lock = contextlib.nullcontext()  # rows share no buffers: admissions run beside steps
+        self.lock = contextlib.nullcontext()  # rows share no writable buffers: admissions run beside steps
+        self._restored = RestoredTables()
 
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
         return True
 
     def admit(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
               max_new: int, check: Callable[[], None] = lambda: None) -> tuple[ReferenceRow, torch.Tensor]:
-        first, attn, cache = start_batch(self.lm, [art], [prompt], config, max_new)
+        first, attn, cache = start_batch(self.lm, [art], [prompt], config, max_new,
+                                         lambda method, a, device: self._restored.get(context_id, method, a, device))
         return ReferenceRow(cache, attn), first[0]
 
     @torch.inference_mode()
@@ -110,4 +150,4 @@ class ReferenceRunner:
         """Nothing to free: the row's cache goes with its last reference."""
 
     def evict(self, context_id: str) -> bool:
-        return False  # nothing stays resident between streams
+        return self._restored.drop(context_id)

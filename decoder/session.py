@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -35,9 +35,19 @@ def restore_tables(method: SparseMethod, art: ContextArtifact, device: torch.dev
             for l in art.layers]
 
 
+Restorer = Callable[[SparseMethod, ContextArtifact, torch.device], list[Tables]]
+
+
+def restore_on_demand(method: SparseMethod, art: ContextArtifact, device: torch.device) -> list[Tables]:
+    """What the reference path decodes from: restore_tables with per-step derived rows."""
+    return restore_tables(method, art, device, on_demand=True)
+
+
 def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list[list[int]],
-                config: SparseConfig, max_new_tokens: int) -> tuple[torch.Tensor, ReferenceSparseAttention, object]:
-    """Load each artifact into its cache row and prefill its prompt.
+                config: SparseConfig, max_new_tokens: int,
+                restore: Restorer = restore_on_demand) -> tuple[torch.Tensor, ReferenceSparseAttention, object]:
+    """Load each artifact into its cache row and prefill its prompt. restore: each artifact's
+    tables (read-only to the decode: a caller may hand every stream of a context the same ones).
 
     -> (first logits [B, V], the attention callable, the cache)."""
     if len(artifacts) != len(prompts) or not artifacts:
@@ -50,7 +60,7 @@ def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list
     states = []
     for row, a in enumerate(artifacts):
         cache.load_row(row, [l.k for l in a.layers], [l.v for l in a.layers])
-        states.append([method.open(t) for t in restore_tables(method, a, cache.lengths.device, on_demand=True)])
+        states.append([method.open(t) for t in restore(method, a, cache.lengths.device)])
     attn = ReferenceSparseAttention(method, states, config)
     device = cache.lengths.device
     first = []

@@ -20,12 +20,22 @@ def quantize_rows(dense: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, tor
     """fp16 dense_score [..., N] -> (int8 [..., N], scale [...] fp32), symmetric per row, values
     in [-L, L] with L = 2^(bits-1) - 1 (127 for 8 bits; fewer bits: the same int8 arithmetic on
     coarser values, what `bench footprint` measures 4-bit rows with)."""
+    q, scale = quantized_row_values(dense, bits)
+    return q.to(torch.int8), scale
+
+
+def quantized_row_values(dense: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows' integers as fp32 (exactly the int8 values; int_dot_scores multiplies them
+    as fp32): the CPU decode scores each step's routed rows straight from these, two passes over
+    the rows fewer than through int8 and back."""
     if not 2 <= bits <= 8:
         raise ValueError(f"bits={bits} must be in [2, 8]")
     levels = float(2 ** (bits - 1) - 1)
-    scale = dense.float().abs().amax(-1).clamp_min(1e-8) / levels
-    q = torch.round(dense.float() / scale[..., None]).clamp_(-levels, levels).to(torch.int8)
-    return q, scale
+    values = dense.float()
+    scale = values.abs().amax(-1).clamp_min(1e-8) / levels
+    if values.data_ptr() == dense.data_ptr():  # already fp32: the caller's tensor, do not write it
+        values = values.clone()
+    return values.div_(scale[..., None]).round_().clamp_(-levels, levels), scale
 
 
 def int8_dense_tables(tables: dict[str, torch.Tensor],

@@ -54,6 +54,22 @@ class QueryCapture:
         return torch.cat(self.chunks[layer], dim=1)
 
 
+def select_keys(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [H, n, D] (a cache slice: rows of D contiguous values), idx [H, K] long -> [H, K, D]
+    with out[h, j] = x[h, idx[h, j]]: the values torch.gather copies, in one index_select.
+    Why: on CPU torch.gather with an expanded index ran 3.5x slower than index_select, and a
+    select per head costs a dispatch each (a 4K decode step makes thousands of them)."""
+    h, _, d = x.shape
+    if x.stride(2) == 1 and x.stride(1) == d and x.stride(0) % d == 0 and h > 0:
+        # every head's rows sit in one strided storage: view it as [rows, D] (no copy; the
+        # rows between heads, a cache's unused tail, are never indexed)
+        head = x.stride(0) // d
+        flat = x.as_strided(((h - 1) * head + x.shape[1], d), (d, 1))
+        offsets = torch.arange(0, h * head, head, device=idx.device)[:, None]
+        return flat.index_select(0, (idx + offsets).flatten()).view(h, idx.shape[1], d)
+    return torch.stack([x[i].index_select(0, idx[i]) for i in range(h)])
+
+
 def gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                          valid: torch.Tensor | None = None) -> torch.Tensor:
     """Reference sparse decode attention (one query per head, shared selection per KV head).
@@ -62,9 +78,8 @@ def gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: tor
     """
     hkv, d = k.shape[0], k.shape[-1]
     g = q.shape[0] // hkv
-    # index_select per head: 3.5x faster on CPU than torch.gather with an expanded index
-    ks = torch.stack([k[h].index_select(0, idx[h]) for h in range(hkv)]).to(q.dtype)  # [Hkv, K, D]
-    vs = torch.stack([v[h].index_select(0, idx[h]) for h in range(hkv)]).to(q.dtype)
+    ks = select_keys(k, idx).to(q.dtype)  # [Hkv, K, D]
+    vs = select_keys(v, idx).to(q.dtype)
     scores = torch.einsum("hgd,hkd->hgk", q.view(hkv, g, d), ks) * d ** -0.5
     if valid is not None:
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))

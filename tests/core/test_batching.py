@@ -148,3 +148,29 @@ def test_a_broken_release_fails_the_other_streams_instead_of_hanging(tiny, artif
             _start(tiny, batcher, artifacts[2], [5], sampling)
     finally:
         batcher.close()
+
+
+def test_streams_of_a_context_share_its_restored_tables(tiny, artifacts) -> None:
+    """The reference runner restores a context once for all its streams (read-only tables);
+    a new artifact object for the id restores anew, and evict drops the shared copy. The
+    shared tables decode what freshly restored ones decode."""
+    runner = ReferenceRunner(tiny)
+    art = artifacts[0]
+    prompt = _tokens(tiny, 5, 9)
+    a, first_a = runner.admit("c0", art, prompt, CONFIG, 8)
+    b, first_b = runner.admit("c0", art, prompt, CONFIG, 8)
+    tables = lambda row: [s.tables for s in row.attn.states[0]]  # noqa: E731
+    assert all(x is y for x, y in zip(tables(a), tables(b)))
+    assert torch.equal(first_a, first_b)
+    steps = [runner.step([a, b], [3, 3]) for _ in range(3)]
+    assert all(torch.equal(s[0], s[1]) for s in steps)  # rows with the same input, shared tables
+    again = type(art)(**{f: getattr(art, f) for f in art.__dataclass_fields__})  # a reload: a new object
+    c, _ = runner.admit("c0", again, prompt, CONFIG, 8)
+    assert not any(x is y for x, y in zip(tables(a), tables(c)))
+    assert runner.evict("c0") and not runner.evict("c0")
+    alone = _alone(tiny, art, prompt, SamplingParams(max_tokens=4))
+    d, first_d = runner.admit("c0", art, prompt, CONFIG, 8)
+    got = [int(first_d.argmax())]
+    for _ in range(3):
+        got.append(int(runner.step([d], [got[-1]])[0].argmax()))
+    assert got == alone
