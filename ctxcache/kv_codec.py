@@ -8,11 +8,19 @@
 - "int4": asymmetric 4-bit (KIVI's layout): keys per channel in groups of INT4_GROUP tokens,
   values per token in groups of INT4_GROUP channels, an fp16 scale and minimum per group, two
   codes per byte. 0.31x the fp16 bytes.
-The decoded tensors are `dtype` (the artifact's kv_dtype); decoding is a multiply per element,
-run per layer in the store's thread pool. No method knowledge here: tables are not touched.
+The decoded tensors are `dtype` (the artifact's kv_dtype); decoding is a multiply per element.
+Both directions are plain torch ops and run on whichever device holds the tensors: the indexer
+encodes on the build's device (a GPU build copies codes, not fp16, to the host) and a runner
+decodes on its own (a GPU runner copies codes to HBM and multiplies there). The arithmetic is
+the same IEEE fp32 sequence on every device (an int8 * fp16 product is exact in fp32; divisions
+and roundings are correctly rounded), so every device yields the host's bits (tests/store/
+test_kv_codec.py). No method knowledge here: tables are not touched. No store knowledge either:
+the model side (artifact, indexer, decoder) uses this module without importing LMDB.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +29,35 @@ KEY_GROUP = 128  # tokens per key scale (per channel); a scale costs 2 bytes per
 INT4_GROUP = 32  # int4: tokens per key group, channels per value group
 SCALE_SUFFIX = "_scale"
 MIN_SUFFIX = "_min"
+
+
+@dataclass(frozen=True)
+class CodedKV:
+    """One layer's K/V as its codec stores them: `parts` named as `encode_kv` names them (k and v
+    codes, scales, minima), on one device; `shape` [Hkv, N, D] and `dtype` of the decoded k and v."""
+
+    codec: str
+    parts: dict[str, torch.Tensor]
+    shape: tuple[int, int, int]
+    dtype: torch.dtype
+
+    @staticmethod
+    def encode(k: torch.Tensor, v: torch.Tensor, codec: str) -> "CodedKV":
+        """Encode k, v [Hkv, N, D] (their dtype is the decoded dtype) where they are."""
+        return CodedKV(codec, dict(encode_kv(k, v, codec)), tuple(k.shape), k.dtype)
+
+    def map(self, fn) -> "CodedKV":
+        """The same codes with fn applied to every part (a copy to the host or a device)."""
+        return CodedKV(self.codec, {n: fn(t) for n, t in self.parts.items()}, self.shape, self.dtype)
+
+    def decode(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) decoded on `device` (default: where the parts are); the parts are copied there
+        first (asynchronously from pinned host memory), so the multiply runs on that device."""
+        parts = self.parts if device is None else {n: t.to(device, non_blocking=True) for n, t in self.parts.items()}
+        return decode_kv(parts, self.codec, self.dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
 
 
 def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str) -> list[tuple[str, torch.Tensor]]:
