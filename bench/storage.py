@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -27,9 +28,10 @@ import torch
 
 from ctxcache.artifact import KV_CODECS, ContextArtifact
 from ctxcache.decoder import SparseConfig
+from ctxcache.decoder.reference_attention import ReferenceSparseAttention
 from ctxcache.decoder.runner import ReferenceRunner
 from ctxcache.decoder.session import generate, restore_tables
-from ctxcache.generation import SamplingParams
+from ctxcache.generation import SamplingParams, prefill
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import Budget, SparseMethod, make_method
 from ctxcache.models.loader import DEFAULT_MODEL, LoadedModel, load_model
@@ -41,7 +43,8 @@ from ctxcache.bench.common.report import print_table, write_result
 from ctxcache.bench.common.selection import selection_metrics
 from ctxcache.bench.common.texts import builtin_text, parse_text_args, tokens_of
 
-COLUMNS = ["text", "variant", "stored_over_kv", "resident_over_kv", "cold_ttft_s", "load_s", "mass_recall",
+COLUMNS = ["text", "variant", "stored_over_kv", "resident_over_kv", "cold_ttft_s", "load_s", "lmdb_read_s",
+           "kv_decode_s", "restore_s", "question_prefill_s", "mass_recall",
            "mass_recall_change", "nll_delta_pct", "nll_change_points", "top1_agreement"]
 STORE = StoreConfig(map_size_bytes=8 << 30, budget_bytes=8 << 30)
 
@@ -82,6 +85,31 @@ def cold_ttft(lm: LoadedModel, path: Path, question: list[int], config: SparseCo
     _, first = ReferenceRunner(lm).admit("c", art, question, config, 8)
     int(first.argmax())
     return time.perf_counter() - t0, t_get
+
+
+PHASES = ("lmdb_read_s", "kv_decode_s", "restore_s", "question_prefill_s")
+
+
+@torch.inference_mode()
+def cold_phases(lm: LoadedModel, path: Path, question: list[int], config: SparseConfig) -> dict[str, float]:
+    """The cold TTFT's parts, timed through the calls ReferenceRunner.admit makes (start_batch):
+    the store's get (LMDB, checksums, codes into memory), the K/V decoded into the cache, the
+    method's restore (CSAttention: its fp64 row keys), the question's prefill to the first token."""
+    t = [time.perf_counter()]
+    with ArtifactStore(path, replace(STORE, track_access=False)) as s:
+        art = s.get("c")
+    t.append(time.perf_counter())
+    n, method = art.n_tokens, make_method(art.method, art.method_params)
+    cache = lm.model.new_cache(1, max_len=n + len(question) + 8, uninitialized=True)
+    cache.fill_row(0, n, lambda i, k, v: art.layers[i].kv_into(k, v))
+    t.append(time.perf_counter())
+    keys = [cache.k[i][0, :, :n] for i in range(len(art.layers))]
+    states = [method.open(x) for x in restore_tables(method, art, "cpu", True, keys)]
+    t.append(time.perf_counter())
+    attn = ReferenceSparseAttention(method, [states], config)
+    int(prefill(lm.model, torch.tensor([question]), cache.row(0), attn.row_view(0))[0].argmax())
+    t.append(time.perf_counter())
+    return {name: b - a for name, a, b in zip(PHASES, t, t[1:])}
 
 
 def decoded_capture(cap: Captured, art: ContextArtifact) -> Captured:
@@ -140,10 +168,15 @@ def ttft_rows(lm: LoadedModel, ids: list[int], args: argparse.Namespace, codecs:
     for codec in codecs:
         path = work / f"{text}-{codec}"
         m, _ = stored(art, codec, path)
-        times = sorted(cold_ttft(lm, path, question, config) for _ in range(args.repeats))
+        times, phases = [], []
+        for _ in range(args.repeats):  # alternated, so both see the same load on a shared box
+            times.append(cold_ttft(lm, path, question, config))
+            phases.append(cold_phases(lm, path, question, config))
+        times.sort()
         rows.append({"text": text, "variant": codec, "stored_bytes": m.stored_bytes, "kv_fp16_bytes": art.kv_bytes(),
                      "stored_over_kv": m.stored_bytes / art.kv_bytes(), "cold_ttft_s": times[len(times) // 2][0],
-                     "load_s": times[len(times) // 2][1], "cold_ttft_all_s": [t for t, _ in times]})
+                     "load_s": times[len(times) // 2][1], "cold_ttft_all_s": [t for t, _ in times],
+                     **{p: statistics.median(x[p] for x in phases) for p in PHASES}})
     return rows
 
 

@@ -5,10 +5,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ctxcache.kv_codec import CodedKV
 
 # 2: tables hold the method's compact state (SparseMethod.persist; CSAttention: no dense rows),
 #    K/V stored by a per-context codec (kv_codec). 1: every table stored, K/V lossless.
@@ -17,11 +20,14 @@ READABLE_FORMATS = (1, 2)  # format 1 decodes as is: restore finds its rows alre
 KV_CODECS = ("lossless", "int8", "int4")  # store/kv_codec.py
 
 
-@dataclass
 class LayerArtifact:
     """One layer of a cached context.
 
-    k, v: [Hkv, N, D] post-RoPE keys and values (`ContextArtifact.kv_dtype`).
+    k, v: [Hkv, N, D] post-RoPE keys and values (`ContextArtifact.kv_dtype`). A layer holds them
+      either decoded or `coded` (CodedKV: the context's kv codec's codes and scales, as the store
+      keeps them): a loaded artifact stays coded in DRAM (half the bytes at int8) and a runner
+      decodes it where it decodes (`kv_into`: on the GPU for the fast runner, so the host does
+      no float work). Reading `k` / `v` of a coded layer decodes it on the host once.
     tables: the sparse method's named index arrays as it persists them (SparseMethod.persist),
       e.g. for CSAttention's dense layout only centroids [Hkv, m, C, d_b] fp16: its rows
       dense_score [Hkv, m, C, N] are derived at load (SparseMethod.restore); its list layout
@@ -31,13 +37,59 @@ class LayerArtifact:
       parameters without re-prefilling; decoding never reads them (the store skips them).
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
-    tables: dict[str, torch.Tensor] = field(default_factory=dict)
-    queries: torch.Tensor | None = None
+    def __init__(self, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                 tables: dict[str, torch.Tensor] | None = None, queries: torch.Tensor | None = None,
+                 coded: CodedKV | None = None) -> None:
+        if (k is None or v is None) and coded is None:
+            raise ValueError("a layer needs its k and v, decoded or coded")
+        self._k, self._v, self.coded = k, v, coded
+        self.tables = {} if tables is None else tables
+        self.queries = queries
+
+    @property
+    def k(self) -> torch.Tensor:
+        self._decode()
+        return self._k
+
+    @property
+    def v(self) -> torch.Tensor:
+        self._decode()
+        return self._v
+
+    def _decode(self) -> None:
+        if self._k is None:
+            self._k, self._v = self.coded.decode()
+
+    @property
+    def kv_shape(self) -> tuple[int, ...]:
+        return tuple(self._k.shape) if self._k is not None else self.coded.shape
+
+    def coded_as(self, codec: str) -> CodedKV:
+        """The K/V as `codec` stores them: the layer's own codes when it holds that codec's,
+        else encoded here from the decoded k, v (on their device)."""
+        if self.coded is not None and self.coded.codec == codec:
+            return self.coded
+        return CodedKV.encode(self.k, self.v, codec)
+
+    def kv_into(self, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Write k, v into k_out, v_out [Hkv, N, D] (any dtype, on any device): a coded layer is
+        decoded on k_out's device, without keeping the decoded tensors here."""
+        if self._k is not None:
+            k_out.copy_(self._k, non_blocking=True)
+            v_out.copy_(self._v, non_blocking=True)
+            return
+        k, v = self.coded.decode(k_out.device)
+        k_out.copy_(k)
+        v_out.copy_(v)
 
     def kv_bytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """Bytes of the decoded k and v (what a decoder holds), coded or not."""
+        shape, dtype = self.kv_shape, self._k.dtype if self._k is not None else self.coded.dtype
+        return 2 * math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
+    def held_bytes(self) -> int:
+        """Bytes this layer's K/V occupy in memory as held (coded: the codes and scales)."""
+        return (self.kv_bytes() if self._k is not None else 0) + (self.coded.nbytes() if self.coded else 0)
 
     def table_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tables.values())
@@ -77,3 +129,7 @@ class ContextArtifact:
 
     def table_bytes(self) -> int:
         return sum(layer.table_bytes() for layer in self.layers)
+
+    def held_kv_bytes(self) -> int:
+        """K/V bytes as held in memory (coded layers: their codes and scales)."""
+        return sum(layer.held_bytes() for layer in self.layers)

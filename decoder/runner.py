@@ -92,13 +92,16 @@ class RestoredTables:
         self._lock = threading.Lock()
         self._by_id: dict[str, tuple[weakref.ref, tuple[str, str, str], list[Tables]]] = {}
 
-    def get(self, context_id: str, method: SparseMethod, art: ContextArtifact, device: torch.device) -> list[Tables]:
+    def get(self, context_id: str, method: SparseMethod, art: ContextArtifact, device: torch.device,
+            keys: list[torch.Tensor] | None = None) -> list[Tables]:
+        """keys: the first stream's cached keys (no second decode of coded K/V); restore copies
+        what it derives from them, so the shared tables hold no stream's cache."""
         key = (method.name, repr(sorted(art.method_params.items())), str(device))
         with self._lock:
             hit = self._by_id.get(context_id)
         if hit is not None and hit[0]() is art and hit[1] == key:
             return hit[2]
-        tables = restore_on_demand(method, art, device)
+        tables = restore_on_demand(method, art, device, keys)
         ref = weakref.ref(art, lambda _: self._forget(context_id, ref))
         with self._lock:
             self._by_id[context_id] = (ref, key, tables)
@@ -130,7 +133,8 @@ class ReferenceRunner:
     def admit(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
               max_new: int, check: Callable[[], None] = lambda: None) -> tuple[ReferenceRow, torch.Tensor]:
         first, attn, cache = start_batch(self.lm, [art], [prompt], config, max_new,
-                                         lambda method, a, device: self._restored.get(context_id, method, a, device))
+                                         lambda method, a, device, keys: self._restored.get(context_id, method, a, device,
+                                                                                             keys))
         return ReferenceRow(cache, attn), first[0]
 
     @torch.inference_mode()

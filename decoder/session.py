@@ -27,20 +27,34 @@ def check_compatible(lm: LoadedModel, artifacts: list[ContextArtifact]) -> None:
 
 
 def restore_tables(method: SparseMethod, art: ContextArtifact, device: torch.device | str,
-                   on_demand: bool = False) -> list[Tables]:
+                   on_demand: bool = False, keys: list[torch.Tensor] | None = None) -> list[Tables]:
     """Each layer's full tables on `device` (where the model decodes): the stored state moved
     there and what the method derives from it and the keys computed there (SparseMethod.restore;
-    on_demand: derived per step where the method can, as the reference path reads them)."""
-    return [method.restore({name: t.to(device) for name, t in l.tables.items()}, l.k.to(device), on_demand)
-            for l in art.layers]
+    on_demand: derived per step where the method can, as the reference path reads them).
+    keys: the layers' keys already on `device` (a cache row: no second decode of coded K/V);
+    any float dtype holding the artifact's values (the rows are summed in fp64)."""
+    keys = keys if keys is not None else [l.k.to(device) for l in art.layers]
+    return [method.restore({name: t.to(device) for name, t in l.tables.items()}, k, on_demand)
+            for l, k in zip(art.layers, keys)]
 
 
-Restorer = Callable[[SparseMethod, ContextArtifact, torch.device], list[Tables]]
+def _exact_keys(cache, row: int, art: ContextArtifact) -> list[torch.Tensor] | None:
+    """The row's cached keys when the cache holds the artifact's keys exactly (its dtype, or fp32,
+    which holds fp16 and bf16 values): then the rows derive from them with no second decode;
+    else None (restore reads the artifact's own keys, e.g. fp16 K/V in a bf16 cache)."""
+    kv = getattr(torch, art.kv_dtype)
+    if cache.k[0].dtype not in (kv, torch.float32):
+        return None
+    return [cache.k[i][row, :, :art.n_tokens] for i in range(len(art.layers))]
 
 
-def restore_on_demand(method: SparseMethod, art: ContextArtifact, device: torch.device) -> list[Tables]:
+Restorer = Callable[[SparseMethod, ContextArtifact, torch.device, "list[torch.Tensor] | None"], list[Tables]]
+
+
+def restore_on_demand(method: SparseMethod, art: ContextArtifact, device: torch.device,
+                      keys: list[torch.Tensor] | None = None) -> list[Tables]:
     """What the reference path decodes from: restore_tables with per-step derived rows."""
-    return restore_tables(method, art, device, on_demand=True)
+    return restore_tables(method, art, device, True, keys)
 
 
 def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list[list[int]],
@@ -59,8 +73,9 @@ def start_batch(lm: LoadedModel, artifacts: list[ContextArtifact], prompts: list
     cache = lm.model.new_cache(len(artifacts), max_len=min(need, lm.args.max_seq_len), uninitialized=True)
     states = []
     for row, a in enumerate(artifacts):
-        cache.load_row(row, [l.k for l in a.layers], [l.v for l in a.layers])
-        states.append([method.open(t) for t in restore(method, a, cache.lengths.device)])
+        # coded K/V are decoded into the cache on its device; the rows derive from the cached keys
+        cache.fill_row(row, a.n_tokens, lambda i, k, v: a.layers[i].kv_into(k, v))
+        states.append([method.open(t) for t in restore(method, a, cache.lengths.device, _exact_keys(cache, row, a))])
     attn = ReferenceSparseAttention(method, states, config)
     device = cache.lengths.device
     first = []

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from ctxcache.artifact import KV_CODECS, ContextArtifact, LayerArtifact
 from ctxcache.generation import prefill
 from ctxcache.host_copy import to_host, wait_for_host_copies
+from ctxcache.kv_codec import CodedKV
 from ctxcache.methods import SparseMethod, make_method
 from ctxcache.models.attention import QueryCapture
 from ctxcache.models.loader import LoadedModel
@@ -36,6 +37,11 @@ class IndexerConfig:
     # contexts: 16384 positions are 4.3 GB at Llama-3.1-8B shapes where all of 128K are 34 GB,
     # and CSAttention clusters 4096 (max_queries) of them.
     capture_queries: int = 16384
+    # hold the K/V as the codec's codes, encoded on the build's device (what the service stores:
+    # a GPU build then copies codes, not fp16, to the host, and the store encodes nothing); off,
+    # the artifact holds the exact K/V and the store encodes at put (in-memory users: local
+    # generation, benches, tests)
+    coded_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
@@ -78,16 +84,27 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
                       disable=not config.progress):
         q = capture.queries(layer)
         tables = method.persist(next(built))
-        k, v = to_host(cache.k[layer][0, :, :n], dtype), to_host(cache.v[layer][0, :, :n], dtype)
         kept = to_host(q[:, query_positions(q.shape[1], config.store_queries).to(q.device)], torch.half) \
             if config.store_queries else None
-        layers.append(LayerArtifact(k=k, v=v, tables=tables, queries=kept))
+        layers.append(_kv_layer(cache.k[layer][0, :, :n], cache.v[layer][0, :, :n], dtype,
+                                config.kv_codec if config.coded_kv else "lossless", tables, kept))
         capture.chunks[layer] = []  # free the queries as we go
     wait_for_host_copies(device)
     return ContextArtifact(
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
         method_params=method.params.to_dict(), tokens=ids.cpu(), last_logits=logits[0].float().cpu(),
         layers=layers, kv_dtype=config.kv_dtype, kv_codec=config.kv_codec)
+
+
+def _kv_layer(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, kv_codec: str, tables: dict,
+              queries: torch.Tensor | None) -> LayerArtifact:
+    """A layer whose K/V are encoded by the context's codec where the build ran (on a GPU: the
+    int8 codes cross PCIe, half the fp16 bytes, and the host does no float work; encoding on
+    the host was most of a 32K PutContext's store write), then queued to the host."""
+    if kv_codec == "lossless":
+        return LayerArtifact(k=to_host(k, dtype), v=to_host(v, dtype), tables=tables, queries=queries)
+    coded = CodedKV.encode(k.to(dtype), v.to(dtype), kv_codec).map(to_host)
+    return LayerArtifact(coded=coded, tables=tables, queries=queries)
 
 
 def query_positions(n: int, keep: int, tail: int | None = None) -> torch.Tensor:

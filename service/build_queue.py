@@ -179,7 +179,7 @@ class BuildQueue:
                     keep = self.settings.store_queries if job.spec.keep_queries else 0
                     art = build_artifact(self.lm, job.tokens, method,
                                          IndexerConfig(self.settings.chunk, self.kv_dtype, job.spec.kv_codec,
-                                                       progress=False, store_queries=keep))
+                                                       progress=False, store_queries=keep, coded_kv=True))
             job.token.check()  # a delete that arrived during the last layer wins over the write
             job.stage = 0.9
             labels = {**job.spec.labels, ROLES_LABEL: ",".join(job.spec.roles)}

@@ -17,4 +17,4 @@ class CachedContext:
 
     def nbytes(self) -> int:
         a = self.artifact
-        return a.kv_bytes() + a.table_bytes() + a.tokens.numel() * 8 + a.last_logits.numel() * 4
+        return a.held_kv_bytes() + a.table_bytes() + a.tokens.numel() * 8 + a.last_logits.numel() * 4

@@ -72,6 +72,9 @@ class ModelConfig:
 class StoreSettings:
     path: Path = Path("./data")
     budget_bytes: int = 16 * GiB  # LRU eviction keeps stored artifacts under this
+    # loads into page-locked memory (async copies of the coded K/V to HBM); None: when the
+    # model is on a GPU
+    pin_memory: bool | None = None
 
     def __post_init__(self) -> None:
         if self.budget_bytes < MiB:

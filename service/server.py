@@ -183,8 +183,10 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
 
 def _open_store_and_registry(config: ServiceConfig):
     budget = config.store.budget_bytes
+    pin = config.store.pin_memory
+    pin = config.model.device.startswith("cuda") if pin is None else pin
     store = ArtifactStore(config.store.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20),
-                                                         budget_bytes=budget))
+                                                         budget_bytes=budget, pin_memory=pin))
     url = config.registry.redis_url
     if url is None:
         return store, EmbeddedRegistry(), "embedded"

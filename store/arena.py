@@ -39,14 +39,20 @@ class Arena:
     """Uninitialised contiguous tensors for (dtype, shape) specs, backed by one mapping."""
 
     def __init__(self, specs: list[tuple[torch.dtype, tuple[int, ...]]],
-                 huge_pages: bool = True) -> None:
+                 huge_pages: bool = True, pinned: bool = False) -> None:
+        """pinned: page-locked memory (CUDA's host allocator) instead of a mapping, so a GPU
+        runner's copies of these tensors to HBM run asynchronously at PCIe speed."""
         sizes = [_numel(s) * torch.empty(0, dtype=dt).element_size() for dt, s in specs]
         self._ranges: list[tuple[int, int]] = []
         total = sum(_aligned(n) for n in sizes)
-        self._buf = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._populate = huge_pages
-        if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
-            self._buf.madvise(mmap.MADV_HUGEPAGE)
+        self._populate = huge_pages and not pinned  # pinned pages are resident already
+        if pinned:
+            self._buf = None
+            pinned_buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+        else:
+            self._buf = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+                self._buf.madvise(mmap.MADV_HUGEPAGE)
         self.tensors: list[torch.Tensor] = []
         offset = 0
         for (dt, shape), n in zip(specs, sizes):
@@ -54,8 +60,11 @@ class Arena:
             if n == 0:
                 self.tensors.append(torch.empty(shape, dtype=dt))
                 continue
-            self.tensors.append(torch.frombuffer(self._buf, dtype=dt, count=_numel(shape),
-                                                 offset=offset).view(shape))
+            if pinned:  # a page-aligned slice, so every dtype's view is aligned
+                self.tensors.append(pinned_buf[offset:offset + n].view(dt).view(shape))
+            else:
+                self.tensors.append(torch.frombuffer(self._buf, dtype=dt, count=_numel(shape),
+                                                     offset=offset).view(shape))
             offset += _aligned(n)
 
     def populate(self, i: int) -> None:

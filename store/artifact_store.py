@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import torch
 
 from ctxcache.artifact import READABLE_FORMATS, ContextArtifact
 from ctxcache.store import codec, eviction
@@ -40,6 +41,8 @@ class ArtifactStore:
         if not config.readonly:
             self.path.mkdir(parents=True, exist_ok=True)
         check_data_file(self.path)  # a truncated data.mdb would SIGBUS on its first missing page
+        if config.pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA (page-locked memory is CUDA's host allocator)")
         self._env = lmdb.open(str(self.path), map_size=config.map_size_bytes, subdir=True,
                               max_readers=config.max_readers, readonly=config.readonly,
                               sync=config.sync, metasync=config.sync, lock=True, max_dbs=0)
@@ -220,14 +223,14 @@ class ArtifactStore:
             arena = self._alloc(m, chunks)
             list(pool.map(lambda i, b: self._decode(m, chunks[i], b, arena, i), range(len(bufs)), bufs))
         self._touch(m)
-        return assemble(m, chunks, arena.tensors, pool.map)
+        return assemble(m, chunks, arena.tensors)
 
     def _alloc(self, m: Manifest, chunks: list[ChunkInfo]) -> Arena:
         try:
             specs = [(codec.torch_dtype(c.dtype), tuple(c.shape)) for c in chunks]
         except ValueError as exc:
             raise CorruptArtifact(m.context_id, "manifest", str(exc)) from None
-        return Arena(specs, self.config.huge_pages)
+        return Arena(specs, self.config.huge_pages, self.config.pin_memory)
 
     def _decode(self, m: Manifest, info: ChunkInfo, buf: memoryview | None, arena: Arena, i: int) -> None:
         """Check chunk `info` (sizes, checksum) and decode it into arena tensor i."""

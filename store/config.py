@@ -23,6 +23,9 @@ class StoreConfig:
     # up to 8. On a 16-core H100 host a 32K lossless artifact read in 0.49 s with 16 threads
     # against 1.94 s with 2 (int8: 2.50 vs 3.35 s, its decode is the larger part).
     threads: int = field(default_factory=lambda: max(1, min(8, os.cpu_count() or 1)))
+    # load into page-locked memory: a GPU runner's copy of the (coded) K/V to HBM is then
+    # asynchronous at PCIe speed; needs CUDA (the service turns it on when it decodes on a GPU)
+    pin_memory: bool = False
     max_readers: int = 126
     sync: bool = True  # fsync at commit (a process crash is safe either way; power loss is not)
     readonly: bool = False

@@ -9,13 +9,13 @@ when the indexer kept them, the prefill query sample `q` (read only by Rebuild).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ctxcache.artifact import ContextArtifact, LayerArtifact
 from ctxcache.store.codec import Encoded, torch_dtype
-from ctxcache.store.kv_codec import decode_kv, encode_kv
+from ctxcache.kv_codec import SCALE_SUFFIX, CodedKV
 from ctxcache.store.keys import check_name
 from ctxcache.store.manifest import ChunkInfo, ContextMeta, Manifest
 
@@ -29,7 +29,8 @@ def chunk_tensors(art: ContextArtifact) -> list[tuple[Slot, torch.Tensor]]:
     out: list[tuple[Slot, torch.Tensor]] = [((None, "tokens"), art.tokens),
                                             ((None, "last_logits"), art.last_logits)]
     for i, layer in enumerate(art.layers):
-        out += [((i, name), t) for name, t in encode_kv(layer.k, layer.v, art.kv_codec)]
+        # a layer built coded (the indexer encodes on the build's device) is stored as it is
+        out += [((i, name), t) for name, t in layer.coded_as(art.kv_codec).parts.items()]
         for name in sorted(layer.tables):
             out.append(((i, check_name(TABLE_PREFIX + name)), layer.tables[name]))
         if layer.queries is not None:
@@ -64,26 +65,37 @@ def build_manifest(context_id: str, art: ContextArtifact, meta: ContextMeta,
         last_access=now)
 
 
-Mapper = Callable[[Callable, Iterable], Iterator]
-
-
-def assemble(m: Manifest, chunks: Sequence[ChunkInfo], tensors: Sequence[torch.Tensor],
-             mapper: Mapper = map) -> ContextArtifact:
+def assemble(m: Manifest, chunks: Sequence[ChunkInfo], tensors: Sequence[torch.Tensor]) -> ContextArtifact:
     """Inverse of chunk_tensors: some of the manifest's chunks (in order; all but the
-    optional query chunks must be there) and their decoded tensors. mapper: how the layers'
-    K/V are decoded (the store passes its thread pool's map: in parallel)."""
+    optional query chunks must be there) and their tensors. Lossy K/V stay coded (CodedKV):
+    they are decoded where the context decodes (LayerArtifact.kv_into), not here."""
     ctx: dict[str, torch.Tensor] = {}
     layers: list[dict[str, torch.Tensor]] = [{} for _ in range(m.n_layers)]
     for info, t in zip(chunks, tensors, strict=True):
         (ctx if info.layer is None else layers[info.layer])[info.name] = t
     dtype = torch_dtype(m.kv_dtype)
-    kv = list(mapper(lambda parts: decode_kv(parts, m.kv_codec, dtype), layers))
     out = []
-    for parts, (k, v) in zip(layers, kv):
+    for parts in layers:
         tables = {n.removeprefix(TABLE_PREFIX): t for n, t in parts.items()
                   if n.startswith(TABLE_PREFIX)}
-        out.append(LayerArtifact(k=k, v=v, tables=tables, queries=parts.get(QUERY_CHUNK)))
+        out.append(_layer(parts, m.kv_codec, dtype, tables))
     return ContextArtifact(
         model_id=m.model_id, model_args=m.model_args, method=m.method,
         method_params=m.method_params, tokens=ctx["tokens"], last_logits=ctx["last_logits"],
         layers=out, kv_dtype=m.kv_dtype, kv_codec=m.kv_codec, format_version=m.format_version)
+
+
+def _layer(parts: dict[str, torch.Tensor], kv_codec: str, dtype: torch.dtype,
+           tables: dict[str, torch.Tensor]) -> LayerArtifact:
+    queries = parts.get(QUERY_CHUNK)
+    if kv_codec == "lossless":  # stored as decoded: nothing to do where it decodes
+        return LayerArtifact(k=parts["k"].to(dtype), v=parts["v"].to(dtype), tables=tables, queries=queries)
+    kv = {n: t for n, t in parts.items() if n != QUERY_CHUNK and not n.startswith(TABLE_PREFIX)}
+    shape = tuple(parts["v"].shape) if kv_codec == "int8" else _int4_shape(kv)
+    return LayerArtifact(coded=CodedKV(kv_codec, kv, shape, dtype), tables=tables, queries=queries)
+
+
+def _int4_shape(kv: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+    """[Hkv, N, D] of an int4 layer: v's scales are [Hkv, N, D/G], k's [Hkv, D, N/G]."""
+    hkv, n, _ = kv["v" + SCALE_SUFFIX].shape
+    return hkv, n, kv["k" + SCALE_SUFFIX].shape[1]

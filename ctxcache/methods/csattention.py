@@ -291,7 +291,11 @@ class CSAttention(SparseMethod):
         30 layers at 4K tokens took 18-31 s on the 2-core box, a step's rows take < 1 ms)."""
         if not self._dense or "dense_score" in tables or ROW_KEYS in tables:
             return tables
-        sub_k = self._split(k).permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
+        # contiguous subspaces are a view of the keys: the gather by the identity permutation
+        # copied every key of every layer at load (the rows are fp64 sums: exact either way)
+        p: CSAttentionParams = self.params
+        split = k.unflatten(-1, (p.subspaces, -1)) if p.layout == "contiguous" else self._split(k)
+        sub_k = split.permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
         if on_demand:
             # fp64 and transposed once here, not per step and layer: converting and relaying
             # the keys each step was a third of a 4K CPU decode step (2x the K bytes resident)

@@ -50,7 +50,9 @@ def dense_rows(centroids: torch.Tensor, sub_k: torch.Tensor, int8: bool) -> dict
 
 def row_keys(sub_k: torch.Tensor) -> torch.Tensor:
     """Subspace keys [..., N, d_b] as the rows are scored against them: fp64 [..., d_b, N]."""
-    return sub_k.double().transpose(-1, -2).contiguous()
+    # one strided pass: converting, then making the transpose contiguous wrote the keys twice
+    out = torch.empty((*sub_k.shape[:-2], sub_k.shape[-1], sub_k.shape[-2]), dtype=torch.float64, device=sub_k.device)
+    return out.copy_(sub_k.transpose(-1, -2))
 
 
 def row_scores(centroids: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:

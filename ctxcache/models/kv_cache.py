@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -36,12 +38,18 @@ class KVCache:
 
     def load_row(self, row: int, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
         """Fill one row from per-layer [Hkv, N, D] tensors (an artifact's KV)."""
-        n = ks[0].shape[1]
+        def fill(layer: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+            k_out.copy_(ks[layer])
+            v_out.copy_(vs[layer])
+        self.fill_row(row, ks[0].shape[1], fill)
+
+    def fill_row(self, row: int, n: int, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
+        """Fill one row's first n positions: fill(layer, k_out, v_out) writes [Hkv, n, D] views of
+        the cache (an artifact layer decodes its coded K/V straight into them); zeroes the rest."""
         if n > self.max_len:
             raise ValueError(f"context of {n} tokens exceeds the cache length {self.max_len}")
-        for layer, (k, v) in enumerate(zip(ks, vs)):
-            self.k[layer][row, :, :n] = k.to(self.k[layer].dtype)
-            self.v[layer][row, :, :n] = v.to(self.v[layer].dtype)
+        for layer in range(len(self.k)):
+            fill(layer, self.k[layer][row, :, :n], self.v[layer][row, :, :n])
             # masked positions must hold finite values: softmax weight 0 times NaN is NaN
             self.k[layer][row, :, n:] = 0
             self.v[layer][row, :, n:] = 0

@@ -132,8 +132,9 @@ class GpuRunner:
         n, row = art.n_tokens, slot.index
         slot.context_id = None
         for layer, la in enumerate(art.layers):
-            self.cache.k[layer][row, :, :n].copy_(la.k, non_blocking=True)
-            self.cache.v[layer][row, :, :n].copy_(la.v, non_blocking=True)
+            # coded K/V (the default int8) cross PCIe as codes and are decoded here, in HBM:
+            # decoding on the host was most of a 32K cold load (kv_into)
+            la.kv_into(self.cache.k[layer][row, :, :n], self.cache.v[layer][row, :, :n])
         if self.params is not None:
             method = CSAttention(self.params)
             for layer, la in enumerate(art.layers):
