@@ -161,7 +161,7 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
 def build_times(lm, n_ctx: int) -> dict:
     """The indexer's prefill + tables to an artifact in host memory, beside the prefill alone."""
     tokens = torch.randint(3, 200, (n_ctx,))
-    cfg = IndexerConfig(progress=False, store_queries=0,
+    cfg = IndexerConfig(progress=False, store_queries=0, coded_kv=True,  # as PutContext: K/V encoded on the device
                         kv_dtype="bfloat16" if lm.model.lm_head.weight.dtype == torch.bfloat16 else "float16")
     build_artifact(lm, tokens[:256], make_method("csattention"), cfg)  # warm-up
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
