@@ -10,8 +10,9 @@ Two launches and a Top-K, all graph-capturable (lengths come from the device):
    block for the group's query heads; writes the logits and the split's online-softmax (max,
    sum) per head. Split 0 also folds in the sinks and recent window.
 2. `_score_kernel`: merges the splits' (max, sum) into each head's normalizer and writes the
-   group-summed probability per candidate slot as the 16-bit radix key of its log2 (fp16: the
-   ranking keeps ~0.3% of relative precision, so only near-ties may swap), adding radix pass 0.
+   group-summed probability per candidate slot: for bf16 / fp16 models as the 16-bit radix key
+   of its log2 (fp16: ~0.3% relative precision, so near-ties may swap), adding radix pass 0;
+   for fp32 models as fp32 (the reference's exact order, four radix passes).
 3. `radix_topk` passes 1 + collect over the slots [0, kc), then slots -> key positions.
 Measured on the H100 at 32K batch 1 (time_us per piece): logits 17.7 us, fp32 scores + the
 four-pass fp32 radix Top-K 10.4 + 50.8 us, 16-bit keys' Top-K 28.7 us.
@@ -121,7 +122,7 @@ def _dot(q, keys, IEEE: tl.constexpr):
 
 @triton.jit
 def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, KCP, NSPLIT, NSPLIT2, sws_r,
-                  G: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
+                  G: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr):
     r = tl.program_id(0)
     split = tl.program_id(1)
     kc = tl.load(kc_ptr + r // HKV)
@@ -142,8 +143,11 @@ def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, 
         lg = tl.load(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :],
                      mask=gmask[:, None] & ok[None, :] & (slots < KC)[None, :], other=float("-inf"))
         score = tl.sum(tl.exp(lg - m[:, None]) * inv[:, None], 0)
-        store_keys16(tl.log2(tl.maximum(score, 1e-38)), slots, key_ptr + r.to(tl.int64) * KCP, ws_ptr + r * sws_r, 0, kc, k,
-                     HIST0=True, SMEM=False)
+        if not KEY16:  # fp32 scores for the four-pass radix: the reference's exact order
+            tl.store(key_ptr + r.to(tl.int64) * KCP + slots, tl.where(ok, score, -1.0))
+        else:
+            store_keys16(tl.log2(tl.maximum(score, 1e-38)), slots, key_ptr + r.to(tl.int64) * KCP,
+                         ws_ptr + r * sws_r, 0, kc, k, HIST0=True, SMEM=False)
 
 
 class Reranker:
@@ -163,6 +167,7 @@ class Reranker:
         self.part = torch.empty(rows, self.splits, self.gp, 2, device=device)
         self.kcp = blocks * BLOCK  # key rows padded: every score program stores whole blocks
         self.keys16 = torch.zeros(batch, n_kv, self.kcp, dtype=torch.uint16, device=device)
+        self.scores = torch.zeros(batch, n_kv, self.kcp, device=device)  # fp32 inputs: exact ranking
         self.slots = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
         self.topk_block = 4096
         self.ws = workspace(rows, device, blocks16(self.kcp, self.topk_block))
@@ -180,10 +185,14 @@ class Reranker:
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), cand.stride(0), cand.stride(1),
             d ** -0.5, G=self.group, GP=self.gp, D=d, BLOCK=BLOCK, SINKS=sinks, RECENT=recent, OB=ob,
             IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=4)
-        self.ws.zero_()  # the score kernel adds radix pass 0 into it
+        # bf16 / fp16 models rank by 16-bit keys (two radix launches; near-ties within ~0.3% may
+        # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
+        key16 = q.dtype != torch.float32
+        out = self.keys16 if key16 else self.scores
+        self.ws.zero_()  # the score kernel adds radix pass 0 into it (16-bit keys)
         _score_kernel[(rows, self.splits2)](
-            self.logits, self.part, kc, k, self.keys16, self.ws, hkv, self.kc_max, self.kcp, self.splits, self.splits2,
+            self.logits, self.part, kc, k, out, self.ws, hkv, self.kc_max, self.kcp, self.splits, self.splits2,
             self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=BLOCK,
-            num_warps=4)
-        radix_topk(self.keys16, self.zero, kc, k, self.slots, self.ws, block=self.topk_block, hist0_done=True)
+            KEY16=key16, num_warps=4)
+        radix_topk(out, self.zero, kc, k, self.slots, self.ws, block=self.topk_block, hist0_done=key16)
         return torch.gather(cand[:, :, :self.kc_max], 2, self.slots.long())
