@@ -17,7 +17,7 @@ from ctxcache.kv_codec import CodedKV
 #    K/V stored by a per-context codec (kv_codec). 1: every table stored, K/V lossless.
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)  # format 1 decodes as is: restore finds its rows already there
-KV_CODECS = ("lossless", "int8", "int4")  # store/kv_codec.py
+KV_CODECS = ("lossless", "int8", "int4")  # ctxcache/kv_codec.py
 
 
 class LayerArtifact:

@@ -26,7 +26,7 @@ CAPTURE_TAIL = 1024
 class IndexerConfig:
     chunk: int = 1024  # prefill tokens per forward pass (bounds attention memory)
     kv_dtype: str = "float16"  # dtype of K/V as decoded
-    kv_codec: str = "int8"  # how the store encodes K/V (store/kv_codec.py; measured: bench storage)
+    kv_codec: str = "int8"  # how the store encodes K/V (ctxcache/kv_codec.py; measured: bench storage)
     progress: bool = True
     # prefill query positions kept per layer (fp16) so Rebuild of a query-built method needs no
     # re-prefill; 0 (default): none. Opt-in: 1536 positions cost 0.57x the fp16 KV bytes for

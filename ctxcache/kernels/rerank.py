@@ -121,7 +121,7 @@ def _dot(q, keys, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, KCP, NSPLIT, NSPLIT2, sws_r,
+def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, KCP, NSPLIT, sws_r,
                   G: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr):
     r = tl.program_id(0)
     split = tl.program_id(1)
@@ -137,7 +137,7 @@ def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, 
     m = tl.max(pm, 0)
     z = tl.sum(pl * tl.exp(pm - m[None, :]), 0)
     inv = tl.where(gmask, 1.0 / tl.maximum(z, 1e-30), 0.0)
-    for start in range(split * BLOCK, KCP, NSPLIT2 * BLOCK):
+    for start in range(split * BLOCK, KCP, NSPLIT * BLOCK):  # as many programs per row as the logits'
         slots = start + tl.arange(0, BLOCK)
         ok = slots < kc
         lg = tl.load(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :],
@@ -162,7 +162,6 @@ class Reranker:
         self.gp = max(16, triton.next_power_of_2(group))  # MMA rows
         blocks = triton.cdiv(kc_max, BLOCK)
         self.splits = max(1, min(blocks, programs // rows))  # ~2 waves of programs on 132 SMs
-        self.splits2 = self.splits
         self.logits = torch.empty(rows, group, kc_max, device=device)
         self.part = torch.empty(rows, self.splits, self.gp, 2, device=device)
         self.kcp = blocks * BLOCK  # key rows padded: every score program stores whole blocks
@@ -190,8 +189,8 @@ class Reranker:
         key16 = q.dtype != torch.float32
         out = self.keys16 if key16 else self.scores
         self.ws.zero_()  # the score kernel adds radix pass 0 into it (16-bit keys)
-        _score_kernel[(rows, self.splits2)](
-            self.logits, self.part, kc, k, out, self.ws, hkv, self.kc_max, self.kcp, self.splits, self.splits2,
+        _score_kernel[(rows, self.splits)](
+            self.logits, self.part, kc, k, out, self.ws, hkv, self.kc_max, self.kcp, self.splits,
             self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=BLOCK,
             KEY16=key16, num_warps=4)
         radix_topk(out, self.zero, kc, k, self.slots, self.ws, block=self.topk_block, hist0_done=key16)

@@ -11,7 +11,7 @@ import torch
 
 from ctxcache.store import ArtifactStore, FormatMismatch, StoreConfig
 from ctxcache.store.keys import ManifestKey
-from ctxcache.store.kv_codec import decode_kv, encode_kv
+from ctxcache.kv_codec import decode_kv, encode_kv
 from store_helpers import assert_same, make_artifact
 
 CFG = StoreConfig(map_size_bytes=1 << 26, budget_bytes=1 << 26)
