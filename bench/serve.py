@@ -6,6 +6,9 @@ with the context hot in HBM, warm in DRAM and cold in LMDB, the TTFT of re-prefi
 context instead, and aggregate generated tok/s of 1 / 4 / 8 / 16 concurrent streams on
 distinct contexts (as many as the GPU's slots hold). Build rows: the prefill alone, the
 indexer's prefill + tables up to the artifact in host memory, and PutContext until READY.
+With --hbm-gb, both modes get the same HBM for resident contexts (`serve --gpu-memory-gb`):
+each holds as many slots as fit its mode's bytes per context, is measured at its own maximum
+too, and the capacity table compares each mode's best aggregate tok/s.
 The server runs as a user runs it (`python -m ctxcache.service serve` on a free port, ready on
 gRPC health) and is read through its API alone (admin Evict for the tiers); the prefill, build
 and re-prefill rows run on this process's own copy of the model first, freed before a server
@@ -36,6 +39,7 @@ from ctxcache.bench.common.texts import text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb
 from ctxcache.client.gen.v1 import context_pb2 as pb
+from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
 from ctxcache.models.loader import load_model
@@ -48,7 +52,7 @@ QUESTION = "Which of the facts above matters most? Answer in one line."  # ~20 t
 class Point:
     """One context length, measured on the model in this process before any server runs."""
     n_ctx: int
-    streams: list[int]  # the stream counts whose slots fit
+    streams: dict[str, list[int]]  # per mode: the stream counts whose slots fit
     texts: list[str]  # one distinct context per slot
     reprefill: list[float]  # seconds, one per repeat
     build: dict  # prefill and index seconds
@@ -109,14 +113,20 @@ def pctl(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
+def slot_tokens(n_ctx: int, args) -> int:
+    """A slot holds the context, the question (with its template) and the answer."""
+    return n_ctx + 64 + 256 + args.tokens
+
+
 def server_flags(args, mode: str, point: Point, data: Path) -> list[str]:
-    """`ctxcache serve` flags of one mode at one length: a slot per stream, each holding the
-    context, the question and the answer."""
-    slots = max(point.streams)
+    """`ctxcache serve` flags of one mode at one length: a slot per stream (or, with --hbm-gb, as
+    many slots as that HBM holds in the mode)."""
+    slots = max(point.streams[mode])
+    sizing = ["--gpu-memory-gb", str(args.hbm_gb)] if args.hbm_gb else ["--gpu-slots", str(slots)]
     return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
             "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb), "--decode-mode", mode,
-            "--max-streams", str(max(16, slots)), "--gpu-slots", str(slots),
-            "--gpu-slot-tokens", str(point.n_ctx + 64 + 256 + args.tokens)]
+            "--max-streams", str(max(16, slots)), "--gpu-slot-tokens", str(slot_tokens(point.n_ctx, args)),
+            "--method-params", args.method_params, *sizing]
 
 
 def put_all(client: Client, texts: list[str]) -> tuple[list[str], list[float]]:
@@ -142,32 +152,39 @@ def run_point(args, mode: str, point: Point, data: Path) -> tuple[list[dict], di
 
 
 def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], dict]:
-    cids, puts = put_all(client, point.texts)
+    cids, puts = put_all(client, point.texts)  # every mode's texts: the first server builds them all
     build = {"context": point.n_ctx, "put_seconds": statistics.median(puts)}
+    stats = client.admin.Stats(apb.StatsRequest())
+    streams = point.streams[mode]
+    if args.device == "cuda" and stats.device_slots != max(streams):
+        raise RuntimeError(f"{mode}: the server holds {stats.device_slots} slots, this bench sized {max(streams)}")
     tiers = {**ttft_tiers(client, cids[0], args.repeats, args.drop_page_cache), "reprefill": point.reprefill}
-    for s in point.streams:  # first use of a batch size compiles kernels and captures its graph
+    for s in streams:  # first use of a batch size compiles kernels and captures its graph
         concurrent_rate(client, cids[:s], 4)
     rows = []
-    for s in point.streams:
+    for s in streams:
         agg, per, path = concurrent_rate(client, cids[:s], args.tokens)
         rows.append({"context": point.n_ctx, "streams": s, "mode": "csattention" if mode == "sparse" else "dense",
                      "decode_path": path, "aggregate_tokens_per_s": agg, "per_stream_tokens_per_s": per,
+                     "slots": stats.device_slots, "slot_gib": stats.device_slot_bytes / GiB,
+                     "hbm_gib": args.hbm_gb, "method_params": args.method_params,
                      "ttft_p50_s": {k: statistics.median(v) for k, v in tiers.items()},
                      "ttft_p99_s": {k: pctl(v, 0.99) for k, v in tiers.items()}})
         print(rows[-1], flush=True)
     return rows, build
 
 
-def build_times(lm, n_ctx: int) -> dict:
+def build_times(lm, n_ctx: int, method_params: dict) -> dict:
     """The indexer's prefill + tables to an artifact in host memory, beside the prefill alone."""
     tokens = torch.randint(3, 200, (n_ctx,))
     cfg = IndexerConfig(progress=False, store_queries=0, coded_kv=True,  # as PutContext: K/V encoded on the device
                         kv_dtype="bfloat16" if lm.model.lm_head.weight.dtype == torch.bfloat16 else "float16")
-    build_artifact(lm, tokens[:256], make_method("csattention"), cfg)  # warm-up
+    method = make_method("csattention", method_params)
+    build_artifact(lm, tokens[:256], method, cfg)  # warm-up
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    build_artifact(lm, tokens, make_method("csattention"), cfg)
+    build_artifact(lm, tokens, method, cfg)
     return {"index_seconds": time.perf_counter() - t0, "prefill_seconds": reprefill_seconds(lm, n_ctx, 4096)}
 
 
@@ -177,14 +194,23 @@ def points_on_the_model(args, contexts: list[int], streams: list[int]) -> list[P
     lm = load_model(args.model, getattr(torch, args.dtype), args.device)
     points = []
     for n in contexts:
-        fit = [s for s in streams if s <= args_slots_fit(lm, n, args)]
-        if not fit:
-            raise ValueError(f"{n} tokens: no --streams count in {streams} fits the GPU's free memory")
-        texts = [context_text(lm.tokenizer, n, 1000 * n + i) for i in range(max(fit))]
-        build = build_times(lm, n)
+        fit = {mode: mode_streams(lm, n, args, mode, streams) for mode in args.modes.split(",")}
+        texts = [context_text(lm.tokenizer, n, 1000 * n + i) for i in range(max(max(s) for s in fit.values()))]
+        build = build_times(lm, n, json.loads(args.method_params))
         reprefill = [reprefill_seconds(lm, n + 20, 4096) for _ in range(args.repeats)]  # + the question
         points.append(Point(n, fit, texts, reprefill, build))
     return points
+
+
+def mode_streams(lm, n_ctx: int, args, mode: str, streams: list[int]) -> list[int]:
+    """The --streams counts the mode's slots hold, and with --hbm-gb the mode's maximum too."""
+    slots = mode_slots(lm, n_ctx, args, mode)
+    fit = [s for s in streams if s <= slots]
+    if args.hbm_gb:
+        fit = sorted({*fit, slots})
+    if not fit:
+        raise ValueError(f"{n_ctx} tokens: no --streams count in {streams} fits the GPU's free memory ({mode})")
+    return fit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="TTFT samples per tier")
     ap.add_argument("--store-gb", type=float, default=40.0)
     ap.add_argument("--dram-gb", type=float, default=8.0)
+    ap.add_argument("--hbm-gb", type=float, default=0.0,
+                    help="HBM for resident contexts, the same for every mode (serve --gpu-memory-gb); 0: a slot "
+                         "per stream, as many as the free memory holds")
+    ap.add_argument("--method-params", default="{}", help="CSAttention parameters of the server (JSON)")
     ap.add_argument("--drop-page-cache", action="store_true", help="cold TTFT after dropping the OS page cache (root)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
@@ -225,16 +255,36 @@ def main(argv: list[str] | None = None) -> int:
     stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
     rows, builds = [{**r, **stamp} for r in rows], [{**b, **stamp} for b in builds]
     rows, builds = keep_other_lengths(Path(args.out) / f"serve_{device_tag(info)}.json", args, contexts, rows, builds)
+    capacity = best_per_mode(rows)
     out = write_result("serve", {"device": (info.get("gpu") or {}).get("name") or info["cpu"], "model": args.model,
                                  "dtype": args.dtype, "tokens_per_stream": args.tokens, "rows": rows,
-                                 "build": builds}, args.out)
+                                 "build": builds, "capacity": capacity}, args.out)
     plot(rows, out.with_suffix(".png"))
     print_table([{**r, **{f"ttft_{k}": v for k, v in r["ttft_p50_s"].items()}} for r in rows],
                 ["context", "streams", "mode", "aggregate_tokens_per_s", "per_stream_tokens_per_s",
                  "ttft_hot", "ttft_warm", "ttft_cold", "ttft_reprefill"])
     print_table(builds, ["context", "prefill_seconds", "index_seconds", "put_seconds"])
+    print_table(capacity, ["context", "hbm_gib", "mode", "slots", "slot_gib", "best_streams", "best_aggregate_tokens_per_s",
+                           "over_dense"])
     print(f"wrote {out}")
     return 0
+
+
+def best_per_mode(rows: list[dict]) -> list[dict]:
+    """Per context length, HBM budget and mode: the stream count with the highest aggregate tok/s,
+    and that rate over dense's best at the same length and budget."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["context"], r.get("hbm_gib", 0), r["mode"])
+        if key not in best or r["aggregate_tokens_per_s"] > best[key]["best_aggregate_tokens_per_s"]:
+            best[key] = {"context": r["context"], "hbm_gib": r.get("hbm_gib", 0), "mode": r["mode"],
+                         "slots": r.get("slots"), "slot_gib": r.get("slot_gib"), "best_streams": r["streams"],
+                         "best_aggregate_tokens_per_s": r["aggregate_tokens_per_s"],
+                         "method_params": r.get("method_params", "{}"), "commit": r.get("commit")}
+    for b in best.values():
+        dense = best.get((b["context"], b["hbm_gib"], "dense"))
+        b["over_dense"] = b["best_aggregate_tokens_per_s"] / dense["best_aggregate_tokens_per_s"] if dense else None
+    return sorted(best.values(), key=lambda b: (b["context"], b["hbm_gib"], b["mode"]))
 
 
 def keep_other_lengths(path: Path, args, contexts: list[int], rows: list[dict],
@@ -277,19 +327,20 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def args_slots_fit(lm, n_ctx: int, args) -> int:
-    """Streams whose slots fit the GPU beside the weights (every stream count on a CPU)."""
+def mode_slots(lm, n_ctx: int, args, mode: str) -> int:
+    """Slots of the mode within --hbm-gb, or within the GPU's free memory beside the weights
+    (every stream count on a CPU); the server sizes --gpu-memory-gb the same way."""
     if args.device != "cuda":
         return 1 << 30
-    a = lm.args
-    tokens = n_ctx + 64 + 256 + args.tokens
-    kv = 2 * a.n_layers * a.n_kv_heads * a.head_dim * tokens * 2
-    tables = a.n_layers * a.n_kv_heads * 8 * 128 * (tokens + 4 * 512)  # int8 rows + fp32 overlay
+    params = make_method("csattention", json.loads(args.method_params)).params if mode == "sparse" else None
+    each = slot_bytes(lm.args, params, slot_tokens(n_ctx, args), MAX_NEW, lm.model.lm_head.weight.element_size())
     # the driver's free memory plus what the caching allocator holds unused (the load's fp32 copies),
     # with this process's weights loaded: the server's process holds the same once these are freed
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    fit = max(1, int((free - 6 * GiB) // (kv + tables)))  # 6 GiB: graphs, selector and prefill scratch
-    print(f"{n_ctx} tokens: {fit} slots fit in {free / GiB:.1f} GiB free ({(kv + tables) / GiB:.1f} GiB each)")
+    budget = args.hbm_gb * GiB if args.hbm_gb else free - 6 * GiB  # 6 GiB: graphs, selector, prefill scratch
+    fit = max(1, int(budget // each))
+    print(f"{n_ctx} tokens, {mode}: {fit} slots of {each / GiB:.2f} GiB in {budget / GiB:.1f} GiB "
+          f"({free / GiB:.1f} GiB free)")
     return fit
 
 

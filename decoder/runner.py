@@ -45,6 +45,9 @@ class Runner(Protocol):
     def evict(self, context_id: str) -> bool:
         """Drop a resident context from device memory once no stream uses it."""
 
+    def capacity(self) -> tuple[int, int]:
+        """(contexts it holds resident at once, resident bytes each); (0, 0) when unbounded."""
+
 
 @dataclass(eq=False)
 class ReferenceRow:
@@ -152,6 +155,9 @@ class ReferenceRunner:
 
     def release(self, row: ReferenceRow) -> None:
         """Nothing to free: the row's cache goes with its last reference."""
+
+    def capacity(self) -> tuple[int, int]:
+        return 0, 0  # each stream allocates its own cache
 
     def evict(self, context_id: str) -> bool:
         return self._restored.drop(context_id)

@@ -60,8 +60,12 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
                    help="concurrent streams decoded together per step (continuous batching)")
     p.add_argument("--decode-mode", default="sparse", choices=["sparse", "dense"],
                    help="dense: attend to every cached key (the baseline the sparse mode is measured against)")
-    p.add_argument("--gpu-slots", type=int, default=4,
-                   help="GPU: contexts resident in HBM and decoded together (each takes a slot of --gpu-slot-tokens)")
+    p.add_argument("--gpu-slots", type=int, default=None,
+                   help="GPU: contexts resident in HBM and decoded together (each takes a slot of "
+                        "--gpu-slot-tokens; default 4, or as many as --gpu-memory-gb holds)")
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="GPU: HBM for resident contexts (K/V, and the index when sparse); the slots are as "
+                        "many as it holds in the decode mode (`admin stats` shows them); not with --gpu-slots")
     p.add_argument("--gpu-slot-tokens", type=int, default=33792, help="GPU: tokens per slot (context + question + answer)")
 
 

@@ -40,8 +40,20 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                                 method_params=_params(getattr(args, "method_params", "{}"), "--method-params")),
         decoder=DecoderSettings(dram_cache_bytes=int(args.dram_cache_gb * GiB), schedule=args.schedule,
                                 torch_threads=args.threads, max_batch=args.max_batch,
-                                decode_mode=args.decode_mode, gpu_slots=args.gpu_slots,
-                                gpu_slot_tokens=args.gpu_slot_tokens))
+                                decode_mode=args.decode_mode, gpu_slot_tokens=args.gpu_slot_tokens,
+                                **_gpu_slots(args)))
+
+
+def _gpu_slots(args) -> dict:
+    """--gpu-slots or --gpu-memory-gb (never both): the fixed count, or the HBM that sizes it."""
+    slots, memory = getattr(args, "gpu_slots", None), getattr(args, "gpu_memory_gb", None)
+    if slots is not None and memory is not None:
+        raise ValueError("give --gpu-slots or --gpu-memory-gb, not both (the memory decides the slots)")
+    if memory is not None:
+        if not memory > 0:
+            raise ValueError(f"--gpu-memory-gb {memory} must be > 0")
+        return {"gpu_memory_bytes": int(memory * GiB)}
+    return {} if slots is None else {"gpu_slots": slots}
 
 
 def _env_token(name: str) -> str | None:

@@ -149,10 +149,15 @@ class DecoderSettings:
     decode_mode: str = "sparse"  # "dense": the same engine attending to every cached key (baseline)
     gpu_slots: int = 4  # GPU runner: contexts resident in HBM (and decoded together) at once
     gpu_slot_tokens: int = 33792  # GPU runner: tokens per slot (context + question + answer)
+    # > 0: the slots are as many as this much HBM holds in the decode mode (decoder/gpu/capacity.py),
+    # and gpu_slots is not used
+    gpu_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.decode_mode not in ("sparse", "dense"):
             raise ValueError(f"decoder.decode_mode={self.decode_mode!r} must be 'sparse' or 'dense'")
+        if self.gpu_memory_bytes < 0:
+            raise ValueError(f"decoder.gpu_memory_bytes={self.gpu_memory_bytes} must be >= 0")
         if self.gpu_slots < 1 or self.gpu_slot_tokens < 2:
             raise ValueError(f"decoder.gpu_slots={self.gpu_slots} must be >= 1 and gpu_slot_tokens="
                              f"{self.gpu_slot_tokens} >= 2")

@@ -111,6 +111,11 @@ class GenerateStreams:
         """(batched steps run, stream rows stepped) since start, over every engine."""
         return sum(e.steps for e in self.engines), sum(e.rows_stepped for e in self.engines)
 
+    def device_slots(self) -> tuple[int, int]:
+        """(contexts the runners hold resident at once, resident bytes of each slot) summed over runners."""
+        caps = [e.runner.capacity() for e in self.engines]
+        return sum(n for n, _ in caps), max((b for _, b in caps), default=0)
+
     def shutdown(self, reason: str) -> None:
         """Live streams end at their next check with UNAVAILABLE(reason); new ones are refused."""
         self._closing_reason = reason

@@ -170,14 +170,19 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
     reference = ReferenceRunner(lm)
     if lm.model.lm_head.weight.device.type != "cuda":
         return [reference]
+    from ctxcache.decoder.gpu.capacity import MAX_NEW, slots_within
     from ctxcache.decoder.gpu.runner import GpuRunner  # Triton only where a GPU is
     d, ix = config.decoder, config.indexer
     method = make_method(ix.method, ix.method_params)
     if d.decode_mode == "sparse" and not method.caps.gpu_decode:
         return [reference]
     params = method.params if d.decode_mode == "sparse" else None
-    fast = GpuRunner(lm, params, SparseConfig.from_schedule(d.schedule), d.gpu_slots, d.gpu_slot_tokens)
-    log.info("GPU runner %s: %d slots of %d tokens", fast.name, d.gpu_slots, d.gpu_slot_tokens)
+    slots = d.gpu_slots
+    if d.gpu_memory_bytes:
+        slots = slots_within(d.gpu_memory_bytes, lm.args, params, d.gpu_slot_tokens, MAX_NEW,
+                             lm.model.lm_head.weight.element_size())
+    fast = GpuRunner(lm, params, SparseConfig.from_schedule(d.schedule), slots, d.gpu_slot_tokens)
+    log.info("GPU runner %s: %d slots of %d tokens", fast.name, slots, d.gpu_slot_tokens)
     return [fast, reference]
 
 

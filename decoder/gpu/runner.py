@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxcache.artifact import ContextArtifact
+from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.selector import GpuDenseTables
@@ -63,7 +64,7 @@ class GpuRunner:
     question and answer (`max_new` tokens streamed into the index at most)."""
 
     def __init__(self, lm: LoadedModel, params: CSAttentionParams | None, config: SparseConfig, slots: int,
-                 max_len: int, max_new: int = 512, use_graph: bool = True) -> None:
+                 max_len: int, max_new: int = MAX_NEW, use_graph: bool = True) -> None:
         if slots < 1 or max_len < 2 or max_new < 1:
             raise ValueError(f"slots={slots}, max_len={max_len}, max_new={max_new} must be >= 1, >= 2, >= 1")
         self.lm, self.params, self.config, self.max_new = lm, params, config, max_new
@@ -80,6 +81,7 @@ class GpuRunner:
                       else subspace_permutation(a.head_dim, params.subspaces, params.layout).to(self.device))
         self.lock = threading.Condition()  # device buffers are shared: admissions and steps take turns
         self.loads = 0  # contexts copied into a slot (HBM misses)
+        self.slot_bytes = slot_bytes(a, params, max_len, max_new, model.lm_head.weight.element_size())
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
@@ -218,6 +220,9 @@ class GpuRunner:
                 else:
                     s.context_id = f"evicted:{context_id}"  # never matched again: the next stream reloads
             return bool(held)
+
+    def capacity(self) -> tuple[int, int]:
+        return len(self.slots), self.slot_bytes
 
     def resident(self) -> list[str]:
         """Context ids held in HBM (busy or idle)."""

@@ -75,3 +75,32 @@ def test_parameters_other_than_the_runners_decode_on_the_reference_path(tmp_path
     finally:
         client.close()
         server.stop(0)
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_the_hbm_budget_decides_the_slots(tmp_path, mode):
+    """--gpu-memory-gb: the server holds as many slots as the budget holds in its mode, says so in
+    admin Stats, and serves that many contexts resident at once."""
+    from ctxcache.client.gen.v1 import admin_pb2 as apb
+    from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
+    from ctxcache.methods import make_method
+
+    lm = load_model("random:tiny", device="cuda")
+    params = make_method("csattention").params if mode == "sparse" else None
+    each = slot_bytes(lm.args, params, 2048, MAX_NEW, lm.model.lm_head.weight.element_size())
+    cfg = tiny_config(tmp_path)
+    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
+                  decoder=replace(cfg.decoder, decode_mode=mode, gpu_slot_tokens=2048, gpu_memory_bytes=3 * each + 1))
+    server, port = create_server(cfg, lm)
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        stats = client.admin.Stats(apb.StatsRequest())
+        assert (stats.device_slots, stats.device_slot_bytes) == (3, each)
+        for i in range(3):
+            cid = _put(client, f"the keeper is named K{i}. " * 16, "csattention")
+            events = list(client.generate(pb.GenerateRequest(
+                context_id=cid, question="who?", sampling=pb.SamplingParams(max_tokens=4)), timeout=300))
+            assert events[-1].final.decode_path == ("gpu-sparse" if mode == "sparse" else "gpu-dense")
+    finally:
+        client.close()
+        server.stop(0)

@@ -72,7 +72,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint", "decode_steps", "decode_rows")
+    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint", "decode_steps", "decode_rows", "device_slots", "device_slot_bytes")
     CONTEXTS_READY_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_BUILDING_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class StatsResponse(_message.Message):
     FOOTPRINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     contexts_ready: int
     contexts_building: int
     contexts_failed: int
@@ -103,7 +105,9 @@ class StatsResponse(_message.Message):
     footprint: _containers.RepeatedCompositeFieldContainer[CodecFootprint]
     decode_steps: int
     decode_rows: int
-    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ..., decode_steps: _Optional[int] = ..., decode_rows: _Optional[int] = ...) -> None: ...
+    device_slots: int
+    device_slot_bytes: int
+    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ..., decode_steps: _Optional[int] = ..., decode_rows: _Optional[int] = ..., device_slots: _Optional[int] = ..., device_slot_bytes: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("context_id",)

@@ -1,0 +1,40 @@
+"""How many GPU slots an HBM budget holds: the bytes one slot of the fast runner keeps resident.
+
+A slot holds one context for decoding: its K/V in the model's dtype for `max_len` tokens and,
+sparse, CSAttention's int8 dense rows (m x C per key and KV head, the rows padded to 16 keys),
+their per-row scales, the fp16 centroids and the fp32 overlay of `max_new` streamed keys
+(GpuDenseTables.empty allocates exactly these). The budget is HBM for resident contexts only:
+the weights and the step's working buffers (selector, re-rank, graphs) are outside it, so two
+modes given the same budget hold their contexts in the same bytes.
+"""
+
+from __future__ import annotations
+
+from ctxcache.methods.csattention import CSAttentionParams
+from ctxcache.models.config import ModelArgs
+
+MAX_NEW = 512  # the fast runner's default index overlay: keys streamed per slot after its context
+
+
+def slot_bytes(args: ModelArgs, params: CSAttentionParams | None, max_len: int, max_new: int,
+               dtype_bytes: int) -> int:
+    """Resident bytes of one slot (params None: dense mode, the K/V alone)."""
+    kv = 2 * args.n_layers * args.n_kv_heads * max_len * args.head_dim * dtype_bytes
+    if params is None:
+        return kv
+    m, c = params.subspaces, params.centroids
+    per_head = m * c * (-(-max_len // 16) * 16  # int8 rows
+                        + 4  # fp32 scale per row
+                        + 4 * max(max_new, 1)  # fp32 overlay of streamed keys
+                        + 2 * (args.head_dim // m))  # fp16 centroids
+    return kv + args.n_layers * args.n_kv_heads * per_head
+
+
+def slots_within(budget_bytes: int, args: ModelArgs, params: CSAttentionParams | None, max_len: int,
+                 max_new: int, dtype_bytes: int) -> int:
+    """Slots whose resident bytes fit the budget; ValueError naming both sizes when none does."""
+    each = slot_bytes(args, params, max_len, max_new, dtype_bytes)
+    if budget_bytes < each:
+        raise ValueError(f"gpu_memory={budget_bytes / 2**30:.2f} GiB holds no slot of {max_len} tokens "
+                         f"({each / 2**30:.2f} GiB each in {'dense' if params is None else 'sparse'} mode)")
+    return budget_bytes // each

@@ -1,0 +1,48 @@
+"""decoder/gpu/capacity.py: a slot's counted bytes are the bytes the runner allocates for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctxcache.decoder.gpu.capacity import slot_bytes, slots_within
+from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.methods.csattention import CSAttentionParams
+from ctxcache.models.config import ModelArgs
+from ctxcache.models.kv_cache import KVCache
+
+ARGS = ModelArgs(vocab_size=64, dim=128, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=64, intermediate_size=256)
+
+
+def _allocated(params: CSAttentionParams | None, max_len: int, max_new: int, dtype: torch.dtype) -> int:
+    """What GpuRunner allocates for one slot: the KV cache row and, sparse, a table row per layer."""
+    cache = KVCache(ARGS.n_layers, 1, ARGS.n_kv_heads, max_len, ARGS.head_dim, dtype)
+    total = sum(t.nbytes for t in cache.k + cache.v)
+    if params is not None:
+        m, c = params.subspaces, params.centroids
+        like = {"centroids": torch.zeros(ARGS.n_kv_heads, m, c, ARGS.head_dim // m, dtype=torch.float16),
+                "dense_score": torch.zeros(ARGS.n_kv_heads, m, c, 1, dtype=torch.int8),
+                "dense_scale": torch.zeros(ARGS.n_kv_heads, m, c)}
+        for _ in range(ARGS.n_layers):
+            t = GpuDenseTables.empty(1, like, max_len, max_new, "cpu")
+            total += sum(x.nbytes for x in (t.centroids, t.dense_score, t.score_scale, t.new_scores))
+    return total
+
+
+@pytest.mark.parametrize("params", [None, CSAttentionParams(), CSAttentionParams(centroids=32, subspaces=4)],
+                         ids=["dense", "default", "compact"])
+@pytest.mark.parametrize("max_len", [1000, 1024])
+def test_slot_bytes_are_what_a_slot_allocates(params, max_len):
+    dtype = torch.bfloat16
+    assert slot_bytes(ARGS, params, max_len, 96, dtype.itemsize) == _allocated(params, max_len, 96, dtype)
+
+
+def test_a_smaller_index_holds_more_slots_and_a_too_small_budget_is_named():
+    each_default = slot_bytes(ARGS, CSAttentionParams(), 4096, 512, 2)
+    budget = 10 * each_default
+    assert slots_within(budget, ARGS, CSAttentionParams(), 4096, 512, 2) == 10
+    assert slots_within(budget, ARGS, CSAttentionParams(centroids=16), 4096, 512, 2) > 10
+    assert slots_within(budget, ARGS, None, 4096, 512, 2) > slots_within(budget, ARGS, CSAttentionParams(centroids=16),
+                                                                          4096, 512, 2)
+    with pytest.raises(ValueError, match="holds no slot of 4096 tokens"):
+        slots_within(each_default - 1, ARGS, CSAttentionParams(), 4096, 512, 2)
