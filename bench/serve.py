@@ -143,10 +143,14 @@ def put_all(client: Client, texts: list[str]) -> tuple[list[str], list[float]]:
 
 
 def run_point(args, mode: str, point: Point, data: Path) -> tuple[list[dict], dict]:
-    with running_server(server_flags(args, mode, point, data), data.parent / f"serve-{mode}.log") as address:
+    log = data.parent / f"serve-{mode}.log"
+    with running_server(server_flags(args, mode, point, data), log) as address:
         client = Client(address)
         try:
             return measure(client, args, mode, point)
+        except Exception:
+            print(f"--- the {mode} server's last output:\n" + "\n".join(log.read_text().splitlines()[-40:]), flush=True)
+            raise
         finally:
             client.close()
 

@@ -16,6 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ctxcache.artifact import FORMAT_VERSION, ContextArtifact
 from ctxcache.cancel import BuildCancelled, CancellableMethod, CancelToken, building, install_hooks
 from ctxcache.indexer import IndexerConfig, build_artifact, reindex
@@ -30,6 +32,14 @@ from ctxcache.service.prompting import Prompter
 from ctxcache.store import ContextMeta, context_id_for
 
 log = logging.getLogger("ctxcache.service.build_queue")
+
+
+def release_build_memory(lm: LoadedModel) -> None:
+    """Hand a GPU build's freed temporaries (GBs at 32K: prefill activations, captured queries,
+    k-means) back to the driver: the caching allocator would keep them reserved, and the decode
+    side's driver allocations (kernel modules, a new CUDA graph's pool) then find HBM full."""
+    if lm.model.lm_head.weight.is_cuda:
+        torch.cuda.empty_cache()
 
 
 @dataclass
@@ -180,6 +190,7 @@ class BuildQueue:
                     art = build_artifact(self.lm, job.tokens, method,
                                          IndexerConfig(self.settings.chunk, self.kv_dtype, job.spec.kv_codec,
                                                        progress=False, store_queries=keep, coded_kv=True))
+            release_build_memory(self.lm)
             job.token.check()  # a delete that arrived during the last layer wins over the write
             job.stage = 0.9
             labels = {**job.spec.labels, ROLES_LABEL: ",".join(job.spec.roles)}

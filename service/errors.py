@@ -94,5 +94,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory"
     if isinstance(exc, torch.OutOfMemoryError):  # a context or build that does not fit on the GPU
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of GPU memory: {str(exc).split('. ')[0]}"
+    if isinstance(exc, torch.AcceleratorError) and "out of memory" in str(exc):
+        # the driver's own allocations (a kernel module loading, a graph's pool) find HBM full
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of GPU memory: {str(exc).splitlines()[0]}"
     log.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
