@@ -151,3 +151,25 @@ def test_gpu_pinned_store_load_decodes_into_a_cuda_cache(tmp_path: Path) -> None
     layer.kv_into(k_out, v_out)
     want = layer.coded.decode()
     assert same_bits(k_out, want[0].to(torch.bfloat16)) and same_bits(v_out, want[1].to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_arena_is_page_locked_for_its_exact_size_and_released() -> None:
+    """Pinned arenas are an mmap registered with CUDA (not torch's power-of-two host blocks):
+    their tensors are pinned, round-trip through async copies, and many arenas of an odd size
+    come and go without the host memory they pinned staying behind."""
+    import gc
+
+    from ctxcache.store.arena import Arena
+
+    specs = [(torch.int8, (3, 1000, 77)), (torch.float32, (5, 333))]
+    for _ in range(3):
+        arena = Arena(specs, huge_pages=False, pinned=True)
+        a, b = arena.tensors
+        assert a.is_pinned() and b.is_pinned()
+        a.copy_(torch.randint(-100, 100, a.shape, dtype=torch.int8))
+        b.copy_(torch.randn(b.shape))
+        back = [t.to("cuda", non_blocking=True).cpu() for t in (a, b)]
+        assert torch.equal(back[0], a) and torch.equal(back[1], b)
+        del arena, a, b, back
+        gc.collect()
