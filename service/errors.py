@@ -84,6 +84,17 @@ def _foreign_codes() -> dict[type, grpc.StatusCode]:
     return codes
 
 
+def _log_device_memory(exc: BaseException) -> None:
+    """One line an operator can size from: what torch holds and what the driver has left."""
+    if not torch.cuda.is_available():
+        log.warning("out of GPU memory: %s", str(exc).splitlines()[0][:120])
+        return
+    free, total = torch.cuda.mem_get_info()
+    log.warning("out of GPU memory (%s): torch allocated %.2f GiB, reserved %.2f GiB; driver free %.2f of "
+                "%.2f GiB", str(exc).splitlines()[0][:120], torch.cuda.memory_allocated() / 2**30,
+                torch.cuda.memory_reserved() / 2**30, free / 2**30, total / 2**30, exc_info=exc)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ServiceError):
         return exc.code, str(exc)
@@ -93,9 +104,12 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory"
     if isinstance(exc, torch.OutOfMemoryError):  # a context or build that does not fit on the GPU
+        _log_device_memory(exc)
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of GPU memory: {str(exc).split('. ')[0]}"
-    if isinstance(exc, torch.AcceleratorError) and "out of memory" in str(exc):
-        # the driver's own allocations (a kernel module loading, a graph's pool) find HBM full
+    if isinstance(exc, (torch.AcceleratorError, RuntimeError)) and ("out of memory" in str(exc)
+                                                                   or "ALLOC_FAILED" in str(exc)):
+        # the driver's own allocations (a kernel module, a cuBLAS handle, a graph) find HBM full
+        _log_device_memory(exc)
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of GPU memory: {str(exc).splitlines()[0]}"
     log.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

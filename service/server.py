@@ -182,7 +182,10 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
         slots = slots_within(d.gpu_memory_bytes, lm.args, params, d.gpu_slot_tokens, MAX_NEW,
                              lm.model.lm_head.weight.element_size())
     fast = GpuRunner(lm, params, SparseConfig.from_schedule(d.schedule), slots, d.gpu_slot_tokens)
-    log.info("GPU runner %s: %d slots of %d tokens", fast.name, slots, d.gpu_slot_tokens)
+    torch.cuda.empty_cache()  # what loading left reserved goes back to the driver (cuBLAS, graphs, kernels)
+    free = torch.cuda.mem_get_info()[0]
+    log.info("GPU runner %s: %d slots of %d tokens (%.2f GiB each); %.1f GiB of HBM left free", fast.name, slots,
+             d.gpu_slot_tokens, fast.slot_bytes / 2**30, free / 2**30)
     return [fast, reference]
 
 

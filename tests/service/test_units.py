@@ -105,3 +105,8 @@ def test_out_of_gpu_memory_is_resource_exhausted_in_one_line():
     code, text = status_for(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.75 GiB. GPU 0 has ..."))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert text == "out of GPU memory: CUDA out of memory" and "\n" not in text
+    # the driver's own allocations fail as other errors: a kernel launch, a cuBLAS handle
+    for exc in (torch.AcceleratorError("CUDA error: out of memory\nSearch for ..."),
+                RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")):
+        code, text = status_for(exc)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and text.startswith("out of GPU memory: CUDA error")
