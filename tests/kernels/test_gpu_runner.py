@@ -30,8 +30,8 @@ def lm():
     return load_model("random:tiny", seed=3, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _method(rerank: float):
-    return make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": rerank})
+def _method(rerank: float, subspaces: int = 4, centroids: int = 16):
+    return make_method("csattention", {"subspaces": subspaces, "centroids": centroids, "rerank": rerank})
 
 
 def _artifacts(lm, method):
@@ -56,11 +56,13 @@ def _decode(engine, arts, prompts):
     return [[t for t, _ in s.tokens(lambda: None)] for s in seqs]
 
 
-@pytest.mark.parametrize("sparse, rerank", [(True, 1.0), (True, 4.0), (False, 1.0)])
-def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, device):
+@pytest.mark.parametrize("sparse, rerank, index", [(True, 1.0, (4, 16)), (True, 4.0, (4, 16)), (False, 1.0, (4, 16)),
+                                                   (True, 4.0, (16, 8))], ids=["rerank1", "rerank4", "dense", "m16c8"])
+def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, device):
     """rerank 4: the GPU re-ranks the selector's candidates exactly (kernels.rerank.Reranker), as the
-    reference's search does (exact_rerank)."""
-    method = _method(rerank)
+    reference's search does (exact_rerank). m16c8: a compact index of many narrow subspaces
+    (16 of 2 dims) with few centroids."""
+    method = _method(rerank, *index)
     artifacts = _artifacts(cpu_lm, method)
     prompts = [[5, 6, 7], [], [9]]
     cfg = CONFIG if sparse else SparseConfig(CONFIG.budget, dense_layers=tuple(range(lm.args.n_layers)))
