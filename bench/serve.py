@@ -157,7 +157,7 @@ def run_point(args, mode: str, point: Point, data: Path) -> tuple[list[dict], di
 
 def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], dict]:
     cids, puts = put_all(client, point.texts)  # every mode's texts: the first server builds them all
-    build = {"context": point.n_ctx, "put_seconds": statistics.median(puts)}
+    build = {"context": point.n_ctx, "method_params": args.method_params, "put_seconds": statistics.median(puts)}
     stats = client.admin.Stats(apb.StatsRequest())
     streams = point.streams[mode]
     if args.device == "cuda" and stats.device_slots != max(streams):
@@ -268,35 +268,36 @@ def main(argv: list[str] | None = None) -> int:
                 ["context", "streams", "mode", "aggregate_tokens_per_s", "per_stream_tokens_per_s",
                  "ttft_hot", "ttft_warm", "ttft_cold", "ttft_reprefill"])
     print_table(builds, ["context", "prefill_seconds", "index_seconds", "put_seconds"])
-    print_table(capacity, ["context", "hbm_gib", "mode", "slots", "slot_gib", "best_streams", "best_aggregate_tokens_per_s",
+    print_table(capacity, ["context", "hbm_gib", "method_params", "mode", "slots", "slot_gib", "best_streams", "best_aggregate_tokens_per_s",
                            "over_dense"])
     print(f"wrote {out}")
     return 0
 
 
 def best_per_mode(rows: list[dict]) -> list[dict]:
-    """Per context length, HBM budget and mode: the stream count with the highest aggregate tok/s,
-    and that rate over dense's best at the same length and budget."""
+    """Per context length, HBM budget, server method parameters and mode: the stream count with the
+    highest aggregate tok/s, and that rate over dense's best in the same run (same length, budget
+    and parameters)."""
     best: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["context"], r.get("hbm_gib", 0), r["mode"])
+        key = (r["context"], r.get("hbm_gib", 0), r.get("method_params", "{}"), r["mode"])
         if key not in best or r["aggregate_tokens_per_s"] > best[key]["best_aggregate_tokens_per_s"]:
             best[key] = {"context": r["context"], "hbm_gib": r.get("hbm_gib", 0), "mode": r["mode"],
                          "slots": r.get("slots"), "slot_gib": r.get("slot_gib"), "best_streams": r["streams"],
                          "best_aggregate_tokens_per_s": r["aggregate_tokens_per_s"],
                          "method_params": r.get("method_params", "{}"), "commit": r.get("commit")}
     for b in best.values():
-        dense = best.get((b["context"], b["hbm_gib"], "dense"))
+        dense = best.get((b["context"], b["hbm_gib"], b["method_params"], "dense"))
         b["over_dense"] = b["best_aggregate_tokens_per_s"] / dense["best_aggregate_tokens_per_s"] if dense else None
-    return sorted(best.values(), key=lambda b: (b["context"], b["hbm_gib"], b["mode"]))
+    return sorted(best.values(), key=lambda b: (b["context"], b["hbm_gib"], b["method_params"], b["mode"]))
 
 
 def keep_other_lengths(path: Path, args, contexts: list[int], rows: list[dict],
                        builds: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Rows of the earlier result for context lengths this run did not measure, when that run
-    used the same model, dtype and tokens per stream (a long length needs a call of its own on
-    the GPU machine). Every row names the commit and date of its run; ratios between modes are
-    always within one run."""
+    """Rows of the earlier result for context lengths (or server method parameters) this run did
+    not measure, when that run used the same model, dtype and tokens per stream (a long length
+    needs a call of its own on the GPU machine). Every row names the commit and date of its run;
+    ratios between modes are always within one run."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -304,9 +305,11 @@ def keep_other_lengths(path: Path, args, contexts: list[int], rows: list[dict],
     if (old.get("model"), old.get("dtype"), old.get("tokens_per_stream")) != (args.model, args.dtype, args.tokens):
         return rows, builds
     stamp = {"commit": old.get("commit"), "date": old.get("date")}
-    kept = [{**stamp, **r} for r in old.get("rows", []) if r["context"] not in contexts]
-    kept_builds = [{**stamp, **b} for b in old.get("build", []) if b["context"] not in contexts]
-    by_length = lambda r: (r["context"], r.get("mode", ""), r.get("streams", 0))  # noqa: E731
+    measured = {(c, args.method_params) for c in contexts}
+    other = lambda r: (r["context"], r.get("method_params", "{}")) not in measured  # noqa: E731
+    kept = [{**stamp, **r} for r in old.get("rows", []) if other(r)]
+    kept_builds = [{**stamp, **b} for b in old.get("build", []) if other(b)]
+    by_length = lambda r: (r["context"], r.get("method_params", "{}"), r.get("mode", ""), r.get("streams", 0))  # noqa: E731
     return sorted(kept + rows, key=by_length), sorted(kept_builds + builds, key=by_length)
 
 
@@ -319,10 +322,12 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key in sorted({(r["context"], r["mode"]) for r in rows}):
-        pts = sorted((r["streams"], r["aggregate_tokens_per_s"]) for r in rows if (r["context"], r["mode"]) == key)
-        ax.plot(*zip(*pts), marker="o", linestyle="-" if key[1] == "csattention" else "--",
-                label=f"{key[0] // 1024}K {key[1]}")
+    line = lambda r: (r["context"], r.get("method_params", "{}"), r["mode"])  # noqa: E731
+    for key in sorted({line(r) for r in rows}):
+        pts = sorted((r["streams"], r["aggregate_tokens_per_s"]) for r in rows if line(r) == key)
+        params = "" if key[1] == "{}" else f" {key[1]}"
+        ax.plot(*zip(*pts), marker="o", linestyle="-" if key[2] == "csattention" else "--",
+                label=f"{key[0] // 1024}K {key[2]}{params}")
     ax.set(xlabel="concurrent streams (distinct contexts)", ylabel="aggregate generated tok/s",
            title="ctxcache serve through gRPC")
     ax.legend()
