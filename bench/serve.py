@@ -123,9 +123,12 @@ def server_flags(args, mode: str, point: Point, data: Path) -> list[str]:
     many slots as that HBM holds in the mode)."""
     slots = max(point.streams[mode])
     sizing = ["--gpu-memory-gb", str(args.hbm_gb)] if args.hbm_gb else ["--gpu-slots", str(slots)]
+    tokens = slot_tokens(point.n_ctx, args)
+    if args.offload and mode == "sparse":  # one small slot: every context decodes offloaded
+        sizing, tokens = ["--gpu-slots", "1", "--offload"], 1024
     return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
             "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb), "--decode-mode", mode,
-            "--max-streams", str(max(16, slots)), "--gpu-slot-tokens", str(slot_tokens(point.n_ctx, args)),
+            "--max-streams", str(max(16, slots)), "--gpu-slot-tokens", str(tokens),
             "--method-params", args.method_params, *sizing]
 
 
@@ -160,7 +163,7 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
     build = {"context": point.n_ctx, "method_params": args.method_params, "put_seconds": statistics.median(puts)}
     stats = client.admin.Stats(apb.StatsRequest())
     streams = point.streams[mode]
-    if args.device == "cuda" and stats.device_slots != max(streams):
+    if args.device == "cuda" and not (args.offload and mode == "sparse") and stats.device_slots != max(streams):
         raise RuntimeError(f"{mode}: the server holds {stats.device_slots} slots, this bench sized {max(streams)}")
     tiers = {**ttft_tiers(client, cids[0], args.repeats, args.drop_page_cache), "reprefill": point.reprefill}
     for s in streams:  # first use of a batch size compiles kernels and captures its graph
@@ -168,7 +171,8 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
     rows = []
     for s in streams:
         agg, per, path = concurrent_rate(client, cids[:s], args.tokens)
-        rows.append({"context": point.n_ctx, "streams": s, "mode": "csattention" if mode == "sparse" else "dense",
+        name = ("csattention-offload" if args.offload else "csattention") if mode == "sparse" else "dense"
+        rows.append({"context": point.n_ctx, "streams": s, "mode": name,
                      "decode_path": path, "aggregate_tokens_per_s": agg, "per_stream_tokens_per_s": per,
                      "slots": stats.device_slots, "slot_gib": stats.device_slot_bytes / GiB,
                      "hbm_gib": args.hbm_gb, "method_params": args.method_params,
@@ -232,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hbm-gb", type=float, default=0.0,
                     help="HBM for resident contexts, the same for every mode (serve --gpu-memory-gb); 0: a slot "
                          "per stream, as many as the free memory holds")
+    ap.add_argument("--offload", action="store_true",
+                    help="the sparse server decodes every context with its K/V in host memory (serve --offload)")
     ap.add_argument("--method-params", default="{}", help="CSAttention parameters of the server (JSON)")
     ap.add_argument("--drop-page-cache", action="store_true", help="cold TTFT after dropping the OS page cache (root)")
     ap.add_argument("--out", default=RESULTS)
@@ -343,6 +349,8 @@ def mode_slots(lm, n_ctx: int, args, mode: str) -> int:
         return 1 << 30
     params = make_method("csattention", json.loads(args.method_params)).params if mode == "sparse" else None
     each = slot_bytes(lm.args, params, slot_tokens(n_ctx, args), MAX_NEW, lm.model.lm_head.weight.element_size())
+    if args.offload and mode == "sparse":  # an offloaded stream keeps its index on the GPU, its K/V on the host
+        each -= slot_bytes(lm.args, None, slot_tokens(n_ctx, args), MAX_NEW, lm.model.lm_head.weight.element_size())
     # the driver's free memory plus what the caching allocator holds unused (the load's fp32 copies),
     # with this process's weights loaded: the server's process holds the same once these are freed
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()

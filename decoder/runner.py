@@ -48,6 +48,10 @@ class Runner(Protocol):
     def capacity(self) -> tuple[int, int]:
         """(contexts it holds resident at once, resident bytes each); (0, 0) when unbounded."""
 
+    def offload_hits(self) -> tuple[int, int]:
+        """(selected keys read from a GPU cache of host-resident K/V, selected keys); (0, 0)
+        for a runner whose K/V are all on its device."""
+
 
 @dataclass(eq=False)
 class ReferenceRow:
@@ -158,6 +162,9 @@ class ReferenceRunner:
 
     def capacity(self) -> tuple[int, int]:
         return 0, 0  # each stream allocates its own cache
+
+    def offload_hits(self) -> tuple[int, int]:
+        return 0, 0
 
     def evict(self, context_id: str) -> bool:
         return self._restored.drop(context_id)

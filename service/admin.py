@@ -100,6 +100,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         building, failed = self.indexer.counts()
         steps, rows = self.decoder.decode_counts()
         slots, slot_bytes = self.decoder.device_slots()
+        hits, selected = self.decoder.offload_hits()
         return apb.StatsResponse(
             contexts_ready=st.contexts, contexts_building=building, contexts_failed=failed,
             store_bytes=st.stored_bytes, store_budget_bytes=st.budget_bytes,
@@ -108,7 +109,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             registry=self.backend.registry_kind, registry_available=self.backend.registry_available(),
             model_id=self.indexer.lm.model_id,
             footprint=codec_footprint(self.backend.store.list_manifests(limit=1 << 31)),
-            decode_steps=steps, decode_rows=rows, device_slots=slots, device_slot_bytes=slot_bytes)
+            decode_steps=steps, decode_rows=rows, device_slots=slots, device_slot_bytes=slot_bytes,
+            offload_cache_hits=hits, offload_selected_keys=selected)
 
     @unary
     async def Describe(self, request, context):

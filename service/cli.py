@@ -66,6 +66,9 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="GPU: HBM for resident contexts (K/V, and the index when sparse); the slots are as "
                         "many as it holds in the decode mode (`admin stats` shows them); not with --gpu-slots")
+    p.add_argument("--offload", action="store_true",
+                   help="GPU, sparse: a context longer than a slot decodes with its K/V in pinned host memory "
+                        "(the index and a cache of the selected keys on the GPU) instead of the slow reference path")
     p.add_argument("--gpu-slot-tokens", type=int, default=33792, help="GPU: tokens per slot (context + question + answer)")
 
 

@@ -41,6 +41,7 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
         decoder=DecoderSettings(dram_cache_bytes=int(args.dram_cache_gb * GiB), schedule=args.schedule,
                                 torch_threads=args.threads, max_batch=args.max_batch,
                                 decode_mode=args.decode_mode, gpu_slot_tokens=args.gpu_slot_tokens,
+                                offload=getattr(args, "offload", False),
                                 **_gpu_slots(args)))
 
 

@@ -152,6 +152,9 @@ class DecoderSettings:
     # > 0: the slots are as many as this much HBM holds in the decode mode (decoder/gpu/capacity.py),
     # and gpu_slots is not used
     gpu_memory_bytes: int = 0
+    # sparse on a GPU: contexts no slot holds decode with their K/V in pinned host memory
+    # (decoder/gpu/offload_runner.py) instead of on the reference path
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.decode_mode not in ("sparse", "dense"):

@@ -116,6 +116,15 @@ class GenerateStreams:
         caps = [e.runner.capacity() for e in self.engines]
         return sum(n for n, _ in caps), max((b for _, b in caps), default=0)
 
+    def offload_hits(self) -> tuple[int, int]:
+        """(selected keys read from the offload runner's GPU caches, selected keys) since start."""
+        counts = [e.runner.offload_hits() for e in self.engines]
+        return sum(h for h, _ in counts), sum(s for _, s in counts)
+
+    def offload_hit_rate(self) -> float:
+        hits, selected = self.offload_hits()
+        return hits / selected if selected else 0.0
+
     def shutdown(self, reason: str) -> None:
         """Live streams end at their next check with UNAVAILABLE(reason); new ones are refused."""
         self._closing_reason = reason

@@ -29,4 +29,7 @@ class Metrics:
         self.decode_paths = Counter("ctxcache_decode_path", "Generate streams by the runner that decoded them",
                                     ["path"], registry=r)
         self.streams = Gauge("ctxcache_active_streams", "Generate streams in progress", registry=r)
+        # the offload runner (K/V in host memory): selected keys found in its GPU cache, over all selected
+        self.offload_hit_rate = Gauge("ctxcache_offload_hit_rate", "offload runner: fraction of selected keys read "
+                                      "from the GPU cache instead of host memory", registry=r)
         self.rejected = Counter("ctxcache_rejected", "requests refused for capacity", ["rpc"], registry=r)

@@ -51,6 +51,7 @@ class CtxcacheServer:
         self.indexer = BuildQueue(lm, prompter, self.backend, config.indexer, "float16", self.metrics)
         self.decoder = GenerateStreams(lm, prompter, cache, s.max_streams, d.schedule, self.metrics,
                                        decode_runners(lm, config), d.max_batch, d.decode_mode == "dense")
+        self.metrics.offload_hit_rate.set_function(self.decoder.offload_hit_rate)
         self.auth = Auth(dict(s.tenant_tokens), s.auth_token)
         self.pool = ThreadPoolExecutor(s.threads, "ctxcache-rpc")
         self.loop = LoopThread()
@@ -181,11 +182,15 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
     if d.gpu_memory_bytes:
         slots = slots_within(d.gpu_memory_bytes, lm.args, params, d.gpu_slot_tokens, MAX_NEW,
                              lm.model.lm_head.weight.element_size())
-    fast = GpuRunner(lm, params, SparseConfig.from_schedule(d.schedule), slots, d.gpu_slot_tokens)
+    schedule = SparseConfig.from_schedule(d.schedule)
+    fast = GpuRunner(lm, params, schedule, slots, d.gpu_slot_tokens)
     torch.cuda.empty_cache()  # what loading left reserved goes back to the driver (cuBLAS, graphs, kernels)
     free = torch.cuda.mem_get_info()[0]
     log.info("GPU runner %s: %d slots of %d tokens (%.2f GiB each); %.1f GiB of HBM left free", fast.name, slots,
              d.gpu_slot_tokens, fast.slot_bytes / 2**30, free / 2**30)
+    if d.offload and params is not None:
+        from ctxcache.decoder.gpu.offload_runner import OffloadRunner
+        return [fast, OffloadRunner(lm, params, schedule), reference]  # contexts no slot holds: K/V in host memory
     return [fast, reference]
 
 

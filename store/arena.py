@@ -14,21 +14,16 @@ ones 0.14 s; plain 4 KiB pages load in 0.22 to 0.26 s every time, and populating
 without THP took 0.31 s. A cold load is what a cache miss pays, so predictability wins.
 
 Pinned arenas (for a GPU server's async copies) are the same anonymous mapping, page-locked
-with cudaHostRegister for exactly its size and unregistered when the last tensor is gone.
-Why not `torch.empty(pin_memory=True)`: torch's host caching allocator rounds every pinned
-block up to a power of two and keeps freed blocks forever, so a DRAM tier of 2.2 GB (32K
-Llama-8B int8) artifacts pinned 4 GB each, and on the H100 the 12th such load failed with
-"CUDA error: out of memory" (the SGLang host caches moved to mmap + cudaHostRegister for the
-same reason).
+for exactly its size (ctxcache.host_copy.page_lock) and unlocked when the last tensor is gone.
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
-import weakref
 
 import torch
+
+from ctxcache.host_copy import page_lock
 
 _ALIGN = mmap.PAGESIZE  # chunk ranges start on a page so each can be populated on its own
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Python 3.11 lacks the name
@@ -57,7 +52,7 @@ class Arena:
         total = sum(_aligned(n) for n in sizes)
         self._populate = huge_pages and not pinned  # pinned pages are resident already
         self._buf = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        source = _pinned_view(self._buf) if pinned else self._buf
+        source = page_lock(self._buf) if pinned else self._buf
         if huge_pages and not pinned and hasattr(mmap, "MADV_HUGEPAGE"):
             self._buf.madvise(mmap.MADV_HUGEPAGE)
         self.tensors: list[torch.Tensor] = []
@@ -80,17 +75,3 @@ class Arena:
         except OSError:
             self._populate = False  # older kernel: pages fault in on first write instead
 
-
-def _pinned_view(buf: mmap.mmap) -> ctypes.Array:
-    """The whole mapping as a ctypes array, page-locked for CUDA until the array (and so every
-    tensor made from it) is gone; the array holds the mapping open, so the unregister runs
-    while the pages are still mapped."""
-    view = (ctypes.c_ubyte * len(buf)).from_buffer(buf)
-    address = ctypes.addressof(view)
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(address, len(buf), 0)
-    if int(err) != 0:
-        raise MemoryError(f"cannot page-lock {len(buf) / 2**30:.2f} GiB of host memory (cudaHostRegister: "
-                          f"{cudart.cudaGetErrorString(err)})")
-    weakref.finalize(view, cudart.cudaHostUnregister, address)
-    return view

@@ -11,7 +11,13 @@ from ctxcache.models.kv_cache import KVCache
 def dense_attention(layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
     """Causal attention of q [B, Hq, T, D] over every cached key at or before its position."""
     span = int(pos.max()) + 1
-    k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
+    return causal_attention(q, cache.k[layer][:, :, :span], cache.v[layer][:, :, :span], pos)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, T, D] over keys k, v [B, Hkv, S, D] at positions 0..S-1: each query sees the
+    keys at or before its position pos [B, T]."""
+    span = k.shape[2]
     keys = torch.arange(span, device=q.device)
     mask = keys[None, None, None, :] <= pos[:, None, :, None]  # [B, 1, T, S]
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,

@@ -81,7 +81,7 @@ class GpuSparseAttention:
         for t in range(pos.shape[1]):
             self.tables[layer].insert(cache.k[layer], pos32[:, t].contiguous(), self.selector.perm)
         if q.shape[2] > 1:
-            return dense_attention(layer, q, cache, pos)
+            return self._prefill(layer, q, cache, pos)
         if layer in self.dense_layers:
             return self.dense(layer, q, cache, pos)
         if self.reranker is not None:
@@ -92,8 +92,16 @@ class GpuSparseAttention:
             idx = self.selector.select(q[:, :, 0], self.tables[layer], lo, hi, k)
         if self.record:
             self.last_idx[layer] = (idx.clone(), k.clone())
-        out = sparse_decode_attention(q[:, :, 0], cache.k[layer], cache.v[layer], n, idx, k,
-                                      self.budget.sinks, self.budget.recent, splits=self.splits, block_n=self.block_n,
-                                      pdl=self.selector.pdl, **self.launch)
-        return out[:, :, None]
+        return self._attend(layer, q[:, :, 0], cache, n, idx, k)[:, :, None]
+
+    def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        """A prompt's tokens attend densely (the keys are indexed already)."""
+        return dense_attention(layer, q, cache, pos)
+
+    def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
+                k: torch.Tensor) -> torch.Tensor:
+        """Sinks + the selection idx (first k[b] per row) + the recent window: q [B, Hq, D] -> [B, Hq, D]."""
+        return sparse_decode_attention(q, cache.k[layer], cache.v[layer], n, idx, k, self.budget.sinks,
+                                       self.budget.recent, splits=self.splits, block_n=self.block_n,
+                                       pdl=self.selector.pdl, **self.launch)
 

@@ -224,6 +224,9 @@ class GpuRunner:
     def capacity(self) -> tuple[int, int]:
         return len(self.slots), self.slot_bytes
 
+    def offload_hits(self) -> tuple[int, int]:
+        return 0, 0  # every slot's K/V are in HBM
+
     def resident(self) -> list[str]:
         """Context ids held in HBM (busy or idle)."""
         return [s.context_id for s in self.slots if s.context_id is not None]

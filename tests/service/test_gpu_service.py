@@ -104,3 +104,25 @@ def test_the_hbm_budget_decides_the_slots(tmp_path, mode):
     finally:
         client.close()
         server.stop(0)
+
+
+def test_a_context_longer_than_a_slot_decodes_offloaded(tmp_path):
+    """serve --offload: a context no slot holds decodes with its K/V in host memory, and admin
+    Stats counts its GPU cache's hits (tests/kernels/test_offload_runner.py compares tokens)."""
+    from ctxcache.client.gen.v1 import admin_pb2 as apb
+
+    cfg = tiny_config(tmp_path)
+    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
+                  decoder=replace(cfg.decoder, gpu_slots=1, gpu_slot_tokens=128, offload=True))
+    server, client = _serve(cfg, "cuda")
+    try:
+        cid = _put(client, "the keeper is named Di and the gate is blue. " * 20, "csattention")
+        req = pb.GenerateRequest(context_id=cid, question="who is the keeper?",
+                                 sampling=pb.SamplingParams(max_tokens=12))
+        final = list(client.generate(req, timeout=300))[-1].final
+        assert final.decode_path == "gpu-offload" and final.usage.generated_tokens >= 1
+        stats = client.admin.Stats(apb.StatsRequest())
+        assert 0 <= stats.offload_cache_hits <= stats.offload_selected_keys and stats.offload_selected_keys > 0
+    finally:
+        client.close()
+        server.stop(0)

@@ -72,7 +72,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint", "decode_steps", "decode_rows", "device_slots", "device_slot_bytes")
+    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint", "decode_steps", "decode_rows", "device_slots", "device_slot_bytes", "offload_cache_hits", "offload_selected_keys")
     CONTEXTS_READY_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_BUILDING_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class StatsResponse(_message.Message):
     DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_SELECTED_KEYS_FIELD_NUMBER: _ClassVar[int]
     contexts_ready: int
     contexts_building: int
     contexts_failed: int
@@ -107,7 +109,9 @@ class StatsResponse(_message.Message):
     decode_rows: int
     device_slots: int
     device_slot_bytes: int
-    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ..., decode_steps: _Optional[int] = ..., decode_rows: _Optional[int] = ..., device_slots: _Optional[int] = ..., device_slot_bytes: _Optional[int] = ...) -> None: ...
+    offload_cache_hits: int
+    offload_selected_keys: int
+    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ..., decode_steps: _Optional[int] = ..., decode_rows: _Optional[int] = ..., device_slots: _Optional[int] = ..., device_slot_bytes: _Optional[int] = ..., offload_cache_hits: _Optional[int] = ..., offload_selected_keys: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("context_id",)
