@@ -160,7 +160,8 @@ def run_point(args, mode: str, point: Point, data: Path) -> tuple[list[dict], di
 
 def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], dict]:
     cids, puts = put_all(client, point.texts)  # every mode's texts: the first server builds them all
-    build = {"context": point.n_ctx, "method_params": args.method_params, "put_seconds": statistics.median(puts)}
+    build = {"context": point.n_ctx, "method_params": args.method_params, "index": index_name(args),
+             "put_seconds": statistics.median(puts)}
     stats = client.admin.Stats(apb.StatsRequest())
     streams = point.streams[mode]
     if args.device == "cuda" and not (args.offload and mode == "sparse") and stats.device_slots != max(streams):
@@ -175,7 +176,7 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
         rows.append({"context": point.n_ctx, "streams": s, "mode": name,
                      "decode_path": path, "aggregate_tokens_per_s": agg, "per_stream_tokens_per_s": per,
                      "slots": stats.device_slots, "slot_gib": stats.device_slot_bytes / GiB,
-                     "hbm_gib": args.hbm_gb, "method_params": args.method_params,
+                     "hbm_gib": args.hbm_gb, "method_params": args.method_params, "index": index_name(args),
                      "ttft_p50_s": {k: statistics.median(v) for k, v in tiers.items()},
                      "ttft_p99_s": {k: pctl(v, 0.99) for k, v in tiers.items()}})
         print(rows[-1], flush=True)
@@ -274,10 +275,16 @@ def main(argv: list[str] | None = None) -> int:
                 ["context", "streams", "mode", "aggregate_tokens_per_s", "per_stream_tokens_per_s",
                  "ttft_hot", "ttft_warm", "ttft_cold", "ttft_reprefill"])
     print_table(builds, ["context", "prefill_seconds", "index_seconds", "put_seconds"])
-    print_table(capacity, ["context", "hbm_gib", "method_params", "mode", "slots", "slot_gib", "best_streams", "best_aggregate_tokens_per_s",
+    print_table(capacity, ["context", "hbm_gib", "index", "mode", "slots", "slot_gib", "best_streams", "best_aggregate_tokens_per_s",
                            "over_dense"])
     print(f"wrote {out}")
     return 0
+
+
+def index_name(args) -> str:
+    """The server's CSAttention index as subspaces x centroids (what --method-params made of the defaults)."""
+    p = make_method("csattention", json.loads(args.method_params)).params
+    return f"{p.subspaces}x{p.centroids}"
 
 
 def best_per_mode(rows: list[dict]) -> list[dict]:
@@ -286,16 +293,17 @@ def best_per_mode(rows: list[dict]) -> list[dict]:
     and parameters)."""
     best: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["context"], r.get("hbm_gib", 0), r.get("method_params", "{}"), r["mode"])
+        key = (r["context"], r.get("hbm_gib", 0), r.get("index"), r["mode"])
         if key not in best or r["aggregate_tokens_per_s"] > best[key]["best_aggregate_tokens_per_s"]:
             best[key] = {"context": r["context"], "hbm_gib": r.get("hbm_gib", 0), "mode": r["mode"],
                          "slots": r.get("slots"), "slot_gib": r.get("slot_gib"), "best_streams": r["streams"],
                          "best_aggregate_tokens_per_s": r["aggregate_tokens_per_s"],
-                         "method_params": r.get("method_params", "{}"), "commit": r.get("commit")}
+                         "method_params": r.get("method_params", "{}"), "index": r.get("index"),
+                         "commit": r.get("commit")}
     for b in best.values():
-        dense = best.get((b["context"], b["hbm_gib"], b["method_params"], "dense"))
+        dense = best.get((b["context"], b["hbm_gib"], b["index"], "dense"))
         b["over_dense"] = b["best_aggregate_tokens_per_s"] / dense["best_aggregate_tokens_per_s"] if dense else None
-    return sorted(best.values(), key=lambda b: (b["context"], b["hbm_gib"], b["method_params"], b["mode"]))
+    return sorted(best.values(), key=lambda b: (b["context"], b["hbm_gib"], b["index"] or "", b["mode"]))
 
 
 def keep_other_lengths(path: Path, args, contexts: list[int], rows: list[dict],
@@ -311,11 +319,11 @@ def keep_other_lengths(path: Path, args, contexts: list[int], rows: list[dict],
     if (old.get("model"), old.get("dtype"), old.get("tokens_per_stream")) != (args.model, args.dtype, args.tokens):
         return rows, builds
     stamp = {"commit": old.get("commit"), "date": old.get("date")}
-    measured = {(c, args.method_params) for c in contexts}
-    other = lambda r: (r["context"], r.get("method_params", "{}")) not in measured  # noqa: E731
+    measured = {(c, index_name(args)) for c in contexts}
+    other = lambda r: (r["context"], r.get("index")) not in measured  # noqa: E731
     kept = [{**stamp, **r} for r in old.get("rows", []) if other(r)]
     kept_builds = [{**stamp, **b} for b in old.get("build", []) if other(b)]
-    by_length = lambda r: (r["context"], r.get("method_params", "{}"), r.get("mode", ""), r.get("streams", 0))  # noqa: E731
+    by_length = lambda r: (r["context"], r.get("index", ""), r.get("mode", ""), r.get("streams", 0))  # noqa: E731
     return sorted(kept + rows, key=by_length), sorted(kept_builds + builds, key=by_length)
 
 
@@ -328,10 +336,10 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    line = lambda r: (r["context"], r.get("method_params", "{}"), r["mode"])  # noqa: E731
+    line = lambda r: (r["context"], r.get("index") or "", r["mode"])  # noqa: E731
     for key in sorted({line(r) for r in rows}):
         pts = sorted((r["streams"], r["aggregate_tokens_per_s"]) for r in rows if line(r) == key)
-        params = "" if key[1] == "{}" else f" {key[1]}"
+        params = f" {key[1]}" if key[1] else ""
         ax.plot(*zip(*pts), marker="o", linestyle="-" if key[2] == "csattention" else "--",
                 label=f"{key[0] // 1024}K {key[2]}{params}")
     ax.set(xlabel="concurrent streams (distinct contexts)", ylabel="aggregate generated tok/s",

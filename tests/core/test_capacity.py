@@ -29,8 +29,8 @@ def _allocated(params: CSAttentionParams | None, max_len: int, max_new: int, dty
     return total
 
 
-@pytest.mark.parametrize("params", [None, CSAttentionParams(), CSAttentionParams(centroids=32, subspaces=4)],
-                         ids=["dense", "default", "compact"])
+@pytest.mark.parametrize("params", [None, CSAttentionParams(), CSAttentionParams(subspaces=8, centroids=128),
+                                    CSAttentionParams(centroids=32, subspaces=4)], ids=["dense", "default", "8x128", "4x32"])
 @pytest.mark.parametrize("max_len", [1000, 1024])
 def test_slot_bytes_are_what_a_slot_allocates(params, max_len):
     dtype = torch.bfloat16
@@ -38,11 +38,11 @@ def test_slot_bytes_are_what_a_slot_allocates(params, max_len):
 
 
 def test_a_smaller_index_holds_more_slots_and_a_too_small_budget_is_named():
-    each_default = slot_bytes(ARGS, CSAttentionParams(), 4096, 512, 2)
-    budget = 10 * each_default
-    assert slots_within(budget, ARGS, CSAttentionParams(), 4096, 512, 2) == 10
-    assert slots_within(budget, ARGS, CSAttentionParams(centroids=16), 4096, 512, 2) > 10
-    assert slots_within(budget, ARGS, None, 4096, 512, 2) > slots_within(budget, ARGS, CSAttentionParams(centroids=16),
-                                                                          4096, 512, 2)
+    large, small = CSAttentionParams(subspaces=8, centroids=128), CSAttentionParams(subspaces=16, centroids=16)
+    each_large = slot_bytes(ARGS, large, 4096, 512, 2)
+    budget = 10 * each_large
+    assert slots_within(budget, ARGS, large, 4096, 512, 2) == 10
+    assert slots_within(budget, ARGS, small, 4096, 512, 2) > 10
+    assert slots_within(budget, ARGS, None, 4096, 512, 2) > slots_within(budget, ARGS, small, 4096, 512, 2)
     with pytest.raises(ValueError, match="holds no slot of 4096 tokens"):
-        slots_within(each_default - 1, ARGS, CSAttentionParams(), 4096, 512, 2)
+        slots_within(each_large - 1, ARGS, large, 4096, 512, 2)

@@ -116,7 +116,7 @@ def test_a_context_longer_than_a_slot_decodes_offloaded(tmp_path):
                   decoder=replace(cfg.decoder, gpu_slots=1, gpu_slot_tokens=128, offload=True))
     server, client = _serve(cfg, "cuda")
     try:
-        cid = _put(client, "the keeper is named Di and the gate is blue. " * 20, "csattention")
+        cid = _put(client, "the keeper is named Di and the gate is blue. " * 6, "csattention")
         req = pb.GenerateRequest(context_id=cid, question="who is the keeper?",
                                  sampling=pb.SamplingParams(max_tokens=12))
         final = list(client.generate(req, timeout=300))[-1].final
