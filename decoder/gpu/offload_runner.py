@@ -35,6 +35,9 @@ from ctxcache.models.kv_cache import KVCache
 from ctxcache.models.loader import LoadedModel
 
 
+ALIGN = 256  # host cache lengths are multiples of this
+
+
 class HostKVCache(KVCache):
     """One row's K/V [1, Hkv, max_len, D] per layer in pinned host memory, which the decode
     kernels (RoPE + write, index insert, re-rank, attention) address in place."""
@@ -116,7 +119,9 @@ class OffloadRunner:
     def admit(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
               max_new: int, check: Callable[[], None] = lambda: None) -> tuple[OffloadRow, torch.Tensor]:
         a, n = self.lm.args, art.n_tokens
-        max_len = n + max(len(prompt), 1) + max_new
+        # rounded as the fast runner's slots are: with a length of no alignment, Triton 3.6's
+        # LLVM failed to compile the bf16 re-rank score kernel on the H100 (and took the server down)
+        max_len = -(-(n + max(len(prompt), 1) + max_new) // ALIGN) * ALIGN
         cache = HostKVCache(a.n_layers, a.n_kv_heads, max_len, a.head_dim, self.lm.model.lm_head.weight.dtype,
                             self.device)
         tables = [self._load_layer(la, cache, layer, n, max_len) for layer, la in enumerate(art.layers)]

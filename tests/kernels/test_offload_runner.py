@@ -39,3 +39,21 @@ def test_offload_runner_decodes_the_reference_tokens(rerank, device):
     assert got == want
     hits, selected = off.runner.offload_hits()
     assert selected > 0 and 0 <= hits <= selected  # the slot caches saw every selected key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compiles the bf16 kernels")
+def test_offload_runner_serves_a_bf16_model_at_an_unaligned_length():
+    """A bf16 model (16-bit re-rank keys) and a context + question + answer of no round length:
+    the kernels compile and the stream decodes (an unaligned cache length once broke the
+    compiler and took the server down)."""
+    lm = load_model("random:tiny", seed=3, dtype=torch.bfloat16, device="cuda")
+    method = make_method("csattention", {"subspaces": 4, "centroids": 16})
+    art = build_artifact(lm, torch.randint(0, lm.args.vocab_size, (333,), generator=torch.Generator().manual_seed(1)),
+                         method, IndexerConfig(kv_dtype="bfloat16", progress=False))
+    eng = Engine(OffloadRunner(lm, method.params, CONFIG))
+    try:
+        seq = eng.start("c", art, [5, 6, 7], CONFIG, SamplingParams(max_tokens=7))
+        assert len([t for t, _ in seq.tokens(lambda: None)]) == 7
+    finally:
+        eng.close()
