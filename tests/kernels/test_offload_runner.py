@@ -44,10 +44,10 @@ def test_offload_runner_decodes_the_reference_tokens(rerank, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compiles the bf16 kernels")
 def test_offload_runner_serves_a_bf16_model_at_an_unaligned_length():
-    """A bf16 model (16-bit re-rank keys) and a context + question + answer of no round length:
-    the kernels compile and the stream decodes (an unaligned cache length once broke the
-    compiler and took the server down)."""
-    lm = load_model("random:tiny", seed=3, dtype=torch.bfloat16, device="cuda")
+    """A bf16 model (16-bit re-rank keys) of SmolLM2's shapes and a context + question + answer of
+    no round length: the kernels compile and the stream decodes (an unaligned cache length once
+    broke the compiler at Llama-3.1-8B shapes and took the server down)."""
+    lm = load_model("random:smollm2-135m", seed=3, dtype=torch.bfloat16, device="cuda")
     method = make_method("csattention", {"subspaces": 4, "centroids": 16})
     art = build_artifact(lm, torch.randint(0, lm.args.vocab_size, (333,), generator=torch.Generator().manual_seed(1)),
                          method, IndexerConfig(kv_dtype="bfloat16", progress=False))
