@@ -156,8 +156,10 @@ class Reranker:
     k_max kept keys per row."""
 
     def __init__(self, batch: int, n_kv: int, group: int, kc_max: int, k_max: int, device: torch.device | str,
-                 programs: int = 264) -> None:
+                 programs: int = 264, key16: bool | None = None) -> None:
+        """key16: rank by 16-bit keys (None: for bf16 / fp16 queries; False: fp32 scores always)."""
         rows = batch * n_kv
+        self.key16 = key16
         self.group, self.kc_max = group, kc_max
         self.gp = max(16, triton.next_power_of_2(group))  # MMA rows
         blocks = triton.cdiv(kc_max, BLOCK)
@@ -186,7 +188,7 @@ class Reranker:
             IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=4)
         # bf16 / fp16 models rank by 16-bit keys (two radix launches; near-ties within ~0.3% may
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
-        key16 = q.dtype != torch.float32
+        key16 = q.dtype != torch.float32 if self.key16 is None else self.key16
         out = self.keys16 if key16 else self.scores
         self.ws.zero_()  # the score kernel adds radix pass 0 into it (16-bit keys)
         _score_kernel[(rows, self.splits)](

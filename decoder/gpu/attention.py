@@ -43,14 +43,14 @@ class GpuSparseAttention:
 
     def __init__(self, params: CSAttentionParams, tables: list[GpuTables | GpuDenseTables], budget: Budget, batch: int,
                  n_heads: int, n_kv: int, head_dim: int, max_len: int, dense_layers: tuple[int, ...] = (),
-                 attn_cfg: dict | None = None) -> None:
+                 attn_cfg: dict | None = None, rerank_key16: bool | None = None) -> None:
         self.params, self.tables, self.budget, self.dense_layers = params, tables, budget, dense_layers
         device = tables[0].centroids.device
         self.k_max = budget.top_k(max_len)
         # with an exact re-rank the selector proposes ceil(rerank * K) candidates per row
         self.kc_max = params.candidates(self.k_max, max_len)
         self.selector = GpuSelector(params, batch, n_heads, n_kv, head_dim, max_len, self.kc_max, device)
-        self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device)
+        self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device, key16=rerank_key16)
                          if self.kc_max > self.k_max else None)
         cfg = {**ATTN_CFG, **(attn_cfg or {})}
         self.splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent,

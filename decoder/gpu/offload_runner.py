@@ -64,7 +64,9 @@ class OffloadSparseAttention(GpuSparseAttention):
 
     def __init__(self, params: CSAttentionParams, tables: list[GpuDenseTables], config: SparseConfig,
                  n_heads: int, n_kv: int, head_dim: int, max_len: int, dtype: torch.dtype) -> None:
-        super().__init__(params, tables, config.budget, 1, n_heads, n_kv, head_dim, max_len)
+        # fp32 re-rank scores: the 16-bit keys' score kernel failed to compile (LLVM "Cannot select
+        # v2f16") at SmolLM2's shapes on the H100; this path is PCIe-bound, the exact order costs nothing
+        super().__init__(params, tables, config.budget, 1, n_heads, n_kv, head_dim, max_len, rerank_key16=False)
         device = tables[0].centroids.device
         self.caches = [SlotCache.empty(1, n_kv, self.k_max, max_len, head_dim, dtype, device) for _ in tables]
         b = config.budget
