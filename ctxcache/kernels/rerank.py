@@ -157,7 +157,11 @@ class Reranker:
 
     def __init__(self, batch: int, n_kv: int, group: int, kc_max: int, k_max: int, device: torch.device | str,
                  programs: int = 264, key16: bool | None = None) -> None:
-        """key16: rank by 16-bit keys (None: for bf16 / fp16 queries; False: fp32 scores always)."""
+        """key16: rank by 16-bit keys (None: for bf16 / fp16 queries in GQA groups of 4; False: fp32
+        scores always). Why groups of 4: with 2 or 3 query heads a group (random:tiny, SmolLM2's
+        shapes) Triton 3.6 failed to compile the 16-bit score kernel on the H100 (LLVM "Cannot
+        select v2f16 scalar_to_vector") and the abort took the process down; 4 (Llama-3.1-8B) is
+        what the 16-bit path was measured and tested at."""
         rows = batch * n_kv
         self.key16 = key16
         self.group, self.kc_max = group, kc_max
@@ -188,7 +192,7 @@ class Reranker:
             IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=4)
         # bf16 / fp16 models rank by 16-bit keys (two radix launches; near-ties within ~0.3% may
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
-        key16 = q.dtype != torch.float32 if self.key16 is None else self.key16
+        key16 = (q.dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
         out = self.keys16 if key16 else self.scores
         self.ws.zero_()  # the score kernel adds radix pass 0 into it (16-bit keys)
         _score_kernel[(rows, self.splits)](
