@@ -170,6 +170,9 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
     reference runner for every other method and schedule; on a CPU: the reference runner."""
     reference = ReferenceRunner(lm)
     if lm.model.lm_head.weight.device.type != "cuda":
+        if config.decoder.offload or config.decoder.gpu_memory_bytes:
+            log.warning("--offload and --gpu-memory-gb apply to a GPU; on the CPU every context decodes on "
+                        "the reference path")
         return [reference]
     from ctxcache.decoder.gpu.capacity import MAX_NEW, slots_within
     from ctxcache.decoder.gpu.runner import GpuRunner  # Triton only where a GPU is
