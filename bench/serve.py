@@ -8,7 +8,8 @@ distinct contexts (as many as the GPU's slots hold). Build rows: the prefill alo
 indexer's prefill + tables up to the artifact in host memory, and PutContext until READY.
 With --hbm-gb, both modes get the same HBM for resident contexts (`serve --gpu-memory-gb`):
 each holds as many slots as fit its mode's bytes per context, is measured at its own maximum
-too, and the capacity table compares each mode's best aggregate tok/s.
+too, and the capacity table compares each mode's best aggregate tok/s. With --offload the sparse
+server has one small slot and `--offload`, so every context decodes with its K/V in host memory.
 The server runs as a user runs it (`python -m ctxcache.service serve` on a free port, ready on
 gRPC health) and is read through its API alone (admin Evict for the tiers); the prefill, build
 and re-prefill rows run on this process's own copy of the model first, freed before a server
