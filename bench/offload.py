@@ -30,7 +30,8 @@ import torch
 from ctxcache.bench.common.gpu import (D, HKV, HQ, capture_graph as capture, flush_mode, positive_ints, random_model,
                                       random_tables, sdpa_dense, time_us)
 from ctxcache.bench.common.report import print_table, write_result
-from ctxcache.decoder.gpu.offload import OffloadAttention, pinned_empty, plan_slots
+from ctxcache.host_copy import pinned_exact
+from ctxcache.decoder.gpu.offload import OffloadAttention, plan_slots
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.kernels.split_k_attention import choose_splits, region, sparse_decode_attention
 from ctxcache.methods import Budget
@@ -41,7 +42,7 @@ LAYERS = 32
 
 def host_kv(batch: int, n: int) -> torch.Tensor:
     """Pinned [B, Hkv, n, D] bf16 filled with N(0, 1) made on the GPU (CPU randn of GBs is slow)."""
-    t = pinned_empty((batch, HKV, n, D), torch.bfloat16)
+    t = pinned_exact((batch, HKV, n, D), torch.bfloat16)
     for b in range(batch):
         t[b].copy_(torch.randn(HKV, n, D, device="cuda", dtype=torch.bfloat16))
     return t

@@ -19,11 +19,6 @@ from ctxcache.kernels.slot_plan import plan_slots_kernel
 from ctxcache.kernels.split_k_attention import choose_splits
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Page-locked host tensor (device-addressable under UVA); plain host memory without CUDA."""
-    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
-
-
 @dataclass
 class SlotCache:
     """GPU rows of one layer: k/v [B, Hkv, C, D]; tag [B, Hkv, C] the position held by each

@@ -22,13 +22,13 @@ import torch
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.attention import GpuSparseAttention
 from ctxcache.decoder.gpu.offload import SlotCache, plan_slots
+from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import decode_one_token, prefill
 from ctxcache.host_copy import pinned_exact
 from ctxcache.kernels.offload_attention import offload_attention
 from ctxcache.kernels.split_k_attention import choose_splits
-from ctxcache.methods import make_method
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 from ctxcache.models.attention import causal_attention
 from ctxcache.models.kv_cache import KVCache
@@ -114,8 +114,7 @@ class OffloadRunner:
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
         if art.n_tokens + new_tokens > self.lm.args.max_seq_len or new_tokens > self.max_new:
             return False
-        method = make_method(art.method, art.method_params)
-        return config == self.config and method.params == self.params and method.gpu_decodable(art.layers[0].tables)
+        return config == self.config and serves_index(art, self.params)
 
     @torch.inference_mode()
     def admit(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,

@@ -35,6 +35,12 @@ from ctxcache.models.attention import dense_attention
 from ctxcache.models.loader import LoadedModel
 
 
+def serves_index(art: ContextArtifact, params: CSAttentionParams) -> bool:
+    """Whether a GPU runner of these CSAttention parameters decodes the artifact's tables."""
+    method = make_method(art.method, art.method_params)
+    return method.params == params and method.gpu_decodable(art.layers[0].tables)
+
+
 @dataclass(eq=False)
 class Slot:
     index: int
@@ -89,9 +95,7 @@ class GpuRunner:
             return False
         if self.params is None:
             return True
-        method = make_method(art.method, art.method_params)
-        return (config == self.config and new_tokens <= self.max_new and method.params == self.params
-                and method.gpu_decodable(art.layers[0].tables))
+        return config == self.config and new_tokens <= self.max_new and serves_index(art, self.params)
 
     @torch.inference_mode()
     def admit(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,

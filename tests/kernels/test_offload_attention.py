@@ -5,7 +5,8 @@ import torch
 
 import copy
 
-from ctxcache.decoder.gpu.offload import OffloadAttention, SlotCache, pinned_empty, plan_slots, plan_slots_ref
+from ctxcache.host_copy import pinned_exact
+from ctxcache.decoder.gpu.offload import OffloadAttention, SlotCache, plan_slots, plan_slots_ref
 from ctxcache.kernels.offload_attention import offload_attention, offload_attention_ref
 from ctxcache.kernels.split_k_attention import sparse_attention_ref
 
@@ -19,7 +20,7 @@ def _rel(out, ref):
 
 
 def _host(shape, dtype):
-    t = pinned_empty(shape, dtype)  # pinned when a GPU exists: the kernel reads it zero-copy
+    t = pinned_exact(shape, dtype)  # pinned when a GPU exists: the kernel reads it zero-copy
     t.copy_(torch.randn(shape))
     return t
 
