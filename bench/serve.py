@@ -126,7 +126,10 @@ def run_point(args, mode: str, point: Point, data: Path) -> tuple[list[dict], di
     with running_server(server_flags(args, mode, point, data), log) as address:
         client = Client(address)
         try:
-            return measure(client, args, mode, point)
+            got = measure(client, args, mode, point)
+            slow = [line for line in log.read_text().splitlines() if "slow admission" in line or "after warm-up" in line]
+            print(f"--- the {mode} server's slow admissions ({len(slow)}):\n" + "\n".join(slow[-12:]), flush=True)
+            return got
         except Exception:
             print(f"--- the {mode} server's last output:\n" + "\n".join(log.read_text().splitlines()[-40:]), flush=True)
             raise
