@@ -127,6 +127,24 @@ class Prompter:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return () if eos is None else (int(eos),)
 
+    @functools.cached_property
+    def message_tokens(self) -> int:
+        """The fewest template tokens one more chat message adds (its role header and end marks,
+        content aside): with one token of content at least, what a size pre-check charges each
+        message before anything is tokenized."""
+        def template_tokens(roles: list[str]) -> int:
+            marked, _ = _mark([{"role": r, "content": ""} for r in roles])
+            return len(self._encode_rendered(self.render(marked, add_generation_prompt=False), [""] * len(roles)))
+
+        added = []
+        for role in ROLES:
+            for before in (["system"], ["system", role]):
+                try:
+                    added.append(template_tokens(before + [role]) - template_tokens(before))
+                except Exception:  # noqa: BLE001 - a template may refuse an order (jinja raise_exception)
+                    continue
+        return max(0, min(added, default=0))
+
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
