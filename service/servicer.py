@@ -89,6 +89,8 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
         cid, job, created = await in_thread(self.pool, self.indexer.submit, spec)
         if spec.wait:
             await wait_for(job)
+            if job is not None and job.token.cancelled and self.draining():  # the build ended with the server
+                raise Unavailable("the server is shutting down; retry on another worker or after its restart")
         info = await in_thread(self.pool, context_info, self.indexer, cid)
         return pb.PutContextResponse(context=info, created=created)
 
