@@ -50,6 +50,10 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
                         'DESIGN.md); the GPU runner serves contexts built with these')
     p.add_argument("--store-queries", type=int, default=1536,
                    help="prefill query positions kept per layer when a PutContext asks (keep_queries)")
+    p.add_argument("--max-build-work", type=float, default=3e10,
+                   help="refuse a PutContext whose index build clusters more than this many point-centroid "
+                        "distances (default CSAttention: 1e9 on SmolLM2, 3e9 on Llama-3.1-8B); the server's own "
+                        "--method and --method-params are always admitted")
     p.add_argument("--kv-codec", default="int8", choices=["lossless", "int8", "int4"],
                    help="PutContext's default K/V codec (README: bytes per token of each)")
     p.add_argument("--schedule", default="0.05-step-1", help="default sparse schedule")

@@ -37,6 +37,7 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
         store=StoreSettings(args.data, int(args.store_budget_gb * GiB)),
         registry=RegistrySettings(args.redis),
         indexer=IndexerSettings(method=args.method, store_queries=args.store_queries, kv_codec=args.kv_codec,
+                                max_build_work=getattr(args, "max_build_work", 3e10),
                                 method_params=_params(getattr(args, "method_params", "{}"), "--method-params")),
         decoder=DecoderSettings(dram_cache_bytes=int(args.dram_cache_gb * GiB), schedule=args.schedule,
                                 torch_threads=args.threads, max_batch=args.max_batch,

@@ -118,6 +118,12 @@ class IndexerSettings:
     kv_codec: str = "int8"  # PutContext's default K/V codec (measured: bench storage, README)
     claim_lease_s: float = CLAIM_LEASE_S  # registry build claims, renewed every lease/3 while building
     build_timeout_s: float = 1800.0  # a build running longer is cancelled (FAILED), never wedges the queue
+    # a build's clustering work (SparseMethod.build_work, point-centroid distances) above this is
+    # refused at PutContext, unless it is the server's own method and params: the default
+    # CSAttention build is 1.0e9 on SmolLM2, 3.0e9 on Llama-3.1-8B at any length (8 x 128:
+    # 1.2e10); 64 subspaces x 512 centroids x 4096 queries x 100 iterations, 1.2e12
+    max_build_work: float = 3e10
+    build_lanes: int = 2  # builds in progress at once (one per tenant), taking turns to compute
 
     def __post_init__(self) -> None:
         from ctxcache.artifact import KV_CODECS
@@ -132,6 +138,9 @@ class IndexerSettings:
             raise ValueError(f"indexer.claim_lease_s={self.claim_lease_s} must be > 0")
         if not self.build_timeout_s > 0:
             raise ValueError(f"indexer.build_timeout_s={self.build_timeout_s} must be > 0")
+        if not self.max_build_work > 0 or self.build_lanes < 1:
+            raise ValueError(f"indexer.max_build_work={self.max_build_work} must be > 0 and "
+                             f"build_lanes={self.build_lanes} >= 1")
         if self.queue_limit < 1 or self.chunk < 1 or self.max_context_tokens < 0 or self.store_queries < 0:
             raise ValueError(f"queue_limit={self.queue_limit}, chunk={self.chunk} must be >= 1 "
                              f"and max_context_tokens={self.max_context_tokens}, store_queries="

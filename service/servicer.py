@@ -85,10 +85,12 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
         caller = self._caller(context)
         s = self.indexer.settings
         spec = convert.put_spec(request, s.method, s.method_params, caller.tenant, self.indexer.max_tokens,
-                                default_codec=s.kv_codec)
+                                s.kv_codec, self.indexer.prompter.message_tokens)
         cid, job, created = await in_thread(self.pool, self.indexer.submit, spec)
         if spec.wait:
             await wait_for(job)
+            if job is not None and job.token.cancelled and self.draining():  # the build ended with the server
+                raise Unavailable("the server is shutting down; retry on another worker or after its restart")
         info = await in_thread(self.pool, context_info, self.indexer, cid)
         return pb.PutContextResponse(context=info, created=created)
 
@@ -128,7 +130,8 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     async def Generate(self, request, context):
         t0 = time.perf_counter()
         caller = self._caller(context)
-        spec = convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len)
+        spec = convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len,
+                                     self.indexer.prompter.message_tokens)
         await in_thread(self.pool, self._check_readable, caller, spec.context_id)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
