@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant-tokens", default=None, help="TOKEN=TENANT,... (or env CTXCACHE_TENANT_TOKENS): "
                    "each token sees only its tenant's contexts")
     p.add_argument("--allow-unauthenticated", action="store_true",
-                   help="serve a non-loopback --host without any token (e.g. behind a private network)")
+                   help="serve a non-loopback --host without any token (e.g. behind a private network; "
+                        "or env CTXCACHE_ALLOW_UNAUTHENTICATED=1)")
     p.add_argument("--no-access-log", action="store_true",
                    help="no access-log line per RPC (method, context id, status, duration) on stderr")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate (PEM)")

@@ -4,6 +4,7 @@ cli_client.py and cli_admin.py, which import none."""
 
 from __future__ import annotations
 
+import os
 import signal
 import tempfile
 import threading
@@ -63,6 +64,16 @@ def _gpu_slots(args) -> dict:
     return {} if slots is None else {"gpu_slots": slots}
 
 
+def env_switch(name: str) -> bool:
+    """An on/off environment variable: unset, empty, 0, false, no: off; 1, true, yes: on."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"{name}={value[:20]!r} must be 1 or 0 (true or false)")
+
+
 def tenant_tokens(spec: str | None) -> tuple[tuple[str, str], ...]:
     """TOKEN=TENANT,TOKEN=TENANT -> ((token, tenant), ...)."""
     pairs = []
@@ -78,9 +89,10 @@ def serve(args) -> int:
     token = args.token or env_token("CTXCACHE_TOKEN")
     tenants = tenant_tokens(args.tenant_tokens or env_token("CTXCACHE_TENANT_TOKENS"))
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
-    if not loopback and not (token or tenants) and not args.allow_unauthenticated:
+    allow = args.allow_unauthenticated or env_switch("CTXCACHE_ALLOW_UNAUTHENTICATED")
+    if not loopback and not (token or tenants) and not allow:
         raise ValueError(f"--host {args.host} is reachable by others: set CTXCACHE_TOKEN (and "
-                         "CTXCACHE_TENANT_TOKENS), or pass --allow-unauthenticated")
+                         "CTXCACHE_TENANT_TOKENS), or pass --allow-unauthenticated (CTXCACHE_ALLOW_UNAUTHENTICATED=1)")
     if args.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
