@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from google.protobuf import json_format
-
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import context_pb2 as pb
+from ctxcache.service.cli_records import print_record
 
 READY_TIMEOUT_S = 2.0  # a server that is not running is reported after this, not gRPC's backoff
 
@@ -109,7 +108,7 @@ def put(args) -> int:
         print(info.context_id)
         return 130
     if args.json:
-        print(json_format.MessageToJson(info, preserving_proto_field_name=True))
+        print_record(info)
     else:
         print(info.context_id)
     if info.state == pb.CONTEXT_STATE_FAILED:

@@ -68,6 +68,7 @@ def test_put_params_are_json_and_apply_to_the_default_method(start, text_file, c
     assert cli.main(["put", "--text", str(text_file), address, "--params", '{"keys_per_cluster": 8}', "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["method"] == "key-kmeans" and info["method_params"]["keys_per_cluster"] == 8
+    assert type(info["method_params"]["keys_per_cluster"]) is int and type(info["created_unix_ms"]) is int
 
 
 def _blocked_builds(monkeypatch) -> threading.Event:
