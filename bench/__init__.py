@@ -1,7 +1,8 @@
 """The benchmarks a user runs, one command each: `ctxcache bench NAME [--help]`.
 
 Each prints a table and writes `<NAME>_<device>.json` (machine, commit and date inside) to a
-scratch folder, or with `--out bench/results` over the committed results. Helpers shared by several live in bench/common/. Importing this package loads no torch."""
+scratch folder, or with `--out bench/results` over the committed results. Helpers shared by
+several live in bench/common/. Importing this package loads no torch."""
 
 from __future__ import annotations
 
