@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ctxcache.bench.common.report import (RESULTS, commit, device_tag, machine_info, print_table,
+from ctxcache.bench.common.report import (add_out, commit, device_tag, machine_info, print_table,
                                           write_result)
 from ctxcache.bench.common.reprefill import reprefill_seconds
 from ctxcache.bench.common.server import running_server
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the sparse server decodes every context with its K/V in host memory (serve --offload)")
     ap.add_argument("--method-params", default="{}", help="CSAttention parameters of the server (JSON)")
     ap.add_argument("--drop-page-cache", action="store_true", help="cold TTFT after dropping the OS page cache (root)")
-    ap.add_argument("--out", default=RESULTS)
+    add_out(ap, what="the result JSON and PNG")
     args = ap.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     streams = sorted(int(x) for x in args.streams.split(","))

@@ -18,6 +18,7 @@ from ctxcache.decoder.runner import ReferenceRunner, Runner
 from ctxcache.kernels.compiles import CompileCounter
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel, load_model
+from ctxcache.service.access_log import AccessLogInterceptor
 from ctxcache.service.admin import AdminServicer
 from ctxcache.service.auth import Auth, AuthInterceptor
 from ctxcache.service.rpc import LoopThread, ParseInterceptor
@@ -73,7 +74,7 @@ class CtxcacheServer:
                 ("grpc.so_reuseport", 0)]
         interceptors = [AuthInterceptor(self.auth, (f"/{ADMIN_SERVICE}/", "/grpc.reflection."))] \
             if self.auth.enabled else []
-        server = grpc.aio.server(interceptors=[*interceptors, ParseInterceptor()], options=opts)
+        server = grpc.aio.server(interceptors=[AccessLogInterceptor(), *interceptors, ParseInterceptor()], options=opts)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.servers.append(server)
         return server

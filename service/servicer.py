@@ -52,6 +52,13 @@ def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
     return info_from_job(job, indexer.lm.model_id)
 
 
+def unstored_jobs(indexer: BuildQueue) -> list[Job]:
+    """Builds still building, or failed, that have no stored artifact (a READY job is in the store)."""
+    with indexer._lock:  # BuildQueue keeps its jobs private; a snapshot under its lock
+        jobs = list(indexer._jobs.values())
+    return [j for j in jobs if j.state != "ready" and indexer.backend.manifest(j.context_id) is None]
+
+
 async def wait_for(job: Job | None) -> None:
     """Wait for a build without holding a thread; a cancelled RPC cancels this coroutine."""
     while job is not None and not job.done.is_set():
@@ -104,11 +111,20 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     async def ListContexts(self, request, context):
         caller = self._caller(context)
         size, after = convert.page(request)
-        ms = await in_thread(self.pool, self.indexer.backend.list, size + 1, after or None, caller.tenant)
-        more = len(ms) > size
-        ms = ms[:size]
-        return pb.ListContextsResponse(contexts=[info_from_manifest(m) for m in ms],
-                                       next_page_token=ms[-1].context_id if more else "")
+        infos = await in_thread(self.pool, self._list, size, after, caller)
+        more = len(infos) > size
+        infos = infos[:size]
+        return pb.ListContextsResponse(contexts=infos, next_page_token=infos[-1].context_id if more else "")
+
+    def _list(self, size: int, after: str, caller: Caller) -> list[pb.ContextInfo]:
+        """Stored contexts and this worker's unstored builds (BUILDING, FAILED) in id order: the
+        first size + 1 after `after`. Every build is merged, so a page misses none of either."""
+        ms = self.indexer.backend.list(size + 1, after or None, caller.tenant)
+        stored = {m.context_id for m in ms}
+        jobs = [j for j in unstored_jobs(self.indexer) if j.context_id > after and j.context_id not in stored
+                and caller.sees(j.spec.tenant)]
+        infos = [info_from_manifest(m) for m in ms] + [info_from_job(j, self.indexer.lm.model_id) for j in jobs]
+        return sorted(infos, key=lambda i: i.context_id)[:size + 1]
 
     @unary
     async def DeleteContext(self, request, context):
