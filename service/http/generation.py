@@ -119,16 +119,18 @@ class Generation:
                       ) -> dict | AsyncIterator[str]:
         events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, None, t0))
         if not req.stream:
+            ids: list[int] = []
             async for event in events:
                 if isinstance(event, Final):
-                    return shape.whole(event)
+                    return shape.whole(event, ids if req.return_token_ids else None)
+                ids += event.token_ids
             raise AssertionError("a stream ends with its Final")  # pragma: no cover
         first = await anext(events)  # errors before the first token raise here, before any byte is sent
-        return _sse(first, events, shape, req.include_usage())
+        return _sse(first, events, shape, req.include_usage(), req.return_token_ids)
 
 
 async def _sse(first: Chunk | Final, events: AsyncIterator[Chunk | Final], shape: Completion,
-               include_usage: bool) -> AsyncIterator[str]:
+               include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
     """`data: <json>` per delta, the finish chunk (with usage unless a usage chunk follows),
     then `data: [DONE]`. A failure after the first byte is an error event (the status is sent);
     a client that goes away closes this generator, which stops the decode (rpc.iterate_in_thread)."""
@@ -141,8 +143,8 @@ async def _sse(first: Chunk | Final, events: AsyncIterator[Chunk | Final], shape
                 if include_usage:
                     yield json.dumps(shape.usage_chunk(event))
                 break
-            if event.text:
-                yield json.dumps(shape.text(event.text))
+            if event.text or (token_ids and event.token_ids):
+                yield json.dumps(shape.text(event.text, event.token_ids if token_ids else None))
             event = await anext(events)
     except Exception as exc:  # noqa: BLE001 - in-band, in the one error shape
         yield json.dumps(error_body(exc)[1])

@@ -91,10 +91,11 @@ class _Sampling(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
-    # ctxcache's own: the cached context to continue (an id, or "cachedContents/<id>"), and a
-    # sparse schedule for this request
+    # ctxcache's own: the cached context to continue (an id, or "cachedContents/<id>"), a sparse
+    # schedule for this request, and the answer's token ids in each choice (as vLLM's option)
     cached_content: Text | None = None
     schedule: Text | None = None
+    return_token_ids: bool = False
 
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)

@@ -40,13 +40,15 @@ class Completion:
         return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model,
                 "cached_content": self.context_id}  # ctxcache's own: the context the prompt continued
 
-    def whole(self, final: Final) -> dict[str, Any]:
+    def whole(self, final: Final, token_ids: list[int] | None = None) -> dict[str, Any]:
         reason = _FINISH[final.finish_reason]
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": final.text}, "logprobs": None,
                       "finish_reason": reason}
         else:
             choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(final)}
 
@@ -61,8 +63,11 @@ class Completion:
     def opening(self) -> dict[str, Any]:
         return self.chunk({"role": "assistant", "content": ""} if self.chat else "")
 
-    def text(self, text: str) -> dict[str, Any]:
-        return self.chunk({"content": text} if self.chat else text)
+    def text(self, text: str, token_ids: tuple[int, ...] | None = None) -> dict[str, Any]:
+        body = self.chunk({"content": text} if self.chat else text)
+        if token_ids is not None:
+            body["choices"][0]["token_ids"] = list(token_ids)
+        return body
 
     def finish(self, final: Final, with_usage: bool) -> dict[str, Any]:
         """The choice's last chunk; it carries the usage unless a usage chunk follows."""
