@@ -4,6 +4,7 @@ that once for both fronts)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -43,6 +44,14 @@ _PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sa
            "kv_codec": "codec", "ttl_seconds": "ttl"}
 
 
+class ErrorResponse(JSONResponse):
+    """ASCII JSON: an error may quote what the client sent, lone surrogates included, and
+    Starlette's UTF-8 rendering would fail on those with a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def envelope(status: int, message: str, type_: str | None = None, param: str | None = None,
              code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": cut(message), "type": type_ or _TYPES.get(status, "invalid_request_error"),
@@ -67,28 +76,28 @@ def _param(field: str) -> str:
     return field
 
 
-def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> ErrorResponse:
     status, body = error_body(exc)
     if status == 401:
         headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
-    return JSONResponse(body, status, headers=headers)
+    return ErrorResponse(body, status, headers=headers)
 
 
-def validation_response(errors: list[dict[str, Any]]) -> JSONResponse:
+def validation_response(errors: list[dict[str, Any]]) -> ErrorResponse:
     """FastAPI's 422 (and pydantic's errors) as a 400 naming the first bad field."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param or 'body'}: {first.get('msg')}"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return JSONResponse(envelope(400, message + more, param=param, code="invalid_argument"), 400)
+    return ErrorResponse(envelope(400, message + more, param=param, code="invalid_argument"), 400)
 
 
-def pydantic_response(exc: ValidationError) -> JSONResponse:
+def pydantic_response(exc: ValidationError) -> ErrorResponse:
     return validation_response(exc.errors(include_url=False, include_input=False))
 
 
-def http_response(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+def http_response(status: int, detail: Any, headers: dict[str, str] | None = None) -> ErrorResponse:
     """Starlette's own HTTPException (unknown route, wrong method, unparsable body)."""
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
-    return JSONResponse(envelope(status, str(detail), code=code), status, headers=headers)
+    return ErrorResponse(envelope(status, str(detail), code=code), status, headers=headers)

@@ -10,12 +10,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ctxcache.service.auth import Auth, Caller
 from ctxcache.service.errors import Unauthenticated, Unavailable
-from ctxcache.service.http.errors import envelope, error_response
+from ctxcache.service.http.errors import ErrorResponse, envelope, error_response
 
 OPEN_PATHS = ("/health",)  # load balancers probe without a token, as gRPC health checks do
 _CALLER = "ctxcache.caller"
@@ -55,16 +54,16 @@ class Guard:
         scope[_CALLER] = caller
         await self.app(scope, receive, send)
 
-    def _too_large(self) -> JSONResponse:
-        return JSONResponse(envelope(413, f"request body over {self.max_body} bytes", code="request_too_large"), 413)
+    def _too_large(self) -> ErrorResponse:
+        return ErrorResponse(envelope(413, f"request body over {self.max_body} bytes", code="request_too_large"), 413)
 
-    async def _buffered(self, receive: Receive) -> tuple[Receive, JSONResponse | None]:
+    async def _buffered(self, receive: Receive) -> tuple[Receive, ErrorResponse | None]:
         """A chunked body, read up to the limit, then replayed to the app."""
         body, more = bytearray(), True
         while more:
             message = await receive()
             if message["type"] != "http.request":
-                return receive, JSONResponse(envelope(400, "the client went away"), 400)
+                return receive, ErrorResponse(envelope(400, "the client went away"), 400)
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_body:
