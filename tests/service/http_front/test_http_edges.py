@@ -9,6 +9,8 @@ from dataclasses import replace
 import httpx
 import pytest
 
+from ctxcache.service.build_queue import Job
+
 from http_helpers import assert_error_shape, in_process, tiny_http_config
 from service_helpers import TEXT
 
@@ -120,3 +122,14 @@ def test_a_client_that_leaves_stops_its_decode(server):
     # an abandoned stream ends without its Final: it never counts its tokens as generated
     assert srv.metrics.generated_tokens._value.get() == before
 
+
+
+def test_automatic_match_still_building_is_409(server, monkeypatch):
+    """The tiny model builds in milliseconds, so the store is made to say "not yet" while the
+    build queue says BUILDING for every id the lookup asks about."""
+    srv, http, _ = server
+    ix = srv.indexer
+    monkeypatch.setattr(ix.backend, "manifest", lambda cid: None)
+    monkeypatch.setattr(ix, "job", lambda cid: Job(cid, None, [], stage=0.5))
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": TEXT}, *USER]})
+    assert "still BUILDING (50%)" in refused(r, 409)["message"]
