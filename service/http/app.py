@@ -4,6 +4,7 @@ before any routing or parsing; every failure leaves in the one error shape (erro
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from ctxcache.service.auth import Caller
-from ctxcache.service.errors import PermissionDenied
+from ctxcache.service.errors import Cancelled, PermissionDenied
 from ctxcache.service.http.cached import CachedContents
 from ctxcache.service.http.errors import error_response, http_response, pydantic_response, validation_response
 from ctxcache.service.http.generation import Generation
@@ -29,11 +30,29 @@ from ctxcache.service.http.shapes import model_card
 PING_S = 15  # SSE keep-alive comments for proxies that close idle connections
 
 
-async def _answer(work: Callable[[], Awaitable[Any]]) -> Response:
+async def _unless_gone(request: Request, work: Callable[[], Awaitable[Any]]) -> Any:
+    """The work, cancelled if the client disconnects first (vLLM's with_cancellation): a whole
+    answer nobody waits for stops decoding. A stream is watched by its response once it starts."""
+    task = asyncio.ensure_future(work())
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    raise Cancelled("the client went away")
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _answer(work: Callable[[], Awaitable[Any]], request: Request | None = None) -> Response:
     """A handler's dict as JSON, its async iterator as server-sent events, its error as the
-    error shape with the status the error maps to."""
+    error shape with the status the error maps to. request: cancel the work if its client leaves."""
     try:
-        result = await work()
+        result = await (work() if request is None else _unless_gone(request, work))
     except ValidationError as exc:  # a body check pydantic ran inside a handler
         return pydantic_response(exc)
     except Exception as exc:  # noqa: BLE001 - mapped in errors.py, never a bare 500
@@ -76,11 +95,11 @@ def build_app(generation: Generation, cached: CachedContents, auth, draining: Ca
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _answer(lambda: generation.chat(caller_of(request), body))
+        return await _answer(lambda: generation.chat(caller_of(request), body), request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _answer(lambda: generation.completion(caller_of(request), body))
+        return await _answer(lambda: generation.completion(caller_of(request), body), request)
 
     @app.post("/v1/cached_contents")
     async def create(body: CachedContentCreate, request: Request) -> Response:

@@ -71,7 +71,8 @@ class CachedContents:
 
     async def get(self, caller: Caller, name: str) -> dict[str, Any]:
         cid = context_reference(name)
-        info = await in_thread(self.pool, lambda: context_info(self.indexer, contexts.visible(self.indexer, caller, cid)))
+        info = await in_thread(self.pool, lambda: context_info(self.indexer,
+                                                               contexts.visible(self.indexer, caller, cid)))
         return cached_content(info)
 
     async def list(self, caller: Caller, page_size: int, page_token: str) -> dict[str, Any]:

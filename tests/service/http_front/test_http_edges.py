@@ -107,13 +107,18 @@ def test_draining_answers_503(server):
     assert http.get("/health").json() == {"status": "ok"}
 
 
-def test_a_client_that_leaves_stops_its_decode(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_stops_its_decode(server, stream):
     srv, http, cid = server
     before = srv.metrics.generated_tokens._value.get()
-    ask = {"cached_content": cid, "messages": USER, "max_tokens": 600, "stream": True, "temperature": 1, "seed": 1}
-    with http.stream("POST", "/v1/chat/completions", json=ask) as r:
-        assert r.status_code == 200
-        next(r.iter_lines())  # the opening chunk: decoding is under way
+    ask = {"cached_content": cid, "messages": USER, "max_tokens": 600, "stream": stream, "temperature": 1, "seed": 1}
+    if stream:
+        with http.stream("POST", "/v1/chat/completions", json=ask) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the opening chunk: decoding is under way
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/chat/completions", json=ask, timeout=0.5)
     end = time.monotonic() + 10
     while srv.decoder.active and time.monotonic() < end:
         time.sleep(0.01)

@@ -85,7 +85,8 @@ VALID = {
                                    "max_tokens": st.integers(1, 8), "stream": st.booleans(),
                                    "temperature": st.sampled_from([0, 0.7, 1.5])},
                                   optional={"cached_content": known()}).map(_automatic),
-    "completions": st.fixed_dictionaries({"prompt": QUESTIONS, "cached_content": known(), "max_tokens": st.integers(1, 8),
+    "completions": st.fixed_dictionaries({"prompt": QUESTIONS, "cached_content": known(),
+                                          "max_tokens": st.integers(1, 8),
                                           "stream": st.booleans()}),
     "create": st.fixed_dictionaries({"text": st.text(min_size=1, max_size=300) | st.sampled_from(HOSTILE[2:7]),
                                      "wait": st.just(True)}),
@@ -107,7 +108,8 @@ def _hostile_examples() -> dict[str, list[dict]]:
         out["completions"] += [{**text, "prompt": h}, {**text, "prompt": [h]}, {**text, "model": h}]
         out["create"] += [{"text": h}, {"text": "x", "labels": {h: h}}, {"text": "x", "codec": h},
                           {"text": "x", "tenant": h}, {"documents": [{"text": "x", "title": h}]},
-                          {"text": "x", "method": h}, {"text": "x", "ttl": h}, {"messages": [{"role": "user", "content": h}]},
+                          {"text": "x", "method": h}, {"text": "x", "ttl": h},
+                          {"messages": [{"role": "user", "content": h}]},
                           {"text": "x", "method": {"name": "key-kmeans", "params": {h: h}}}]
     return out
 

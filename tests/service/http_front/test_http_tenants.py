@@ -48,7 +48,8 @@ def test_tenant_matrix_through_http(server):
         ask = {"cached_content": cid, "messages": QUESTION, "max_tokens": 2}
         cross += me.post("/v1/chat/completions", json=ask).status_code != 404
         cross += me.post("/v1/chat/completions", json={**ask, "stream": True}).status_code != 404
-        cross += me.post("/v1/completions", json={"cached_content": cid, "prompt": "x", "max_tokens": 2}).status_code != 404
+        text = {"cached_content": cid, "prompt": "x", "max_tokens": 2}
+        cross += me.post("/v1/completions", json=text).status_code != 404
         cross += me.delete(f"/v1/cached_contents/{cid}").status_code != 404
         # automatically: the same leading messages find the caller's own context, never the other's
         auto = me.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": TEXT}, *QUESTION],
