@@ -12,15 +12,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from ctxcache.service.auth import Caller
 from ctxcache.service.errors import Cancelled, PermissionDenied
 from ctxcache.service.http.cached import CachedContents
-from ctxcache.service.http.errors import error_response, http_response, pydantic_response, validation_response
+from ctxcache.service.http.errors import error_response, http_response, validation_response
 from ctxcache.service.http.generation import Generation
 from ctxcache.service.http.middleware import Guard, HttpMetrics, HttpMetricSet, caller_of
 from ctxcache.service.http.protocol import (CachedContentCreate, CachedContentUpdate, ChatCompletionRequest,
@@ -53,8 +51,6 @@ async def _answer(work: Callable[[], Awaitable[Any]], request: Request | None = 
     error shape with the status the error maps to. request: cancel the work if its client leaves."""
     try:
         result = await (work() if request is None else _unless_gone(request, work))
-    except ValidationError as exc:  # a body check pydantic ran inside a handler
-        return pydantic_response(exc)
     except Exception as exc:  # noqa: BLE001 - mapped in errors.py, never a bare 500
         return error_response(exc)
     if isinstance(result, AsyncIterator):

@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 import grpc
-from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from ctxcache.service.errors import InvalidArgument, status_for
@@ -91,10 +90,6 @@ def validation_response(errors: list[dict[str, Any]]) -> ErrorResponse:
     message = f"{param or 'body'}: {first.get('msg')}"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return ErrorResponse(envelope(400, message + more, param=param, code="invalid_argument"), 400)
-
-
-def pydantic_response(exc: ValidationError) -> ErrorResponse:
-    return validation_response(exc.errors(include_url=False, include_input=False))
 
 
 def http_response(status: int, detail: Any, headers: dict[str, str] | None = None) -> ErrorResponse:
