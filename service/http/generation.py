@@ -23,7 +23,7 @@ from ctxcache.service.auth import Caller
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.errors import InvalidArgument
 from ctxcache.service.generate_streams import Chunk, Final, GenerateSpec, GenerateStreams
-from ctxcache.service.http import prefix
+from ctxcache.service.http.prefix import PrefixLookup
 from ctxcache.service.http.errors import error_body
 from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from ctxcache.service.http.shapes import Completion
@@ -79,6 +79,7 @@ class Generation:
                  default_max_tokens: int, max_tokens_limit: int, model: str) -> None:
         self.indexer, self.decoder, self.pool, self.model = indexer, decoder, pool, model
         self.default_max, self.limit = default_max_tokens, max_tokens_limit
+        self.prefixes = PrefixLookup(indexer)
 
     def _spec(self, request: pb.GenerateRequest) -> GenerateSpec:
         return convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len)
@@ -96,7 +97,7 @@ class Generation:
             cid = context_reference(reference)
             contexts.check_readable(self.indexer, caller, cid)
             return replace(spec, context_id=cid)
-        match = prefix.find(self.indexer, spec.turn, caller.tenant or "")
+        match = self.prefixes.find(spec.turn, caller.tenant or "")
         return replace(spec, context_id=match.context_id, turn=spec.turn[match.n_messages:])
 
     async def completion(self, caller: Caller, req: CompletionRequest) -> dict | AsyncIterator[str]:

@@ -138,3 +138,15 @@ def test_automatic_match_still_building_is_409(server, monkeypatch):
     monkeypatch.setattr(ix, "job", lambda cid: Job(cid, None, [], stage=0.5))
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": TEXT}, *USER]})
     assert "still BUILDING (50%)" in refused(r, 409)["message"]
+
+
+def test_automatic_lookup_tokenizes_a_message_list_once(server, monkeypatch):
+    srv, http, cid = server
+    calls, real = [], srv.indexer.prompter.context_tokens
+    monkeypatch.setattr(srv.indexer.prompter, "context_tokens", lambda m: calls.append(len(m)) or real(m))
+    ask = {"messages": [{"role": "system", "content": TEXT}, *USER], "max_tokens": 1}
+    first, again = (http.post("/v1/chat/completions", json=ask).json() for _ in range(2))
+    assert first["cached_content"] == again["cached_content"] == cid and calls == [1]  # one split, tokenized once
+    other = {**ask, "messages": [{"role": "system", "content": TEXT + " Other."}, *USER]}
+    assert [http.post("/v1/chat/completions", json=other).status_code for _ in range(2)] == [404, 404]
+    assert calls == [1, 1]
