@@ -59,8 +59,9 @@ async def _answer(work: Callable[[], Awaitable[Any]], request: Request | None = 
 
 
 def build_app(generation: Generation, cached: CachedContents, auth, draining: Callable[[], bool],
-              metrics, max_body_bytes: int) -> FastAPI:
-    """auth: service.auth.Auth (the gRPC front's tokens); metrics: the server's Metrics."""
+              ready: Callable[[], bool], metrics, max_body_bytes: int) -> FastAPI:
+    """auth: service.auth.Auth (the gRPC front's tokens); ready: warm and serving (gRPC health
+    SERVING); metrics: the server's Metrics."""
     app = FastAPI(title="ctxcache", docs_url=None, redoc_url=None)
     app.add_middleware(Guard, auth=auth, draining=draining, max_body_bytes=max_body_bytes)
     app.add_middleware(HttpMetrics, metrics=HttpMetricSet(metrics.registry))
@@ -69,8 +70,8 @@ def build_app(generation: Generation, cached: CachedContents, auth, draining: Ca
 
     @app.get("/health")
     async def health() -> Response:
-        if draining():
-            return JSONResponse({"status": "draining"}, 503)
+        if draining() or not ready():
+            return JSONResponse({"status": "draining" if draining() else "starting"}, 503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

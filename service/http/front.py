@@ -32,7 +32,7 @@ class HttpFront:
         generation = Generation(server.indexer, server.decoder, server.pool, d.default_max_tokens,
                                 d.max_tokens_limit, server.lm.model_id)
         app = build_app(generation, CachedContents(server.indexer, server.decoder, server.pool), server.auth,
-                        server.draining.is_set, server.metrics, s.max_message_bytes)
+                        server.draining.is_set, server.ready.is_set, server.metrics, s.max_message_bytes)
         tls = {} if s.tls_cert is None else {"ssl_certfile": str(s.tls_cert), "ssl_keyfile": str(s.tls_key)}
         self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none",
                                      timeout_graceful_shutdown=1, **tls)
