@@ -22,6 +22,7 @@ BENCHMARKS = {
     "decode": ("GPU", "whole-model decode tokens/s dense vs CSAttention; index build time; TTFT"),
     "offload": ("GPU", "decode attention over KV in pinned host memory vs dense on GPU and host"),
     "serve": ("any", "the product path: a real server + gRPC client, sparse vs dense mode, TTFT tiers, tok/s"),
+    "http": ("CPU", "the OpenAI-compatible HTTP front vs gRPC on one server: TTFT and tok/s, by reference and automatic"),
 }
 
 

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: one the OS picks, printed)")
     p.add_argument("--admin-port", type=int, default=None, help="serve admin + reflection here only")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP (on --host)")
+    p.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API "
+                   "here (on --host; 0: a free port): /v1/chat/completions, /v1/cached_contents, ...")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM: seconds live streams get to finish")
     p.add_argument("--advertise", default="", help="host:port the registry records for this worker "
                    "(default: --host, or the hostname when binding all interfaces)")

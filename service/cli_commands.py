@@ -38,7 +38,8 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
         server=ServerConfig(host=host, port=port, admin_port=admin_port, max_streams=args.max_streams,
                             threads=max(64, args.max_streams + 16), auth_token=token,
                             tenant_tokens=tenant_tokens, tls_cert=tls[0], tls_key=tls[1],
-                            grace_seconds=getattr(args, "grace", 5.0), advertise=getattr(args, "advertise", "")),
+                            grace_seconds=getattr(args, "grace", 5.0), advertise=getattr(args, "advertise", ""),
+                            http_port=getattr(args, "http_port", None)),
         model=ModelConfig(args.model, args.device, args.dtype),
         store=StoreSettings(args.data, int(args.store_budget_gb * GiB)),
         registry=RegistrySettings(args.redis),
@@ -109,7 +110,8 @@ def serve(args) -> int:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    print(f"ctxcache serving on {args.host}:{port} (admin {server.admin_port}), model {cfg.model.model}, "
+    http = f", http {server.http_port}" if server.http is not None else ""
+    print(f"ctxcache serving on {args.host}:{port} (admin {server.admin_port}{http}), model {cfg.model.model}, "
           f"store {cfg.store.path}, registry {server.backend.registry_kind}", flush=True)
     done.wait()
     print("draining...", flush=True)

@@ -20,6 +20,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: pick a free port
     admin_port: int | None = None  # None: admin + reflection on the main port; 0: free port
+    http_port: int | None = None  # the OpenAI-compatible HTTP front (service/http/); None: off; 0: free port
     max_message_bytes: int = 64 * MiB
     max_streams: int = 16  # concurrent Generate streams; more -> RESOURCE_EXHAUSTED
     threads: int = 64  # gRPC handler threads (streams + unary calls)
@@ -34,8 +35,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} must be in [0, 65535]")
-        if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
-            raise ValueError(f"admin_port={self.admin_port} must be in [0, 65535]")
+        for name in ("admin_port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name}={value} must be in [0, 65535]")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be >= 1024")
         if self.max_streams < 1 or self.threads <= self.max_streams:

@@ -63,8 +63,10 @@ class CtxcacheServer:
         self.loop = LoopThread()
         self.health = self.loop.run(_make_health())
         self.servers: list[grpc.aio.Server] = []
-        self.port = self.admin_port = 0
+        self.port = self.admin_port = self.http_port = 0
+        self.http = None  # the HTTP front (service/http/), when config.server.http_port is set
         self.draining = threading.Event()
+        self.ready = threading.Event()  # set once SERVING (warm)
         self._stopped = threading.Event()
 
     def _new_server(self) -> grpc.aio.Server:
@@ -92,15 +94,20 @@ class CtxcacheServer:
         return bound
 
     def start(self) -> int:
+        if self.config.server.http_port is not None:  # first: a port in use then leaves nothing started
+            from ctxcache.service.http.front import HttpFront  # FastAPI and uvicorn only when asked for
+            self.http = HttpFront(self)
+            self.http_port = self.http.start(self.config.server.http_port)
         self.port = self.loop.run(self._start())  # health NOT_SERVING until the runners are warm
         ix = self.config.indexer
         warm_up(self.lm, [e.runner for e in self.decoder.engines], ix.method, ix.method_params, "float16",
                 self.compiles)
         self.loop.run(self._set_health(health_pb2.HealthCheckResponse.SERVING))
+        self.ready.set()  # the HTTP front's /health says ok from here on
         self.backend.relocate(self.config.server.advertised(self.port))
         _reconcile(self.backend)  # the store is the truth; repair the index at start
-        log.info("serving on %s:%d (admin %d) as %s", self.config.server.host, self.port, self.admin_port,
-                 self.backend.location)
+        log.info("serving on %s:%d (admin %d, http %s) as %s", self.config.server.host, self.port, self.admin_port,
+                 self.http_port or "off", self.backend.location)
         return self.port
 
     async def _start(self) -> int:
@@ -149,6 +156,8 @@ class CtxcacheServer:
         end = time.monotonic() + 2.0
         while self.decoder.active and time.monotonic() < end:
             time.sleep(0.02)
+        if self.http is not None:
+            self.http.stop()
         self.loop.run(_stop_all(self.servers, 0.5))
         self.decoder.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -267,6 +276,8 @@ def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple
     try:
         return server, server.start()
     except BaseException:
+        if server.http is not None:
+            server.http.stop()
         server.indexer.close()
         server.backend.close()
         server.loop.close()

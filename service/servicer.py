@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ctxcache.service import convert
+from ctxcache.service import contexts, convert
 from ctxcache.service.auth import Auth, Caller
 from ctxcache.service.generate_streams import Chunk, Final, GenerateStreams
-from ctxcache.service.errors import FailedPrecondition, NotFound, Unauthenticated, Unavailable
+from ctxcache.service.errors import NotFound, Unauthenticated, Unavailable
 from ctxcache.service.rpc import in_thread, iterate_in_thread, streaming, unary
 from ctxcache.client.gen.v1 import context_pb2 as pb, context_pb2_grpc
 from ctxcache.service.build_queue import BuildQueue, Job
@@ -80,13 +80,6 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
             raise Unavailable("the server is shutting down; retry on another worker")
         return caller
 
-    def _visible(self, caller: Caller, cid: str) -> str:
-        """NOT_FOUND for another tenant's context, as if it were absent."""
-        tenant = self.indexer.tenant_of(cid)
-        if tenant is not None and not caller.sees(tenant):
-            raise NotFound(f"context {cid} not found")
-        return cid
-
     @unary
     async def PutContext(self, request, context):
         caller = self._caller(context)
@@ -105,7 +98,8 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     async def GetContext(self, request, context):
         caller = self._caller(context)
         cid = convert.context_id(request.context_id)
-        return await in_thread(self.pool, lambda: context_info(self.indexer, self._visible(caller, cid)))
+        return await in_thread(self.pool, lambda: context_info(self.indexer,
+                                                               contexts.visible(self.indexer, caller, cid)))
 
     @unary
     async def ListContexts(self, request, context):
@@ -130,17 +124,8 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     async def DeleteContext(self, request, context):
         caller = self._caller(context)
         cid = convert.context_id(request.context_id)
-        return await in_thread(self.pool, self._delete, caller, cid)
-
-    def _delete(self, caller: Caller, cid: str) -> pb.DeleteContextResponse:
-        try:
-            self._visible(caller, cid)
-        except NotFound:
-            return pb.DeleteContextResponse(deleted=False)
-        cancelled = self.indexer.cancel(cid, "deleted by DeleteContext")  # a BUILDING id stops building
-        deleted = self.indexer.backend.delete(cid)  # store first, then DRAM (see Evict)
-        self.decoder.evict(cid)
-        return pb.DeleteContextResponse(deleted=deleted or cancelled)
+        deleted = await in_thread(self.pool, contexts.delete, self.indexer, self.decoder, caller, cid)
+        return pb.DeleteContextResponse(deleted=deleted)
 
     @streaming
     async def Generate(self, request, context):
@@ -148,21 +133,12 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
         caller = self._caller(context)
         spec = convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len,
                                      self.indexer.prompter.message_tokens)
-        await in_thread(self.pool, self._check_readable, caller, spec.context_id)
+        await in_thread(self.pool, contexts.check_readable, self.indexer, caller, spec.context_id)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, deadline, t0))
         async for event in events:
             yield _response(event)
-
-    def _check_readable(self, caller: Caller, cid: str) -> None:
-        self._visible(caller, cid)
-        if self.indexer.backend.manifest(cid) is None:
-            job = self.indexer.job(cid)
-            if job is not None and job.state == "building":
-                raise FailedPrecondition(f"context {cid} is still BUILDING ({job.progress:.0%}); "
-                                         "retry when GetContext says READY")
-            raise NotFound(self.indexer.backend.missing(cid))
 
 
 def _response(event: Chunk | Final) -> pb.GenerateResponse:
