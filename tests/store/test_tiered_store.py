@@ -73,11 +73,14 @@ def test_concurrent_loads_of_one_context_share_one_download(tier_uri: str, tmp_p
 
 
 def test_a_delete_on_one_worker_is_not_served_from_another_workers_local_copy(tier_uri: str, tmp_path: Path) -> None:
-    with worker(tmp_path, "a", tier_uri) as a, worker(tmp_path, "b", tier_uri) as b:
+    with worker(tmp_path, "a", tier_uri) as a, worker(tmp_path, "b", tier_uri, confirm_ttl_s=0.3) as b:
         a.put("c1", make_artifact(3))
-        assert b.get("c1") is not None and b.local.manifest("c1") is not None
-        assert a.delete("c1")
-        assert b.get("c1") is None and b.local.manifest("c1") is None
+        a.put("c2", make_artifact(4))
+        assert b.get("c1") is not None and b.get("c2") is not None and b.local.manifest("c1") is not None
+        assert a.delete("c1") and a.delete("c2")
+        time.sleep(0.3)  # b's last word from the object store holds this long
+        assert b.manifest("c1") is None and b.local.manifest("c1") is None
+        assert b.get("c2") is None and b.local.manifest("c2") is None
         assert a.shared.tier.list(lay.VERSION) == []
 
 
@@ -104,7 +107,7 @@ def test_a_damaged_local_copy_is_replaced_from_the_object_store(tier_uri: str, t
 
 
 def test_ttl_pin_and_budget_act_on_the_shared_copy(tier_uri: str, tmp_path: Path) -> None:
-    with worker(tmp_path, "a", tier_uri) as a, worker(tmp_path, "b", tier_uri) as b:
+    with worker(tmp_path, "a", tier_uri) as a, worker(tmp_path, "b", tier_uri, confirm_ttl_s=0) as b:
         a.put("c1", make_artifact(6), ContextMeta(ttl_s=3600))
         assert b.get("c1") is not None
         assert a.update_meta("c1", pinned=True).pinned and b.shared.manifest("c1").pinned
