@@ -5,8 +5,8 @@
 It has ArtifactStore's methods, so the service uses it unchanged. Writes go to the object store
 (chunks, then the manifest), then to the local cache. A get is answered by the local cache when
 it holds the context (after a quick check that the object store still has it: a Delete on
-another worker must not be served here), else downloaded once, checked, kept locally and
-decoded; concurrent gets of one context share that download. The local cache evicts by its own
+another worker must not be served here), else downloaded once, checked and decoded, and kept
+locally in the background; concurrent gets of one context share that download. The local cache evicts by its own
 budget (ArtifactStore's LRU); TTL, pin, Delete and the shared budget act on the object store.
 
 When the object store does not answer, contexts in the local cache keep serving (the check
@@ -73,6 +73,11 @@ class TieredStore:
         self._down_until = float("-inf")
         self._confirmed: dict[str, float] = {}  # context id -> when the object store last had it
         self._side = ThreadPoolExecutor(2, "ctxtier")  # hit checks and access marks, off the load path
+        # local copies of downloads are written after the load returns (LMDB + fsync took longer
+        # than the download from a local folder: bench tier_load); until then a load decodes
+        # from the downloaded bytes held here
+        self._filler = ThreadPoolExecutor(1, "ctxfill")
+        self._filling: dict[str, Fetched] = {}
 
     # ---- what the service reads --------------------------------------------------------------------
     @property
@@ -116,6 +121,8 @@ class TieredStore:
     def delete(self, context_id: str) -> bool:
         """From the object store and the local cache (the local copy goes even if the object
         store does not answer; then StoreUnavailable is raised)."""
+        with self._lock:
+            self._filling.pop(context_id, None)
         local = self.local.delete(context_id)
         self._confirmed.pop(context_id, None)
         return self.shared.delete(context_id) or local
@@ -205,6 +212,20 @@ class TieredStore:
 
     def _download(self, context_id: str, with_queries: bool) -> ContextArtifact | None:
         t0 = time.perf_counter()
+        with self._lock:
+            f = self._filling.get(context_id)
+        if f is None:
+            f = self._fetch(context_id)
+            if f is None:
+                return None
+            self._fill_later(f)
+        self._confirmed[context_id] = self._clock()
+        art = self.shared.decode(f if with_queries else _without_queries(f))
+        self.loads.hit("object", f.nbytes, time.perf_counter() - t0)
+        self._mark_use(context_id)
+        return art
+
+    def _fetch(self, context_id: str) -> Fetched | None:
         try:
             f = self.shared.fetch(context_id, with_queries=True)  # all chunks: the local copy is whole
         except StoreUnavailable:
@@ -216,13 +237,27 @@ class TieredStore:
             raise
         if f is None:
             self.loads.count("misses")
-            return None
-        self._keep_local(f.manifest, f.payloads)
-        self._confirmed[context_id] = self._clock()
-        art = self.shared.decode(f if with_queries else _without_queries(f))
-        self.loads.hit("object", f.nbytes, time.perf_counter() - t0)
-        self._mark_use(context_id)
-        return art
+        return f
+
+    def _fill_later(self, f: Fetched) -> None:
+        with self._lock:
+            self._filling[f.manifest.context_id] = f
+        self._filler.submit(self._fill, f)
+
+    def _fill(self, f: Fetched) -> None:
+        cid = f.manifest.context_id
+        try:
+            self._keep_local(f.manifest, f.payloads)
+        except Exception:  # noqa: BLE001 - a background thread must not die on one bad write
+            log.exception("local copy of %s failed", cid[:12])
+        with self._lock:
+            deleted = self._filling.pop(cid, None) is None  # delete() ran meanwhile
+        if deleted:
+            self.local.delete(cid)
+
+    def flush(self) -> None:
+        """Wait until every downloaded artifact is in the local cache."""
+        self._filler.submit(lambda: None).result()
 
     def _still_shared(self, context_id: str) -> bool:
         """Whether the object store still has the context; True when it does not answer in time
@@ -284,6 +319,7 @@ class TieredStore:
                        map_used_bytes=local.map_used_bytes)
 
     def close(self) -> None:
+        self._filler.shutdown(wait=True)
         self._side.shutdown(wait=False, cancel_futures=True)
         self.shared.close()
         self.local.close()

@@ -20,6 +20,7 @@ from redis_server import free_port
 os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "WHEN_REQUIRED")
 
 _SERVICES = ("master", "volume", "filer", "s3")
+BUCKET = "ctxcache"
 
 
 def weed_binary() -> str | None:
@@ -39,13 +40,13 @@ class S3Server:
         self.proc: subprocess.Popen | None = None
         (workdir / "data").mkdir(parents=True, exist_ok=True)
 
-    def uri(self, bucket: str = "ctxcache", prefix: str = "t") -> str:
+    def uri(self, bucket: str = BUCKET, prefix: str = "t") -> str:
         return f"s3://{bucket}/{prefix}?endpoint_override={self.endpoint}&scheme=http"
 
     def _args(self) -> list[str]:
         w = self.workdir
         args = [self.binary, "server", f"-dir={w / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-                "-master.volumeSizeLimitMB=64", "-volume.max=8", "-master.electionTimeout=1s", "-volume.preStopSeconds=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-master.volumeSizeLimitMB=64", "-volume.max=64", "-master.electionTimeout=1s", "-volume.preStopSeconds=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 f"-filer.localSocket={w / 'filer.sock'}", f"-s3.localSocket={w / 's3.sock'}"]
         for s in _SERVICES:
             args += [f"-{s}.port={self.ports[s]}", f"-{s}.port.grpc={self.grpc[s]}"]
@@ -82,10 +83,10 @@ class S3Server:
         s3 = fs.S3FileSystem(endpoint_override=self.endpoint, scheme="http", anonymous=True,
                              allow_bucket_creation=True, connect_timeout=1, request_timeout=5)
         try:
-            s3.create_dir("ready")
-            with s3.open_output_stream("ready/probe") as f:
+            s3.create_dir(BUCKET)  # the tests' bucket: each bucket takes volumes of its own
+            with s3.open_output_stream(f"{BUCKET}/ready") as f:
                 f.write(b"ok")
-            with s3.open_input_stream("ready/probe") as f:
+            with s3.open_input_stream(f"{BUCKET}/ready") as f:
                 return f.read() == b"ok"
         except OSError:
             return False
