@@ -98,14 +98,15 @@ class TieredStore:
     def delete(self, context_id: str) -> bool:
         """From the object store and the local cache (the local copy goes even if the object
         store does not answer; then StoreUnavailable is raised)."""
-        with self._lock:
-            self._filling.pop(context_id, None)
-        local = self.local.delete(context_id)
-        self._presence.forget(context_id)
+        local = self.drop_local(context_id)
         return self.shared.delete(context_id) or local
 
     def drop_local(self, context_id: str) -> bool:
-        """Forget the local copy only (e.g. told by the registry that it was deleted elsewhere)."""
+        """Forget this worker's copy (e.g. told by the registry that it was deleted elsewhere):
+        the local LMDB's, a download not yet written there, and the last word of the object store."""
+        with self._lock:
+            self._filling.pop(context_id, None)
+        self._presence.forget(context_id)
         return self.local.delete(context_id)
 
     def update_meta(self, context_id: str, *, pinned: bool | None = None,

@@ -106,6 +106,21 @@ def test_a_delete_on_one_worker_is_not_served_from_another_workers_local_copy(ti
         assert a.shared.tier.list(lay.VERSION) == []
 
 
+def test_drop_local_forgets_every_copy_this_worker_holds(tier_uri: str, tmp_path: Path) -> None:
+    with worker(tmp_path, "a", tier_uri) as a, worker(tmp_path, "b", tier_uri) as b:
+        a.put("c1", make_artifact(12))
+        gate = threading.Event()
+        put_encoded = b.local.put_encoded
+        b.local.put_encoded = lambda *a: (gate.wait(10), put_encoded(*a))[1]  # type: ignore[method-assign]
+        assert b.get("c1") is not None  # its local copy is not written yet
+        a.shared.delete("c1")  # deleted elsewhere; the registry tells b
+        assert b.drop_local("c1") is False
+        assert b.get("c1") is None  # neither the held download nor a trusted check serves it
+        gate.set()
+        b.flush()
+        assert b.local.manifest("c1") is None
+
+
 def test_a_damaged_object_is_data_loss_and_never_kept_locally(tier_uri: str, tmp_path: Path) -> None:
     with worker(tmp_path, "a", tier_uri) as a, worker(tmp_path, "b", tier_uri) as b:
         m = a.put("c1", make_artifact(4))
