@@ -78,10 +78,21 @@ class StoreSettings:
     # loads into page-locked memory (async copies of the coded K/V to HBM); None: when the
     # model is on a GPU
     pin_memory: bool | None = None
+    # the shared artifact tier (s3://bucket/prefix?endpoint_override=host:port&scheme=http or
+    # file:///path): the copy of record, with the LMDB at `path` as this machine's cache of it
+    # (budget_bytes is then the cache's budget). None: the LMDB alone, as on a single node
+    object_store_uri: str | None = None
+    object_budget_bytes: int | None = None  # the shared tier's budget; None: unbounded
 
     def __post_init__(self) -> None:
         if self.budget_bytes < MiB:
             raise ValueError(f"budget_bytes={self.budget_bytes} must be >= 1 MiB")
+        if self.object_store_uri is not None:
+            from ctxcache.store.tiers import tier_class
+
+            tier_class(self.object_store_uri)  # an unknown scheme fails here, naming the URI
+        if self.object_budget_bytes is not None and self.object_budget_bytes < MiB:
+            raise ValueError(f"object_budget_bytes={self.object_budget_bytes} must be None or >= 1 MiB")
 
 
 @dataclass(frozen=True)

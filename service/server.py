@@ -33,7 +33,7 @@ from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
 from ctxcache.service.servicer import ContextServicer
 from ctxcache.service.warmup import warm_up
-from ctxcache.store import ArtifactStore, EmbeddedRegistry, StoreConfig
+from ctxcache.store import EmbeddedRegistry, ObjectStoreConfig, StoreConfig, open_store
 
 log = logging.getLogger("ctxcache.service")
 CONTEXT_SERVICE = context_pb2.DESCRIPTOR.services_by_name["ContextService"].full_name
@@ -57,6 +57,7 @@ class CtxcacheServer:
         self.decoder = GenerateStreams(lm, prompter, cache, s.max_streams, d.schedule, self.metrics,
                                        decode_runners(lm, config), d.max_batch, d.decode_mode == "dense")
         self.metrics.offload_hit_rate.set_function(self.decoder.offload_hit_rate)
+        self.metrics.track_store_loads(self.backend.store)
         _cap_to_slots(self.indexer, self.decoder.engines)
         self.auth = Auth(dict(s.tenant_tokens), s.auth_token)
         self.pool = ThreadPoolExecutor(s.threads, "ctxcache-rpc")
@@ -241,8 +242,10 @@ def _open_store_and_registry(config: ServiceConfig):
     budget = config.store.budget_bytes
     pin = config.store.pin_memory
     pin = config.model.device.startswith("cuda") if pin is None else pin
-    store = ArtifactStore(config.store.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20),
-                                                         budget_bytes=budget, pin_memory=pin))
+    st = config.store
+    store = open_store(st.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20), budget_bytes=budget,
+                                            pin_memory=pin),
+                       st.object_store_uri, ObjectStoreConfig(budget_bytes=st.object_budget_bytes))
     url = config.registry.redis_url
     if url is None:
         return store, EmbeddedRegistry(), "embedded"
