@@ -98,13 +98,6 @@ def decode_kv(parts: dict[str, torch.Tensor], codec: str, dtype: torch.dtype) ->
     raise ValueError(f"unknown kv_codec {codec!r}; known: lossless, int8, int4")
 
 
-def int8_keys(k: torch.Tensor) -> torch.Tensor:
-    """k [Hkv, N, D] as the int8 codec stores it, decoded (fp32): its groups start at token 0."""
-    q, scale = _quantize_keys(k)
-    n = k.shape[1]
-    return (_grouped(q.float()) * scale.float()[:, :, None]).flatten(1, 2)[:, :n]
-
-
 def _grouped(x: torch.Tensor) -> torch.Tensor:
     """[Hkv, N, D] -> [Hkv, ceil(N/G), G, D], zero-padded at the end."""
     pad = -x.shape[1] % KEY_GROUP

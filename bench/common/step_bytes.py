@@ -20,16 +20,15 @@ def step_bytes(name: str, params: dict, n: int, budget: Budget, n_kv_heads: int,
     """Bytes read per step and layer by method `name` (params) over n cached keys; `full` is dense."""
     lo, hi = budget.region(n)
     static, k = n - (hi - lo), min(budget.top_k(n), hi - lo)
-    rows, per_head = 0, head_dim * KV_BYTES
+    rows = 0
     if name == "full":
-        k_b = v_b = n_kv_heads * n * per_head
+        k_keys = v_keys = n
     else:
         method = make_method(name, params)
-        v_b = n_kv_heads * (k + static) * per_head
-        searched = (n * per_head if method.caps.reads_all_keys
-                    else method.search_key_bytes(k, hi - lo, head_dim, KV_BYTES) + static * per_head)
-        k_b = n_kv_heads * searched
+        v_keys = k + static
+        k_keys = n if method.caps.reads_all_keys else method.search_reads(k, hi - lo) + static
         rows = method.index_read_bytes(n, n_kv_heads, group)
+    k_b, v_b = (n_kv_heads * x * head_dim * KV_BYTES for x in (k_keys, v_keys))
     total = k_b + v_b + rows
     return {"k_bytes": k_b, "v_bytes": v_b, "index_bytes": rows, "total": total,
             "per_key": total / (n * n_kv_heads), "x_dense": total / (2 * n * n_kv_heads * head_dim * KV_BYTES)}

@@ -194,11 +194,6 @@ class SparseMethod(ABC):
         reads, those it returns included (more when it re-ranks candidates by their keys)."""
         return min(k, region)
 
-    def search_key_bytes(self, k: int, region: int, head_dim: int, kv_bytes: int) -> int:
-        """Bytes of K one KV head's search reads for k keys in a region of `region` keys: the
-        search_reads keys' K at kv_bytes per element (methods reading coded keys override)."""
-        return self.search_reads(k, region) * head_dim * kv_bytes
-
     def index_read_bytes(self, n_tokens: int, n_kv_heads: int, group: int) -> int:
         """Bytes of its own tables (not K/V) a search reads per step and layer over n_tokens
         cached keys, for n_kv_heads KV heads of `group` query heads each (0: none counted)."""

@@ -59,7 +59,6 @@ import torch.nn.functional as F
 from ctxcache.host_copy import to_host, wait_for_host_copies
 from ctxcache.methods.base import Capabilities, LayerState, MethodParams, ParamError, SparseMethod, Tables
 from ctxcache.methods.budget import fp16_rank, outside_region, topk_in_region
-from ctxcache.methods.csattention_int8_rerank import int8_candidate_bytes, int8_key_rows, rerank_from_rows
 from ctxcache.methods.csattention_lean import lean_state
 from ctxcache.methods.csattention_rows import DERIVED, ROW_KEYS, dense_row_bytes, dense_rows, routed_rows, row_keys
 from ctxcache.methods.int8_tables import int_dot_scores
@@ -73,7 +72,6 @@ _CHOICES = {
     "group_combine": ("sum", "max", "softmax"),
     "routing": ("head", "group"),
     "table_dtype": ("auto", "float16", "int8"),
-    "rerank_keys": ("exact", "int8"),
 }
 
 
@@ -105,9 +103,6 @@ class CSAttentionParams(MethodParams):
     # > 1: propose ceil(rerank * K) keys by the estimate, keep the K best by exact attention
     # (1: the estimate's top-K, what the GPU selector computes)
     rerank: float = 4.0
-    # what the re-rank scores the candidates against: the cached keys, or their int8 codes
-    # (csattention_int8_rerank: a candidate costs about half the bytes)
-    rerank_keys: str = "exact"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -148,7 +143,7 @@ class CSAttentionParams(MethodParams):
     def gpu_selectable(self) -> bool:
         """Whether the GPU path computes exactly this selection (no backoff, summed group; the
         exact re-rank in kernels/rerank.Reranker)."""
-        return (self.backoff_cos <= -1.0 and self.group_combine == "sum" and self.rerank_keys == "exact"
+        return (self.backoff_cos <= -1.0 and self.group_combine == "sum"
                 and self.weighting in ("unit", "qnorm") and self.scoring in ("absolute", "relative", "expected"))
 
     def list_length(self, n: int) -> int:
@@ -195,7 +190,7 @@ class CSAttention(SparseMethod):
     name = "csattention"
     Params = CSAttentionParams
     caps = Capabilities(uses_queries=True, streaming=True, gpu_decode=True)
-    search_params = frozenset({"rerank", "rerank_keys"})
+    search_params = frozenset({"rerank"})
 
     def check_model(self, head_dim: int) -> None:
         try:
@@ -329,19 +324,10 @@ class CSAttention(SparseMethod):
             return found
         n = keys.shape[1]
         others = outside_region(lo, hi, n, found.device).expand(found.shape[0], -1)
-        if self.params.rerank_keys == "int8":
-            rows = int8_key_rows(state, keys, torch.cat([found, others], dim=1))
-            return rerank_from_rows(q, rows, found, k)
         return exact_rerank(q, keys, found, k, others)
 
     def search_reads(self, k: int, region: int) -> int:
         return self.params.candidates(k, region)
-
-    def search_key_bytes(self, k: int, region: int, head_dim: int, kv_bytes: int) -> int:
-        c = self.params.candidates(k, region)
-        if self.params.rerank_keys == "int8" and c > k:  # int8 codes of the candidates, fp16 K of the K kept
-            return int8_candidate_bytes(c, head_dim) + min(k, region) * head_dim * kv_bytes
-        return c * head_dim * kv_bytes
 
     def index_read_bytes(self, n_tokens: int, n_kv_heads: int, group: int) -> int:
         """The routed rows (dense layout: one per subspace and route, per KV head, or per query
