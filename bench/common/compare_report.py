@@ -93,6 +93,14 @@ def markdown(merged: dict, rows: list[dict]) -> str:
     config, m = merged["config"], merged["machine"]
     texts, lengths = config["texts"], task_lengths(config)
     tasks, at = (config["tasks"] if lengths else []), detail_length(config)
+    ret_rows = [r for r in rows if "retention" in r]
+    missing = merged.get("missing_cells") or []
+    if "fid" in config.get("skip", []) and not lengths:  # a retention run: its tables alone
+        notes = [f"Model {config['model']}, sinks {config['sinks']} + recent {config['recent']} always read; "
+                 f"machine: {m.get('cpu')} ({m.get('cpu_count')} CPUs), torch {m.get('torch')}; date {merged['date']}."]
+        if missing:
+            notes.append(f"INCOMPLETE: {len(missing)} cells missing: {', '.join(missing)}")
+        return "\n".join(f"- {n}" for n in notes) + "\n" + retention_markdown(ret_rows, config)
     tl = "/".join(t[0].upper() for t in texts)
     head = (["method", "keep", "keys read"] + [f"mass recall {tl}", f"top-K recall {tl}",
              f"output rel. err. {tl}", f"top-1 agr. {tl}", f"NLL change {tl}"]
@@ -138,8 +146,6 @@ def markdown(merged: dict, rows: list[dict]) -> str:
     if lengths:
         notes.append("Task trials per method and budget: " + ", ".join(f"{trials[n]} @{n}" for n in lengths)
                      + " (each a score in [0, 1]; `full` is dense attention).")
-    ret_rows = [r for r in rows if "retention" in r]
-    missing = merged.get("missing_cells") or []
     if missing:
         notes.append(f"INCOMPLETE: {len(missing)} cells missing: {', '.join(missing)}")
     return ("\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
@@ -204,8 +210,8 @@ def plot(merged: dict, rows: list[dict], path: Path) -> None:
         legend_ax = axes[len(texts) + len(lengths) - 1]
         if legend_ax.get_legend_handles_labels()[0]:
             legend_ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"{config['model']} on {merged['machine'].get('cpu')} ({merged['date']}); "
-                 "MagicPIG (squares) at its sampled fraction")
+    pig = "; MagicPIG (squares) at its sampled fraction" if any("sampled_frac" in r for r in rows) else ""
+    fig.suptitle(f"{config['model']} on {merged['machine'].get('cpu')} ({merged['date']}){pig}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

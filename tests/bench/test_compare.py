@@ -140,3 +140,17 @@ def test_gpu_bench_grid_runs_every_batch_and_context():
     from ctxcache.bench.common.gpu import grid_points, positive_ints
     args = argparse.Namespace(batches=positive_ints("1,8"), contexts=positive_ints("8192,131072"))
     assert list(grid_points(args)) == [(1, 8192), (1, 131072), (8, 8192), (8, 131072)]
+
+
+def test_a_retention_run_reports_its_tables_alone(tmp_path):
+    args = parse_args(["--methods", "full,oracle,csattention", "--keeps", "0.05", "--skip", "fid,task",
+                       "--retention-lengths", "2048", "--retention-seeds", "0", "--retention-fillers", "prose"])
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    rows = ([_ret("full", None, i, 1.0) for i in range(4)] + [_ret("oracle", 0.05, i, 1.0) for i in range(4)]
+            + [_ret("csattention", 0.05, i, float(i < 3)) for i in range(4)])
+    _shard(shards / "a.json", config_of(args), {"ret:2048:prose:0": {"rows": rows, "seconds": 1.0}})
+    paths = merge(argparse.Namespace(merge=str(shards), results=str(tmp_path / "out"), name=None))
+    md = paths["md"].read_text()
+    assert "mass recall" not in md and "| csattention | 0.05 | 50.0 (0.200) | 0.750 (4) 0/1 p=1 |" in md
+    assert paths["png"].stat().st_size > 0
