@@ -200,6 +200,11 @@ class SparseMethod(ABC):
         reads, those it returns included (more when it re-ranks candidates by their keys)."""
         return min(k, region)
 
+    def index_read_bytes(self, n_tokens: int, n_kv_heads: int, group: int) -> int:
+        """Bytes of its own tables (not K/V) a search reads per step and layer over n_tokens
+        cached keys, for n_kv_heads KV heads of `group` query heads each (0: none counted)."""
+        return 0
+
     def append(self, state: LayerState, k_new: torch.Tensor, start: int) -> None:
         """Index keys k_new [Hkv, T, D] generated at positions start..start+T-1."""
 
