@@ -68,7 +68,8 @@ def test_generate_past_120k_tokens_with_the_defaults(tmp_path):
 
 
 def _text_of(tokenizer, n_tokens: int) -> str:
-    """Distinct sentences of about n_tokens tokens (one byte a token without a tokenizer)."""
-    sentences = [f"Record {i} keeps the value {i * 7919 % 100003}. " for i in range(n_tokens)]
-    per = len(tokenizer.encode("".join(sentences[:200]))) / 200 if tokenizer is not None else len(sentences[0])
-    return "".join(sentences[:int(n_tokens / per)])
+    """Distinct sentences cut to n_tokens tokens (one byte a token without a tokenizer)."""
+    text = "".join(f"Record {i} keeps the value {i * 7919 % 100003}. " for i in range(n_tokens))
+    if tokenizer is None:
+        return text[:n_tokens]
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:n_tokens])
