@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from ctxcache.bench.common.report import write_result
+from ctxcache.bench.common.report import add_out, write_result
 from ctxcache.bench.common.server import running_server
 from ctxcache.bench.common.texts import builtin_text, text_of_tokens
 from ctxcache.client import Client
@@ -156,7 +156,7 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ctxcache bench http", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results", help="folder of the result JSON")
+    add_out(ap)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", type=int, default=4096, help="context length in tokens")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
