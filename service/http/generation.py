@@ -25,7 +25,7 @@ from ctxcache.service.errors import InvalidArgument
 from ctxcache.service.generate_streams import Chunk, Final, GenerateSpec, GenerateStreams
 from ctxcache.service.http.prefix import PrefixLookup
 from ctxcache.service.http.errors import error_body
-from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
 from ctxcache.service.http.shapes import Completion
 from ctxcache.service.rpc import in_thread, iterate_in_thread
 
@@ -42,7 +42,7 @@ def context_reference(value: str) -> str:
     return m[1]
 
 
-def _refuse(req: _Sampling, chat: bool) -> None:
+def _refuse(req: SamplingBody, chat: bool) -> None:
     """What this server does not do answers 400 naming the field, never a silent default."""
     bad = {"n": req.n not in (None, 1) and "only n=1 (one choice per request) is supported",
            "logprobs": req.logprobs not in (None, False, 0) and "log probabilities are not supported",
@@ -66,7 +66,7 @@ def _refuse(req: _Sampling, chat: bool) -> None:
             raise InvalidArgument(name, why)
 
 
-def _proto(req: _Sampling, cid: str, max_tokens: int | None, **turn: Any) -> pb.GenerateRequest:
+def _proto(req: SamplingBody, cid: str, max_tokens: int | None, **turn: Any) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                  top_p=req.top_p or 0.0, max_tokens=max_tokens or 0)
     if req.seed is not None:
@@ -116,7 +116,7 @@ class Generation:
         spec = replace(spec, prompt_tokens=tuple(tokens))
         return await self._answer(spec, Completion(req.model or self.model, cid, False), req, t0)
 
-    async def _answer(self, spec: GenerateSpec, shape: Completion, req: _Sampling, t0: float
+    async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody, t0: float
                       ) -> dict | AsyncIterator[str]:
         events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, None, t0))
         if not req.stream:

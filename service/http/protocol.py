@@ -76,7 +76,7 @@ class StreamOptions(_Body):
 Stop = Text | list[Text] | None
 
 
-class _Sampling(_Body):
+class SamplingBody(_Body):
     """What chat and text completions share."""
     model: Text = ""  # one model is served; the name is echoed, not checked
     max_tokens: Annotated[int, Field(ge=1, le=MAX_U32)] | None = None
@@ -104,7 +104,7 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_U32)] | None = None
     top_logprobs: int | None = None
@@ -114,7 +114,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingBody):
     prompt: Text | list[Text]
     echo: bool = False
     suffix: Text | None = None
