@@ -1,7 +1,8 @@
 """The benchmarks a user runs, one command each: `ctxcache bench NAME [--help]`.
 
-Each prints a table and writes `bench/results/<NAME>_<device>.json` (machine, commit and date
-inside). Helpers shared by several live in bench/common/. Importing this package loads no torch."""
+Each prints a table and writes `<NAME>_<device>.json` (machine, commit and date inside) to a
+scratch folder, or with `--out bench/results` over the committed results. Helpers shared by
+several live in bench/common/. Importing this package loads no torch."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ BENCHMARKS = {
     "footprint": ("CPU", "CSAttention's resident index: mass recall vs index bytes over C, m, row bits (+ plot)"),
     "storage": ("CPU", "per K/V codec through the store: bytes vs fp16 K/V, cold TTFT, mass recall, NLL, passkey"),
     "store_io": ("CPU", "the LMDB store: bytes per chunk kind, compression, put and load times"),
+    "tier_load": ("CPU", "a cold load from the shared object store (file://, s3://) vs the local LMDB"),
     "check": ("GPU", "correctness of the GPU path vs the torch reference (selection overlap, greedy tokens)"),
     "attention": ("GPU", "per-layer decode attention: dense SDPA vs CSAttention selection + sparse attention"),
     "decode": ("GPU", "whole-model decode tokens/s dense vs CSAttention; index build time; TTFT"),
     "offload": ("GPU", "decode attention over KV in pinned host memory vs dense on GPU and host"),
     "serve": ("any", "the product path: a real server + gRPC client, sparse vs dense mode, TTFT tiers, tok/s"),
+    "http": ("CPU", "the OpenAI-compatible HTTP front vs gRPC on one server: TTFT and tok/s, by reference and automatic"),
 }
 
 
@@ -28,7 +31,8 @@ def usage() -> str:
     width = max(map(len, BENCHMARKS))
     lines = ["usage: ctxcache bench NAME [--help | ARGS...]", "", "benchmarks:"]
     lines += [f"  {name:<{width}}  {where:<3}  {what}" for name, (where, what) in BENCHMARKS.items()]
-    lines += ["", "Each prints a table and writes bench/results/NAME_DEVICE.json; bench/README.md has the recipes."]
+    lines += ["", "Each prints a table and writes NAME_DEVICE.json to a scratch folder (--out DIR elsewhere; "
+              "--out bench/results updates the committed results); bench/README.md has the recipes."]
     return "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ from ctxcache.decoder import SparseConfig
 from ctxcache.methods import Budget, make_method
 from ctxcache.methods.magicpig import PAPER_CONFIGS, PAPER_TABLE8, sampled_fraction
 
-from ctxcache.bench.common.report import commit, machine_info
+from ctxcache.bench.common.report import SCRATCH, add_out, commit, machine_info
 from ctxcache.bench.common.selection import dense_cost_us, selection_cost_us
 from ctxcache.bench.common.texts import KINDS
 
@@ -132,9 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--shard", default=None, help="i/n: run every n-th cell starting at i")
     ap.add_argument("--cells", default=None, help="comma-separated cell ids (see --list-cells)")
     ap.add_argument("--list-cells", action="store_true")
-    ap.add_argument("--out", default="bench/results/compare_shards", help="shard JSON folder")
+    add_out(ap, SCRATCH / "compare_shards", what="the shard JSONs")
     ap.add_argument("--merge", default=None, metavar="DIR", help="merge the shard JSONs of DIR")
-    ap.add_argument("--results", default="bench/results", help="where --merge writes")
+    add_out(ap, SCRATCH, "--results", "what --merge writes (JSON, table, PNG)")
     ap.add_argument("--name", default=None, help="output name (default compare_DEVICE)")
     args = ap.parse_args(argv)
     args.keep_list = [float(x) for x in args.keeps.split(",") if x]

@@ -73,6 +73,7 @@ def _foreign_codes() -> dict[type, grpc.StatusCode]:
                        ("StoreDamaged", grpc.StatusCode.DATA_LOSS),
                        ("StoreFull", grpc.StatusCode.RESOURCE_EXHAUSTED),
                        ("RegistryUnavailable", grpc.StatusCode.UNAVAILABLE),
+                       ("StoreUnavailable", grpc.StatusCode.UNAVAILABLE),
                        ("FormatMismatch", grpc.StatusCode.FAILED_PRECONDITION),
                        ("NotFound", grpc.StatusCode.NOT_FOUND)):
         try:

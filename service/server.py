@@ -15,8 +15,10 @@ from grpc_reflection.v1alpha import reflection
 
 from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.runner import ReferenceRunner, Runner
+from ctxcache.kernels.compiles import CompileCounter
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel, load_model
+from ctxcache.service.access_log import AccessLogInterceptor
 from ctxcache.service.admin import AdminServicer
 from ctxcache.service.auth import Auth, AuthInterceptor
 from ctxcache.service.rpc import LoopThread, ParseInterceptor
@@ -30,7 +32,8 @@ from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
 from ctxcache.service.servicer import ContextServicer
-from ctxcache.store import ArtifactStore, EmbeddedRegistry, StoreConfig
+from ctxcache.service.warmup import warm_up
+from ctxcache.store import EmbeddedRegistry, ObjectStoreConfig, StoreConfig, open_store
 
 log = logging.getLogger("ctxcache.service")
 CONTEXT_SERVICE = context_pb2.DESCRIPTOR.services_by_name["ContextService"].full_name
@@ -44,6 +47,8 @@ class CtxcacheServer:
 
     def __init__(self, config: ServiceConfig, lm: LoadedModel) -> None:
         self.config, self.lm, self.metrics = config, lm, Metrics()
+        self.compiles = CompileCounter.install()
+        self.metrics.kernel_compiles_after_ready.set_function(self.compiles.after_ready)
         self.backend = Backend(*_open_store_and_registry(config))
         prompter = Prompter(lm.tokenizer if lm.tokenizer is not None else ByteTokenizer())
         d, s = config.decoder, config.server
@@ -52,13 +57,17 @@ class CtxcacheServer:
         self.decoder = GenerateStreams(lm, prompter, cache, s.max_streams, d.schedule, self.metrics,
                                        decode_runners(lm, config), d.max_batch, d.decode_mode == "dense")
         self.metrics.offload_hit_rate.set_function(self.decoder.offload_hit_rate)
+        self.metrics.track_store_loads(self.backend.store)
+        _cap_to_slots(self.indexer, self.decoder.engines)
         self.auth = Auth(dict(s.tenant_tokens), s.auth_token)
         self.pool = ThreadPoolExecutor(s.threads, "ctxcache-rpc")
         self.loop = LoopThread()
         self.health = self.loop.run(_make_health())
         self.servers: list[grpc.aio.Server] = []
-        self.port = self.admin_port = 0
+        self.port = self.admin_port = self.http_port = 0
+        self.http = None  # the HTTP front (service/http/), when config.server.http_port is set
         self.draining = threading.Event()
+        self.ready = threading.Event()  # set once SERVING (warm)
         self._stopped = threading.Event()
 
     def _new_server(self) -> grpc.aio.Server:
@@ -68,7 +77,7 @@ class CtxcacheServer:
                 ("grpc.so_reuseport", 0)]
         interceptors = [AuthInterceptor(self.auth, (f"/{ADMIN_SERVICE}/", "/grpc.reflection."))] \
             if self.auth.enabled else []
-        server = grpc.aio.server(interceptors=[*interceptors, ParseInterceptor()], options=opts)
+        server = grpc.aio.server(interceptors=[AccessLogInterceptor(), *interceptors, ParseInterceptor()], options=opts)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.servers.append(server)
         return server
@@ -86,11 +95,20 @@ class CtxcacheServer:
         return bound
 
     def start(self) -> int:
-        self.port = self.loop.run(self._start())
+        if self.config.server.http_port is not None:  # first: a port in use then leaves nothing started
+            from ctxcache.service.http.front import HttpFront  # FastAPI and uvicorn only when asked for
+            self.http = HttpFront(self)
+            self.http_port = self.http.start(self.config.server.http_port)
+        self.port = self.loop.run(self._start())  # health NOT_SERVING until the runners are warm
+        ix = self.config.indexer
+        warm_up(self.lm, [e.runner for e in self.decoder.engines], ix.method, ix.method_params, "float16",
+                self.compiles)
+        self.loop.run(self._set_health(health_pb2.HealthCheckResponse.SERVING))
+        self.ready.set()  # the HTTP front's /health says ok from here on
         self.backend.relocate(self.config.server.advertised(self.port))
         _reconcile(self.backend)  # the store is the truth; repair the index at start
-        log.info("serving on %s:%d (admin %d) as %s", self.config.server.host, self.port, self.admin_port,
-                 self.backend.location)
+        log.info("serving on %s:%d (admin %d, http %s) as %s", self.config.server.host, self.port, self.admin_port,
+                 self.http_port or "off", self.backend.location)
         return self.port
 
     async def _start(self) -> int:
@@ -112,9 +130,12 @@ class CtxcacheServer:
         elsewhere.port = self.admin_port
         for server in self.servers:
             await server.start()
-        for name in ("", *names):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         return port
+
+    async def _set_health(self, status) -> None:
+        for name in ("", CONTEXT_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME):
+            await self.health.set(name, status)
 
     def stop(self, grace: float | None = None) -> None:
         """Drain: health NOT_SERVING and new RPCs refused (UNAVAILABLE) while the port stays
@@ -136,6 +157,8 @@ class CtxcacheServer:
         end = time.monotonic() + 2.0
         while self.decoder.active and time.monotonic() < end:
             time.sleep(0.02)
+        if self.http is not None:
+            self.http.stop()
         self.loop.run(_stop_all(self.servers, 0.5))
         self.decoder.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -197,12 +220,32 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
     return [fast, reference]
 
 
+# a context must leave its slot room for a question and the start of an answer
+SLOT_ROOM = 256
+
+
+def _cap_to_slots(indexer: BuildQueue, engines) -> None:
+    """On a GPU server without --offload, PutContext refuses what its slots cannot decode
+    (naming the flag) instead of building a context that would decode on the reference path."""
+    runners = [e.runner for e in engines]
+    fast = next((r for r in runners if hasattr(r, "serves")), None)
+    if fast is None or any(r.name == "gpu-offload" for r in runners):
+        return
+    limit = fast.cache.max_len - SLOT_ROOM
+    if limit < indexer.max_tokens:
+        indexer.max_tokens = max(1, limit)
+        indexer.max_tokens_why = (f"GPU slots of {fast.cache.max_len} tokens keep {SLOT_ROOM} for the question "
+                                  f"and answer: start the server with a larger --gpu-slot-tokens, or with --offload")
+
+
 def _open_store_and_registry(config: ServiceConfig):
     budget = config.store.budget_bytes
     pin = config.store.pin_memory
     pin = config.model.device.startswith("cuda") if pin is None else pin
-    store = ArtifactStore(config.store.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20),
-                                                         budget_bytes=budget, pin_memory=pin))
+    st = config.store
+    store = open_store(st.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20), budget_bytes=budget,
+                                            pin_memory=pin),
+                       st.object_store_uri, ObjectStoreConfig(budget_bytes=st.object_budget_bytes))
     url = config.registry.redis_url
     if url is None:
         return store, EmbeddedRegistry(), "embedded"
@@ -236,6 +279,8 @@ def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple
     try:
         return server, server.start()
     except BaseException:
+        if server.http is not None:
+            server.http.stop()
         server.indexer.close()
         server.backend.close()
         server.loop.close()

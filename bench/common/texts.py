@@ -52,7 +52,8 @@ def text_of_tokens(tokenizer, text: str, n: int) -> str:
 def parse_text_args(ap: argparse.ArgumentParser, argv: list[str] | None, min_continuation: int) -> argparse.Namespace:
     """Parse a text bench's arguments (--out, --text, --tokens, --continuation among them) and
     refuse, as argparse errors, a --text that is no text and lengths out of range."""
-    ap.add_argument("--out", default="bench/results", help="folder of the result JSON (<bench>_<device>.json)")
+    from ctxcache.bench.common.report import add_out  # here: report imports torch, this module none
+    add_out(ap, what="the result JSON (<bench>_<device>.json)")
     args = ap.parse_args(argv)
     try:
         builtin_text(args.text)

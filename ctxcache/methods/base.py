@@ -173,6 +173,12 @@ class SparseMethod(ABC):
         so the method may derive lazily what a step reads instead of everything at load."""
         return tables
 
+    def build_work(self, n_tokens: int, n_heads: int, n_kv_heads: int) -> float:
+        """Clustering work of one layer's build, in point-centroid distances (k-means: points x
+        centroids x (iterations + seeding)): what parameters make expensive beyond the prefill,
+        checked against a server's limit before a build is queued. 0: no clustering."""
+        return 0.0
+
     def derived_bytes(self, n_tokens: int, n_kv_heads: int) -> int:
         """Bytes per layer that `restore` adds to the stored tables: resident, never stored."""
         return 0

@@ -247,6 +247,12 @@ class CSAttention(SparseMethod):
             wait_for_host_copies(device)  # once per group: the copies overlap, the caller reads landed tables
             yield from built
 
+    def build_work(self, n_tokens: int, n_heads: int, n_kv_heads: int) -> float:
+        p: CSAttentionParams = self.params
+        points = n_tokens * (1 if p.routing == "group" else n_heads // n_kv_heads)
+        points = min(points, p.max_queries or points)
+        return n_kv_heads * p.subspaces * points * p.centroids * (p.kmeans_iters + 1.0)
+
     def _cluster_queries(self, q: torch.Tensor, hkv: int) -> torch.Tensor:
         """Cosine k-means per (KV head, subspace) over the GQA group's queries -> [Hkv, m, C, d_b]."""
         p: CSAttentionParams = self.params
