@@ -58,13 +58,16 @@ class RedisConfig:
 
 def _guard(fn: F) -> F:
     @functools.wraps(fn)
-    def wrapped(self: "RedisRegistry", *args: Any, **kwargs: Any) -> Any:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             raise RegistryUnavailable(f"redis at {self.config.host}:{self.config.port} is "
                                       f"unavailable: {exc}") from exc
     return wrapped  # type: ignore[return-value]
+
+
+guard = _guard  # the fleet's Redis parts (job_stream, fleet_registry) fail the same way
 
 
 class RedisRegistry(Registry):

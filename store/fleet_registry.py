@@ -1,0 +1,310 @@
+"""The fleet's registry of facts in Redis (no torch): per context its state, the artifact's URI,
+the job building it and the workers holding it hot; the build claim; delete events.
+
+Keys (typed, versioned; <w> is a worker's host:port):
+  ctxcache:v1:ctx:<id>    hash     state (BUILDING | READY | FAILED | DELETED), job_id, uri,
+                                   tenant, spec, n_tokens, progress, error, indexer, attempts
+  ctxcache:v1:claim:<id>  string   the one build of <id> (SET NX PX, value: its job id)
+  ctxcache:v1:hot:<id>    set      workers holding <id> in memory (routing: the documented key)
+  ctxcache:v1:worker:<w>  string   a worker's heartbeat (PX); a hot member without one is gone
+  ctxcache:v1:events      channel  "deleted <id>": workers drop their local copies
+
+Every transition is one Lua script keyed by the job id, so a build whose context was deleted
+(or superseded by a newer job of the same id) learns it at its next progress update and never
+marks it READY again; a DELETED entry is a tombstone that expires after `tombstone_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+
+import redis
+
+from ctxcache.store.keys import check_id, prefix
+from ctxcache.store.redis_registry import RedisConfig, guard
+from ctxcache.store.job_stream import STREAM, pack_tokens
+
+log = logging.getLogger("ctxcache.store.fleet")
+EVENTS = prefix("events").rstrip(":")  # ctxcache:v1:events
+_WORKER = re.compile(r"[A-Za-z0-9_.\-:\[\]]{1,200}")
+
+
+class FleetState(str, Enum):
+    BUILDING = "BUILDING"
+    READY = "READY"
+    FAILED = "FAILED"
+    DELETED = "DELETED"
+
+
+class Enqueued(str, Enum):
+    QUEUED = "QUEUED"  # this caller's job is on the stream
+    BUILDING = "BUILDING"  # another caller's job builds it: join
+    READY = "READY"
+
+
+def ctx_key(cid: str) -> str:
+    return prefix("ctx") + check_id(cid)
+
+
+def claim_key(cid: str) -> str:
+    return prefix("claim") + check_id(cid)
+
+
+def hot_key(cid: str) -> str:
+    return prefix("hot") + check_id(cid)
+
+
+def worker_key(worker: str) -> str:
+    if not _WORKER.fullmatch(worker):
+        raise ValueError(f"worker={worker!r} must be 1-200 characters of host:port")
+    return prefix("worker") + worker
+
+
+@dataclass(frozen=True)
+class Facts:
+    context_id: str
+    state: FleetState
+    job_id: str = ""
+    uri: str = ""  # the artifact in the object store (READY)
+    tenant: str = ""
+    spec: str = ""  # the build's PutSpec as JSON (service/job_spec.py), for GetContext while BUILDING
+    n_tokens: int = 0
+    progress: float = 0.0
+    error: str = ""
+    indexer: str = ""  # the worker building it
+    attempts: int = 0  # indexers that started it (more than 1: one died)
+
+
+_ENQUEUE = """
+if redis.call('hget', KEYS[1], 'state') == 'READY' then return 'READY' end
+if not redis.call('set', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'BUILDING' end
+redis.call('del', KEYS[1])
+redis.call('hset', KEYS[1], 'state', 'BUILDING', 'job_id', ARGV[1], 'spec', ARGV[3], 'tenant', ARGV[4],
+           'n_tokens', ARGV[5], 'progress', '0', 'attempts', '0', 'updated_at', ARGV[6])
+redis.call('xadd', KEYS[3], '*', 'context_id', ARGV[7], 'job_id', ARGV[1], 'tokens', ARGV[8])
+return 'QUEUED'
+"""
+# the job's own entry, still BUILDING: the only state a build may touch
+_OURS = """
+local h = redis.call('hmget', KEYS[1], 'job_id', 'state')
+if h[1] ~= ARGV[1] or h[2] ~= 'BUILDING' then return 0 end
+"""
+_START = _OURS + """
+redis.call('hset', KEYS[1], 'indexer', ARGV[2], 'updated_at', ARGV[4])
+redis.call('pexpire', KEYS[2], ARGV[3])
+return redis.call('hincrby', KEYS[1], 'attempts', 1)
+"""
+_PROGRESS = _OURS + """
+redis.call('hset', KEYS[1], 'progress', ARGV[2], 'updated_at', ARGV[4])
+redis.call('pexpire', KEYS[2], ARGV[3])
+return 1
+"""
+_FINISH = _OURS + """
+redis.call('hset', KEYS[1], 'state', ARGV[2], 'uri', ARGV[3], 'error', ARGV[4], 'progress', ARGV[5],
+           'updated_at', ARGV[6])
+redis.call('del', KEYS[2])
+return 1
+"""
+_DELETE = """
+local prev = redis.call('hget', KEYS[1], 'state')
+redis.call('del', KEYS[1], KEYS[2], KEYS[3])
+redis.call('hset', KEYS[1], 'state', 'DELETED', 'updated_at', ARGV[2])
+redis.call('pexpire', KEYS[1], ARGV[1])
+redis.call('publish', ARGV[3], 'deleted ' .. ARGV[4])
+return prev or ''
+"""
+# reconcile: an artifact in the object store is READY unless deleted or being built
+_RECORD = """
+local state = redis.call('hget', KEYS[1], 'state')
+if state == 'DELETED' then return 'DELETED' end
+if state == 'READY' or (state == 'BUILDING' and redis.call('exists', KEYS[2]) == 1) then return 'KEPT' end
+redis.call('del', KEYS[1])
+redis.call('hset', KEYS[1], 'state', 'READY', 'uri', ARGV[1], 'tenant', ARGV[2], 'n_tokens', ARGV[3],
+           'progress', '1', 'updated_at', ARGV[4])
+return 'ADDED'
+"""
+
+
+class FleetRegistry:
+    def __init__(self, config: RedisConfig, tombstone_s: float = 86400.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not tombstone_s > 0:
+            raise ValueError(f"tombstone_s={tombstone_s} must be > 0")
+        self.config, self.tombstone_ms, self.clock = config, int(tombstone_s * 1000), clock
+        c = config
+        self._r = redis.Redis(host=c.host, port=c.port, db=c.db, password=c.password,
+                              socket_timeout=c.socket_timeout_s, socket_connect_timeout=c.connect_timeout_s,
+                              decode_responses=True)
+        self._scripts = {name: self._r.register_script(src) for name, src in (
+            ("enqueue", _ENQUEUE), ("start", _START), ("progress", _PROGRESS), ("finish", _FINISH),
+            ("delete", _DELETE), ("record", _RECORD))}
+        self._closed = threading.Event()
+
+    @guard
+    def ping(self) -> bool:
+        return bool(self._r.ping())
+
+    @guard
+    def facts(self, cid: str) -> Facts | None:
+        return _facts(cid, self._r.hgetall(ctx_key(cid)))
+
+    # ---- builds (decoders enqueue, indexers update) ----------------------------------------------
+    @guard
+    def enqueue(self, cid: str, tokens: list[int], spec: str, tenant: str, claim_s: float) -> tuple[Enqueued, str]:
+        """One build per id: the caller that wins the claim puts its job on the stream (one
+        script: a claim without a job cannot be left behind). -> (outcome, job id if QUEUED)."""
+        job_id = uuid.uuid4().hex
+        out = self._scripts["enqueue"](
+            keys=[ctx_key(cid), claim_key(cid), STREAM],
+            args=[job_id, _ms(claim_s), spec, tenant, len(tokens), self.clock(), cid, pack_tokens(tokens)])
+        return Enqueued(out), job_id if out == Enqueued.QUEUED else ""
+
+    @guard
+    def start(self, cid: str, job_id: str, indexer: str, claim_s: float) -> int:
+        """An indexer starts job_id; -> how many indexers have started it, 0 if the job is
+        no longer wanted (READY already, deleted, or superseded)."""
+        return int(self._scripts["start"](keys=[ctx_key(cid), claim_key(cid)],
+                                          args=[job_id, indexer, _ms(claim_s), self.clock()]))
+
+    @guard
+    def progress(self, cid: str, job_id: str, progress: float, claim_s: float) -> bool:
+        """Publish progress and keep the claim; False: cancelled (deleted or superseded)."""
+        return bool(self._scripts["progress"](keys=[ctx_key(cid), claim_key(cid)],
+                                              args=[job_id, f"{progress:.4f}", _ms(claim_s), self.clock()]))
+
+    @guard
+    def finish(self, cid: str, job_id: str, uri: str) -> bool:
+        """READY at uri; False if the job was cancelled meanwhile (the caller deletes its artifact)."""
+        return self._finish(cid, job_id, FleetState.READY, uri, "", 1.0)
+
+    @guard
+    def fail(self, cid: str, job_id: str, error: str) -> bool:
+        return self._finish(cid, job_id, FleetState.FAILED, "", error[:500], 0.0)
+
+    def _finish(self, cid: str, job_id: str, state: FleetState, uri: str, error: str, progress: float) -> bool:
+        return bool(self._scripts["finish"](keys=[ctx_key(cid), claim_key(cid)],
+                                            args=[job_id, state.value, uri, error, progress, self.clock()]))
+
+    @guard
+    def delete(self, cid: str) -> FleetState | None:
+        """Tombstone cid (a running build stops at its next update), drop its claim and hot set,
+        and tell every worker; -> the state it had."""
+        prev = self._scripts["delete"](keys=[ctx_key(cid), claim_key(cid), hot_key(cid)],
+                                       args=[self.tombstone_ms, self.clock(), EVENTS, cid])
+        return FleetState(prev) if prev else None
+
+    # ---- reconcile -------------------------------------------------------------------------------
+    @guard
+    def record_ready(self, cid: str, uri: str, tenant: str, n_tokens: int) -> str:
+        """-> ADDED, KEPT (READY or building) or DELETED (a tombstone: the object is garbage)."""
+        return self._scripts["record"](keys=[ctx_key(cid), claim_key(cid)],
+                                       args=[uri, tenant, n_tokens, self.clock()])
+
+    @guard
+    def drop(self, cid: str) -> None:
+        self._r.delete(ctx_key(cid), hot_key(cid))
+
+    @guard
+    def entries(self) -> Iterator[Facts]:
+        keys = list(self._r.scan_iter(match=prefix("ctx") + "*", count=500))
+        pipe = self._r.pipeline(transaction=False)
+        for k in keys:
+            pipe.hgetall(k)
+        found = [_facts(k[len(prefix("ctx")):], h) for k, h in zip(keys, pipe.execute())]
+        return iter([f for f in found if f is not None])
+
+    # ---- hot sets --------------------------------------------------------------------------------
+    @guard
+    def heartbeat(self, worker: str, ttl_s: float, add: set[str] = frozenset(),
+                  remove: set[str] = frozenset()) -> None:
+        """Renew worker's heartbeat and move its hot memberships by the given ids."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.set(worker_key(worker), "1", px=_ms(ttl_s))
+        for cid in add:
+            pipe.sadd(hot_key(cid), worker)
+        for cid in remove:
+            pipe.srem(hot_key(cid), worker)
+        pipe.execute()
+
+    @guard
+    def leave(self, worker: str, hot: set[str]) -> None:
+        """A worker stopping: its heartbeat and memberships go now, not at expiry."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.delete(worker_key(worker))
+        for cid in hot:
+            pipe.srem(hot_key(cid), worker)
+        pipe.execute()
+
+    @guard
+    def hot_workers(self, cid: str) -> list[str]:
+        """Workers holding cid in memory whose heartbeat is alive (the dead are removed)."""
+        members = sorted(self._r.smembers(hot_key(cid)))
+        if not members:
+            return []
+        alive = self._pipeline_exists([worker_key(m) for m in members])
+        dead = [m for m, ok in zip(members, alive) if not ok]
+        if dead:
+            self._r.srem(hot_key(cid), *dead)
+        return [m for m in members if m not in dead]
+
+    def _pipeline_exists(self, keys: list[str]) -> list[int]:
+        pipe = self._r.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(k)
+        return pipe.execute()
+
+    # ---- events ----------------------------------------------------------------------------------
+    def listen(self, on_deleted: Callable[[str], None]) -> threading.Thread:
+        """A daemon thread calling on_deleted(cid) for every delete in the fleet; it reconnects
+        after Redis outages until close()."""
+        thread = threading.Thread(target=self._listen, args=(on_deleted,), name="ctxcache-fleet-events",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def _listen(self, on_deleted: Callable[[str], None]) -> None:
+        c = self.config
+        while not self._closed.is_set():
+            conn = redis.Redis(host=c.host, port=c.port, db=c.db, password=c.password, decode_responses=True,
+                               socket_connect_timeout=c.connect_timeout_s, socket_timeout=2.0)
+            try:
+                sub = conn.pubsub(ignore_subscribe_messages=True)
+                sub.subscribe(EVENTS)
+                while not self._closed.is_set():
+                    msg = sub.get_message(timeout=0.5)
+                    if msg and isinstance(msg.get("data"), str) and msg["data"].startswith("deleted "):
+                        _call(on_deleted, msg["data"].split(" ", 1)[1])
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                self._closed.wait(0.5)  # Redis down: each Generate checks the registry anyway
+            finally:
+                conn.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._r.close()
+
+
+def _call(fn: Callable[[str], None], cid: str) -> None:
+    try:
+        fn(cid)
+    except Exception:  # noqa: BLE001 - one bad drop must not end the listener
+        log.exception("fleet event for %s failed", cid[:12])
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _facts(cid: str, h: dict[str, str]) -> Facts | None:
+    if not h or "state" not in h:
+        return None
+    return Facts(cid, FleetState(h["state"]), h.get("job_id", ""), h.get("uri", ""), h.get("tenant", ""),
+                 h.get("spec", ""), int(h.get("n_tokens", 0) or 0), float(h.get("progress", 0) or 0),
+                 h.get("error", ""), h.get("indexer", ""), int(h.get("attempts", 0) or 0))
