@@ -72,6 +72,19 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-slot-tokens", type=int, default=33792, help="GPU: tokens per slot (context + question + answer)")
 
 
+def _fleet_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", default="all", choices=["all", "indexer", "decoder"],
+                   help="all: one node (default); indexer: builds jobs from Redis into the object store; "
+                        "decoder: PutContext, Generate and admin, loading artifacts from the object store")
+    p.add_argument("--object-store", default=None, metavar="URI",
+                   help="the artifacts every worker shares (indexer, decoder): s3://bucket/prefix?"
+                        "endpoint_override=host:port&scheme=http or file:///path")
+    p.add_argument("--build-lease", type=float, default=10.0, metavar="SECONDS",
+                   help="a build job whose indexer stopped beating this long is taken by another")
+    p.add_argument("--heartbeat", type=float, default=2.0, metavar="SECONDS",
+                   help="how often a decoder renews the contexts it holds hot (they expire after 3)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ctxcache", description="context cache service for long LLM prompts")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -93,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a non-loopback --host without any token (e.g. behind a private network)")
     p.add_argument("--tls-cert", type=Path, default=None)
     p.add_argument("--tls-key", type=Path, default=None)
+    _fleet_flags(p)
 
     p = sub.add_parser("put", help="cache a context")
     _client_flags(p)

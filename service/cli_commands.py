@@ -16,6 +16,7 @@ from google.protobuf import json_format
 from ctxcache.client import Client
 from ctxcache.service.config import (GiB, DecoderSettings, IndexerSettings, ModelConfig, RegistrySettings,
                                      ServerConfig, ServiceConfig, StoreSettings)
+from ctxcache.service.config import FleetSettings
 from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 
 
@@ -42,7 +43,9 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                                 torch_threads=args.threads, max_batch=args.max_batch,
                                 decode_mode=args.decode_mode, gpu_slot_tokens=args.gpu_slot_tokens,
                                 offload=getattr(args, "offload", False),
-                                **_gpu_slots(args)))
+                                **_gpu_slots(args)),
+        fleet=FleetSettings(getattr(args, "role", "all"), getattr(args, "object_store", None),
+                            getattr(args, "build_lease", 10.0), getattr(args, "heartbeat", 2.0)))
 
 
 def _gpu_slots(args) -> dict:

@@ -17,6 +17,7 @@ from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.runner import ReferenceRunner, Runner
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel, load_model
+from ctxcache.service import roles
 from ctxcache.service.admin import AdminServicer
 from ctxcache.service.auth import Auth, AuthInterceptor
 from ctxcache.service.rpc import LoopThread, ParseInterceptor
@@ -26,7 +27,6 @@ from ctxcache.service.config import ServiceConfig
 from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
-from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
 from ctxcache.service.servicer import ContextServicer
@@ -44,13 +44,16 @@ class CtxcacheServer:
 
     def __init__(self, config: ServiceConfig, lm: LoadedModel) -> None:
         self.config, self.lm, self.metrics = config, lm, Metrics()
-        self.backend = Backend(*_open_store_and_registry(config))
+        role = config.fleet.role
+        self.backend = roles.fleet_backend(config) if role != "all" else Backend(*_open_store_and_registry(config))
         prompter = Prompter(lm.tokenizer if lm.tokenizer is not None else ByteTokenizer())
         d, s = config.decoder, config.server
         cache = ArtifactCache[CachedContext](d.dram_cache_bytes, self.backend.load, CachedContext.nbytes)
-        self.indexer = BuildQueue(lm, prompter, self.backend, config.indexer, "float16", self.metrics)
+        self.indexer = roles.make_builds(config, lm, prompter, self.backend, self.metrics, "float16")
+        runners = [ReferenceRunner(lm)] if role == "indexer" else decode_runners(lm, config)  # an indexer decodes nothing
         self.decoder = GenerateStreams(lm, prompter, cache, s.max_streams, d.schedule, self.metrics,
-                                       decode_runners(lm, config), d.max_batch, d.decode_mode == "dense")
+                                       runners, d.max_batch, d.decode_mode == "dense")
+        self.fleet = roles.FleetRuntime(config, self.backend, self.indexer, self.decoder)
         self.metrics.offload_hit_rate.set_function(self.decoder.offload_hit_rate)
         self.auth = Auth(dict(s.tenant_tokens), s.auth_token)
         self.pool = ThreadPoolExecutor(s.threads, "ctxcache-rpc")
@@ -88,7 +91,9 @@ class CtxcacheServer:
     def start(self) -> int:
         self.port = self.loop.run(self._start())
         self.backend.relocate(self.config.server.advertised(self.port))
-        _reconcile(self.backend)  # the store is the truth; repair the index at start
+        if self.config.fleet.role == "all":
+            _reconcile(self.backend)  # the store is the truth; repair the index at start
+        self.fleet.start(self.backend.location)  # a fleet's registry is repaired by `admin reconcile`
         log.info("serving on %s:%d (admin %d) as %s", self.config.server.host, self.port, self.admin_port,
                  self.backend.location)
         return self.port
@@ -96,11 +101,13 @@ class CtxcacheServer:
     async def _start(self) -> int:
         s, d = self.config.server, self.config.decoder
         main = self._new_server()
-        context_pb2_grpc.add_ContextServiceServicer_to_server(
+        indexer_only = self.config.fleet.role == "indexer"
+        context_pb2_grpc.add_ContextServiceServicer_to_server(roles.IndexerOnly() if indexer_only else
             ContextServicer(self.indexer, self.decoder, d.default_max_tokens, d.max_tokens_limit, self.pool,
                             self.auth, self.draining.is_set), main)
         admin = main if s.admin_port is None else self._new_server()
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.indexer, self.decoder, self.pool), admin)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(roles.IndexerOnly() if indexer_only else
+                                                          AdminServicer(self.indexer, self.decoder, self.pool), admin)
         elsewhere = AdminElsewhere()
         if admin is not main:
             admin_pb2_grpc.add_AdminServiceServicer_to_server(elsewhere, main)
@@ -126,7 +133,9 @@ class CtxcacheServer:
         grace = self.config.server.grace_seconds if grace is None else grace
         self.draining.set()
         self.loop.run(self.health.enter_graceful_shutdown())
+        self.fleet.stop_taking()  # an indexer takes no new job; the one in flight goes back to the stream
         self.indexer.close()  # cancels queued and running builds, joins the builder
+        self.fleet.close()
         end = time.monotonic() + grace
         while self.decoder.active and time.monotonic() < end:
             time.sleep(0.05)

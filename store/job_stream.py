@@ -49,10 +49,13 @@ class JobStream:
         self.config, self.consumer = config, consumer
         self.lease_ms, self.block_ms = max(1, int(lease_s * 1000)), max(1, int(block_s * 1000))
         c = config
-        # a blocking read outlives the registry's short socket timeout: this connection waits longer
-        self._r = redis.Redis(host=c.host, port=c.port, db=c.db, password=c.password,
-                              socket_connect_timeout=c.connect_timeout_s,
-                              socket_timeout=block_s + c.socket_timeout_s + 1.0)
+
+        def connect(socket_timeout_s: float) -> redis.Redis:
+            return redis.Redis(host=c.host, port=c.port, db=c.db, password=c.password,
+                               socket_connect_timeout=c.connect_timeout_s, socket_timeout=socket_timeout_s)
+
+        self._r = connect(c.socket_timeout_s)
+        self._blocking = connect(block_s + c.socket_timeout_s + 1.0)  # XREADGROUP waits block_s first
         self._group_ready = False
 
     @guard
@@ -73,7 +76,7 @@ class JobStream:
         _, claimed, *_ = self._r.xautoclaim(STREAM, GROUP, self.consumer, self.lease_ms, "0-0", count=1)
         entries = [e for e in claimed if e and e[1]]
         if not entries:
-            got = self._r.xreadgroup(GROUP, self.consumer, {STREAM: ">"}, count=1, block=self.block_ms)
+            got = self._blocking.xreadgroup(GROUP, self.consumer, {STREAM: ">"}, count=1, block=self.block_ms)
             entries = got[0][1] if got else []
         if not entries:
             return None
@@ -95,6 +98,12 @@ class JobStream:
             return False
         self._r.xclaim(STREAM, GROUP, self.consumer, 0, [entry_id], justid=True)
         return True
+
+    @guard
+    def release(self, entry_id: str) -> None:
+        """Hand a job back (this indexer stops): its entry looks idle for a whole lease, so the
+        next `take` of any indexer claims it now."""
+        self._r.xclaim(STREAM, GROUP, self.consumer, 0, [entry_id], idle=self.lease_ms, justid=True)
 
     @guard
     def ack(self, entry_id: str) -> None:
@@ -119,3 +128,4 @@ class JobStream:
 
     def close(self) -> None:
         self._r.close()
+        self._blocking.close()

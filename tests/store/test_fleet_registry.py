@@ -3,6 +3,8 @@ a dead indexer, deletes that stop a build and reach every listener, hot sets tha
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -108,3 +110,9 @@ def test_reconcile_records_keep_tombstones_and_live_builds(fleet):
     assert fleet.record_ready(other, "s3://b/y", "", 1) == "KEPT"
     assert {f.context_id: f.state for f in fleet.entries()} == {CID: FleetState.DELETED,
                                                                 other: FleetState.BUILDING}
+
+
+def test_the_fleet_registry_and_job_stream_import_no_torch():
+    code = ("import sys, ctxcache.store.fleet_registry, ctxcache.store.job_stream; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
