@@ -45,12 +45,16 @@ class FleetIndexer:
                 log.warning("job stream unavailable: %s", exc)
                 self._closed.wait(1.0)
                 continue
-            if taken is not None:
-                try:
-                    self._run(taken)
-                except RegistryUnavailable as exc:  # left pending: this or another indexer retakes it
-                    log.warning("job %s left pending, registry unavailable: %s", taken.context_id[:12], exc)
-                    self._closed.wait(1.0)
+            if taken is None:
+                continue
+            try:
+                self._run(taken)
+            except RegistryUnavailable as exc:  # left pending: this or another indexer retakes it
+                log.warning("job %s left pending, registry unavailable: %s", taken.context_id[:12], exc)
+                self._closed.wait(1.0)
+            except Exception:  # noqa: BLE001 - the loop outlives any one job; the entry stays pending
+                log.exception("job %s: unexpected failure; left pending", taken.context_id[:12])
+                self._closed.wait(1.0)
 
     def _run(self, t: TakenJob) -> None:
         cid = t.context_id

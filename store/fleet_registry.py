@@ -28,7 +28,7 @@ from enum import Enum
 import redis
 
 from ctxcache.store.keys import check_id, prefix
-from ctxcache.store.redis_registry import RedisConfig, guard
+from ctxcache.store.redis_registry import RedisConfig, client_for, guard
 from ctxcache.store.job_stream import STREAM, pack_tokens
 
 log = logging.getLogger("ctxcache.store.fleet")
@@ -138,10 +138,7 @@ class FleetRegistry:
         if not tombstone_s > 0:
             raise ValueError(f"tombstone_s={tombstone_s} must be > 0")
         self.config, self.tombstone_ms, self.clock = config, int(tombstone_s * 1000), clock
-        c = config
-        self._r = redis.Redis(host=c.host, port=c.port, db=c.db, password=c.password,
-                              socket_timeout=c.socket_timeout_s, socket_connect_timeout=c.connect_timeout_s,
-                              decode_responses=True)
+        self._r = client_for(config)
         self._scripts = {name: self._r.register_script(src) for name, src in (
             ("enqueue", _ENQUEUE), ("start", _START), ("progress", _PROGRESS), ("finish", _FINISH),
             ("delete", _DELETE), ("record", _RECORD))}
@@ -270,10 +267,8 @@ class FleetRegistry:
         return thread
 
     def _listen(self, on_deleted: Callable[[str], None]) -> None:
-        c = self.config
         while not self._closed.is_set():
-            conn = redis.Redis(host=c.host, port=c.port, db=c.db, password=c.password, decode_responses=True,
-                               socket_connect_timeout=c.connect_timeout_s, socket_timeout=2.0)
+            conn = client_for(self.config, socket_timeout_s=2.0)  # outlives get_message's wait
             try:
                 sub = conn.pubsub(ignore_subscribe_messages=True)
                 sub.subscribe(EVENTS)

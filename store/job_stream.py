@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import redis
 
 from ctxcache.store.keys import check_id, prefix
-from ctxcache.store.redis_registry import RedisConfig, guard
+from ctxcache.store.redis_registry import RedisConfig, client_for, guard
 
 STREAM = prefix("jobs") + "build"  # ctxcache:v1:jobs:build
 GROUP = "indexers"
@@ -48,14 +48,8 @@ class JobStream:
             raise ValueError(f"lease_s={lease_s} and block_s={block_s} must be > 0")
         self.config, self.consumer = config, consumer
         self.lease_ms, self.block_ms = max(1, int(lease_s * 1000)), max(1, int(block_s * 1000))
-        c = config
-
-        def connect(socket_timeout_s: float) -> redis.Redis:
-            return redis.Redis(host=c.host, port=c.port, db=c.db, password=c.password,
-                               socket_connect_timeout=c.connect_timeout_s, socket_timeout=socket_timeout_s)
-
-        self._r = connect(c.socket_timeout_s)
-        self._blocking = connect(block_s + c.socket_timeout_s + 1.0)  # XREADGROUP waits block_s first
+        self._r = client_for(config, decode=False)
+        self._blocking = client_for(config, block_s + config.socket_timeout_s + 1.0, decode=False)  # waits block_s
         self._group_ready = False
 
     @guard
@@ -73,17 +67,27 @@ class JobStream:
     def take(self) -> TakenJob | None:
         """A dead indexer's job (idle past the lease) first, else a new one; None after block_s."""
         self._ensure_group()
-        _, claimed, *_ = self._r.xautoclaim(STREAM, GROUP, self.consumer, self.lease_ms, "0-0", count=1)
-        entries = [e for e in claimed if e and e[1]]
-        if not entries:
-            got = self._blocking.xreadgroup(GROUP, self.consumer, {STREAM: ">"}, count=1, block=self.block_ms)
-            entries = got[0][1] if got else []
+        try:
+            entries = self._claim_dead() or self._read_new()
+        except redis.ResponseError as exc:  # Redis restarted empty: the group went with it
+            if "NOGROUP" not in str(exc):
+                raise
+            self._group_ready = False
+            return None
         if not entries:
             return None
         entry_id, fields = entries[0]
         entry_id = entry_id.decode()
         return TakenJob(entry_id, check_id(fields[b"context_id"].decode()), fields[b"job_id"].decode(),
                         unpack_tokens(fields[b"tokens"]), self._deliveries(entry_id))
+
+    def _claim_dead(self) -> list:
+        _, claimed, *_ = self._r.xautoclaim(STREAM, GROUP, self.consumer, self.lease_ms, "0-0", count=1)
+        return [e for e in claimed if e and e[1]]  # entries deleted meanwhile come back empty
+
+    def _read_new(self) -> list:
+        got = self._blocking.xreadgroup(GROUP, self.consumer, {STREAM: ">"}, count=1, block=self.block_ms)
+        return got[0][1] if got else []
 
     def _deliveries(self, entry_id: str) -> int:
         info = self._r.xpending_range(STREAM, GROUP, min=entry_id, max=entry_id, count=1)
@@ -115,16 +119,26 @@ class JobStream:
     @guard
     def pending(self) -> int:
         """Jobs taken and not yet acknowledged, by any indexer."""
-        self._ensure_group()
-        return int(self._r.xpending(STREAM, GROUP)["pending"])
+        return int(self._on_group(lambda: self._r.xpending(STREAM, GROUP))["pending"])
 
     @guard
     def waiting(self) -> int:
         """Jobs in the stream no indexer has taken yet."""
-        self._ensure_group()
-        groups = self._r.xinfo_groups(STREAM)
+        groups = self._on_group(lambda: self._r.xinfo_groups(STREAM))
         lag = next((g.get("lag") for g in groups if g["name"].decode() == GROUP), None)
         return int(lag or 0)
+
+    def _on_group(self, call):  # noqa: ANN001, ANN202
+        """call() on the group, made again once if Redis lost it (restarted empty)."""
+        self._ensure_group()
+        try:
+            return call()
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc) and "no such key" not in str(exc):
+                raise
+        self._group_ready = False
+        self._ensure_group()
+        return call()
 
     def close(self) -> None:
         self._r.close()

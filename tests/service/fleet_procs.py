@@ -71,8 +71,15 @@ class Worker:
             self.proc.wait(10)
 
     def stop(self) -> None:
+        self.terminate()
+        self.reap()
+
+    def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def reap(self) -> None:
+        if self.proc is not None:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -89,3 +96,11 @@ def start_all(workers: list[Worker]) -> list[Worker]:
         for w in workers:
             w.kill()
         raise
+
+
+def stop_all(workers: list[Worker]) -> None:
+    """SIGTERM to all, then wait: the drains overlap."""
+    for w in workers:
+        w.terminate()
+    for w in workers:
+        w.reap()
