@@ -1,4 +1,5 @@
-"""ctxcache.store: context artifacts in LMDB (+ zstd where it pays) and the build registry.
+"""ctxcache.store: context artifacts in LMDB (+ zstd where it pays), optionally as the local cache
+of a shared object store (tiered_store.py), and the build registry.
 
 Exports resolve lazily (PEP 562) so that `ctxcache.store.registry`, `keys` and `ids` stay
 importable without torch: registry and scheduling logic import no torch (STYLE.md).
@@ -15,7 +16,7 @@ _EXPORTS = {
     "ContextMeta": "manifest", "Manifest": "manifest", "ChunkInfo": "manifest",
     "STORE_FORMAT": "manifest",
     "StoreError": "errors", "CorruptArtifact": "errors", "StoreFull": "errors",
-    "StoreClosed": "errors", "StoreDamaged": "lmdb_file", "FormatMismatch": "errors",
+    "StoreClosed": "errors", "StoreUnavailable": "errors", "StoreDamaged": "lmdb_file", "FormatMismatch": "errors",
     "context_id_for": "ids",
     "ManifestKey": "keys", "ChunkKey": "keys", "AccessKey": "keys", "PromptKey": "keys",
     "BuildLockKey": "keys",
@@ -23,6 +24,9 @@ _EXPORTS = {
     "BuildState": "registry", "RegistryUnavailable": "registry", "ReconcileReport": "registry",
     "reconcile": "registry",
     "RedisRegistry": "redis_registry", "RedisConfig": "redis_registry",
+    "ObjectArtifactStore": "object_store", "ObjectStoreConfig": "object_config",
+    "TieredStore": "tiered_store", "TieredConfig": "tiered_store", "open_store": "tiered_store",
+    "ObjectTier": "tiers", "TierConfig": "tiers", "open_tier": "tiers",
 }
 
 

