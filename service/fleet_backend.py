@@ -14,11 +14,12 @@ What changes against the single-node Backend:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ctxcache.service.backend import Backend
 from ctxcache.service.errors import Unavailable
-from ctxcache.store import Manifest, RegistryUnavailable
+from ctxcache.store import Manifest, RegistryUnavailable, TieredStore
 from ctxcache.store.fleet_registry import Facts, FleetRegistry, FleetState
 
 log = logging.getLogger("ctxcache.service.fleet")
@@ -33,7 +34,7 @@ class FleetFacts:
 
 
 class FleetBackend(Backend):
-    def __init__(self, store, fleet: FleetRegistry, role: str) -> None:  # noqa: ANN001 (an ArtifactStore-like store)
+    def __init__(self, store: TieredStore, fleet: FleetRegistry, role: str) -> None:
         super().__init__(store, fleet, f"redis (fleet, {role})")
         self.fleet, self.role = fleet, role
 
@@ -43,8 +44,7 @@ class FleetBackend(Backend):
         self.location = location
 
     def artifact_uri(self, cid: str) -> str:
-        uri = getattr(self.store, "artifact_uri", None)
-        return uri(cid) if uri is not None else f"{self.store.location}#{cid}"
+        return self.store.artifact_uri(cid)
 
     def facts(self, cid: str) -> Facts | None:
         """The registry's entry; None if it has none or Redis is down (the stores then answer)."""
@@ -103,9 +103,7 @@ class FleetBackend(Backend):
 
     def drop_local(self, cid: str) -> None:
         """Another worker deleted cid: forget this worker's local copy (the object is gone)."""
-        evict = getattr(self.store, "evict_local", None)
-        if evict is not None:
-            evict(cid)
+        self.store.drop_local(cid)
 
     def reconcile(self) -> tuple[int, int]:
         """The registry from the object store: every stored artifact READY (unless a tombstone
@@ -123,7 +121,7 @@ class FleetBackend(Backend):
             return False
 
 
-def reconcile_fleet(fleet: FleetRegistry, store, uri_of) -> tuple[int, int]:  # noqa: ANN001
+def reconcile_fleet(fleet: FleetRegistry, store: TieredStore, uri_of: Callable[[str], str]) -> tuple[int, int]:
     stored: dict[str, Manifest] = {}
     after = None
     while page := store.list_manifests(limit=500, after=after):

@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-from urllib.parse import unquote, urlsplit
-
 import grpc
 
 from ctxcache.client.gen.v1 import admin_pb2_grpc, context_pb2_grpc
@@ -27,7 +25,7 @@ from ctxcache.service.fleet_presence import Presence
 from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
-from ctxcache.store import ArtifactStore, StoreConfig
+from ctxcache.store import StoreConfig, open_store
 from ctxcache.store.fleet_registry import FleetRegistry
 from ctxcache.store.job_stream import JobStream
 
@@ -37,16 +35,14 @@ def fleet_backend(config: ServiceConfig) -> FleetBackend:
     return FleetBackend(open_fleet_store(config), fleet, config.fleet.role)
 
 
-def open_fleet_store(config: ServiceConfig):  # noqa: ANN201 (an ArtifactStore-like store)
-    """The worker's store in front of the object store (stand-in until the shared tier lands:
-    a file:// folder holds one LMDB store that every worker on this machine opens)."""
-    uri = config.fleet.object_store or ""
-    u = urlsplit(uri)
-    if u.scheme != "file" or u.netloc not in ("", "localhost"):
-        raise ValueError(f"--object-store {uri!r}: only file:///path is supported by this build")
+def open_fleet_store(config: ServiceConfig):  # noqa: ANN201 (store.TieredStore)
+    """The local LMDB (--data) as this worker's cache in front of the object store."""
     budget = config.store.budget_bytes
-    return ArtifactStore(unquote(u.path), StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20),
-                                                      budget_bytes=budget, location=uri))
+    pin = config.store.pin_memory
+    pin = config.model.device.startswith("cuda") if pin is None else pin
+    return open_store(config.store.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20),
+                                                     budget_bytes=budget, pin_memory=pin),
+                      config.fleet.object_store)
 
 
 def remote_builds(config: ServiceConfig, lm: LoadedModel, prompter: Prompter, backend: FleetBackend,

@@ -30,7 +30,7 @@ from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, conte
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
 from ctxcache.service.servicer import ContextServicer
-from ctxcache.store import ArtifactStore, EmbeddedRegistry, StoreConfig
+from ctxcache.store import EmbeddedRegistry, StoreConfig, open_store
 
 log = logging.getLogger("ctxcache.service")
 CONTEXT_SERVICE = context_pb2.DESCRIPTOR.services_by_name["ContextService"].full_name
@@ -210,8 +210,9 @@ def _open_store_and_registry(config: ServiceConfig):
     budget = config.store.budget_bytes
     pin = config.store.pin_memory
     pin = config.model.device.startswith("cuda") if pin is None else pin
-    store = ArtifactStore(config.store.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20),
-                                                         budget_bytes=budget, pin_memory=pin))
+    store = open_store(config.store.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20),
+                                                      budget_bytes=budget, pin_memory=pin),
+                       config.fleet.object_store)  # one node may keep its artifacts on an object store too
     url = config.registry.redis_url
     if url is None:
         return store, EmbeddedRegistry(), "embedded"

@@ -1,6 +1,6 @@
-"""Issue 33: a fleet of real `ctxcache serve` processes on one redis-server and one object
-store: two indexers, two decoders, and one `--role all` node (no Redis, no object store) as
-the reference. Tests that stop a shared part (Redis) come last in the file."""
+"""Issue 33: a fleet of real `ctxcache serve` processes on one redis-server and one S3 server
+(SeaweedFS): two indexers, two decoders, and one `--role all` node (no Redis, no object store)
+as the reference. Tests that stop a shared part (Redis, the object store) come last."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from ctxcache.store.fleet_registry import FleetRegistry, FleetState
 
 from fleet_procs import Worker, start_all, stop_all
 from redis_server import RedisServer, free_port, redis_binary
+from s3_server import S3Server, weed_binary
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.redis, pytest.mark.s3, pytest.mark.timeout(300)]
 TEXT = "The harbour of Port Averel has a lighthouse on a granite spur called the Needle. " * 3
 # key-kmeans with one key per cluster and 100 iterations: a build of 500 tokens of random:tiny
 # takes seconds instead of milliseconds (long enough to kill or delete mid-build)
@@ -30,6 +31,7 @@ SLOW = {"keys_per_cluster": 1, "kmeans_iters": 100}
 @dataclass
 class Fleet:
     redis: RedisServer
+    s3: S3Server
     indexers: list[Worker]
     a: Worker
     b: Worker
@@ -41,22 +43,24 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    if redis_binary() is None:
-        pytest.skip("needs a redis-server binary")
+    if redis_binary() is None or weed_binary() is None:
+        pytest.skip("needs redis-server and SeaweedFS's weed")
     root = tmp_path_factory.mktemp("fleet")
-    redis = RedisServer(redis_binary(), root)
+    redis, s3 = RedisServer(redis_binary(), root), S3Server(weed_binary(), root / "s3")
     redis.start()
-    store = f"file://{root}/objects"
+    s3.start()
+    store = s3.uri(prefix="fleet")
     indexers = [Worker(f"ix{i}", root, "indexer", redis.url, store, "--metrics-port", str(free_port()))
                 for i in (1, 2)]
     a, b = (Worker(n, root, "decoder", redis.url, store) for n in ("decA", "decB"))
     one = Worker("one", root, "all", None, None)
     workers = start_all([*indexers, a, b, one])
     try:
-        yield Fleet(redis, indexers, a, b, one)
+        yield Fleet(redis, s3, indexers, a, b, one)
     finally:
         stop_all(workers)
         redis.stop()
+        s3.stop()
 
 
 def put(worker: Worker, text: str = TEXT, token: str | None = None, wait: bool = True, slow: bool = False,
