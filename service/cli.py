@@ -77,8 +77,8 @@ def _fleet_flags(p: argparse.ArgumentParser) -> None:
                    help="all: one node (default); indexer: builds jobs from Redis into the object store; "
                         "decoder: PutContext, Generate and admin, loading artifacts from the object store")
     p.add_argument("--object-store", default=None, metavar="URI",
-                   help="the artifacts every worker shares (indexer, decoder): s3://bucket/prefix?"
-                        "endpoint_override=host:port&scheme=http or file:///path")
+                   help="the artifacts' copy of record, --data their local cache (indexer, decoder; optional "
+                        "for all): s3://bucket/prefix?endpoint_override=host:port&scheme=http or file:///path")
     p.add_argument("--build-lease", type=float, default=10.0, metavar="SECONDS",
                    help="a build job whose indexer stopped beating this long is taken by another")
     p.add_argument("--heartbeat", type=float, default=2.0, metavar="SECONDS",

@@ -35,7 +35,8 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                             tenant_tokens=tenant_tokens, tls_cert=tls[0], tls_key=tls[1],
                             grace_seconds=getattr(args, "grace", 5.0), advertise=getattr(args, "advertise", "")),
         model=ModelConfig(args.model, args.device, args.dtype),
-        store=StoreSettings(args.data, int(args.store_budget_gb * GiB)),
+        store=StoreSettings(args.data, int(args.store_budget_gb * GiB),
+                            object_store_uri=getattr(args, "object_store", None)),
         registry=RegistrySettings(args.redis),
         indexer=IndexerSettings(method=args.method, store_queries=args.store_queries, kv_codec=args.kv_codec,
                                 method_params=_params(getattr(args, "method_params", "{}"), "--method-params")),
@@ -44,8 +45,8 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                                 decode_mode=args.decode_mode, gpu_slot_tokens=args.gpu_slot_tokens,
                                 offload=getattr(args, "offload", False),
                                 **_gpu_slots(args)),
-        fleet=FleetSettings(getattr(args, "role", "all"), getattr(args, "object_store", None),
-                            getattr(args, "build_lease", 10.0), getattr(args, "heartbeat", 2.0)))
+        fleet=FleetSettings(getattr(args, "role", "all"), getattr(args, "build_lease", 10.0),
+                            getattr(args, "heartbeat", 2.0)))
 
 
 def _gpu_slots(args) -> dict:

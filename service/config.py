@@ -75,10 +75,21 @@ class StoreSettings:
     # loads into page-locked memory (async copies of the coded K/V to HBM); None: when the
     # model is on a GPU
     pin_memory: bool | None = None
+    # the shared artifact tier (s3://bucket/prefix?endpoint_override=host:port&scheme=http or
+    # file:///path): the copy of record, with the LMDB at `path` as this machine's cache of it
+    # (budget_bytes is then the cache's budget). None: the LMDB alone, as on a single node
+    object_store_uri: str | None = None
+    object_budget_bytes: int | None = None  # the shared tier's budget; None: unbounded
 
     def __post_init__(self) -> None:
         if self.budget_bytes < MiB:
             raise ValueError(f"budget_bytes={self.budget_bytes} must be >= 1 MiB")
+        if self.object_store_uri is not None:
+            from ctxcache.store.tiers import tier_class
+
+            tier_class(self.object_store_uri)  # an unknown scheme fails here, naming the URI
+        if self.object_budget_bytes is not None and self.object_budget_bytes < MiB:
+            raise ValueError(f"object_budget_bytes={self.object_budget_bytes} must be None or >= 1 MiB")
 
 
 @dataclass(frozen=True)
@@ -180,7 +191,6 @@ class FleetSettings:
     self-contained node: embedded registry (or Redis), local store, no object store needed."""
 
     role: str = "all"
-    object_store: str | None = None  # s3://bucket/prefix?endpoint_override=... or file:///path
     build_lease_s: float = 10.0  # a job whose indexer stopped beating this long goes to another
     heartbeat_s: float = 2.0  # hot memberships expire 3 heartbeats after a worker's last
     tombstone_s: float = 86400.0  # a deleted context's registry entry says DELETED this long
@@ -205,7 +215,7 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         role = self.fleet.role
-        if role != "all" and (self.registry.redis_url is None or self.fleet.object_store is None):
+        if role != "all" and (self.registry.redis_url is None or self.store.object_store_uri is None):
             raise ValueError(f"--role {role} needs --redis (the registry and job stream) and --object-store "
                              f"(the artifacts every worker shares); got redis={self.registry.redis_url!r}, "
-                             f"object_store={self.fleet.object_store!r}")
+                             f"object_store={self.store.object_store_uri!r}")

@@ -72,8 +72,8 @@ def _foreign_codes() -> dict[type, grpc.StatusCode]:
     for name, code in (("CorruptArtifact", grpc.StatusCode.DATA_LOSS),
                        ("StoreDamaged", grpc.StatusCode.DATA_LOSS),
                        ("StoreFull", grpc.StatusCode.RESOURCE_EXHAUSTED),
-                       ("StoreUnavailable", grpc.StatusCode.UNAVAILABLE),
                        ("RegistryUnavailable", grpc.StatusCode.UNAVAILABLE),
+                       ("StoreUnavailable", grpc.StatusCode.UNAVAILABLE),
                        ("FormatMismatch", grpc.StatusCode.FAILED_PRECONDITION),
                        ("NotFound", grpc.StatusCode.NOT_FOUND)):
         try:

@@ -3,7 +3,11 @@ in one process, e.g. in tests). `serve` exposes them over HTTP with --metrics-po
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30)
 
@@ -33,3 +37,32 @@ class Metrics:
         self.offload_hit_rate = Gauge("ctxcache_offload_hit_rate", "offload runner: fraction of selected keys read "
                                       "from the GPU cache instead of host memory", registry=r)
         self.rejected = Counter("ctxcache_rejected", "requests refused for capacity", ["rpc"], registry=r)
+
+    def track_store_loads(self, store: object) -> None:
+        """Export the store's loads per tier (TieredStore.load_stats), read at each scrape."""
+        if hasattr(store, "load_stats"):
+            self.registry.register(_StoreLoads(store.load_stats))
+
+
+class _StoreLoads:
+    """Loads answered by the local LMDB and by the object store: count, bytes, seconds (rate()
+    of bytes over seconds is the load bandwidth), and the loads that failed, by reason."""
+
+    def __init__(self, snapshot: Callable[[], Any]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):  # noqa: ANN201 (prometheus collector protocol)
+        snap = self._snapshot()
+        fams = {name: CounterMetricFamily(f"ctxcache_store_load_{name}", f"store loads answered per tier: {name}",
+                                          labels=["tier"]) for name in ("hits", "bytes", "seconds")}
+        for tier, t in snap.tiers.items():
+            for name in fams:
+                fams[name].add_metric([tier], getattr(t, name))
+        failed = CounterMetricFamily("ctxcache_store_load_failures", "store loads that failed or found "
+                                     "nothing, by reason", labels=["reason"])
+        for reason in ("misses", "unavailable", "corrupt"):
+            failed.add_metric([reason], getattr(snap, reason))
+        shared = CounterMetricFamily("ctxcache_store_shared_downloads", "loads that joined another "
+                                     "caller's download of the same context")
+        shared.add_metric([], snap.shared_downloads)
+        yield from (*fams.values(), failed, shared)

@@ -25,24 +25,15 @@ from ctxcache.service.fleet_presence import Presence
 from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
-from ctxcache.store import StoreConfig, open_store
+from ctxcache.store import TieredStore
 from ctxcache.store.fleet_registry import FleetRegistry
 from ctxcache.store.job_stream import JobStream
 
 
-def fleet_backend(config: ServiceConfig) -> FleetBackend:
+def fleet_backend(config: ServiceConfig, store: TieredStore) -> FleetBackend:
+    """store: the worker's LMDB as its cache in front of the object store (server.py opens it)."""
     fleet = FleetRegistry(config.registry.redis_config(), config.fleet.tombstone_s)
-    return FleetBackend(open_fleet_store(config), fleet, config.fleet.role)
-
-
-def open_fleet_store(config: ServiceConfig):  # noqa: ANN201 (store.TieredStore)
-    """The local LMDB (--data) as this worker's cache in front of the object store."""
-    budget = config.store.budget_bytes
-    pin = config.store.pin_memory
-    pin = config.model.device.startswith("cuda") if pin is None else pin
-    return open_store(config.store.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20),
-                                                     budget_bytes=budget, pin_memory=pin),
-                      config.fleet.object_store)
+    return FleetBackend(store, fleet, config.fleet.role)
 
 
 def remote_builds(config: ServiceConfig, lm: LoadedModel, prompter: Prompter, backend: FleetBackend,

@@ -30,7 +30,7 @@ from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, conte
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
 from ctxcache.service.servicer import ContextServicer
-from ctxcache.store import EmbeddedRegistry, StoreConfig, open_store
+from ctxcache.store import EmbeddedRegistry, ObjectStoreConfig, StoreConfig, open_store
 
 log = logging.getLogger("ctxcache.service")
 CONTEXT_SERVICE = context_pb2.DESCRIPTOR.services_by_name["ContextService"].full_name
@@ -45,7 +45,8 @@ class CtxcacheServer:
     def __init__(self, config: ServiceConfig, lm: LoadedModel) -> None:
         self.config, self.lm, self.metrics = config, lm, Metrics()
         role = config.fleet.role
-        self.backend = roles.fleet_backend(config) if role != "all" else Backend(*_open_store_and_registry(config))
+        store, registry, kind = _open_store_and_registry(config)
+        self.backend = Backend(store, registry, kind) if role == "all" else roles.fleet_backend(config, store)
         prompter = Prompter(lm.tokenizer if lm.tokenizer is not None else ByteTokenizer())
         d, s = config.decoder, config.server
         cache = ArtifactCache[CachedContext](d.dram_cache_bytes, self.backend.load, CachedContext.nbytes)
@@ -55,6 +56,7 @@ class CtxcacheServer:
                                        runners, d.max_batch, d.decode_mode == "dense")
         self.fleet = roles.FleetRuntime(config, self.backend, self.indexer, self.decoder)
         self.metrics.offload_hit_rate.set_function(self.decoder.offload_hit_rate)
+        self.metrics.track_store_loads(self.backend.store)
         self.auth = Auth(dict(s.tenant_tokens), s.auth_token)
         self.pool = ThreadPoolExecutor(s.threads, "ctxcache-rpc")
         self.loop = LoopThread()
@@ -210,9 +212,12 @@ def _open_store_and_registry(config: ServiceConfig):
     budget = config.store.budget_bytes
     pin = config.store.pin_memory
     pin = config.model.device.startswith("cuda") if pin is None else pin
-    store = open_store(config.store.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20),
-                                                      budget_bytes=budget, pin_memory=pin),
-                       config.fleet.object_store)  # one node may keep its artifacts on an object store too
+    st = config.store
+    store = open_store(st.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20), budget_bytes=budget,
+                                            pin_memory=pin),
+                       st.object_store_uri, ObjectStoreConfig(budget_bytes=st.object_budget_bytes))
+    if config.fleet.role != "all":  # a fleet's registry of facts (service/roles.py)
+        return store, None, "fleet"
     url = config.registry.redis_url
     if url is None:
         return store, EmbeddedRegistry(), "embedded"

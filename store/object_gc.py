@@ -70,22 +70,40 @@ def victims_to_budget(entries: list[eviction.Summary], budget: int | None) -> li
 
 def collect_garbage(store: "ObjectArtifactStore", grace_s: float) -> GcReport:
     expired = store.evict_expired()
-    objects = store.tier.list(lay.VERSION)  # before the manifests are read (see the module doc)
+    # listed before the manifests are read (see the module doc)
+    objects, folders = store.tier.list(lay.VERSION), store.tier.folders(lay.CHUNKS)
     cutoff = time.time() - grace_s  # object mtimes are wall-clock times of the server
     kinds = [(o, lay.parse_key(o.key)) for o in objects]
     ids = sorted({p.context_id for _, p in kinds if p is not None and p.kind == "manifest"})
-    referenced: set[str] = set()
+    named: set[str] = set()  # write folders some manifest names
     unreadable: set[str] = set()
     for cid, m in zip(ids, store.read_manifests(ids)):
         if m is None:
             unreadable.add(cid)  # its chunks stay until it is deleted (verify reports it)
         else:
-            referenced.update(lay.chunk_keys(m))
+            named.add(lay.folder_of(m))
+    files: dict[str, list] = {f.key: [] for f in folders if lay.context_of_folder(f.key) is not None}
+    for o, p in kinds:
+        if p is not None and p.kind == "chunk":
+            files.setdefault(f"{lay.CHUNKS}/{p.folder}", []).append(o)
+    mtimes = {f.key: f.mtime for f in folders}
+    orphans = [(folder, objs) for folder, objs in files.items()
+               if folder not in named and lay.context_of_folder(folder) not in unreadable
+               and _old(objs, mtimes.get(folder, 0.0), cutoff)]
+    for folder, _ in orphans:
+        store.tier.delete_prefix(folder)
     present = set(ids)
-    orphans = [o for o, p in kinds if p is not None and p.kind == "chunk" and o.key not in referenced
-               and p.context_id not in unreadable and o.mtime < cutoff]
-    stale = [o for o, p in kinds if p is not None and p.kind == "access" and p.context_id not in present
+    stale = [o.key for o, p in kinds if p is not None and p.kind == "access" and p.context_id not in present
              and o.mtime < cutoff]
-    store.tier.delete_many([o.key for o in orphans + stale])
+    store.tier.delete_many(stale)
     partials = store.tier.sweep_partials(lay.VERSION, cutoff)
-    return GcReport(tuple(expired), len(orphans), sum(o.size for o in orphans), len(stale), partials)
+    return GcReport(tuple(expired), sum(len(objs) for _, objs in orphans),
+                    sum(o.size for _, objs in orphans for o in objs), len(stale), partials)
+
+
+def _old(objs: list, folder_mtime: float, cutoff: float) -> bool:
+    """Every chunk of the write is older than the cutoff; an empty folder only if its own time
+    is known and old (S3 keeps none: such a folder may be a live writer's first moment)."""
+    if objs:
+        return all(o.mtime < cutoff for o in objs)
+    return 0.0 < folder_mtime < cutoff

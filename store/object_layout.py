@@ -1,6 +1,6 @@
 """Where a context artifact's objects live on the shared tier (no torch, no I/O).
 
-    v1/chunks/<context_id>/<write_id>/<layer>.<name>   one tensor's stored bytes (layer: ctx | 0..)
+    v1/chunks/<context_id>.<write_id>/<layer>.<name>   one tensor's stored bytes (layer: ctx | 0..)
     v1/manifests/<context_id>                          the checksummed manifest, written LAST
     v1/access/<context_id>                             the time of its last recorded use (LRU hint)
 
@@ -8,7 +8,8 @@ The context id is the content address: sha256 over model, tokenizer, template, k
 codec, format, method and params, tenant and tokens (ids.py), so one key covers all of them.
 `write_id` names one write of the artifact (a hash of its chunks' sha256 and creation time,
 recomputed from the manifest by readers): chunk objects are never overwritten, so concurrent
-writers of one id cannot mix chunks, and chunks no manifest names are orphans for GC.
+writers of one id cannot mix chunks. A write's chunks share one folder, deleted in one batch
+(no per-context folder is left behind), and a folder no manifest names is an orphan for GC.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ CHUNKS = f"{VERSION}/chunks"
 ACCESS = f"{VERSION}/access"
 
 
+_WID_CHARS = 20
+
+
 def write_id(m: Manifest) -> str:
     h = hashlib.sha256(repr(float(m.created_at)).encode())
     for c in m.chunks:
         h.update(f"\0{c.label()}\0{c.sha256}".encode())
-    return h.hexdigest()[:20]
+    return h.hexdigest()[:_WID_CHARS]
 
 
 def manifest_key(context_id: str) -> str:
@@ -40,13 +44,18 @@ def access_key(context_id: str) -> str:
     return f"{ACCESS}/{check_id(context_id)}"
 
 
-def chunk_prefix(context_id: str) -> str:
-    return f"{CHUNKS}/{check_id(context_id)}"
+def write_folder(context_id: str, wid: str) -> str:
+    """The folder of one write's chunks."""
+    return f"{CHUNKS}/{check_id(context_id)}.{wid}"
+
+
+def folder_of(m: Manifest) -> str:
+    return write_folder(m.context_id, write_id(m))
 
 
 def chunk_key(context_id: str, wid: str, info: ChunkInfo) -> str:
     layer = GLOBAL_LAYER if info.layer is None else str(info.layer)
-    return f"{chunk_prefix(context_id)}/{wid}/{layer}.{check_name(info.name)}"
+    return f"{write_folder(context_id, wid)}/{layer}.{check_name(info.name)}"
 
 
 def chunk_keys(m: Manifest) -> list[str]:
@@ -54,10 +63,28 @@ def chunk_keys(m: Manifest) -> list[str]:
     return [chunk_key(m.context_id, wid, c) for c in m.chunks]
 
 
+def split_folder(name: str) -> tuple[str, str] | None:
+    """'<context_id>.<write_id>' -> (context_id, write_id), or None if it is not one."""
+    cid, dot, wid = name.rpartition(".")
+    if not dot or len(wid) != _WID_CHARS or not all(c in "0123456789abcdef" for c in wid):
+        return None
+    try:
+        return check_id(cid), wid
+    except ValueError:
+        return None
+
+
+def context_of_folder(key: str) -> str | None:
+    """The context id of a write folder's key ('v1/chunks/<context_id>.<write_id>'), else None."""
+    split = split_folder(key.rsplit("/", 1)[-1])
+    return None if split is None else split[0]
+
+
 @dataclass(frozen=True)
 class ParsedKey:
     kind: str  # "manifest" | "chunk" | "access"
     context_id: str
+    folder: str = ""  # chunks: the write folder's name, '<context_id>.<write_id>'
 
 
 def parse_key(key: str) -> ParsedKey | None:
@@ -65,9 +92,10 @@ def parse_key(key: str) -> ParsedKey | None:
     parts = key.split("/")
     if len(parts) < 3 or parts[0] != VERSION:
         return None
-    kind = {"manifests": "manifest", "chunks": "chunk", "access": "access"}.get(parts[1])
-    want = 5 if kind == "chunk" else 3
-    if kind is None or len(parts) != want:
+    if parts[1] == "chunks" and len(parts) == 4 and (split := split_folder(parts[2])) is not None:
+        return ParsedKey("chunk", split[0], parts[2])
+    kind = {"manifests": "manifest", "access": "access"}.get(parts[1])
+    if kind is None or len(parts) != 3:
         return None
     try:
         return ParsedKey(kind, check_id(parts[2]))

@@ -105,7 +105,7 @@ class ObjectArtifactStore:
         self._touched.pop(m.context_id, None)
         self.touch(m.context_id)
         if old is not None and lay.write_id(old) != lay.write_id(m):
-            self.tier.delete_many(lay.chunk_keys(old))  # a reader of the old write retries (fetch)
+            self.tier.delete_prefix(lay.folder_of(old))  # a reader of the old write retries (fetch)
         return m
 
     def touch(self, context_id: str) -> None:
@@ -118,20 +118,24 @@ class ObjectArtifactStore:
         self._touched[context_id] = now
 
     def delete(self, context_id: str) -> bool:
-        """Manifest first (the artifact is gone for readers at once), then its chunks. A corrupt
-        manifest's context loses every chunk; another write's chunks are left to gc."""
+        """Manifest first (the artifact is gone for readers at once), then its write's chunks.
+        A context with an unreadable manifest loses every write; a write that no manifest names
+        yet (a concurrent put's) is left to gc."""
         self._live()
         try:
             old = self._read_manifest(context_id, allow_expired=True)
         except (CorruptArtifact, FormatMismatch):
             old = None
-            keys = [o.key for o in self.tier.list(lay.chunk_prefix(context_id))]
+            folders = [f.key for f in self.tier.folders(lay.CHUNKS)
+                       if lay.context_of_folder(f.key) == context_id]
         else:
-            keys = lay.chunk_keys(old) if old is not None else []
+            folders = [lay.folder_of(old)] if old is not None else []
         found = self.tier.delete(lay.manifest_key(context_id))
-        self.tier.delete_many([*keys, lay.access_key(context_id)])
+        for folder in folders:
+            self.tier.delete_prefix(folder)
+        self.tier.delete(lay.access_key(context_id))
         self._touched.pop(context_id, None)
-        return found or bool(keys)
+        return found
 
     def update_meta(self, context_id: str, *, pinned: bool | None = None,
                     ttl_s: float | None | type[...] = ..., labels: Mapping[str, str] | None = None

@@ -46,11 +46,14 @@ class TieredConfig:
     check_shared_on_hit: bool = True  # a local hit asks the object store whether it still has it
     hit_check_timeout_s: float = 0.5  # ... and serves the local copy if no answer comes by then
     retry_after_s: float = 5.0  # after the object store failed, local hits skip the check this long
+    # a positive check holds this long: a Delete elsewhere is seen within it, and a context read
+    # often costs the object store one request per this interval
+    confirm_ttl_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (self.hit_check_timeout_s > 0 and self.retry_after_s >= 0):
-            raise ValueError(f"hit_check_timeout_s={self.hit_check_timeout_s} must be > 0 and "
-                             f"retry_after_s={self.retry_after_s} >= 0")
+        if not (self.hit_check_timeout_s > 0 and self.retry_after_s >= 0 and self.confirm_ttl_s >= 0):
+            raise ValueError(f"hit_check_timeout_s={self.hit_check_timeout_s} must be > 0, retry_after_s="
+                             f"{self.retry_after_s} and confirm_ttl_s={self.confirm_ttl_s} >= 0")
 
 
 class _Flight:
@@ -68,6 +71,7 @@ class TieredStore:
         self._flights: dict[tuple[str, bool], _Flight] = {}
         self._lock = threading.Lock()
         self._down_until = float("-inf")
+        self._confirmed: dict[str, float] = {}  # context id -> when the object store last had it
         self._side = ThreadPoolExecutor(2, "ctxtier")  # hit checks and access marks, off the load path
 
     # ---- what the service reads --------------------------------------------------------------------
@@ -113,6 +117,7 @@ class TieredStore:
         """From the object store and the local cache (the local copy goes even if the object
         store does not answer; then StoreUnavailable is raised)."""
         local = self.local.delete(context_id)
+        self._confirmed.pop(context_id, None)
         return self.shared.delete(context_id) or local
 
     def drop_local(self, context_id: str) -> bool:
@@ -213,6 +218,7 @@ class TieredStore:
             self.loads.count("misses")
             return None
         self._keep_local(f.manifest, f.payloads)
+        self._confirmed[context_id] = self._clock()
         art = self.shared.decode(f if with_queries else _without_queries(f))
         self.loads.hit("object", f.nbytes, time.perf_counter() - t0)
         self._mark_use(context_id)
@@ -221,11 +227,18 @@ class TieredStore:
     def _still_shared(self, context_id: str) -> bool:
         """Whether the object store still has the context; True when it does not answer in time
         (a local copy keeps serving while the object store is down)."""
-        if not self.tiered_config.check_shared_on_hit or self._clock() < self._down_until:
+        cfg, now = self.tiered_config, self._clock()
+        if not cfg.check_shared_on_hit or now < self._down_until \
+                or now - self._confirmed.get(context_id, float("-inf")) < cfg.confirm_ttl_s:
             return True
         fut = self._side.submit(self.shared.tier.contains, lay.manifest_key(context_id))
         try:
-            return bool(fut.result(timeout=self.tiered_config.hit_check_timeout_s))
+            there = bool(fut.result(timeout=cfg.hit_check_timeout_s))
+            if there:
+                self._confirmed[context_id] = now
+            else:
+                self._confirmed.pop(context_id, None)
+            return there
         except (StoreUnavailable, FutureTimeout) as exc:
             self._down_until = self._clock() + self.tiered_config.retry_after_s
             log.warning("object store did not answer (%s); serving local copies for %.0f s", exc,
@@ -243,8 +256,15 @@ class TieredStore:
             log.debug("access mark of %s skipped: %s", context_id[:12], exc)
 
     def manifest(self, context_id: str) -> Manifest | None:
-        """The local copy's manifest, else the object store's (no download)."""
-        return self.local.manifest(context_id) or self.shared.manifest(context_id)
+        """The local copy's manifest while the object store has the context, else the object
+        store's (no download)."""
+        m = self.local.manifest(context_id)
+        if m is None:
+            return self.shared.manifest(context_id)
+        if self._still_shared(context_id):
+            return m
+        self.local.delete(context_id)  # deleted on the copy of record
+        return None
 
     def list_manifests(self, offset: int = 0, limit: int = 100, labels: Mapping[str, str] | None = None,
                        tenant: str | None = None, after: str | None = None) -> list[Manifest]:

@@ -45,6 +45,25 @@ class ArrowTier(ObjectTier):
         except OSError as exc:
             raise self.unavailable("delete", key, exc) from None
 
+    def delete_prefix(self, prefix: str) -> None:
+        try:
+            self.fs.delete_dir(self.path(prefix))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self.unavailable("delete_prefix", prefix, exc) from None
+
+    def folders(self, prefix: str) -> list[ObjectInfo]:
+        from pyarrow.fs import FileSelector, FileType
+
+        try:
+            infos = self.fs.get_file_info(FileSelector(self.path(prefix), allow_not_found=True))
+        except OSError as exc:
+            raise self.unavailable("folders", prefix, exc) from None
+        cut = len(self.root) + 1
+        return sorted((ObjectInfo(i.path[cut:], 0, i.mtime.timestamp() if i.mtime else 0.0)
+                       for i in infos if i.type == FileType.Directory), key=lambda o: o.key)
+
     def list(self, prefix: str) -> list[ObjectInfo]:
         from pyarrow.fs import FileSelector, FileType
 

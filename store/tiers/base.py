@@ -83,6 +83,15 @@ class ObjectTier(ABC):
     def list(self, prefix: str) -> list[ObjectInfo]:
         """Every object whose key starts with `prefix` + '/', in key order."""
 
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every object under `prefix` + '/' (S3: one listing and batched deletes)."""
+
+    @abstractmethod
+    def folders(self, prefix: str) -> list[ObjectInfo]:
+        """The folders directly under `prefix` (size 0; mtime 0.0 where the store keeps none,
+        as S3 does for the implicit folders of key prefixes)."""
+
     def sweep_partials(self, prefix: str, older_than: float) -> int:
         """Remove partial writes (a dead writer's temp files) modified before older_than; -> count.
         S3 has none visible: an upload is an object only once complete (a bucket lifecycle rule

@@ -41,7 +41,7 @@ class FileTier(ArrowTier):
         try:
             try:
                 self._write(path, tmp, data)
-            except FileNotFoundError:  # gc removed the (empty, old) folder just now: once more
+            except FileNotFoundError:  # a delete_prefix removed the folder just now: once more
                 self._write(path, tmp, data)
         except OSError as exc:
             try:
@@ -60,24 +60,19 @@ class FileTier(ArrowTier):
         return TEMP_MARK not in key
 
     def sweep_partials(self, prefix: str, older_than: float) -> int:
-        """Delete temp files of writers that died before their rename, and empty folders (a
-        deleted context's), modified before older_than; -> temp files deleted."""
+        """Delete temp files of writers that died before their rename, modified before
+        older_than; -> how many."""
         from pyarrow.fs import FileSelector, FileType
 
         try:
             infos = self.fs.get_file_info(FileSelector(self.path(prefix), allow_not_found=True, recursive=True))
         except OSError as exc:
             raise self.unavailable("sweep", prefix, exc) from None
-        old = [i for i in infos if i.mtime is not None and i.mtime.timestamp() < older_than]
-        stale = [i.path for i in old if i.type == FileType.File and TEMP_MARK in i.path]
+        stale = [i.path for i in infos if i.type == FileType.File and TEMP_MARK in i.path
+                 and i.mtime.timestamp() < older_than]
         for path in stale:
             try:
                 self.fs.delete_file(path)
             except FileNotFoundError:
                 pass  # a concurrent sweep removed it first
-        for folder in sorted((i.path for i in old if i.type == FileType.Directory), key=len, reverse=True):
-            try:
-                os.rmdir(folder)  # only if empty; pyarrow's delete_dir would remove its contents
-            except OSError:
-                pass
         return len(stale)

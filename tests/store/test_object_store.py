@@ -34,8 +34,9 @@ def same_stored_bits(a, b) -> None:  # noqa: ANN001 (ContextArtifact)
         assert x.contiguous().view(-1).view(torch.uint8).equal(y.contiguous().view(-1).view(torch.uint8)), slot
 
 
-def chunk_objects(s: ObjectArtifactStore) -> list[str]:
-    return [o.key for o in s.tier.list(lay.CHUNKS)]
+def chunk_objects(s: ObjectArtifactStore, context_id: str | None = None) -> list[str]:
+    return [o.key for o in s.tier.list(lay.CHUNKS)
+            if context_id is None or lay.parse_key(o.key).context_id == context_id]
 
 
 @pytest.mark.parametrize("codec", ["lossless", "int8", "int4"])
@@ -61,7 +62,7 @@ def test_every_object_of_an_artifact_is_named_by_its_context_id_and_written_mani
     manifests = [i for i, k in enumerate(order) if k.startswith(lay.MANIFESTS)]
     chunks = [i for i, k in enumerate(order) if k.startswith(lay.CHUNKS)]
     assert len(chunks) == len(m.chunks) and manifests == [max(chunks) + 1]
-    assert all(f"/ctx-a/{lay.write_id(m)}/" in order[i] for i in chunks)
+    assert all(order[i].startswith(f"{lay.CHUNKS}/ctx-a.{lay.write_id(m)}/") for i in chunks)
 
 
 def _corrupt(s: ObjectArtifactStore, key: str, how: str) -> None:
@@ -112,12 +113,13 @@ def test_a_writer_that_dies_before_its_manifest_leaves_nothing_visible_and_gc_re
         s.tier.put = put  # type: ignore[method-assign]
         assert s.get("torn") is None and s.manifest("torn") is None
         assert s.context_ids() == ["keep"] and [m.context_id for m in s.list_manifests()] == ["keep"]
-        torn = [k for k in chunk_objects(s) if "/torn/" in k]
+        torn = chunk_objects(s, "torn")
         assert torn
         assert s.gc(grace_s=3600).orphan_chunks == 0  # young: its writer may still be running
         report = s.gc(grace_s=0)
         assert report.orphan_chunks == len(torn) and report.orphan_bytes > 0
-        assert not [k for k in chunk_objects(s) if "/torn/" in k]
+        assert chunk_objects(s, "torn") == []
+        assert [f.key for f in s.tier.folders(lay.CHUNKS)] == [lay.folder_of(s.manifest("keep"))]
         assert_same(s.get("keep"), make_artifact(5))
 
 
@@ -153,7 +155,7 @@ def test_ttl_and_pin_act_on_the_shared_copy(tier_uri: str) -> None:
         assert s.get("short") is None and s.manifest("short") is None
         assert [m.context_id for m in s.list_manifests()] == ["later", "pinned"]
         assert s.gc(grace_s=3600).expired == ("short",)
-        assert s.context_ids() == ["later", "pinned"] and not [k for k in chunk_objects(s) if "/short/" in k]
+        assert s.context_ids() == ["later", "pinned"] and chunk_objects(s, "short") == []
         assert s.update_meta("pinned", pinned=False).pinned is False
         assert s.evict_expired() == ["pinned"]
 

@@ -52,8 +52,12 @@ def test_objects_round_trip_bit_exact(tier_uri: str) -> None:
     tier.put("v1/a/small", b"replaced")
     assert tier.get("v1/a/small") == b"replaced"
     assert tier.delete("v1/a/small") and not tier.delete("v1/a/small")
-    assert tier.delete_many(["v1/a/empty", "v1/b/big", "v1/b/gone"]) == 2
-    assert tier.list("v1") == []
+    assert tier.delete_many(["v1/a/empty", "v1/b/gone"]) == 1
+    assert [f.key for f in tier.folders("v1")] == ["v1/a", "v1/b"]
+    tier.put("v1/b/sub/more", b"1")
+    tier.delete_prefix("v1/b")
+    tier.delete_prefix("v1/none")
+    assert tier.list("v1") == [] and [f.key for f in tier.folders("v1")] == ["v1/a"]
     tier.close()
 
 

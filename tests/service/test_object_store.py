@@ -1,0 +1,61 @@
+"""Two services, each with its own LMDB, on one object store (a folder, or a real SeaweedFS):
+a context built on one generates on the other without a rebuild, with the same tokens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ctxcache.client.gen.v1 import context_pb2 as pb
+
+from service_helpers import TEXT, ask, put_text, rpc_code, tiny_config
+
+
+def shared_config(data: Path, uri: str):  # noqa: ANN201 (ServiceConfig)
+    cfg = tiny_config(data)
+    return replace(cfg, store=replace(cfg.store, object_store_uri=uri))
+
+
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def object_uri(request, tmp_path: Path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path / 'shared'}"
+    return request.getfixturevalue("s3_server").uri()
+
+
+def test_a_context_built_on_one_worker_generates_on_another(start, tmp_path: Path, object_uri: str) -> None:
+    a, ca = start(shared_config(tmp_path / "a", object_uri))
+    b, cb = start(shared_config(tmp_path / "b", object_uri))
+    cid = put_text(ca).context_id
+    tokens_a = [t for e in ask(ca, cid)[0][:-1] for t in e.chunk.token_ids]
+    events, final = ask(cb, cid)  # b never saw the context: loaded from the object store
+    assert [t for e in events[:-1] for t in e.chunk.token_ids] == tokens_a and tokens_a
+    assert final.usage.cached_tokens > 0
+    assert put_text(cb).context_id == cid  # no rebuild: the object store has it
+    assert b.metrics.registry.get_sample_value("ctxcache_put_requests_total", {"result": "existing"}) == 1
+    loads = b.backend.store.load_stats()
+    assert loads.tiers["object"].hits == 1 and loads.tiers["object"].bytes > 0
+
+
+def test_a_bad_object_store_uri_is_refused_at_configuration(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="scheme 'gs' is not supported"):
+        shared_config(tmp_path, "gs://bucket/prefix")
+
+
+@pytest.mark.s3
+def test_object_store_down_generate_from_local_copies_cold_contexts_unavailable(start, tmp_path: Path, s3_server) -> None:
+    a, ca = start(shared_config(tmp_path / "a", s3_server.uri()))
+    cid = put_text(ca).context_id
+    other = put_text(ca, TEXT + " another").context_id
+    a.decoder.cache.evict(cid)  # DRAM forgets both: the next Generate reads the local LMDB
+    a.decoder.cache.evict(other)
+    a.backend.store.local.delete(other)  # and this one only the object store has
+    s3_server.stop()
+    assert ask(ca, cid)[1].usage.generated_tokens >= 1
+    assert rpc_code(lambda: ask(ca, other, timeout=60)) == grpc.StatusCode.UNAVAILABLE
+    s3_server.start()
+    assert ask(ca, other)[1].usage.cached_tokens > 0
+    assert put_text(ca, TEXT + " after").state == pb.CONTEXT_STATE_READY
