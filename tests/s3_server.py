@@ -44,8 +44,10 @@ class S3Server:
 
     def _args(self) -> list[str]:
         w = self.workdir
+        # -volume.max: every collection (the filer's own, each bucket) grows 7 volumes at once; 8
+        # slots let the filer's growth, a minute in, leave a bucket no writable volume
         args = [self.binary, "server", f"-dir={w / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-                "-master.volumeSizeLimitMB=64", "-volume.max=8", "-master.electionTimeout=1s", "-volume.preStopSeconds=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-master.volumeSizeLimitMB=64", "-volume.max=64", "-master.electionTimeout=1s", "-volume.preStopSeconds=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 f"-filer.localSocket={w / 'filer.sock'}", f"-s3.localSocket={w / 's3.sock'}"]
         for s in _SERVICES:
             args += [f"-{s}.port={self.ports[s]}", f"-{s}.port.grpc={self.grpc[s]}"]
