@@ -84,12 +84,16 @@ def get(worker: Worker, cid: str, token: str | None = None) -> pb.ContextInfo:
         c.close()
 
 
-def tokens(worker: Worker, cid: str, token: str | None = None, max_tokens: int = 8) -> list[int]:
+def tokens(worker: Worker, cid: str, token: str | None = None, max_tokens: int = 8, timeout: float = 60,
+           seen: list | None = None) -> list[int]:
+    """The greedy answer's token ids; `seen` collects the stream's messages as they arrive."""
     c = worker.client(token) if token else worker.client()
     req = pb.GenerateRequest(context_id=cid, question="Where is the lighthouse?",
                              sampling=pb.SamplingParams(max_tokens=max_tokens))
+    events = [] if seen is None else seen
     try:
-        events = list(c.generate(req, timeout=60))
+        for e in c.generate(req, timeout=timeout):
+            events.append(e)
     finally:
         c.close()
     assert events[-1].HasField("final")
@@ -244,6 +248,34 @@ def test_kill9_of_the_building_indexer_another_finishes_and_the_put_succeeds(fle
     fleet.indexers.remove(victim)
 
 
+def damage(s3: S3Server, cid: str, how: str) -> str:
+    """Corrupt (flip bytes, same size) or truncate (half) the largest stored object of cid."""
+    from pyarrow import fs
+
+    s3fs = fs.S3FileSystem(endpoint_override=s3.endpoint, scheme="http", anonymous=True)
+    infos = s3fs.get_file_info(fs.FileSelector("ctxcache/fleet/v1/chunks", recursive=True))
+    victim = max((i for i in infos if cid in i.path and i.type == fs.FileType.File), key=lambda i: i.size)
+    with s3fs.open_input_stream(victim.path) as f:
+        data = bytearray(f.read())
+    if how == "truncate":
+        data = data[:len(data) // 2]
+    else:
+        data[len(data) // 2:len(data) // 2 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 16])
+    with s3fs.open_output_stream(victim.path) as f:
+        f.write(bytes(data))
+    return victim.path
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncate"])
+def test_a_damaged_object_is_data_loss_before_any_token(fleet, how):
+    cid = put(fleet.a, TEXT + f" to {how}").context.context_id
+    damage(fleet.s3, cid, how)
+    seen: list = []
+    with pytest.raises(grpc.RpcError) as err:
+        tokens(fleet.b, cid, seen=seen)  # b has no copy: a cold load from the object store
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and seen == []
+
+
 def test_a_fleet_role_needs_redis_and_an_object_store(capsys):
     assert cli.main(["serve", "--role", "decoder", "--model", "random:tiny"]) == 1
     err = capsys.readouterr().err
@@ -267,3 +299,23 @@ def test_redis_down_local_tiers_keep_serving_new_builds_unavailable_then_recover
     assert c.admin.Reconcile(apb.ReconcileRequest(), metadata=c.metadata).registered >= 1
     c.close()
     assert fleet.registry().facts(cid).state == FleetState.READY
+
+
+def test_object_store_stopped_local_tiers_serve_cold_loads_unavailable_then_recover(fleet):
+    warm = put(fleet.a, TEXT + " warm before the outage").context.context_id
+    cold = put(fleet.a, TEXT + " cold before the outage").context.context_id
+    expected = tokens(fleet.b, warm)  # in b's DRAM and its local store
+    c = fleet.b.client()
+    fleet.s3.stop()
+    try:
+        assert tokens(fleet.b, warm) == expected  # DRAM
+        c.admin.Evict(apb.EvictRequest(context_id=warm, memory_only=True), metadata=c.metadata)
+        assert tokens(fleet.b, warm) == expected  # b's local store
+        t0, seen = time.monotonic(), []
+        assert code_of(lambda: tokens(fleet.b, cold, timeout=10, seen=seen)) == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 10 and seen == []  # within the call's deadline, before any token
+    finally:
+        c.close()
+        fleet.s3.start()  # the same data: what it acknowledged before the stop is there
+    assert len(tokens(fleet.b, cold)) == 8
+    assert put(fleet.a, TEXT + " after the outage").context.state == pb.CONTEXT_STATE_READY
