@@ -21,6 +21,7 @@ BENCHMARKS = {
     "decode": ("GPU", "whole-model decode tokens/s dense vs CSAttention; index build time; TTFT"),
     "offload": ("GPU", "decode attention over KV in pinned host memory vs dense on GPU and host"),
     "serve": ("any", "the product path: a real server + gRPC client, sparse vs dense mode, TTFT tiers, tok/s"),
+    "fleet": ("any", "indexer + decoders on Redis and S3: cold load from the object store vs re-prefill; tok/s of 1 vs N decoders"),
 }
 
 

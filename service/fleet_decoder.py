@@ -80,8 +80,9 @@ class RemoteBuilds:
                source=None) -> tuple[str, RemoteJob | None, bool]:  # noqa: ANN001
         """-> (context id, the job if building, whether this call queued it)."""
         if source is not None:
-            raise FailedPrecondition("on a decoder, Rebuild re-prefills the stored tokens on an indexer "
-                                     "(the K/V do not travel): set allow_reprefill")
+            raise FailedPrecondition("a decoder cannot yet send stored K/V to an indexer: a Rebuild that "
+                                     "re-indexes them runs on a --role all node (one that re-prefills, "
+                                     "allow_reprefill, runs here)")
         try:
             make_method(spec.method, spec.method_params).check_model(self.lm.args.head_dim)
         except ParamError as exc:

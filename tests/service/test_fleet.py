@@ -14,10 +14,11 @@ import grpc
 import pytest
 
 from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client.routing import RoutedClient, home
 from ctxcache.service import cli
 from ctxcache.store.fleet_registry import FleetRegistry, FleetState
 
-from fleet_procs import Worker, start_all, stop_all
+from fleet_procs import ADMIN_TOKEN, Worker, start_all, stop_all
 from redis_server import RedisServer, free_port, redis_binary
 from s3_server import S3Server, weed_binary
 
@@ -137,11 +138,15 @@ def test_put_on_one_decoder_generate_on_another_gives_the_single_nodes_tokens(fl
     assert len(tokens(fleet.b, info.context_id)) == 8
 
 
-def test_get_context_shows_the_workers_holding_it_hot(fleet):
+def test_get_context_shows_the_workers_holding_it_hot_and_the_client_routes_there(fleet):
     cid = put(fleet.a, TEXT + " hot").context.context_id
+    routed = RoutedClient([fleet.a.address, fleet.b.address], ADMIN_TOKEN)
     assert list(get(fleet.a, cid).hot_workers) == []
+    assert routed.route(cid) == home(cid, [fleet.a.address, fleet.b.address])  # cold: its home decoder
     tokens(fleet.b, cid)
     assert wait_until(lambda: list(get(fleet.a, cid).hot_workers) == [fleet.b.address], 2.0)
+    assert routed.route(cid) == fleet.b.address
+    routed.close()
     c = fleet.b.client()
     c.admin.Evict(apb.EvictRequest(context_id=cid, memory_only=True), metadata=c.metadata)
     c.close()
