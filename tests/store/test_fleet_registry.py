@@ -63,6 +63,16 @@ def test_a_dead_indexers_job_is_taken_over_after_its_lease(fleet, redis_server):
     assert b.pending() == 0 and b.waiting() == 0
 
 
+def test_a_job_handed_back_is_taken_at_once_not_after_the_lease(fleet, redis_server):
+    fleet.enqueue(CID, [1], "{}", "", claim_s=30)
+    a, b = _stream(redis_server, "ix-a", lease_s=30), _stream(redis_server, "ix-b", lease_s=30)
+    first = a.take()
+    assert b.take() is None
+    a.release(first.entry_id)  # a drains
+    again = b.take()
+    assert again is not None and again.entry_id == first.entry_id
+
+
 def test_delete_stops_the_build_and_a_new_put_supersedes_it(fleet):
     _, old = fleet.enqueue(CID, [1], "{}", "", claim_s=30)
     assert fleet.start(CID, old, "ix", 30) == 1
