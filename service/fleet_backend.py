@@ -14,6 +14,7 @@ What changes against the single-node Backend:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from ctxcache.store import Manifest, RegistryUnavailable, TieredStore
 from ctxcache.store.fleet_registry import Facts, FleetRegistry, FleetState
 
 log = logging.getLogger("ctxcache.service.fleet")
+REDIS_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class FleetBackend(Backend):
     def __init__(self, store: TieredStore, fleet: FleetRegistry, role: str) -> None:
         super().__init__(store, fleet, f"redis (fleet, {role})")
         self.fleet, self.role = fleet, role
+        self._redis_down_until = float("-inf")
 
     def relocate(self, location: str) -> None:
         """This worker's address (its name in hot sets and on the stream); the store keeps the
@@ -47,11 +50,16 @@ class FleetBackend(Backend):
         return self.store.artifact_uri(cid)
 
     def facts(self, cid: str) -> Facts | None:
-        """The registry's entry; None if it has none or Redis is down (the stores then answer)."""
+        """The registry's entry; None if it has none or Redis is down (the stores then answer:
+        after a failure Redis is not asked again for REDIS_RETRY_S, so a hung Redis costs one
+        request its timeouts, not every request)."""
+        if time.monotonic() < self._redis_down_until:
+            return None
         try:
             return self.fleet.facts(cid)
         except RegistryUnavailable as exc:
-            log.debug("registry unavailable for %s: %s", cid[:12], exc)
+            log.warning("registry unavailable (local tiers serve alone for %.0f s): %s", REDIS_RETRY_S, exc)
+            self._redis_down_until = time.monotonic() + REDIS_RETRY_S
             return None
 
     def fleet_facts(self, cid: str) -> FleetFacts:

@@ -99,9 +99,6 @@ class RemoteBuilds:
             outcome, _ = self.fleet.enqueue(cid, tokens, job_spec.to_json(spec), spec.tenant, self.claim_s)
         except RegistryUnavailable as exc:
             raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
-        if outcome == Enqueued.READY:
-            self.metrics.put_requests.labels("existing").inc()
-            return cid, None, False
         self.metrics.put_requests.labels("created" if outcome == Enqueued.QUEUED else "joined").inc()
         return cid, self._watch_job(cid, spec, len(tokens)), outcome == Enqueued.QUEUED
 

@@ -29,6 +29,7 @@ import redis
 
 from ctxcache.store.keys import check_id, prefix
 from ctxcache.store.redis_registry import RedisConfig, client_for, guard
+from ctxcache.store.fleet_scripts import DELETE, ENQUEUE, FINISH, PROGRESS, RECORD, START
 from ctxcache.store.job_stream import STREAM, pack_tokens
 
 log = logging.getLogger("ctxcache.store.fleet")
@@ -46,7 +47,6 @@ class FleetState(str, Enum):
 class Enqueued(str, Enum):
     QUEUED = "QUEUED"  # this caller's job is on the stream
     BUILDING = "BUILDING"  # another caller's job builds it: join
-    READY = "READY"
 
 
 def ctx_key(cid: str) -> str:
@@ -82,56 +82,6 @@ class Facts:
     attempts: int = 0  # indexers that started it (more than 1: one died)
 
 
-_ENQUEUE = """
-if redis.call('hget', KEYS[1], 'state') == 'READY' then return 'READY' end
-if not redis.call('set', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'BUILDING' end
-redis.call('del', KEYS[1])
-redis.call('hset', KEYS[1], 'state', 'BUILDING', 'job_id', ARGV[1], 'spec', ARGV[3], 'tenant', ARGV[4],
-           'n_tokens', ARGV[5], 'progress', '0', 'attempts', '0', 'updated_at', ARGV[6])
-redis.call('xadd', KEYS[3], '*', 'context_id', ARGV[7], 'job_id', ARGV[1], 'tokens', ARGV[8])
-return 'QUEUED'
-"""
-# the job's own entry, still BUILDING: the only state a build may touch
-_OURS = """
-local h = redis.call('hmget', KEYS[1], 'job_id', 'state')
-if h[1] ~= ARGV[1] or h[2] ~= 'BUILDING' then return 0 end
-"""
-_START = _OURS + """
-redis.call('hset', KEYS[1], 'indexer', ARGV[2], 'updated_at', ARGV[4])
-redis.call('pexpire', KEYS[2], ARGV[3])
-return redis.call('hincrby', KEYS[1], 'attempts', 1)
-"""
-_PROGRESS = _OURS + """
-redis.call('hset', KEYS[1], 'progress', ARGV[2], 'updated_at', ARGV[4])
-redis.call('pexpire', KEYS[2], ARGV[3])
-return 1
-"""
-_FINISH = _OURS + """
-redis.call('hset', KEYS[1], 'state', ARGV[2], 'uri', ARGV[3], 'error', ARGV[4], 'progress', ARGV[5],
-           'updated_at', ARGV[6])
-redis.call('del', KEYS[2])
-return 1
-"""
-_DELETE = """
-local prev = redis.call('hget', KEYS[1], 'state')
-redis.call('del', KEYS[1], KEYS[2], KEYS[3])
-redis.call('hset', KEYS[1], 'state', 'DELETED', 'updated_at', ARGV[2])
-redis.call('pexpire', KEYS[1], ARGV[1])
-redis.call('publish', ARGV[3], 'deleted ' .. ARGV[4])
-return prev or ''
-"""
-# reconcile: an artifact in the object store is READY unless deleted or being built
-_RECORD = """
-local state = redis.call('hget', KEYS[1], 'state')
-if state == 'DELETED' then return 'DELETED' end
-if state == 'READY' or (state == 'BUILDING' and redis.call('exists', KEYS[2]) == 1) then return 'KEPT' end
-redis.call('del', KEYS[1])
-redis.call('hset', KEYS[1], 'state', 'READY', 'uri', ARGV[1], 'tenant', ARGV[2], 'n_tokens', ARGV[3],
-           'progress', '1', 'updated_at', ARGV[4])
-return 'ADDED'
-"""
-
-
 class FleetRegistry:
     def __init__(self, config: RedisConfig, tombstone_s: float = 86400.0,
                  clock: Callable[[], float] = time.time) -> None:
@@ -140,8 +90,8 @@ class FleetRegistry:
         self.config, self.tombstone_ms, self.clock = config, int(tombstone_s * 1000), clock
         self._r = client_for(config)
         self._scripts = {name: self._r.register_script(src) for name, src in (
-            ("enqueue", _ENQUEUE), ("start", _START), ("progress", _PROGRESS), ("finish", _FINISH),
-            ("delete", _DELETE), ("record", _RECORD))}
+            ("enqueue", ENQUEUE), ("start", START), ("progress", PROGRESS), ("finish", FINISH),
+            ("delete", DELETE), ("record", RECORD))}
         self._closed = threading.Event()
 
     @guard
@@ -156,7 +106,8 @@ class FleetRegistry:
     @guard
     def enqueue(self, cid: str, tokens: list[int], spec: str, tenant: str, claim_s: float) -> tuple[Enqueued, str]:
         """One build per id: the caller that wins the claim puts its job on the stream (one
-        script: a claim without a job cannot be left behind). -> (outcome, job id if QUEUED)."""
+        script: a claim without a job cannot be left behind). Call it only for an id whose
+        artifact the object store lacks. -> (outcome, job id if QUEUED)."""
         job_id = uuid.uuid4().hex
         out = self._scripts["enqueue"](
             keys=[ctx_key(cid), claim_key(cid), STREAM],

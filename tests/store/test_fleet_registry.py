@@ -40,8 +40,10 @@ def test_one_build_per_id_then_ready(fleet, redis_server):
     assert fleet.finish(CID, job, "s3://b/v1/x")
     f = fleet.facts(CID)
     assert (f.state, f.uri, f.tenant, f.n_tokens) == (FleetState.READY, "s3://b/v1/x", "t1", 3)
-    assert fleet.enqueue(CID, [5, 6, 7], "{}", "t1", claim_s=30) == (Enqueued.READY, "")
     assert _stream(redis_server, "ix1").take() is None  # no second job was queued
+    # a caller that finds no artifact (lost from the object store) builds again: READY was stale
+    out, again = fleet.enqueue(CID, [5, 6, 7], "{}", "t1", claim_s=30)
+    assert out == Enqueued.QUEUED and again != job and fleet.facts(CID).state == FleetState.BUILDING
 
 
 def test_a_dead_indexers_job_is_taken_over_after_its_lease(fleet, redis_server):
