@@ -174,8 +174,8 @@ def test_the_same_text_from_two_callers_on_two_decoders_is_one_build(fleet):
 
 
 def test_an_indexer_only_builds(fleet):
-    err = code_of(lambda: put(fleet.indexers[0]))
-    assert err == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(lambda: put(fleet.indexers[0])) == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(lambda: tokens(fleet.indexers[0], "0" * 64)) == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_progress_and_delete_of_a_building_context_cross_processes(fleet):
