@@ -32,21 +32,23 @@ from pathlib import Path
 
 import torch
 
-from ctxcache.bench.common.report import (RESULTS, commit, device_tag, machine_info, print_table, run_together,
+from ctxcache.bench.common.report import (RESULTS, commit, device_tag, machine_info, print_table,
                                           write_result)
 from ctxcache.bench.common.reprefill import reprefill_seconds
 from ctxcache.bench.common.server import running_server
+from ctxcache.bench.common.serve_client import admission, concurrent_rate, generate, pctl
+from ctxcache.bench.common.serve_limits import copy_bandwidth, floor_ms, row_bytes, runner_steps_ms, weight_bytes
 from ctxcache.bench.common.texts import text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb
 from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
+from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
 from ctxcache.models.loader import load_model
 
 GiB = 1 << 30
-QUESTION = "Which of the facts above matters most? Answer in one line."  # ~20 tokens
 
 
 @dataclass
@@ -57,6 +59,10 @@ class Point:
     texts: list[str]  # one distinct context per slot
     reprefill: list[float]  # seconds, one per repeat
     build: dict  # prefill and index seconds
+    runner_ms: dict[str, dict[int, float]]  # per mode and stream count: GpuRunner.step alone
+    weights: int  # bytes every step reads once
+    bandwidth: float  # the card's measured copy bandwidth, bytes/s
+    row_bytes: dict[str, int]  # per mode: K/V-side bytes one step reads per row
 
 
 def context_text(tokenizer, n_tokens: int, seed: int) -> str:
@@ -66,32 +72,6 @@ def context_text(tokenizer, n_tokens: int, seed: int) -> str:
     words = [f"fact{rng.randrange(10**6)} is {rng.choice(['red', 'blue', 'green', 'odd', 'even'])}."
              for _ in range(n_tokens)]
     return text_of_tokens(tokenizer, " ".join(words), max(1, n_tokens - 32))
-
-
-def generate(client: Client, cid: str, max_tokens: int) -> pb.Final:
-    req = pb.GenerateRequest(context_id=cid, question=QUESTION, sampling=pb.SamplingParams(max_tokens=max_tokens))
-    final = None
-    for ev in client.generate(req, timeout=600):
-        if ev.HasField("final"):
-            final = ev.final
-    return final
-
-
-def concurrent_rate(client: Client, cids: list[str], tokens: int) -> tuple[float, float, str]:
-    """Aggregate generated tok/s of one stream per context, all at once, and the mean per-stream
-    tok/s. The client threads run in this process, the server in its own: they never take the
-    decode loop's interpreter lock."""
-    finals: list = [None] * len(cids)
-
-    def one(i: int) -> None:
-        finals[i] = generate(client, cids[i], tokens)
-
-    wall = run_together([lambda i=i: one(i) for i in range(len(cids))])
-    paths = {f.decode_path for f in finals}
-    if len(paths) != 1:
-        raise RuntimeError(f"streams were served by different paths: {sorted(paths)}")
-    made = sum(f.usage.generated_tokens for f in finals)
-    return made / wall, statistics.mean(f.timings.tokens_per_second for f in finals), paths.pop()
 
 
 def ttft_tiers(client: Client, cid: str, repeats: int, drop_page_cache: bool) -> dict[str, list[float]]:
@@ -107,11 +87,6 @@ def ttft_tiers(client: Client, cid: str, repeats: int, drop_page_cache: bool) ->
         client.admin.Evict(apb.EvictRequest(context_id=cid, device_only=True))
         tiers["warm"].append(generate(client, cid, 1).timings.ttft_seconds)
     return tiers
-
-
-def pctl(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def slot_tokens(n_ctx: int, args) -> int:
@@ -168,20 +143,34 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
     if args.device == "cuda" and not (args.offload and mode == "sparse") and stats.device_slots != max(streams):
         raise RuntimeError(f"{mode}: the server holds {stats.device_slots} slots, this bench sized {max(streams)}")
     tiers = {**ttft_tiers(client, cids[0], args.repeats, args.drop_page_cache), "reprefill": point.reprefill}
-    for s in streams:  # first use of a batch size compiles kernels and captures its graph
-        concurrent_rate(client, cids[:s], 4)
     rows = []
-    for s in streams:
-        agg, per, path = concurrent_rate(client, cids[:s], args.tokens)
+    for s in streams:  # the server compiled and captured every batch size before SERVING
+        runs = [concurrent_rate(client, cids[:s], args.tokens) for _ in range(args.rate_repeats)]
+        agg, per, path, _ = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median run
         name = ("csattention-offload" if args.offload else "csattention") if mode == "sparse" else "dense"
         rows.append({"context": point.n_ctx, "streams": s, "mode": name,
                      "decode_path": path, "aggregate_tokens_per_s": agg, "per_stream_tokens_per_s": per,
+                     "aggregate_runs": [r[0] for r in runs],
+                     **limits_of(point, mode, s, agg, per, [g for r in runs for g in r[3]]),
                      "slots": stats.device_slots, "slot_gib": stats.device_slot_bytes / GiB,
                      "hbm_gib": args.hbm_gb, "method_params": args.method_params, "index": index_name(args),
                      "ttft_p50_s": {k: statistics.median(v) for k, v in tiers.items()},
                      "ttft_p99_s": {k: pctl(v, 0.99) for k, v in tiers.items()}})
         print(rows[-1], flush=True)
+    if len(cids) >= 8:
+        rows[-1]["admission"] = admission(client, cids[:8], args.tokens)
+        print(rows[-1]["admission"], flush=True)
     return rows, build
+
+
+def limits_of(point: Point, mode: str, s: int, agg: float, per: float, gaps: list[float]) -> dict:
+    """The row's floor, the runner's own step at this batch, and the client's inter-token gaps."""
+    step = point.runner_ms.get(mode, {}).get(s)
+    floor = floor_ms(point.weights, point.row_bytes[mode], s, point.bandwidth)
+    served = 1e3 * s / agg if agg else 0.0  # ms per step as the streams saw it
+    return {"runner_step_ms": step, "served_of_runner": per * step / 1e3 if step else None,
+            "served_step_ms": served, "floor_ms": floor, "floor_fraction": floor / served if served else None,
+            "itl_p50_ms": statistics.median(gaps) if gaps else None, "itl_p99_ms": pctl(gaps, 0.99) if gaps else None}
 
 
 def build_times(lm, n_ctx: int, method_params: dict) -> dict:
@@ -194,21 +183,29 @@ def build_times(lm, n_ctx: int, method_params: dict) -> dict:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    build_artifact(lm, tokens, method, cfg)
-    return {"index_seconds": time.perf_counter() - t0, "prefill_seconds": reprefill_seconds(lm, n_ctx, 4096)}
+    art = build_artifact(lm, tokens, method, cfg)
+    return {"index_seconds": time.perf_counter() - t0, "prefill_seconds": reprefill_seconds(lm, n_ctx, 4096)}, art
 
 
 def points_on_the_model(args, contexts: list[int], streams: list[int]) -> list[Point]:
     """What this process measures on its own copy of the model, for every length, before any
     server starts; the copy is freed on return, so a server's weights and slots fit beside it."""
     lm = load_model(args.model, getattr(torch, args.dtype), args.device)
+    bandwidth = copy_bandwidth(args.device)
     points = []
     for n in contexts:
         fit = {mode: mode_streams(lm, n, args, mode, streams) for mode in args.modes.split(",")}
         texts = [context_text(lm.tokenizer, n, 1000 * n + i) for i in range(max(max(s) for s in fit.values()))]
-        build = build_times(lm, n, json.loads(args.method_params))
+        build, art = build_times(lm, n, json.loads(args.method_params))
         reprefill = [reprefill_seconds(lm, n + 20, 4096) for _ in range(args.repeats)]  # + the question
-        points.append(Point(n, fit, texts, reprefill, build))
+        params = {"sparse": make_method("csattention", json.loads(args.method_params)).params, "dense": None}
+        config = SparseConfig.from_schedule("0.05-step-1")
+        elem = lm.model.lm_head.weight.element_size()
+        runner_ms = ({mode: runner_steps_ms(lm, art, params[mode], config, fit[mode], slot_tokens(n, args))
+                      for mode in fit} if args.device == "cuda" else {})
+        points.append(Point(n, fit, texts, reprefill, build, runner_ms, weight_bytes(lm), bandwidth,
+                            {mode: row_bytes(lm.args, params[mode], config, n, elem) for mode in params}))
+        del art
     return points
 
 
@@ -233,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="sparse,dense")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per stream")
     ap.add_argument("--repeats", type=int, default=3, help="TTFT samples per tier")
+    ap.add_argument("--rate-repeats", type=int, default=3, help="measurements of each stream count (median kept)")
     ap.add_argument("--store-gb", type=float, default=40.0)
     ap.add_argument("--dram-gb", type=float, default=8.0)
     ap.add_argument("--hbm-gb", type=float, default=0.0,
@@ -275,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     print_table([{**r, **{f"ttft_{k}": v for k, v in r["ttft_p50_s"].items()}} for r in rows],
                 ["context", "streams", "mode", "aggregate_tokens_per_s", "per_stream_tokens_per_s",
                  "ttft_hot", "ttft_warm", "ttft_cold", "ttft_reprefill"])
+    print_table(rows, ["context", "streams", "mode", "runner_step_ms", "served_step_ms", "served_of_runner",
+                       "floor_ms", "floor_fraction", "itl_p50_ms", "itl_p99_ms"])
+    print_table([{"context": r["context"], "mode": r["mode"], **r["admission"]} for r in rows if "admission" in r],
+                ["context", "mode", "joiner_ttft_p50_ms", "joiner_ttft_p99_ms", "others_itl_p50_ms",
+                 "others_itl_p99_during_ms", "others_itl_p99_during_over_p50"])
     print_table(builds, ["context", "prefill_seconds", "index_seconds", "put_seconds"])
     print_table(capacity, ["context", "hbm_gib", "index", "mode", "slots", "slot_gib", "best_streams", "best_aggregate_tokens_per_s",
                            "over_dense"])

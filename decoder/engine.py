@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ctxcache.artifact import ContextArtifact
+from ctxcache.decoder.inflight import LaunchedStep
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.decoder.runner import Runner
 from ctxcache.decoder.scheduler import Scheduler, StopRule
@@ -44,6 +45,7 @@ class Sequence:
     ended_at_first: bool
     gen: torch.Generator | None = None
     produced: int = 1
+    token_on_device: bool = False  # its last token was fed back on the device (an overlapped step)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     last_token: int = field(init=False)
@@ -123,13 +125,14 @@ class Engine:
                                             daemon=True)
             self._thread.start()
 
-    def _next_batch(self) -> list[Sequence] | None:
+    def _next_batch(self, wait: bool = True) -> list[Sequence] | None:
+        """The next step's rows; [] when none is live and `wait` is off; None once closed."""
         with self._wake:
             while not self._closed:
                 gone = [s for s in self.scheduler.live() if s.cancelled.is_set()]
                 self._retire(gone)
                 batch = self.scheduler.next_batch()
-                if batch:
+                if batch or not wait:
                     return batch
                 self._wake.wait()
             return None
@@ -141,17 +144,61 @@ class Engine:
                 self.runner.release(s.row)
 
     def _loop(self) -> None:
+        """Overlapped where the runner can launch a step without waiting (all rows greedy): step
+        N+1 is queued before step N's tokens are handed out, so the device never waits for this
+        thread; otherwise each step ends in a device sync, as a sampled row needs its logits."""
+        in_flight: tuple[list[Sequence], LaunchedStep] | None = None
         try:
-            while (batch := self._next_batch()) is not None:
-                try:
-                    self._step(batch)
-                except Exception as exc:  # noqa: BLE001 - handed to each consumer, the engine lives on
-                    for s in batch:
-                        s.cancel()
-                        s.out.put(exc)
+            while (batch := self._next_batch(wait=in_flight is None)) is not None:
+                launched = None
+                if batch and self._overlaps(batch):
+                    launched = self._guarded(batch, self._launch)
+                if in_flight is not None:
+                    self._guarded(in_flight[0], lambda b: self._hand_out(b, in_flight[1]))
+                in_flight = (batch, launched) if launched is not None else None
+                if batch and launched is None and not self._overlaps(batch):
+                    self._guarded(batch, self._step)
+            if in_flight is not None:
+                self._guarded(in_flight[0], lambda b: self._hand_out(b, in_flight[1]))
         except BaseException as exc:  # noqa: BLE001 - the loop itself broke (a row's release failed)
             _log.exception("the decode engine's loop stopped")
             self._fail_all(exc)
+
+    @staticmethod
+    def _guarded(batch: list[Sequence], run: Callable[[list[Sequence]], Any]) -> Any:
+        try:
+            return run(batch)
+        except Exception as exc:  # noqa: BLE001 - handed to each consumer, the engine lives on
+            for s in batch:
+                s.cancel()
+                s.out.put(exc)
+            return None
+
+    def _overlaps(self, batch: list[Sequence]) -> bool:
+        return hasattr(self.runner, "launch") and all(s.sampling.temperature == 0.0 for s in batch)
+
+    @torch.inference_mode()
+    def _launch(self, batch: list[Sequence]) -> LaunchedStep:
+        host = [None if s.token_on_device else s.last_token for s in batch]
+        launched = self.runner.launch([s.row for s in batch], host)
+        for s in batch:
+            s.token_on_device = True
+        self.steps += 1
+        self.rows_stepped += len(batch)
+        return launched
+
+    def _hand_out(self, batch: list[Sequence], launched: LaunchedStep) -> None:
+        """Step N's tokens to their streams (rows that ended meanwhile get nothing more)."""
+        for s, tok, full in zip(batch, launched.result(), launched.full):
+            if not s.cancelled.is_set():
+                self._emit(s, tok, full)
+
+    def _emit(self, s: Sequence, tok: int, full: bool) -> None:
+        s.last_token, s.produced = tok, s.produced + 1
+        s.out.put((tok, full))
+        if s.stop.done(tok, s.produced, full):
+            s.cancel()  # retired (and its row released) before the next step
+            s.out.put(_END)
 
     def _fail_all(self, exc: BaseException) -> None:
         """Close the engine and hand `exc` to every live consumer: none waits on a dead thread."""
@@ -171,12 +218,8 @@ class Engine:
         greedy = logits.argmax(-1).tolist()  # one device sync per step, for every greedy row
         for b, s in enumerate(batch):
             tok = greedy[b] if s.sampling.temperature == 0.0 else int(sample(logits[b:b + 1], s.sampling, s.gen)[0])
-            full = self.runner.cache_full(s.row)
-            s.last_token, s.produced = tok, s.produced + 1
-            s.out.put((tok, full))
-            if s.stop.done(tok, s.produced, full):
-                s.cancel()  # retired (and its row released) before the next step
-                s.out.put(_END)
+            s.token_on_device = False
+            self._emit(s, tok, self.runner.cache_full(s.row))
 
     def close(self) -> None:
         """Stop the thread; live sequences end (their consumers see the end of tokens)."""

@@ -71,6 +71,7 @@ class BuildQueue:
         self.lm, self.prompter, self.backend, self.settings = lm, prompter, backend, settings
         self.kv_dtype, self.metrics = kv_dtype, metrics
         self.max_tokens = settings.max_context_tokens or max(1, lm.args.max_seq_len - 256)
+        self.max_tokens_why = f"model maximum {lm.args.max_seq_len}"
         install_hooks(lm.model)  # prefill checks the building thread's cancel token per block
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
@@ -100,7 +101,7 @@ class BuildQueue:
         tokens = self.prompter.context_tokens(spec.messages)
         if len(tokens) > self.max_tokens:
             raise InvalidArgument("content", f"{len(tokens)} tokens; this server caches at most "
-                                  f"{self.max_tokens} (model maximum {self.lm.args.max_seq_len})")
+                                  f"{self.max_tokens} ({self.max_tokens_why})")
         return tokens
 
     def submit(self, spec: PutSpec, tokens: list[int] | None = None,

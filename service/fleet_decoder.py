@@ -66,6 +66,7 @@ class RemoteBuilds:
         self.stream, self.kv_dtype, self.metrics, self.claim_s = stream, kv_dtype, metrics, claim_s
         self.fleet = backend.fleet
         self.max_tokens = settings.max_context_tokens or max(1, lm.args.max_seq_len - 256)
+        self.max_tokens_why = f"model maximum {lm.args.max_seq_len}"  # a GPU decoder's slots may lower both
         self._watched: dict[str, RemoteJob] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()

@@ -24,7 +24,8 @@ from ctxcache.generation import SamplingParams
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.artifact_cache import ArtifactCache
 from ctxcache.service.cached_context import CachedContext
-from ctxcache.service.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from ctxcache.service.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
+                                     ResourceExhausted, Unavailable)
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Messages, Prompter
 from ctxcache.service.textstream import TextStream
@@ -141,6 +142,25 @@ class GenerateStreams:
             raise InvalidArgument("schedule", str(exc)) from exc
         return replace(config, dense_layers=tuple(range(self.lm.args.n_layers))) if self.dense else config
 
+    def _slot_room(self, art: ContextArtifact, config: SparseConfig, prompt: int) -> int:
+        """Tokens a stream may generate in the fast GPU runner that serves this context (a
+        context longer than its slots never goes silently to the reference path, which decodes
+        at a fraction of its speed); unbounded where no slot-sized runner serves it or an
+        offload runner takes any length."""
+        runners = [e.runner for e in self.engines]
+        if any(r.name == "gpu-offload" for r in runners):
+            return 1 << 62
+        for r in runners:
+            if hasattr(r, "serves") and r.serves(art, config, prompt + 1):
+                room = r.cache.max_len - art.n_tokens - prompt
+                if room < 1:
+                    raise FailedPrecondition(
+                        f"a context of {art.n_tokens} tokens and a question of {prompt} do not fit this server's "
+                        f"GPU slots of {r.cache.max_len} tokens: start it with a larger --gpu-slot-tokens, or "
+                        f"with --offload")
+                return min(room, r.max_new - prompt)  # the slot's index overlay holds max_new new keys
+        return 1 << 62
+
     def _engine(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> Engine:
         for engine in self.engines:
             if engine.runner.accepts(art, config, new_tokens):
@@ -163,6 +183,7 @@ class GenerateStreams:
         if room < 1:
             raise InvalidArgument("question", f"{len(prompt)} new tokens after {art.n_tokens} cached "
                                   f"exceed the model's maximum length {self.lm.args.max_seq_len}")
+        room = min(room, self._slot_room(art, config, len(prompt)))
         sampling = replace(spec.sampling, max_tokens=min(spec.sampling.max_tokens, room),
                            stop_token_ids=self.prompter.stop_token_ids)
         _check(alive, deadline)

@@ -36,6 +36,9 @@ class Metrics:
         # the offload runner (K/V in host memory): selected keys found in its GPU cache, over all selected
         self.offload_hit_rate = Gauge("ctxcache_offload_hit_rate", "offload runner: fraction of selected keys read "
                                       "from the GPU cache instead of host memory", registry=r)
+        self.kernel_compiles_after_ready = Gauge("ctxcache_kernel_compiles_after_ready", "Triton kernels compiled "
+                                                 "since warm-up ended (0 when every shape was built before SERVING)",
+                                                 registry=r)
         self.rejected = Counter("ctxcache_rejected", "requests refused for capacity", ["rpc"], registry=r)
 
     def track_store_loads(self, store: object) -> None:

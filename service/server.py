@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.runner import ReferenceRunner, Runner
+from ctxcache.kernels.compiles import CompileCounter
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel, load_model
 from ctxcache.service import roles
@@ -27,9 +28,11 @@ from ctxcache.service.config import ServiceConfig
 from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
+from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
 from ctxcache.service.servicer import ContextServicer
+from ctxcache.service.warmup import warm_up
 from ctxcache.store import EmbeddedRegistry, ObjectStoreConfig, StoreConfig, open_store
 
 log = logging.getLogger("ctxcache.service")
@@ -44,6 +47,8 @@ class CtxcacheServer:
 
     def __init__(self, config: ServiceConfig, lm: LoadedModel) -> None:
         self.config, self.lm, self.metrics = config, lm, Metrics()
+        self.compiles = CompileCounter.install()
+        self.metrics.kernel_compiles_after_ready.set_function(self.compiles.after_ready)
         role = config.fleet.role
         store, registry, kind = _open_store_and_registry(config)
         self.backend = Backend(store, registry, kind) if role == "all" else roles.fleet_backend(config, store)
@@ -57,6 +62,7 @@ class CtxcacheServer:
         self.fleet = roles.FleetRuntime(config, self.backend, self.indexer, self.decoder)
         self.metrics.offload_hit_rate.set_function(self.decoder.offload_hit_rate)
         self.metrics.track_store_loads(self.backend.store)
+        _cap_to_slots(self.indexer, self.decoder.engines)
         self.auth = Auth(dict(s.tenant_tokens), s.auth_token)
         self.pool = ThreadPoolExecutor(s.threads, "ctxcache-rpc")
         self.loop = LoopThread()
@@ -91,7 +97,11 @@ class CtxcacheServer:
         return bound
 
     def start(self) -> int:
-        self.port = self.loop.run(self._start())
+        self.port = self.loop.run(self._start())  # health NOT_SERVING until the runners are warm
+        ix = self.config.indexer
+        warm_up(self.lm, [e.runner for e in self.decoder.engines], ix.method, ix.method_params, "float16",
+                self.compiles)
+        self.loop.run(self._set_health(health_pb2.HealthCheckResponse.SERVING))
         self.backend.relocate(self.config.server.advertised(self.port))
         if self.config.fleet.role == "all":
             _reconcile(self.backend)  # the store is the truth; repair the index at start
@@ -121,9 +131,12 @@ class CtxcacheServer:
         elsewhere.port = self.admin_port
         for server in self.servers:
             await server.start()
-        for name in ("", *names):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         return port
+
+    async def _set_health(self, status) -> None:
+        for name in ("", CONTEXT_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME):
+            await self.health.set(name, status)
 
     def stop(self, grace: float | None = None) -> None:
         """Drain: health NOT_SERVING and new RPCs refused (UNAVAILABLE) while the port stays
@@ -206,6 +219,24 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
         from ctxcache.decoder.gpu.offload_runner import OffloadRunner
         return [fast, OffloadRunner(lm, params, schedule), reference]  # contexts no slot holds: K/V in host memory
     return [fast, reference]
+
+
+# a context must leave its slot room for a question and the start of an answer
+SLOT_ROOM = 256
+
+
+def _cap_to_slots(indexer: BuildQueue, engines) -> None:
+    """On a GPU server without --offload, PutContext refuses what its slots cannot decode
+    (naming the flag) instead of building a context that would decode on the reference path."""
+    runners = [e.runner for e in engines]
+    fast = next((r for r in runners if hasattr(r, "serves")), None)
+    if fast is None or any(r.name == "gpu-offload" for r in runners):
+        return
+    limit = fast.cache.max_len - SLOT_ROOM
+    if limit < indexer.max_tokens:
+        indexer.max_tokens = max(1, limit)
+        indexer.max_tokens_why = (f"GPU slots of {fast.cache.max_len} tokens keep {SLOT_ROOM} for the question "
+                                  f"and answer: start the server with a larger --gpu-slot-tokens, or with --offload")
 
 
 def _open_store_and_registry(config: ServiceConfig):

@@ -120,7 +120,10 @@ def _dot(q, keys, IEEE: tl.constexpr):
     return tl.dot(q, tl.trans(keys))
 
 
-@triton.jit
+# KC is not specialized: where Triton knew it divisible by 16 (a 127,424-token slot: KC 25,488) it
+# vectorized the logits' loads into a layout whose fp16 conversion LLVM cannot select ("Cannot
+# select: v2f16 = scalar_to_vector", H100, Triton 3.6), and the abort took the server down
+@triton.jit(do_not_specialize=["KC"])
 def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, KCP, NSPLIT, sws_r,
                   G: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr):
     r = tl.program_id(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ctxcache.models.kv_cache import KVCache
 
@@ -12,6 +13,15 @@ def dense_attention(layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tens
     """Causal attention of q [B, Hq, T, D] over every cached key at or before its position."""
     span = int(pos.max()) + 1
     return causal_attention(q, cache.k[layer][:, :, :span], cache.v[layer][:, :, :span], pos)
+
+
+def appended_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, T, D] at the last T of the S positions of k, v [B, Hkv, S, D] (rows of one
+    length): each query sees the keys at or before its own position. Lower-right causal, so no
+    mask tensor and no host sync: a question appended to a 32K context took 690 us a layer
+    through SDPA with a boolean [T, S] mask on the H100 (cuDNN), where the K/V read is ~45 us."""
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype),
+                                          attn_mask=causal_lower_right(q.shape[2], k.shape[2]), enable_gqa=True)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,13 @@ from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
+from ctxcache.decoder.inflight import LaunchedStep, StepIO
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import prefill
 from ctxcache.methods import make_method
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams, subspace_permutation
-from ctxcache.models.attention import dense_attention
+from ctxcache.models.attention import appended_attention
 from ctxcache.models.loader import LoadedModel
 
 
@@ -52,17 +53,23 @@ class Slot:
 
 
 class _PrefillAttention:
-    """Dense attention for a slot's prompt prefill that also indexes the new keys (sparse)."""
+    """Dense attention for a slot's prompt prefill that also indexes the new keys (sparse). The
+    row's length is known on the host (start, plus the chunks seen per layer), so attention
+    spans exactly the keys written, with no device read of the positions."""
 
-    def __init__(self, tables: list[GpuDenseTables] | None, row: int, start: int, perm: torch.Tensor | None) -> None:
+    def __init__(self, tables: list[GpuDenseTables] | None, row: int, start: int, perm: torch.Tensor | None,
+                 layers: int) -> None:
         self.tables, self.row, self.start, self.perm = tables, row, start, perm
+        self._done = [0] * layers  # prompt tokens each layer has attended so far (chunked prefill)
 
     def __call__(self, layer: int, q: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
+        t = q.shape[2]
+        first = self.start + self._done[layer]
+        self._done[layer] += t
         if self.tables is not None:
-            t = pos.shape[1]
-            self.tables[layer].insert_span(self.row, cache.k[layer][0, :, self.start:self.start + t], self.start,
-                                           self.perm)
-        return dense_attention(layer, q, cache, pos)
+            self.tables[layer].insert_span(self.row, cache.k[layer][0, :, first:first + t], first, self.perm)
+        span = first + t
+        return appended_attention(q, cache.k[layer][:, :, :span], cache.v[layer][:, :, :span])
 
 
 class GpuRunner:
@@ -88,11 +95,14 @@ class GpuRunner:
         self.lock = threading.Condition()  # device buffers are shared: admissions and steps take turns
         self.loads = 0  # contexts copied into a slot (HBM misses)
         self.slot_bytes = slot_bytes(a, params, max_len, max_new, model.lm_head.weight.element_size())
+        self.io = StepIO(slots, self.device)
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
-        if art.n_tokens + new_tokens > self.cache.max_len:
-            return False
+        return art.n_tokens + new_tokens <= self.cache.max_len and self.serves(art, config, new_tokens)
+
+    def serves(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
+        """Whether the runner decodes this artifact and schedule, whatever its length."""
         if self.params is None:
             return True
         return config == self.config and new_tokens <= self.max_new and serves_index(art, self.params)
@@ -163,7 +173,7 @@ class GpuRunner:
 
     def _prefill(self, slot: Slot, prompt: list[int]) -> torch.Tensor:
         row = slot.index
-        attn = _PrefillAttention(self.tables, row, slot.length, self._perm)
+        attn = _PrefillAttention(self.tables, row, slot.length, self._perm, self.lm.args.n_layers)
         ids = torch.tensor([prompt], device=self.device)
         logits = prefill(self.lm.model, ids, self.cache.row(row), attn)[0]
         slot.length += len(prompt)
@@ -188,8 +198,26 @@ class GpuRunner:
         with self.lock:
             return self._step_rows(rows, tokens)
 
+    @torch.inference_mode()
+    def launch(self, rows: list[Slot], host_tokens: list[int | None]) -> LaunchedStep:
+        """Queue one greedy step without waiting for the device: a row's input is its token of
+        the previous launched step (on the device) or host_tokens' entry where not None."""
+        with self.lock:
+            bucket = self._bucket(rows)
+            index = [s.index for s in rows]
+            tokens, advance = self.io.stage(bucket, index, host_tokens)
+            dec = self._decoder(bucket)
+            logits = dec.run(tokens)
+            dec.cache.lengths += advance
+            for s in rows:
+                s.length += 1
+            return self.io.finish(logits, advance, index, [self.cache_full(s) for s in rows])
+
+    def _bucket(self, rows: list[Slot]) -> int:
+        return next(b for b in self.buckets if b > max(s.index for s in rows))
+
     def _step_rows(self, rows: list[Slot], tokens: list[int]) -> torch.Tensor:
-        bucket = next(b for b in self.buckets if b > max(s.index for s in rows))
+        bucket = self._bucket(rows)
         tok, advance = [0] * bucket, [0] * bucket
         for s, t in zip(rows, tokens):
             tok[s.index], advance[s.index] = t, 1
@@ -199,6 +227,30 @@ class GpuRunner:
         for s in rows:
             s.length += 1
         return logits[[s.index for s in rows]]  # a copy: the graph's buffer is reused
+
+    @torch.inference_mode()
+    def warm_up(self, arts: list[ContextArtifact]) -> None:
+        """Compile every kernel and capture every bucket's graph before serving: each artifact
+        loaded into every slot under prompts of 16 and 17 tokens (the prefill's specializations;
+        one token is a decode step), then per bucket one launched and one synchronous step."""
+        ids = [f"warm-up:{i}" for i in range(len(self.slots))]
+        arts = [art for art in arts if self.accepts(art, self.config, 17 + 8)]  # slots too small skip them
+        for a, art in enumerate(arts):
+            rows = []
+            try:
+                for i, cid in enumerate(ids):
+                    prompt = list(range(3, 3 + (16, 17)[(a + i) % 2]))
+                    rows.append(self.admit(cid, art, prompt, self.config, 8)[0])
+                for b in self.buckets if a == 0 else ():
+                    self.launch(rows[:b], [5] * b).result()
+                    self.step(rows[:b], [5] * b)
+            finally:
+                for row in rows:
+                    self.release(row)
+                for cid in ids:
+                    self.evict(cid)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def cache_full(self, row: Slot) -> bool:
         """Full when the row's cache is, or when its index overlay holds max_new streamed keys."""

@@ -1,0 +1,47 @@
+"""Counts Triton kernel compilations in this process, so a server can prove it compiles nothing
+while serving (every kernel specialization is built during warm-up, before SERVING)."""
+
+from __future__ import annotations
+
+import threading
+
+import triton
+
+
+class CompileCounter:
+    """Triton's jit_cache_hook runs once for each kernel specialization new to the process (a
+    miss of the in-memory kernel cache, whether or not the disk cache then holds the binary)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.total = 0
+        self.at_ready: int | None = None
+        self.names: list[str] = []  # kernels compiled after ready(), for the log
+
+    @classmethod
+    def install(cls) -> "CompileCounter":
+        """Chain onto the hook already installed (if any); the counter never skips a compile."""
+        counter = cls()
+        runtime = triton.knobs.runtime
+        previous = runtime.jit_cache_hook
+
+        def hook(*args, **kwargs):
+            counter._count(kwargs.get("fn"))
+            return previous(*args, **kwargs) if previous is not None else False
+        runtime.jit_cache_hook = hook
+        return counter
+
+    def _count(self, fn) -> None:
+        with self._lock:
+            self.total += 1
+            if self.at_ready is not None:
+                self.names.append(getattr(fn, "name", str(fn)))
+
+    def ready(self) -> None:
+        with self._lock:
+            self.at_ready = self.total
+
+    def after_ready(self) -> int:
+        """Compilations since ready() (0 before it)."""
+        with self._lock:
+            return 0 if self.at_ready is None else self.total - self.at_ready

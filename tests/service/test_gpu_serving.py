@@ -1,0 +1,74 @@
+"""On a GPU, through a real server: every kernel is compiled before SERVING (none while streams
+of 1 to 8 rows decode), and a context of over 120K tokens decodes with the defaults at
+Llama-3.1-8B shapes (the re-rank's score kernel aborted the server there: LLVM could not compile
+it when Triton knew its candidate count divisible by 16)."""
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import context_pb2 as pb
+from ctxcache.models.loader import load_model
+from ctxcache.service.server import create_server
+from service_helpers import tiny_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _generate(client: Client, cid: str, tokens: int) -> pb.Final:
+    req = pb.GenerateRequest(context_id=cid, question="who is the keeper?", sampling=pb.SamplingParams(max_tokens=tokens))
+    return list(client.generate(req, timeout=600))[-1].final
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_no_kernel_compiles_after_serving(tmp_path, mode):
+    cfg = tiny_config(tmp_path)
+    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
+                  decoder=replace(cfg.decoder, gpu_slots=8, gpu_slot_tokens=1024, decode_mode=mode))
+    server, port = create_server(cfg, load_model("random:tiny", device="cuda"))
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        compiled_at_start = server.compiles.total
+        assert compiled_at_start > 0  # the warm-up built the kernels (a counter that never counts would pass)
+        cids = [client.put(pb.PutContextRequest(text=f"the keeper is K{i}. " * (8 + 3 * i), wait=True),
+                           timeout=300).context.context_id for i in range(8)]
+        for streams in range(1, 9):
+            with ThreadPoolExecutor(streams) as pool:
+                finals = list(pool.map(lambda c: _generate(client, c, 6), cids[:streams]))
+            assert all(f.decode_path == f"gpu-{mode}" for f in finals)
+        assert server.compiles.after_ready() == 0, server.compiles.names
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_generate_past_120k_tokens_with_the_defaults(tmp_path):
+    n_ctx = 121_000
+    cfg = tiny_config(tmp_path)
+    cfg = replace(cfg, model=replace(cfg.model, model="random:llama-3.1-8b", dtype="bfloat16", device="cuda"),
+                  store=replace(cfg.store, budget_bytes=64 << 30),
+                  indexer=replace(cfg.indexer, method="csattention"),
+                  decoder=replace(cfg.decoder, gpu_slots=1, gpu_slot_tokens=n_ctx + 2048, dram_cache_bytes=32 << 30))
+    server, port = create_server(cfg, load_model("random:llama-3.1-8b", torch.bfloat16, "cuda"))
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        info = client.put(pb.PutContextRequest(text=_text_of(server.lm.tokenizer, n_ctx), wait=True),
+                          timeout=600).context
+        assert info.state == pb.CONTEXT_STATE_READY, info.error
+        assert info.n_tokens >= 120_000
+        final = _generate(client, info.context_id, 16)
+        assert final.decode_path == "gpu-sparse"
+        assert final.usage.generated_tokens == 16
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def _text_of(tokenizer, n_tokens: int) -> str:
+    """Distinct sentences of about n_tokens tokens (one byte a token without a tokenizer)."""
+    sentences = [f"Record {i} keeps the value {i * 7919 % 100003}. " for i in range(n_tokens)]
+    per = len(tokenizer.encode("".join(sentences[:200]))) / 200 if tokenizer is not None else len(sentences[0])
+    return "".join(sentences[:int(n_tokens / per)])

@@ -1,0 +1,58 @@
+"""A context larger than the GPU slots never decodes silently on the reference path: PutContext
+refuses it naming --gpu-slot-tokens (or --offload), and Generate of one built elsewhere answers
+FAILED_PRECONDITION; what fits has its answer bounded by the slot. The fast runner here is a
+real GpuRunner on the CPU (constructed, not stepped)."""
+
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from ctxcache.client.gen.v1 import context_pb2 as pb
+from ctxcache.decoder import SparseConfig
+from ctxcache.decoder.gpu.runner import GpuRunner
+from ctxcache.indexer import IndexerConfig, build_artifact
+from ctxcache.methods import make_method
+from ctxcache.service.errors import FailedPrecondition
+from ctxcache.service.generate_streams import GenerateStreams
+from ctxcache.service.server import SLOT_ROOM, _cap_to_slots
+
+CONFIG = SparseConfig.from_schedule("0.05-step-1")
+
+
+def _engines(*runners):
+    return [SimpleNamespace(runner=r) for r in runners]
+
+
+def test_put_refuses_what_the_gpu_slots_cannot_hold(start, tiny_lm):
+    server, client = start()
+    fast = GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=SLOT_ROOM + 200)
+    _cap_to_slots(server.indexer, _engines(fast, SimpleNamespace(name="reference")))
+    ok = client.put(pb.PutContextRequest(text="x" * 100, wait=True), timeout=60).context
+    assert ok.state == pb.CONTEXT_STATE_READY
+    with pytest.raises(grpc.RpcError) as err:
+        client.put(pb.PutContextRequest(text="x" * 400, wait=True), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--gpu-slot-tokens" in err.value.details() and "--offload" in err.value.details()
+
+
+def test_put_is_not_capped_with_an_offload_runner(start, tiny_lm):
+    server, _ = start()
+    before = server.indexer.max_tokens
+    fast = GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=SLOT_ROOM + 200)
+    _cap_to_slots(server.indexer, _engines(fast, SimpleNamespace(name="gpu-offload")))
+    assert server.indexer.max_tokens == before
+
+
+def test_generate_past_the_slot_is_refused_and_answers_are_bounded_by_it(tiny_lm):
+    art = build_artifact(tiny_lm, [3 + i % 200 for i in range(300)], make_method("key-kmeans"), IndexerConfig(progress=False))
+    streams = SimpleNamespace(engines=_engines(GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=280, max_new=64),
+                                               SimpleNamespace(name="reference")))
+    with pytest.raises(FailedPrecondition, match="--gpu-slot-tokens"):
+        GenerateStreams._slot_room(streams, art, CONFIG, 10)
+    streams.engines[0].runner = GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=340, max_new=64)
+    assert GenerateStreams._slot_room(streams, art, CONFIG, 10) == 340 - 300 - 10
+    streams.engines[0].runner = GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=4096, max_new=64)
+    assert GenerateStreams._slot_room(streams, art, CONFIG, 10) == 64 - 10  # the index overlay's room
+    streams.engines.append(SimpleNamespace(runner=SimpleNamespace(name="gpu-offload")))
+    assert GenerateStreams._slot_room(streams, art, CONFIG, 10) > 1 << 40
