@@ -25,7 +25,7 @@ _EXPORTS = {
     "reconcile": "registry",
     "RedisRegistry": "redis_registry", "RedisConfig": "redis_registry",
     "ObjectArtifactStore": "object_store", "ObjectStoreConfig": "object_config",
-    "TieredStore": "tiered_store", "TieredConfig": "tiered_store", "open_store": "tiered_store",
+    "TieredStore": "tiered_store", "TieredConfig": "read_through", "open_store": "tiered_store",
     "ObjectTier": "tiers", "TierConfig": "tiers", "open_tier": "tiers",
 }
 

@@ -5,9 +5,10 @@
 It has ArtifactStore's methods, so the service uses it unchanged. Writes go to the object store
 (chunks, then the manifest), then to the local cache. A get is answered by the local cache when
 it holds the context (after a quick check that the object store still has it: a Delete on
-another worker must not be served here), else downloaded once, checked, kept locally and
-decoded; concurrent gets of one context share that download. The local cache evicts by its own
-budget (ArtifactStore's LRU); TTL, pin, Delete and the shared budget act on the object store.
+another worker must not be served here), else downloaded once, checked and decoded, and kept
+locally in the background; concurrent gets of one context share that download. The local cache
+evicts by its own budget (ArtifactStore's LRU); TTL, pin, Delete and the shared budget act on
+the object store. The read path's helpers live in read_through.py.
 
 When the object store does not answer, contexts in the local cache keep serving (the check
 gives up after `hit_check_timeout_s` and is skipped for `retry_after_s`), and anything that
@@ -21,13 +22,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from ctxcache.artifact import ContextArtifact
-from ctxcache.store import object_layout as lay
 from ctxcache.store.artifact_store import ArtifactStore
 from ctxcache.store.chunk_io import encode_artifact
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
@@ -37,42 +35,26 @@ from ctxcache.store.load_stats import LoadSnapshot, LoadStats
 from ctxcache.store.manifest import ContextMeta, Manifest
 from ctxcache.store.object_config import ObjectStoreConfig
 from ctxcache.store.object_store import Fetched, ObjectArtifactStore
+from ctxcache.store.read_through import Presence, SingleFlight, TieredConfig
+
+__all__ = ["TieredConfig", "TieredStore", "open_store"]
 
 log = logging.getLogger("ctxcache.store.tiered")
-
-
-@dataclass(frozen=True)
-class TieredConfig:
-    check_shared_on_hit: bool = True  # a local hit asks the object store whether it still has it
-    hit_check_timeout_s: float = 0.5  # ... and serves the local copy if no answer comes by then
-    retry_after_s: float = 5.0  # after the object store failed, local hits skip the check this long
-    # a positive check holds this long: a Delete elsewhere is seen within it, and a context read
-    # often costs the object store one request per this interval
-    confirm_ttl_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not (self.hit_check_timeout_s > 0 and self.retry_after_s >= 0 and self.confirm_ttl_s >= 0):
-            raise ValueError(f"hit_check_timeout_s={self.hit_check_timeout_s} must be > 0, retry_after_s="
-                             f"{self.retry_after_s} and confirm_ttl_s={self.confirm_ttl_s} >= 0")
-
-
-class _Flight:
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
 
 
 class TieredStore:
     def __init__(self, local: ArtifactStore, shared: ObjectArtifactStore,
                  config: TieredConfig = TieredConfig(), clock: Callable[[], float] = time.monotonic) -> None:
-        self.local, self.shared, self.tiered_config, self._clock = local, shared, config, clock
+        self.local, self.shared, self.tiered_config = local, shared, config
         self.loads = LoadStats()
-        self._flights: dict[tuple[str, bool], _Flight] = {}
+        self._flights: SingleFlight[tuple[str, bool]] = SingleFlight()
+        self._presence = Presence(shared.tier, config, clock)
         self._lock = threading.Lock()
-        self._down_until = float("-inf")
-        self._confirmed: dict[str, float] = {}  # context id -> when the object store last had it
-        self._side = ThreadPoolExecutor(2, "ctxtier")  # hit checks and access marks, off the load path
+        # local copies of downloads are written after the load returns (LMDB + fsync took longer
+        # than the download from a local folder: bench tier_load); until then a load decodes
+        # from the downloaded bytes held here
+        self._filler = ThreadPoolExecutor(1, "ctxfill")
+        self._filling: dict[str, Fetched] = {}
 
     # ---- what the service reads --------------------------------------------------------------------
     @property
@@ -116,12 +98,15 @@ class TieredStore:
     def delete(self, context_id: str) -> bool:
         """From the object store and the local cache (the local copy goes even if the object
         store does not answer; then StoreUnavailable is raised)."""
-        local = self.local.delete(context_id)
-        self._confirmed.pop(context_id, None)
+        local = self.drop_local(context_id)
         return self.shared.delete(context_id) or local
 
     def drop_local(self, context_id: str) -> bool:
-        """Forget the local copy only (e.g. told by the registry that it was deleted elsewhere)."""
+        """Forget this worker's copy (e.g. told by the registry that it was deleted elsewhere):
+        the local LMDB's, a download not yet written there, and the last word of the object store."""
+        with self._lock:
+            self._filling.pop(context_id, None)
+        self._presence.forget(context_id)
         return self.local.delete(context_id)
 
     def update_meta(self, context_id: str, *, pinned: bool | None = None,
@@ -169,7 +154,7 @@ class TieredStore:
             self.local.delete(context_id)
             art = None
         if art is not None:
-            if self._still_shared(context_id):
+            if self._presence.still_there(context_id):
                 m = self.local.manifest(context_id)
                 self.loads.hit("local", m.stored_bytes if m else 0, time.perf_counter() - t0)
                 self._mark_use(context_id)
@@ -180,74 +165,63 @@ class TieredStore:
         return self._shared_get(context_id, with_queries)
 
     def _shared_get(self, context_id: str, with_queries: bool) -> ContextArtifact | None:
-        key = (context_id, with_queries)
-        with self._lock:
-            flight = self._flights.get(key)
-            leader = flight is None
-            if leader:
-                flight = self._flights[key] = _Flight()
-        if not leader:
+        art, joined = self._flights.run((context_id, with_queries), lambda: self._download(context_id, with_queries))
+        if joined:
             self.loads.count("shared_downloads")
-            flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            return flight.value
-        try:
-            flight.value = self._download(context_id, with_queries)
-            return flight.value
-        except BaseException as exc:
-            flight.error = exc
-            raise
-        finally:
-            with self._lock:
-                self._flights.pop(key, None)
-            flight.done.set()
+        return art
 
     def _download(self, context_id: str, with_queries: bool) -> ContextArtifact | None:
         t0 = time.perf_counter()
+        with self._lock:
+            f = self._filling.get(context_id)
+        if f is None:
+            f = self._fetch(context_id)
+            if f is None:
+                return None
+            self._fill_later(f)
+        self._presence.confirm(context_id)
+        art = self.shared.decode(f if with_queries else _without_queries(f))
+        self.loads.hit("object", f.nbytes, time.perf_counter() - t0)
+        self._mark_use(context_id)
+        return art
+
+    def _fetch(self, context_id: str) -> Fetched | None:
         try:
             f = self.shared.fetch(context_id, with_queries=True)  # all chunks: the local copy is whole
         except StoreUnavailable:
             self.loads.count("unavailable")
-            self._down_until = self._clock() + self.tiered_config.retry_after_s
+            self._presence.mark_down()
             raise
         except CorruptArtifact:
             self.loads.count("corrupt")
             raise
         if f is None:
             self.loads.count("misses")
-            return None
-        self._keep_local(f.manifest, f.payloads)
-        self._confirmed[context_id] = self._clock()
-        art = self.shared.decode(f if with_queries else _without_queries(f))
-        self.loads.hit("object", f.nbytes, time.perf_counter() - t0)
-        self._mark_use(context_id)
-        return art
+        return f
 
-    def _still_shared(self, context_id: str) -> bool:
-        """Whether the object store still has the context; True when it does not answer in time
-        (a local copy keeps serving while the object store is down)."""
-        cfg, now = self.tiered_config, self._clock()
-        if not cfg.check_shared_on_hit or now < self._down_until \
-                or now - self._confirmed.get(context_id, float("-inf")) < cfg.confirm_ttl_s:
-            return True
-        fut = self._side.submit(self.shared.tier.contains, lay.manifest_key(context_id))
+    def _fill_later(self, f: Fetched) -> None:
+        with self._lock:
+            self._filling[f.manifest.context_id] = f
+        self._filler.submit(self._fill, f)
+
+    def _fill(self, f: Fetched) -> None:
+        cid = f.manifest.context_id
         try:
-            there = bool(fut.result(timeout=cfg.hit_check_timeout_s))
-            if there:
-                self._confirmed[context_id] = now
-            else:
-                self._confirmed.pop(context_id, None)
-            return there
-        except (StoreUnavailable, FutureTimeout) as exc:
-            self._down_until = self._clock() + self.tiered_config.retry_after_s
-            log.warning("object store did not answer (%s); serving local copies for %.0f s", exc,
-                        self.tiered_config.retry_after_s)
-            return True
+            self._keep_local(f.manifest, f.payloads)
+        except Exception:  # noqa: BLE001 - a background thread must not die on one bad write
+            log.exception("local copy of %s failed", cid[:12])
+        with self._lock:
+            deleted = self._filling.pop(cid, None) is None  # delete() ran meanwhile
+        if deleted:
+            self.local.delete(cid)
+
+    def flush(self) -> None:
+        """Wait until every downloaded artifact is in the local cache."""
+        self._filler.submit(lambda: None).result()
 
     def _mark_use(self, context_id: str) -> None:
-        if self._clock() >= self._down_until:
-            self._side.submit(self._touch_quietly, context_id)
+        if not self._presence.down:
+            self._presence.side.submit(self._touch_quietly, context_id)
 
     def _touch_quietly(self, context_id: str) -> None:
         try:
@@ -261,7 +235,7 @@ class TieredStore:
         m = self.local.manifest(context_id)
         if m is None:
             return self.shared.manifest(context_id)
-        if self._still_shared(context_id):
+        if self._presence.still_there(context_id):
             return m
         self.local.delete(context_id)  # deleted on the copy of record
         return None
@@ -284,7 +258,8 @@ class TieredStore:
                        map_used_bytes=local.map_used_bytes)
 
     def close(self) -> None:
-        self._side.shutdown(wait=False, cancel_futures=True)
+        self._filler.shutdown(wait=True)
+        self._presence.close()
         self.shared.close()
         self.local.close()
 

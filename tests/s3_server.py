@@ -20,6 +20,7 @@ from redis_server import free_port
 os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "WHEN_REQUIRED")
 
 _SERVICES = ("master", "volume", "filer", "s3")
+BUCKET = "ctxcache"
 
 
 def weed_binary() -> str | None:
@@ -39,7 +40,7 @@ class S3Server:
         self.proc: subprocess.Popen | None = None
         (workdir / "data").mkdir(parents=True, exist_ok=True)
 
-    def uri(self, bucket: str = "ctxcache", prefix: str = "t") -> str:
+    def uri(self, bucket: str = BUCKET, prefix: str = "t") -> str:
         return f"s3://{bucket}/{prefix}?endpoint_override={self.endpoint}&scheme=http"
 
     def _args(self) -> list[str]:
@@ -84,10 +85,10 @@ class S3Server:
         s3 = fs.S3FileSystem(endpoint_override=self.endpoint, scheme="http", anonymous=True,
                              allow_bucket_creation=True, connect_timeout=1, request_timeout=5)
         try:
-            s3.create_dir("ready")
-            with s3.open_output_stream("ready/probe") as f:
+            s3.create_dir(BUCKET)  # the tests' bucket: each bucket takes volumes of its own
+            with s3.open_output_stream(f"{BUCKET}/ready") as f:
                 f.write(b"ok")
-            with s3.open_input_stream("ready/probe") as f:
+            with s3.open_input_stream(f"{BUCKET}/ready") as f:
                 return f.read() == b"ok"
         except OSError:
             return False

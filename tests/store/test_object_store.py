@@ -3,6 +3,9 @@ truncation refused before use, manifest last, delete / TTL / pin / budget, garba
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -121,6 +124,17 @@ def test_a_writer_that_dies_before_its_manifest_leaves_nothing_visible_and_gc_re
         assert chunk_objects(s, "torn") == []
         assert [f.key for f in s.tier.folders(lay.CHUNKS)] == [lay.folder_of(s.manifest("keep"))]
         assert_same(s.get("keep"), make_artifact(5))
+
+
+def test_a_writer_killed_between_chunks_and_manifest_leaves_only_orphans(tier_uri: str) -> None:
+    writer = Path(__file__).with_name("object_crash_writer.py")
+    proc = subprocess.run([sys.executable, str(writer), tier_uri, "torn"], timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    with ObjectArtifactStore(tier_uri) as s:
+        assert s.get("torn") is None and s.context_ids() == [] and s.list_manifests() == []
+        assert len(chunk_objects(s, "torn")) == len(make_artifact(77).layers) * 6 + 2
+        assert s.gc(grace_s=0).orphan_chunks == len(make_artifact(77).layers) * 6 + 2
+        assert s.tier.list(lay.CHUNKS) == []
 
 
 def test_replacing_an_artifact_reads_the_new_write_and_drops_the_old_chunks(tier_uri: str) -> None:

@@ -4,6 +4,8 @@ exactly, absent keys are None, failures are StoreUnavailable, bad URIs one clear
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -59,6 +61,19 @@ def test_objects_round_trip_bit_exact(tier_uri: str) -> None:
     tier.delete_prefix("v1/none")
     assert tier.list("v1") == [] and [f.key for f in tier.folders("v1")] == ["v1/a"]
     tier.close()
+
+
+@pytest.mark.s3
+def test_the_s3_tier_stores_exact_bytes_where_the_environment_says_nothing(s3_module) -> None:
+    """Without AWS_REQUEST_CHECKSUM_CALCULATION=WHEN_REQUIRED, pyarrow's uploads to SeaweedFS keep
+    the chunked-encoding trailers as data (1,000 bytes read back as 1,051): the tier sets it."""
+    code = ("import sys; from ctxcache.store.tiers import open_tier; t = open_tier(sys.argv[1]); "
+            "t.put('v1/exact', b'a' * 1000); print(len(t.get('v1/exact')))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    out = subprocess.run([sys.executable, "-c", code, s3_module.uri(prefix="env")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1000"]
 
 
 def test_an_unreachable_s3_endpoint_is_unavailable_at_once() -> None:

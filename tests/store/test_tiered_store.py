@@ -39,7 +39,8 @@ def test_a_context_put_on_one_worker_loads_on_another_then_from_its_local_copy(t
         m = a.put("c1", art, ContextMeta(tenant="t"))
         assert a.local.manifest("c1") is not None and b.local.manifest("c1") is None
         assert_same(b.get("c1"), art)  # from the object store ...
-        assert b.local.manifest("c1") is not None  # ... kept locally
+        b.flush()
+        assert b.local.manifest("c1") is not None  # ... kept locally (written after the load returned)
         assert_same(b.get("c1"), art)  # from the local copy
         loads = b.load_stats()
         assert (loads.tiers["object"].hits, loads.tiers["local"].hits) == (1, 1)
@@ -72,16 +73,52 @@ def test_concurrent_loads_of_one_context_share_one_download(tier_uri: str, tmp_p
             assert_same(g, art)
 
 
+def test_a_load_while_the_local_copy_is_written_decodes_the_downloaded_bytes(tier_uri: str, tmp_path: Path) -> None:
+    art = make_artifact(11)
+    with worker(tmp_path, "a", tier_uri) as a, worker(tmp_path, "b", tier_uri) as b:
+        a.put("c1", art)
+        fetches, gate = [], threading.Event()
+        fetch, put_encoded = b.shared.fetch, b.local.put_encoded
+        b.shared.fetch = lambda *a, **k: (fetches.append(1), fetch(*a, **k))[1]  # type: ignore[method-assign]
+        b.local.put_encoded = lambda *a: (gate.wait(10), put_encoded(*a))[1]  # type: ignore[method-assign]
+        assert_same(b.get("c1"), art)  # returns before its local copy is written
+        assert b.local.manifest("c1") is None
+        assert_same(b.get("c1"), art)  # from the bytes held for the writer: no second download
+        gate.set()
+        b.flush()
+        assert len(fetches) == 1 and b.local.manifest("c1") is not None
+        assert_same(b.get("c1"), art)
+        loads = b.load_stats()
+        assert (loads.tiers["object"].hits, loads.tiers["local"].hits) == (2, 1)
+
+
 def test_a_delete_on_one_worker_is_not_served_from_another_workers_local_copy(tier_uri: str, tmp_path: Path) -> None:
     with worker(tmp_path, "a", tier_uri) as a, worker(tmp_path, "b", tier_uri, confirm_ttl_s=0.3) as b:
         a.put("c1", make_artifact(3))
         a.put("c2", make_artifact(4))
-        assert b.get("c1") is not None and b.get("c2") is not None and b.local.manifest("c1") is not None
+        assert b.get("c1") is not None and b.get("c2") is not None
+        b.flush()
+        assert b.local.manifest("c1") is not None
         assert a.delete("c1") and a.delete("c2")
         time.sleep(0.3)  # b's last word from the object store holds this long
         assert b.manifest("c1") is None and b.local.manifest("c1") is None
         assert b.get("c2") is None and b.local.manifest("c2") is None
         assert a.shared.tier.list(lay.VERSION) == []
+
+
+def test_drop_local_forgets_every_copy_this_worker_holds(tier_uri: str, tmp_path: Path) -> None:
+    with worker(tmp_path, "a", tier_uri) as a, worker(tmp_path, "b", tier_uri) as b:
+        a.put("c1", make_artifact(12))
+        gate = threading.Event()
+        put_encoded = b.local.put_encoded
+        b.local.put_encoded = lambda *a: (gate.wait(10), put_encoded(*a))[1]  # type: ignore[method-assign]
+        assert b.get("c1") is not None  # its local copy is not written yet
+        a.shared.delete("c1")  # deleted elsewhere; the registry tells b
+        assert b.drop_local("c1") is False
+        assert b.get("c1") is None  # neither the held download nor a trusted check serves it
+        gate.set()
+        b.flush()
+        assert b.local.manifest("c1") is None
 
 
 def test_a_damaged_object_is_data_loss_and_never_kept_locally(tier_uri: str, tmp_path: Path) -> None:
@@ -103,6 +140,7 @@ def test_a_damaged_local_copy_is_replaced_from_the_object_store(tier_uri: str, t
         bad[2] = bad[2][:1] + bytes([bad[2][1] ^ 1]) + bad[2][2:]
         a.local.put_encoded(m, bad)  # a flipped bit on this machine's disk
         assert_same(a.get("c1"), art)
+        a.flush()
         assert a.local.verify("c1").ok
 
 

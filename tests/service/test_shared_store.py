@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from ctxcache.client.gen.v1 import context_pb2 as pb
+from ctxcache.store import object_layout as lay
 
 from service_helpers import TEXT, ask, put_text, rpc_code, tiny_config
 
@@ -38,6 +39,25 @@ def test_a_context_built_on_one_worker_generates_on_another(start, tmp_path: Pat
     assert b.metrics.registry.get_sample_value("ctxcache_put_requests_total", {"result": "existing"}) == 1
     loads = b.backend.store.load_stats()
     assert loads.tiers["object"].hits == 1 and loads.tiers["object"].bytes > 0
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_damaged_object_is_data_loss_before_any_token(start, tmp_path: Path, how: str) -> None:
+    uri = f"file://{tmp_path / 'shared'}"
+    a, ca = start(shared_config(tmp_path / "a", uri))
+    b, cb = start(shared_config(tmp_path / "b", uri))
+    cid = put_text(ca).context_id
+    shared = a.backend.store.shared
+    key = next(k for k in lay.chunk_keys(shared.manifest(cid)) if k.endswith(".k"))
+    data = shared.tier.get(key)
+    shared.tier.put(key, data[:-3] if how == "truncate" else data[:9] + bytes([data[9] ^ 4]) + data[10:])
+    events = []
+    with pytest.raises(grpc.RpcError) as err:
+        for e in cb.generate(pb.GenerateRequest(context_id=cid, question="Where?",
+                                                sampling=pb.SamplingParams(max_tokens=4)), timeout=60):
+            events.append(e)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and "chunk" in err.value.details()
+    assert events == []
 
 
 def test_a_bad_object_store_uri_is_refused_at_configuration(tmp_path: Path) -> None:
