@@ -86,11 +86,13 @@ class Worker:
                 self.kill()
 
 
-def start_all(workers: list[Worker]) -> list[Worker]:
-    """Start every process first, then wait for each: the imports and model loads overlap."""
+def start_all(workers: list[Worker], meanwhile=lambda: None) -> list[Worker]:  # noqa: ANN001
+    """Start every process first, then wait for each: the imports and model loads overlap (with
+    meanwhile(), e.g. another server's start)."""
     for w in workers:
         w.start()
     try:
+        meanwhile()
         return [w.wait_serving() for w in workers]
     except BaseException:
         for w in workers:

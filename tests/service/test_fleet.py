@@ -24,9 +24,10 @@ from s3_server import S3Server, weed_binary
 
 pytestmark = [pytest.mark.redis, pytest.mark.s3, pytest.mark.timeout(300)]
 TEXT = "The harbour of Port Averel has a lighthouse on a granite spur called the Needle. " * 3
-# key-kmeans with one key per cluster and 100 iterations: a build of 500 tokens of random:tiny
-# takes seconds instead of milliseconds (long enough to kill or delete mid-build)
+# key-kmeans with one key per cluster and 100 iterations over ~700 tokens (random:tiny caches at
+# most 768): a build of seconds instead of milliseconds, long enough to kill or delete mid-build
 SLOW = {"keys_per_cluster": 1, "kmeans_iters": 100}
+SLOW_TEXT = (TEXT * 3)[:680]
 
 
 @dataclass
@@ -49,13 +50,12 @@ def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet")
     redis, s3 = RedisServer(redis_binary(), root), S3Server(weed_binary(), root / "s3")
     redis.start()
-    s3.start()
     store = s3.uri(prefix="fleet")
     indexers = [Worker(f"ix{i}", root, "indexer", redis.url, store, "--metrics-port", str(free_port()))
                 for i in (1, 2)]
     a, b = (Worker(n, root, "decoder", redis.url, store) for n in ("decA", "decB"))
     one = Worker("one", root, "all", None, None)
-    workers = start_all([*indexers, a, b, one])
+    workers = start_all([*indexers, a, b, one], meanwhile=s3.start)  # no worker touches S3 before a Put
     try:
         yield Fleet(redis, s3, indexers, a, b, one)
     finally:
@@ -180,7 +180,7 @@ def test_an_indexer_only_builds(fleet):
 
 def test_progress_and_delete_of_a_building_context_cross_processes(fleet):
     cancelled = sum(builds(ix, "cancelled") for ix in fleet.indexers)
-    info = put(fleet.a, TEXT[:400] + " deleted while building", wait=False, slow=True).context
+    info = put(fleet.a, SLOW_TEXT + " deleted while building", wait=False, slow=True).context
     assert info.state == pb.CONTEXT_STATE_BUILDING
     seen = wait_until(lambda: get(fleet.b, info.context_id).progress >= 0.7, 60)  # the indexer's progress, on b
     assert seen, get(fleet.b, info.context_id)
@@ -227,7 +227,7 @@ def test_tenants_are_isolated_across_workers(fleet):
 
 
 def test_kill9_of_the_building_indexer_another_finishes_and_the_put_succeeds(fleet):
-    text, out = TEXT[:400] + " survives a kill -9", {}
+    text, out = SLOW_TEXT + " survives a kill -9", {}
     waiter = threading.Thread(target=lambda: out.update(r=put(fleet.a, text, slow=True)))
     waiter.start()
     registry = fleet.registry()
