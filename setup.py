@@ -20,8 +20,13 @@ ROOTS = {
 }
 
 
+# folders of data files only (no __init__.py): Python imports them as namespace packages, so
+# setuptools wants them named, or it warns that they are missing from `packages`
+DATA_PACKAGES = ["ctxcache.bench.texts"]
+
+
 def discover() -> list[str]:
-    found = []
+    found = list(DATA_PACKAGES)
     for name, folder in ROOTS.items():
         for init in sorted(Path(folder).rglob("__init__.py")):
             rel = init.parent.relative_to(folder).parts

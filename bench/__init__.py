@@ -1,7 +1,8 @@
 """The benchmarks a user runs, one command each: `ctxcache bench NAME [--help]`.
 
-Each prints a table and writes `bench/results/<NAME>_<device>.json` (machine, commit and date
-inside). Helpers shared by several live in bench/common/. Importing this package loads no torch."""
+Each prints a table and writes `<NAME>_<device>.json` (machine, commit and date inside) to a
+scratch folder, or with `--out bench/results` over the committed results. Helpers shared by
+several live in bench/common/. Importing this package loads no torch."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "decode": ("GPU", "whole-model decode tokens/s dense vs CSAttention; index build time; TTFT"),
     "offload": ("GPU", "decode attention over KV in pinned host memory vs dense on GPU and host"),
     "serve": ("any", "the product path: a real server + gRPC client, sparse vs dense mode, TTFT tiers, tok/s"),
+    "http": ("CPU", "the OpenAI-compatible HTTP front vs gRPC on one server: TTFT and tok/s, by reference and automatic"),
     "fleet": ("any", "indexer + decoders on Redis and S3: cold load from the object store vs re-prefill; tok/s of 1 vs N decoders"),
 }
 
@@ -30,7 +32,8 @@ def usage() -> str:
     width = max(map(len, BENCHMARKS))
     lines = ["usage: ctxcache bench NAME [--help | ARGS...]", "", "benchmarks:"]
     lines += [f"  {name:<{width}}  {where:<3}  {what}" for name, (where, what) in BENCHMARKS.items()]
-    lines += ["", "Each prints a table and writes bench/results/NAME_DEVICE.json; bench/README.md has the recipes."]
+    lines += ["", "Each prints a table and writes NAME_DEVICE.json to a scratch folder (--out DIR elsewhere; "
+              "--out bench/results updates the committed results); bench/README.md has the recipes."]
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 from ctxcache.methods.int8_tables import int8_dense_tables
 from ctxcache.models.attention import gather_attention
 
-from ctxcache.bench.common.report import print_table, write_result
+from ctxcache.bench.common.report import add_out, print_table, write_result
 
 
 def _overlap(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-ctx", type=int, default=2048, help="with --capture: context tokens")
     ap.add_argument("--n-dec", type=int, default=16, help="with --capture: decode queries after the context")
     ap.add_argument("--layers", default="2,10,20,28", help="with --capture: comma-separated layers")
-    ap.add_argument("--out", default="bench/results")
+    add_out(ap)
     args = ap.parse_args(argv)
     if args.capture:
         from ctxcache.bench.common.capture import check_capture

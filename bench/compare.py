@@ -45,8 +45,9 @@ from ctxcache.decoder import SparseConfig
 from ctxcache.methods import Budget, make_method
 from ctxcache.methods.magicpig import PAPER_CONFIGS, PAPER_TABLE8, sampled_fraction
 
-from ctxcache.bench.common.report import commit, machine_info
+from ctxcache.bench.common.report import SCRATCH, add_out, commit, machine_info
 from ctxcache.bench.common.selection import dense_cost_us, selection_cost_us
+from ctxcache.bench.common.texts import KINDS
 
 DEFAULT_METHODS = "full,oracle,csattention,csattention-paper,key-kmeans,quest,ctkvr,prehoc,multipole,magicpig"
 DEFAULT_TASKS = "passkey,niah_single,niah_multikey,niah_multivalue,vt,cwe"
@@ -122,18 +123,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--task-groups", type=int, default=1,
                     help="split each task cell's methods into this many cells (each re-prefills)")
     ap.add_argument("--retention-lengths", default="2048,4096,6144", help="'' skips retention")
-    ap.add_argument("--retention-fillers", default="prose,code")
+    ap.add_argument("--retention-fillers", default=",".join(KINDS), help="kinds of document (bench/texts/)")
     ap.add_argument("--retention-seeds", default="0,1,2")
     ap.add_argument("--retention-keeps", default="0.05")
-    ap.add_argument("--doc-questions", type=int, default=2, help="document questions per context")
+    ap.add_argument("--doc-questions", type=int, default=3, help="document questions per context")
     ap.add_argument("--skip", default="", help="comma-separated cell kinds to leave out: fid, task, ret")
     ap.add_argument("--timing-steps", type=int, default=4, help="continuation steps timed per layer")
     ap.add_argument("--shard", default=None, help="i/n: run every n-th cell starting at i")
     ap.add_argument("--cells", default=None, help="comma-separated cell ids (see --list-cells)")
     ap.add_argument("--list-cells", action="store_true")
-    ap.add_argument("--out", default="bench/results/compare_shards", help="shard JSON folder")
+    add_out(ap, SCRATCH / "compare_shards", what="the shard JSONs")
     ap.add_argument("--merge", default=None, metavar="DIR", help="merge the shard JSONs of DIR")
-    ap.add_argument("--results", default="bench/results", help="where --merge writes")
+    add_out(ap, SCRATCH, "--results", "what --merge writes (JSON, table, PNG)")
     ap.add_argument("--name", default=None, help="output name (default compare_DEVICE)")
     args = ap.parse_args(argv)
     args.keep_list = [float(x) for x in args.keeps.split(",") if x]

@@ -26,7 +26,7 @@ import torch
 
 from ctxcache.bench.common.gpu import (batch_dense_tables, dense_table_bytes, random_model, random_tables,
                                       rows_view)
-from ctxcache.bench.common.report import print_table, write_result
+from ctxcache.bench.common.report import add_out, print_table, write_result
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.methods.csattention_build import build_tables_gpu_layers
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--build-context", type=int, default=32768)
     ap.add_argument("--ttft-context", type=int, default=32768, help="time to first token from a loaded artifact (0: skip)")
-    ap.add_argument("--out", default="bench/results")
+    add_out(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ctxcache bench decode: error: needs a CUDA GPU", file=sys.stderr)

@@ -29,7 +29,7 @@ import torch
 
 from ctxcache.bench.common.gpu import (D, HKV, HQ, capture_graph as capture, flush_mode, positive_ints, random_model,
                                       random_tables, sdpa_dense, time_us)
-from ctxcache.bench.common.report import print_table, write_result
+from ctxcache.bench.common.report import add_out, print_table, write_result
 from ctxcache.host_copy import pinned_exact
 from ctxcache.decoder.gpu.offload import OffloadAttention, plan_slots
 from ctxcache.decoder.gpu.selector import GpuSelector
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rhos", default="0,0.9")
     ap.add_argument("--list-fraction", type=float, default=1 / 64)
     ap.add_argument("--host-layers", type=int, default=4)
-    ap.add_argument("--out", default="bench/results")
+    add_out(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ctxcache bench offload: error: needs a CUDA GPU", file=sys.stderr)

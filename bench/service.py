@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ctxcache.bench.common.report import run_together, write_result
+from ctxcache.bench.common.report import add_out, run_together, write_result
 from ctxcache.bench.common.reprefill import reprefill_seconds
 from ctxcache.bench.common.server import running_server
 from ctxcache.bench.common.texts import builtin_text, text_of_tokens
@@ -125,7 +125,7 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ctxcache bench service", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results", help="folder of the result JSON")
+    add_out(ap)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--method", default="csattention")
     ap.add_argument("--params", default="{}", help='JSON method parameters, e.g. {"table_dtype": "float16"}')

@@ -5,7 +5,9 @@
 
 Builds a real SmolLM2 + CSAttention artifact from the bundled GPL-3 text (unless given one),
 puts it into a fresh LMDB store under each put profile and loads it back several times under a
-few load settings. Prints the tables, writes <out>/store_io_<device>.json.
+few load settings. Each load is checked against what was put, like with like: the stored form
+(the K/V codec's codes, the tables, the tokens) bit for bit, and the codec's error on the decoded
+K/V reported apart. Prints the tables, writes <out>/store_io_<device>.json.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from ctxcache.artifact import ContextArtifact
 from ctxcache.store import ArtifactStore, StoreConfig
 
-from ctxcache.bench.common.report import write_result
+from ctxcache.bench.common.report import add_out, write_result
 from ctxcache.bench.common.texts import builtin_text, tokens_of
 
 
@@ -35,11 +37,21 @@ def build(n_tokens: int) -> ContextArtifact:
     return build_artifact(lm, ids, make_method("csattention"))
 
 
-def _same(a: ContextArtifact, b: ContextArtifact) -> bool:
+def round_trip(a: ContextArtifact, b: ContextArtifact) -> dict:
+    """Loaded `b` against the put `a`, like with like: what the store keeps (the K/V codec's codes
+    and scales, the tables, tokens, last logits) bit for bit; and, apart, the codec's own error:
+    the largest |decoded - original| of K and of V (0 for the lossless codec)."""
     pairs = [(a.tokens, b.tokens), (a.last_logits, b.last_logits)]
+    same_tables, err = True, {"k": 0.0, "v": 0.0}
     for la, lb in zip(a.layers, b.layers, strict=True):
-        pairs += [(la.k, lb.k), (la.v, lb.v)] + [(la.tables[n], lb.tables[n]) for n in la.tables]
-    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs)
+        put, got = la.coded_as(a.kv_codec).parts, lb.coded_as(a.kv_codec).parts
+        same_tables &= put.keys() == got.keys() and la.tables.keys() == lb.tables.keys()
+        pairs += [(put[n], got[n]) for n in put if n in got] + [(la.tables[n], lb.tables[n]) for n in la.tables
+                                                                 if n in lb.tables]
+        err["k"] = max(err["k"], (lb.k.float() - la.k.float()).abs().max().item())
+        err["v"] = max(err["v"], (lb.v.float() - la.v.float()).abs().max().item())
+    exact = same_tables and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs)
+    return {"bit_exact": exact, "kv_codec": a.kv_codec, "kv_max_abs_error": err}
 
 
 PROFILES = {"default": {}, "compact": {"min_gain": 0.1}}  # put-time codec choices
@@ -79,7 +91,7 @@ def measure(art: ContextArtifact, profile: dict, loads: dict, reps: int = 5) -> 
                     del got
                 got = s.get("bench")
                 out["load"][name] = {"min_s": min(times), "median_s": sorted(times)[reps // 2],
-                                     "bit_exact": _same(art, got)}
+                                     **round_trip(art, got)}
     return out
 
 
@@ -89,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--artifact", type=Path)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default="bench/results", help="folder of the result JSON")
+    add_out(ap)
     args = ap.parse_args(argv)
     art = torch.load(args.artifact, weights_only=False) if args.artifact else build(args.tokens)
     results = {}
@@ -111,8 +123,9 @@ def report(res: dict) -> None:
         print(f"{n:12s} {v['raw'] / 1e6:9.2f} {v['stored'] / 1e6:10.2f} {v['ratio']:6.2f}  "
               f"{', '.join(v['codecs'])}")
     for n, v in res["load"].items():
-        print(f"load {n:14s} min {v['min_s']:.3f} s  median {v['median_s']:.3f} s  "
-              f"bit-exact {v['bit_exact']}")
+        e = v["kv_max_abs_error"]
+        print(f"load {n:14s} min {v['min_s']:.3f} s  median {v['median_s']:.3f} s  bit-exact {v['bit_exact']} "
+              f"(stored form)  {v['kv_codec']} K/V error max |d| k {e['k']:.4f} v {e['v']:.4f}")
 
 
 if __name__ == "__main__":

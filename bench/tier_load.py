@@ -26,7 +26,7 @@ import torch
 from ctxcache.artifact import ContextArtifact
 from ctxcache.store import ArtifactStore, ObjectArtifactStore, StoreConfig, TieredStore
 
-from ctxcache.bench.common.report import write_result
+from ctxcache.bench.common.report import add_out, write_result
 from ctxcache.bench.store_io import build
 
 CFG = StoreConfig(map_size_bytes=4 << 30, budget_bytes=3 << 30, track_access=False)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", type=Path, help="torch.save the built artifact here for the next run")
     ap.add_argument("--object-store", action="append", default=[], help="an s3:// URI to measure too")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default="bench/results", help="folder of the result JSON")
+    add_out(ap)
     args = ap.parse_args(argv)
     art = torch.load(args.artifact, weights_only=False) if args.artifact else build(args.tokens)
     if args.save and not args.artifact:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,12 +27,16 @@ class BuildCancelled(Exception):
 
 
 class CancelToken:
+    """on_check: called at every check point of a running build (may block: the service hands
+    the build's turn to another build there, service/build_turns.py)."""
+
     def __init__(self, timeout_s: float | None = None) -> None:
         self._event = threading.Event()
         self.reason = ""
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.timeout_s = timeout_s
         self.blocks = self.layers = 0  # progress: transformer blocks run, method layers built
+        self.on_check: Callable[[], None] | None = None
 
     def cancel(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -43,6 +47,12 @@ class CancelToken:
         return self._event.is_set()
 
     def check(self) -> None:
+        self._raise_if_over()
+        if self.on_check is not None:
+            self.on_check()
+            self._raise_if_over()  # cancelled (or overdue) while it waited for its turn
+
+    def _raise_if_over(self) -> None:
         if self._event.is_set():
             raise BuildCancelled(self.reason)
         if self.deadline is not None and time.monotonic() > self.deadline:

@@ -12,7 +12,9 @@ from ctxcache.methods.budget import distinct_valid
 from ctxcache.models.attention import dense_attention, gather_attention
 from ctxcache.models.kv_cache import KVCache
 
-_SCHEDULE = re.compile(r"^(?P<keep>0?\.\d+|1(\.0*)?)-step-(?P<period>\d+)$")
+# ASCII digits only (str's \d takes any Unicode digit, int() reads it) and a whole match
+# ($ also matches before a trailing newline)
+_SCHEDULE = re.compile(r"(?P<keep>0?\.\d+|1(\.0*)?)-step-(?P<period>\d+)", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class SparseConfig:
     def from_schedule(cls, schedule: str, sinks: int = 4, recent: int = 32,
                       dense_layers: tuple[int, ...] = ()) -> "SparseConfig":
         """Parse the paper's schedule names, e.g. `0.05-step-1`, `0.15-step-4`, `0.20-step-8`."""
-        m = _SCHEDULE.match(schedule)
+        m = _SCHEDULE.fullmatch(schedule)
         if m is None:
             raise ValueError(f"schedule {schedule!r} must look like '0.05-step-1' (keep-step-period)")
         return cls(Budget(float(m["keep"]), sinks, recent), int(m["period"]), dense_layers)

@@ -19,8 +19,12 @@ class ArtifactMismatch(ValueError):
 
 def check_compatible(lm: LoadedModel, artifacts: list[ContextArtifact]) -> None:
     for a in artifacts:
-        if a.model_id != lm.model_id or a.model_args != lm.args.to_dict():
+        if a.model_id != lm.model_id:
             raise ArtifactMismatch(f"artifact built for model {a.model_id!r}, decoder runs {lm.model_id!r}")
+        diff = lm.args.differences(a.model_args)
+        if diff:
+            raise ArtifactMismatch(f"artifact built for model {a.model_id!r} with other model args than the "
+                                   f"decoder's: {'; '.join(diff)}")
     methods = {(a.method, repr(sorted(a.method_params.items()))) for a in artifacts}
     if len(methods) > 1:
         raise ArtifactMismatch(f"a batch must share one method and parameters, got {sorted(methods)}")

@@ -65,7 +65,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if reprefill and not request.allow_reprefill:
             raise FailedPrecondition(f"method {name!r} builds from the prefill queries, which this "
                                      "artifact did not store (PutContext keeps them only with keep_queries); "
-                                     "set allow_reprefill to re-prefill the stored tokens")
+                                     "set allow_reprefill (CLI: `ctxcache admin rebuild --allow-reprefill`) to re-prefill the "
+                                     "stored tokens")
         art = self.backend.get(cid, with_queries=needs_queries)
         if art is None:
             raise NotFound(f"context {cid} not found")

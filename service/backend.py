@@ -114,6 +114,10 @@ class Backend:
         self._best_effort("delete", cid)
         return deleted
 
+    def update_ttl(self, cid: str, ttl_s: float | None) -> Manifest | None:
+        """TTL counted from now (None: no expiry); None if cid is not stored here."""
+        return self.store.update_meta(cid, ttl_s=ttl_s)
+
     def reconcile(self) -> tuple[int, int]:
         try:
             report = reconcile(self.registry, self.store)

@@ -1,4 +1,4 @@
-"""Build queue: PutContext builds, one at a time, queued, idempotent.
+"""Build queue: PutContext builds, queued, idempotent, fair across tenants.
 
 The context id is content-addressed (`ctxcache.store.context_id_for`), so identical requests
 meet at one id: a stored manifest answers READY at once, a queued or running job is joined,
@@ -6,12 +6,16 @@ and only the request that creates the job (and wins the registry's build claim) 
 Progress (Job.progress) follows the build: the cancel hooks (ctxcache/cancel.py) count the
 prefill's transformer blocks and the method's layers, so a client's bar moves through the
 prefill instead of sitting at 10%. Every build can be cancelled and has a time bound.
+
+Cost: a build's clustering work (SparseMethod.build_work) is checked against the server's
+limit before it is queued. Fairness: `lanes` builder threads each run one tenant's oldest
+queued build (one build per tenant at a time), and the running builds take turns to compute
+(service/build_turns.py), so one tenant's heavy build does not hold the others' behind it.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +28,7 @@ from ctxcache.indexer import IndexerConfig, build_artifact, reindex
 from ctxcache.methods import ParamError, make_method
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.backend import ROLES_LABEL, Backend
+from ctxcache.service.build_turns import BuildTurns
 from ctxcache.service.config import IndexerSettings
 from ctxcache.service.convert import RESERVED_LABEL, PutSpec
 from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -75,10 +80,17 @@ class BuildQueue:
         install_hooks(lm.model)  # prefill checks the building thread's cancel token per block
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="ctxcache-indexer", daemon=True)
-        self._thread.start()
+        self._wake = threading.Condition(self._lock)
+        self._pending: list[Job] = []  # queued, oldest first
+        self._busy: set[str] = set()  # tenants with a build on a lane
+        self._turns = BuildTurns()
+        default = make_method(settings.method, settings.method_params)
+        self._default = (default.name, default.params)
         self._closed = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, name=f"ctxcache-indexer-{i}", daemon=True)
+                         for i in range(settings.build_lanes)]
+        for t in self._threads:
+            t.start()
         self._heartbeat = threading.Thread(target=self._renew_claims, name="ctxcache-claims", daemon=True)
         self._heartbeat.start()
 
@@ -110,10 +122,13 @@ class BuildQueue:
 
         tokens: skip tokenization (Rebuild); source: re-index its K/V instead of prefilling."""
         try:
-            make_method(spec.method, spec.method_params).check_model(self.lm.args.head_dim)
+            method = make_method(spec.method, spec.method_params)
+            method.check_model(self.lm.args.head_dim)
         except ParamError as exc:
             raise InvalidArgument(f"method.params.{exc.field}", str(exc)) from exc
         tokens = self.tokens(spec) if tokens is None else tokens
+        if (method.name, method.params) != self._default:  # the operator's own choice is admitted
+            self._check_work(method, len(tokens))
         cid = self.context_id(spec, tokens)
         with self._lock:
             job = self._jobs.get(cid)
@@ -123,9 +138,9 @@ class BuildQueue:
             if self.backend.manifest(cid) is not None:
                 self.metrics.put_requests.labels("existing").inc()
                 return cid, None, False
-            if self._queue.qsize() >= self.settings.queue_limit:
+            if len(self._pending) >= self.settings.queue_limit:
                 self.metrics.rejected.labels("PutContext").inc()
-                raise ResourceExhausted(f"{self._queue.qsize()} builds queued; retry later")
+                raise ResourceExhausted(f"{len(self._pending)} builds queued; retry later")
             if not self.backend.claim_build(cid, self.settings.claim_lease_s):
                 elsewhere = self.backend.ready_elsewhere(cid)
                 if elsewhere is None:  # a live claim: the other build ends (or lapses) within a lease
@@ -137,9 +152,19 @@ class BuildQueue:
                                         token=CancelToken(self.settings.build_timeout_s),
                                         expected_blocks=max(1, chunks * self.lm.args.n_layers),
                                         n_layers=self.lm.args.n_layers)
-            self._queue.put(job)
+            self._pending.append(job)
+            self._wake.notify()
         self.metrics.put_requests.labels("created").inc()
         return cid, job, True
+
+    def _check_work(self, method, n_tokens: int) -> None:
+        a, limit = self.lm.args, self.settings.max_build_work
+        work = a.n_layers * method.build_work(n_tokens, a.n_heads, a.n_kv_heads)
+        if work > limit:
+            raise InvalidArgument("method.params", f"this build's clustering work, {work:.3g} point-centroid "
+                                  f"distances for {n_tokens} tokens, exceeds this server's limit of {limit:.3g} "
+                                  "(ctxcache serve --max-build-work); fewer centroids, subspaces, queries or "
+                                  "k-means iterations fit")
 
     def cancel(self, cid: str, reason: str = "cancelled", wait_s: float = 2.0) -> bool:
         """Cancel a queued or running build of cid; -> whether one was building. Waits up to
@@ -171,11 +196,34 @@ class BuildQueue:
         return states.count("building"), states.count("failed")
 
     def queued(self) -> int:
-        return self._queue.qsize()
+        with self._lock:
+            return len(self._pending)
+
+    def _take(self) -> Job | None:
+        """The oldest queued build of a tenant with none on a lane; once closed, any queued build
+        (it stops at its first check, so its waiting PutContexts are answered); then None."""
+        with self._lock:
+            while True:
+                closed = self._closed.is_set()
+                job = next((j for j in self._pending if closed or j.spec.tenant not in self._busy), None)
+                if job is not None:
+                    self._pending.remove(job)
+                    self._busy.add(job.spec.tenant)
+                    return job
+                if closed:
+                    return None
+                self._wake.wait()
 
     def _loop(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self._build(job)
+        while (job := self._take()) is not None:
+            try:
+                with self._turns.turn(lambda: job.token.cancelled) as checkpoint:
+                    job.token.on_check = checkpoint
+                    self._build(job)
+            finally:
+                with self._lock:
+                    self._busy.discard(job.spec.tenant)
+                    self._wake.notify_all()
 
     def _build(self, job: Job) -> None:
         t0 = time.perf_counter()
@@ -221,10 +269,12 @@ class BuildQueue:
 
     def close(self, timeout: float = 5.0) -> None:
         """Cancel queued and running builds, then stop the builder (a drain ends here)."""
-        self._closed.set()
         with self._lock:
+            self._closed.set()
             jobs = [j for j in self._jobs.values() if j.state == "building"]
+            self._wake.notify_all()
         for job in jobs:
             job.token.cancel("the server is shutting down")
-        self._queue.put(None)
-        self._thread.join(timeout)
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))

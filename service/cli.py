@@ -30,6 +30,15 @@ def positive_int(value: str) -> int:
     return n
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none to show (None, a switch's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", type=address, default=f"127.0.0.1:{DEFAULT_PORT}", help="server host[:port]")
     p.add_argument("--admin-address", type=address, default=None, help="admin host[:port] if served apart")
@@ -38,23 +47,25 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _service_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", type=Path, default=Path("./data"), help="LMDB store folder")
-    p.add_argument("--store-budget-gb", type=float, default=16.0)
-    p.add_argument("--redis", default=None, help="redis://host:6379/0 (default: embedded registry)")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--method", default="csattention")
+    p.add_argument("--data", type=Path, default="./data", help="LMDB store folder")
+    p.add_argument("--store-budget-gb", type=float, default=16.0, help="stored bytes kept (LRU eviction beyond)")
+    p.add_argument("--redis", default=None, help="redis://host:6379/0 (without: an embedded registry)")
+    _model_flags(p)
+    p.add_argument("--method", default="csattention", help="PutContext's default sparse method")
     p.add_argument("--method-params", default="{}",
                    help='the method\'s parameters as JSON (csattention: \'{"rerank": 1}\' trades answers kept for GPU speed, '
                         'DESIGN.md); the GPU runner serves contexts built with these')
     p.add_argument("--store-queries", type=int, default=1536,
                    help="prefill query positions kept per layer when a PutContext asks (keep_queries)")
+    p.add_argument("--max-build-work", type=float, default=3e10,
+                   help="refuse a PutContext whose index build clusters more than this many point-centroid "
+                        "distances (default CSAttention: 1e9 on SmolLM2, 3e9 on Llama-3.1-8B); the server's own "
+                        "--method and --method-params are always admitted")
     p.add_argument("--kv-codec", default="int8", choices=["lossless", "int8", "int4"],
                    help="PutContext's default K/V codec (README: bytes per token of each)")
     p.add_argument("--schedule", default="0.05-step-1", help="default sparse schedule")
-    p.add_argument("--dram-cache-gb", type=float, default=2.0)
-    p.add_argument("--max-streams", type=int, default=16)
+    p.add_argument("--dram-cache-gb", type=float, default=2.0, help="loaded artifacts kept in memory (LRU)")
+    p.add_argument("--max-streams", type=int, default=16, help="concurrent Generate streams; more are refused")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--max-batch", type=int, default=32,
                    help="concurrent streams decoded together per step (continuous batching)")
@@ -72,9 +83,18 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-slot-tokens", type=int, default=33792, help="GPU: tokens per slot (context + question + answer)")
 
 
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (bundled), a Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoint (local path "
+                        "or hub id), or random:<config> (random weights, e.g. random:llama-3.1-8b)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (a GPU decodes on the fast runner)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="model weights and activations")
+
+
 def _fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", default="all", choices=["all", "indexer", "decoder"],
-                   help="all: one node (default); indexer: builds jobs from Redis into the object store; "
+                   help="all: one node; indexer: builds jobs from Redis into the object store; "
                         "decoder: PutContext, Generate and admin, loading artifacts from the object store")
     p.add_argument("--object-store", default=None, metavar="URI",
                    help="the artifacts' copy of record, --data their local cache (indexer, decoder; optional "
@@ -90,12 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the gRPC service")
+    p = sub.add_parser("serve", help="run the gRPC service", formatter_class=DefaultsHelp)
     _service_flags(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (a non-loopback one needs a token)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: one the OS picks, printed)")
     p.add_argument("--admin-port", type=int, default=None, help="serve admin + reflection here only")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP (on --host)")
+    p.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API "
+                   "here (on --host; 0: a free port): /v1/chat/completions, /v1/cached_contents, ...")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM: seconds live streams get to finish")
     p.add_argument("--advertise", default="", help="host:port the registry records for this worker "
                    "(default: --host, or the hostname when binding all interfaces)")
@@ -103,9 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant-tokens", default=None, help="TOKEN=TENANT,... (or env CTXCACHE_TENANT_TOKENS): "
                    "each token sees only its tenant's contexts")
     p.add_argument("--allow-unauthenticated", action="store_true",
-                   help="serve a non-loopback --host without any token (e.g. behind a private network)")
-    p.add_argument("--tls-cert", type=Path, default=None)
-    p.add_argument("--tls-key", type=Path, default=None)
+                   help="serve a non-loopback --host without any token (e.g. behind a private network; "
+                        "or env CTXCACHE_ALLOW_UNAUTHENTICATED=1)")
+    p.add_argument("--no-access-log", action="store_true",
+                   help="no access-log line per RPC (method, context id, status, duration) on stderr")
+    p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", type=Path, default=None, help="the certificate's private key (PEM)")
     _fleet_flags(p)
 
     p = sub.add_parser("put", help="cache a context")
@@ -119,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl", type=int, default=0, help="seconds (0: none)")
     p.add_argument("--pin", action="store_true")
     p.add_argument("--method", default="", help="sparse method (default: the server's)")
-    p.add_argument("--params", default="{}", help="method parameters as JSON")
+    p.add_argument("--params", default="{}", help='method parameters as a JSON object, e.g. \'{"rerank": 1}\' '
+                   "(without --method: over the server's default method's)")
     p.add_argument("--tenant", default="")
     p.add_argument("--no-wait", action="store_true", help="return while building")
     p.add_argument("--json", action="store_true", help="print the full context record, not just the id")
@@ -136,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("admin", help="operator commands")
     _client_flags(p)
     asub = p.add_subparsers(dest="admin_command", required=True)
-    lp = asub.add_parser("list")
+    lp = asub.add_parser("list", help="every context, BUILDING ones included, with its state")
     lp.add_argument("--page-size", type=int, default=100)
     for name in ("show", "describe", "verify"):
         asub.add_parser(name).add_argument("context_id", nargs="?" if name == "verify" else None, default="")
@@ -145,13 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     where = ep.add_mutually_exclusive_group()
     where.add_argument("--memory-only", action="store_true", help="from DRAM and the device; the store keeps it")
     where.add_argument("--device-only", action="store_true", help="release its device slots; DRAM keeps it")
-    rp = asub.add_parser("rebuild")
+    rp = asub.add_parser("rebuild", help="re-index a stored context; without --method or --params it converts "
+                         "the artifact to the current format (service/README.md)")
     rp.add_argument("context_id")
-    rp.add_argument("--method", required=True)
-    rp.add_argument("--params", default="{}")
-    rp.add_argument("--allow-reprefill", action="store_true")
+    rp.add_argument("--method", default="", help="another method (default: the context's own)")
+    rp.add_argument("--params", default="{}", help="method parameters as a JSON object (over the context's own "
+                    "when --method is not given)")
+    rp.add_argument("--allow-reprefill", action="store_true",
+                    help="prefill the stored tokens again when the method needs queries the context did not keep")
     asub.add_parser("stats")
     asub.add_parser("reconcile")
+
+    p = sub.add_parser("health", help="exit 0 when the server's health service says SERVING")
+    _client_flags(p)
 
     p = sub.add_parser("demo", help="start the service in-process, cache a bundled text, ask it")
     p.add_argument("--data", type=Path, default=None, help="store folder (default: a temp dir)")
@@ -160,11 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--question", default=None)
     p.add_argument("--max-tokens", type=positive_int, default=64)
 
-    p = sub.add_parser("generate-local", help="no server: build the artifact in-process and answer")
+    p = sub.add_parser("generate-local", help="no server: build the artifact in-process and answer on the "
+                       "server's decode engine", formatter_class=DefaultsHelp)
     p.add_argument("--text", type=Path, required=True)
     p.add_argument("question")
-    p.add_argument("--model", default="smollm2")
+    _model_flags(p)
     p.add_argument("--method", default="csattention")
+    p.add_argument("--kv-codec", default="int8", choices=["lossless", "int8", "int4"],
+                   help="K/V codec the context is held in, as the server stores it")
     p.add_argument("--schedule", default="0.05-step-1")
     _sampling_flags(p)
 
@@ -192,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if args.command == "serve":  # one line per RPC unless switched off
+            logging.getLogger("ctxcache.access").setLevel(logging.WARNING if args.no_access_log else logging.INFO)
         from ctxcache.service import cli_commands
 
         return int(cli_commands.run(args) or 0)

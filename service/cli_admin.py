@@ -1,35 +1,55 @@
-"""`ctxcache admin ...`: thin wrappers over AdminService / ContextService, JSON out."""
+"""`ctxcache admin ...`: thin wrappers over AdminService / ContextService. Records print as JSON
+with typed values in a stable order; `list` prints a table."""
 
 from __future__ import annotations
 
 import sys
 
-from google.protobuf import json_format
-
-from ctxcache.service.cli_commands import _params
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.service.cli_client import method_params
+from ctxcache.service.cli_records import print_record as _print
+
+_STATE = {pb.CONTEXT_STATE_BUILDING: "BUILDING", pb.CONTEXT_STATE_READY: "READY", pb.CONTEXT_STATE_FAILED: "FAILED"}
+HEADER = f"{'CONTEXT ID':<64}  {'STATE':<13} {'TOKENS':>7}  {'STORED MB':>9}  {'METHOD':<12} {'CODEC':<8} LABELS"
 
 
-def _print(msg) -> None:
-    """Every field, defaults included (a no-op shows evicted: false, not {})."""
-    print(json_format.MessageToJson(msg, preserving_proto_field_name=True,
-                                    always_print_fields_with_no_presence=True))
+def list_row(c: pb.ContextInfo) -> str:
+    state = _STATE.get(c.state, "UNKNOWN")
+    if c.state == pb.CONTEXT_STATE_BUILDING:
+        state += f" {c.progress:.0%}"
+    stored = f"{c.artifact_bytes / 1e6:9.1f}" if c.state == pb.CONTEXT_STATE_READY else f"{'-':>9}"
+    labels = ",".join(f"{k}={c.labels[k]}" for k in sorted(c.labels))
+    pin = "pinned " if c.pin else ""
+    return f"{c.context_id:<64}  {state:<13} {c.n_tokens:>7}  {stored}  {c.method:<12} {c.kv_codec:<8} {pin}{labels}"
+
+
+def _list(client: Client, page_size: int) -> int:
+    token, first = "", True
+    while True:
+        page = client.context.ListContexts(pb.ListContextsRequest(page_size=page_size, page_token=token),
+                                           metadata=client.metadata)
+        if first:
+            print(HEADER)
+            first = False
+        for c in page.contexts:
+            print(list_row(c))
+        token = page.next_page_token
+        if not token:
+            return 0
+
+
+def _rebuild(client: Client, args) -> None:
+    req = apb.RebuildRequest(context_id=args.context_id, allow_reprefill=args.allow_reprefill, wait=True)
+    req.method.name = args.method  # empty: the context's own method (its parameters, these over them)
+    req.method.params.update(method_params(args.params, "--params"))
+    _print(client.admin.Rebuild(req, metadata=client.metadata))
 
 
 def run_admin(client: Client, args) -> int:
     md, cmd = client.metadata, args.admin_command
     if cmd == "list":
-        token = ""
-        while True:
-            page = client.context.ListContexts(pb.ListContextsRequest(page_size=args.page_size, page_token=token),
-                                               metadata=md)
-            for c in page.contexts:
-                print(f"{c.context_id}  {c.n_tokens:>7} tok  {c.artifact_bytes / 1e6:>9.1f} MB  {c.method:<12} "
-                      f"{'pinned ' if c.pin else ''}{dict(c.labels) or ''}")
-            token = page.next_page_token
-            if not token:
-                return 0
+        return _list(client, args.page_size)
     if cmd == "show":
         _print(client.context.GetContext(pb.GetContextRequest(context_id=args.context_id), metadata=md))
     elif cmd == "describe":
@@ -43,10 +63,7 @@ def run_admin(client: Client, args) -> int:
             print(f"ctxcache: nothing evicted: {args.context_id} is not {where}", file=sys.stderr)
             return 1
     elif cmd == "rebuild":
-        req = apb.RebuildRequest(context_id=args.context_id, allow_reprefill=args.allow_reprefill, wait=True)
-        req.method.name = args.method
-        req.method.params.update(_params(args.params, "--params"))
-        _print(client.admin.Rebuild(req, metadata=md))
+        _rebuild(client, args)
     elif cmd == "verify":
         resp = client.admin.Verify(apb.VerifyRequest(context_id=args.context_id or ""), metadata=md)
         _print(resp)

@@ -20,6 +20,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: pick a free port
     admin_port: int | None = None  # None: admin + reflection on the main port; 0: free port
+    http_port: int | None = None  # the OpenAI-compatible HTTP front (service/http/); None: off; 0: free port
     max_message_bytes: int = 64 * MiB
     max_streams: int = 16  # concurrent Generate streams; more -> RESOURCE_EXHAUSTED
     threads: int = 64  # gRPC handler threads (streams + unary calls)
@@ -34,8 +35,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} must be in [0, 65535]")
-        if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
-            raise ValueError(f"admin_port={self.admin_port} must be in [0, 65535]")
+        for name in ("admin_port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name}={value} must be in [0, 65535]")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be >= 1024")
         if self.max_streams < 1 or self.threads <= self.max_streams:
@@ -129,6 +132,12 @@ class IndexerSettings:
     kv_codec: str = "int8"  # PutContext's default K/V codec (measured: bench storage, README)
     claim_lease_s: float = CLAIM_LEASE_S  # registry build claims, renewed every lease/3 while building
     build_timeout_s: float = 1800.0  # a build running longer is cancelled (FAILED), never wedges the queue
+    # a build's clustering work (SparseMethod.build_work, point-centroid distances) above this is
+    # refused at PutContext, unless it is the server's own method and params: the default
+    # CSAttention build is 1.0e9 on SmolLM2, 3.0e9 on Llama-3.1-8B at any length (8 x 128:
+    # 1.2e10); 64 subspaces x 512 centroids x 4096 queries x 100 iterations, 1.2e12
+    max_build_work: float = 3e10
+    build_lanes: int = 2  # builds in progress at once (one per tenant), taking turns to compute
 
     def __post_init__(self) -> None:
         from ctxcache.artifact import KV_CODECS
@@ -143,6 +152,9 @@ class IndexerSettings:
             raise ValueError(f"indexer.claim_lease_s={self.claim_lease_s} must be > 0")
         if not self.build_timeout_s > 0:
             raise ValueError(f"indexer.build_timeout_s={self.build_timeout_s} must be > 0")
+        if not self.max_build_work > 0 or self.build_lanes < 1:
+            raise ValueError(f"indexer.max_build_work={self.max_build_work} must be > 0 and "
+                             f"build_lanes={self.build_lanes} >= 1")
         if self.queue_limit < 1 or self.chunk < 1 or self.max_context_tokens < 0 or self.store_queries < 0:
             raise ValueError(f"queue_limit={self.queue_limit}, chunk={self.chunk} must be >= 1 "
                              f"and max_context_tokens={self.max_context_tokens}, store_queries="

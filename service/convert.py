@@ -51,11 +51,15 @@ def context_id(value: str, name: str = "context_id") -> str:
     return value
 
 
-def check_bytes(name: str, texts: list[str], max_tokens: int) -> None:
-    """Refuse text that cannot fit in max_tokens before spending CPU on tokenizing it."""
-    n, limit = sum(len(t) for t in texts), max_tokens * BYTES_PER_TOKEN
-    if n > limit:
-        raise InvalidArgument(name, f"{n} characters; at most {limit} ({max_tokens} tokens) are accepted")
+def check_size(name: str, texts: list[str], max_tokens: int, message_tokens: int = 0) -> None:
+    """Refuse what cannot fit in max_tokens before spending CPU on tokenizing it. A lower bound
+    of its tokens: each text (tokenized apart) at least 1 per BYTES_PER_TOKEN characters, and
+    each message after the first the template's message_tokens (Prompter.message_tokens)."""
+    least = sum(-(-len(t) // BYTES_PER_TOKEN) for t in texts) + message_tokens * max(0, len(texts) - 1)
+    if least > max_tokens:
+        raise InvalidArgument(name, f"{sum(len(t) for t in texts)} characters in {len(texts)} texts make at least "
+                              f"{least} tokens ({message_tokens} template tokens per message), counted without "
+                              f"tokenizing; at most {max_tokens} tokens are accepted")
 
 
 def _messages(chat: pb.ChatMessages, name: str) -> Messages:
@@ -169,9 +173,10 @@ def kv_codec(value: str, default: str) -> str:
 
 
 def put_spec(req: pb.PutContextRequest, default_method: str, default_params: dict[str, Any],
-             caller_tenant: str | None = None, max_tokens: int = 1 << 20, default_codec: str = "int8") -> PutSpec:
+             caller_tenant: str | None = None, max_tokens: int = 1 << 20, default_codec: str = "int8",
+             message_tokens: int = 0) -> PutSpec:
     """caller_tenant: the tenant bound to the caller's token (None: admin or an open server,
-    which may name any tenant in the request)."""
+    which may name any tenant in the request); message_tokens: see check_size."""
     if not _TENANT.fullmatch(req.tenant):
         raise InvalidArgument("tenant", f"{req.tenant[:80]!r} must match {_TENANT.pattern}")
     tenant = req.tenant
@@ -179,7 +184,7 @@ def put_spec(req: pb.PutContextRequest, default_method: str, default_params: dic
         if req.tenant and req.tenant != caller_tenant:
             raise PermissionDenied(f"tenant: {req.tenant!r} is not the tenant of this token")
         tenant = caller_tenant
-    check_bytes("content", _texts(req), max_tokens)
+    check_size("content", _texts(req), max_tokens, message_tokens if req.WhichOneof("content") == "chat" else 0)
     messages = _content(req)
     name, params = method_spec(req.method, default_method, default_params)
     return PutSpec(messages, _labels(dict(req.labels)), float(req.ttl_seconds) if req.ttl_seconds else None,
@@ -209,15 +214,18 @@ def _stops(stops) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def generate_spec(req: pb.GenerateRequest, default_max: int, limit: int, max_tokens: int = 1 << 20
-                  ) -> GenerateSpec:
-    """max_tokens: the model's length; a turn longer than it could ever be is refused untokenized."""
+def generate_spec(req: pb.GenerateRequest, default_max: int, limit: int, max_tokens: int = 1 << 20,
+                  message_tokens: int = 0) -> GenerateSpec:
+    """max_tokens: the model's length; a turn longer than it could ever be is refused untokenized
+    (message_tokens: see check_size)."""
     cid = context_id(req.context_id)
     if len(req.schedule) > MAX_NAME:
         raise InvalidArgument("schedule", f"{len(req.schedule)} characters; at most {MAX_NAME}")
     kind = req.WhichOneof("turn")
-    check_bytes("question" if kind == "question" else "chat",
-                [req.question] if kind == "question" else [m.content for m in req.chat.messages], max_tokens)
+    if kind == "question":
+        check_size("question", [req.question], max_tokens)
+    else:
+        check_size("chat", [m.content for m in req.chat.messages], max_tokens, message_tokens)
     if kind is None:
         raise InvalidArgument("turn", "set question or chat")
     if kind == "question":

@@ -38,6 +38,8 @@ class GenerateSpec:
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     schedule: str = ""
+    # raw tokens that follow the context instead of the rendered turn (a text completion)
+    prompt_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ class GenerateStreams:
             self.metrics.load_seconds.observe(loaded.load_seconds)
         ctx, art = loaded.value, loaded.value.artifact
         placeholder = [{"role": r, "content": "x"} for r in ctx.roles]
-        prompt = self.prompter.turn_tokens(placeholder, spec.turn)
+        prompt = list(spec.prompt_tokens) or self.prompter.turn_tokens(placeholder, spec.turn)
         room = self.lm.args.max_seq_len - art.n_tokens - len(prompt)
         if room < 1:
             raise InvalidArgument("question", f"{len(prompt)} new tokens after {art.n_tokens} cached "

@@ -16,7 +16,8 @@ import functools
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 Messages = list[dict[str, str]]
@@ -66,9 +67,44 @@ def tokenizer_content(t: Any) -> str:
     return json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+class Encoders:
+    """encode(text, split_special) with no state shared between calls, so concurrent requests
+    get the tokens one request alone gets. Why: transformers keeps `split_special_tokens` on the
+    one Rust tokenizer (`encode_special_tokens`) and sets it per call, so concurrent calls flipped
+    it for each other (forged turns, split template tokens, several ids for one text). A fast
+    tokenizer gets two Rust copies, one per setting, never changed after this; others a lock."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._rust = None if backend is None else {split: _frozen_copy(backend, split) for split in (False, True)}
+        self._lock = threading.Lock()
+
+    def encode(self, text: str, split_special: bool) -> list[int]:
+        if self._rust is not None:
+            return self._rust[split_special].encode(text, add_special_tokens=False).ids
+        with self._lock:  # slow tokenizers and ByteTokenizer: one call at a time
+            return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split_special))
+
+
+def _frozen_copy(backend: Any, split_special: bool) -> Any:
+    """The backend as transformers runs it for encode(): no truncation or padding."""
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_str(backend.to_str())
+    t.no_truncation()
+    t.no_padding()
+    t.encode_special_tokens = split_special
+    return t
+
+
 @dataclass
 class Prompter:
     tokenizer: Any
+    _encoders: Encoders = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._encoders = Encoders(self.tokenizer)
 
     @property
     def template_id(self) -> str:
@@ -91,17 +127,35 @@ class Prompter:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return () if eos is None else (int(eos),)
 
+    @functools.cached_property
+    def message_tokens(self) -> int:
+        """The fewest template tokens one more chat message adds (its role header and end marks,
+        content aside): with one token of content at least, what a size pre-check charges each
+        message before anything is tokenized."""
+        def template_tokens(roles: list[str]) -> int:
+            marked, _ = _mark([{"role": r, "content": ""} for r in roles])
+            return len(self._encode_rendered(self.render(marked, add_generation_prompt=False), [""] * len(roles)))
+
+        added = []
+        for role in ROLES:
+            for before in (["system"], ["system", role]):
+                try:
+                    added.append(template_tokens(before + [role]) - template_tokens(before))
+                except Exception:  # noqa: BLE001 - a template may refuse an order (jinja raise_exception)
+                    continue
+        return max(0, min(added, default=0))
+
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         """Template text: its control tokens (<|im_start|> ...) are real control tokens."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._encoders.encode(text, split_special=False)
 
     def encode_user(self, text: str) -> list[int]:
         """Caller text: a control-token string in it is plain text, so no one forges a turn."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+        return self._encoders.encode(text, split_special=True)
 
     def _encode_rendered(self, rendered: str, contents: list[str]) -> list[int]:
         """Tokens of a rendering whose message contents are sentinels: template pieces with

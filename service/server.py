@@ -19,6 +19,7 @@ from ctxcache.kernels.compiles import CompileCounter
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel, load_model
 from ctxcache.service import roles
+from ctxcache.service.access_log import AccessLogInterceptor
 from ctxcache.service.admin import AdminServicer
 from ctxcache.service.auth import Auth, AuthInterceptor
 from ctxcache.service.rpc import LoopThread, ParseInterceptor
@@ -68,8 +69,10 @@ class CtxcacheServer:
         self.loop = LoopThread()
         self.health = self.loop.run(_make_health())
         self.servers: list[grpc.aio.Server] = []
-        self.port = self.admin_port = 0
+        self.port = self.admin_port = self.http_port = 0
+        self.http = None  # the HTTP front (service/http/), when config.server.http_port is set
         self.draining = threading.Event()
+        self.ready = threading.Event()  # set once SERVING (warm)
         self._stopped = threading.Event()
 
     def _new_server(self) -> grpc.aio.Server:
@@ -79,7 +82,7 @@ class CtxcacheServer:
                 ("grpc.so_reuseport", 0)]
         interceptors = [AuthInterceptor(self.auth, (f"/{ADMIN_SERVICE}/", "/grpc.reflection."))] \
             if self.auth.enabled else []
-        server = grpc.aio.server(interceptors=[*interceptors, ParseInterceptor()], options=opts)
+        server = grpc.aio.server(interceptors=[AccessLogInterceptor(), *interceptors, ParseInterceptor()], options=opts)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.servers.append(server)
         return server
@@ -97,17 +100,22 @@ class CtxcacheServer:
         return bound
 
     def start(self) -> int:
+        if self.config.server.http_port is not None:  # first: a port in use then leaves nothing started
+            from ctxcache.service.http.front import HttpFront  # FastAPI and uvicorn only when asked for
+            self.http = HttpFront(self)
+            self.http_port = self.http.start(self.config.server.http_port)
         self.port = self.loop.run(self._start())  # health NOT_SERVING until the runners are warm
         ix = self.config.indexer
         warm_up(self.lm, [e.runner for e in self.decoder.engines], ix.method, ix.method_params, "float16",
                 self.compiles)
         self.loop.run(self._set_health(health_pb2.HealthCheckResponse.SERVING))
+        self.ready.set()  # the HTTP front's /health says ok from here on
         self.backend.relocate(self.config.server.advertised(self.port))
         if self.config.fleet.role == "all":
             _reconcile(self.backend)  # the store is the truth; repair the index at start
         self.fleet.start(self.backend.location)  # a fleet's registry is repaired by `admin reconcile`
-        log.info("serving on %s:%d (admin %d) as %s", self.config.server.host, self.port, self.admin_port,
-                 self.backend.location)
+        log.info("serving on %s:%d (admin %d, http %s) as %s", self.config.server.host, self.port, self.admin_port,
+                 self.http_port or "off", self.backend.location)
         return self.port
 
     async def _start(self) -> int:
@@ -160,6 +168,8 @@ class CtxcacheServer:
         end = time.monotonic() + 2.0
         while self.decoder.active and time.monotonic() < end:
             time.sleep(0.02)
+        if self.http is not None:
+            self.http.stop()
         self.loop.run(_stop_all(self.servers, 0.5))
         self.decoder.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -282,6 +292,8 @@ def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple
     try:
         return server, server.start()
     except BaseException:
+        if server.http is not None:
+            server.http.stop()
         server.indexer.close()
         server.backend.close()
         server.loop.close()

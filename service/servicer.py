@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ctxcache.service import convert
+from ctxcache.service import contexts, convert
 from ctxcache.service.auth import Auth, Caller
 from ctxcache.service.generate_streams import Chunk, Final, GenerateStreams
-from ctxcache.service.errors import FailedPrecondition, NotFound, Unauthenticated, Unavailable
+from ctxcache.service.errors import NotFound, Unauthenticated, Unavailable
 from ctxcache.service.rpc import in_thread, iterate_in_thread, streaming, unary
 from ctxcache.client.gen.v1 import context_pb2 as pb, context_pb2_grpc
 from ctxcache.service.build_queue import BuildQueue, Job
@@ -57,6 +57,13 @@ def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
     return info_from_job(job, indexer.lm.model_id)
 
 
+def unstored_jobs(indexer: BuildQueue) -> list[Job]:
+    """Builds still building, or failed, that have no stored artifact (a READY job is in the store)."""
+    with indexer._lock:  # BuildQueue keeps its jobs private; a snapshot under its lock
+        jobs = list(indexer._jobs.values())
+    return [j for j in jobs if j.state != "ready" and indexer.backend.manifest(j.context_id) is None]
+
+
 async def wait_for(job: Job | None) -> None:
     """Wait for a build without holding a thread; a cancelled RPC cancels this coroutine."""
     while job is not None and not job.done.is_set():
@@ -78,22 +85,17 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
             raise Unavailable("the server is shutting down; retry on another worker")
         return caller
 
-    def _visible(self, caller: Caller, cid: str) -> str:
-        """NOT_FOUND for another tenant's context, as if it were absent."""
-        tenant = self.indexer.tenant_of(cid)
-        if tenant is not None and not caller.sees(tenant):
-            raise NotFound(f"context {cid} not found")
-        return cid
-
     @unary
     async def PutContext(self, request, context):
         caller = self._caller(context)
         s = self.indexer.settings
         spec = convert.put_spec(request, s.method, s.method_params, caller.tenant, self.indexer.max_tokens,
-                                default_codec=s.kv_codec)
+                                s.kv_codec, self.indexer.prompter.message_tokens)
         cid, job, created = await in_thread(self.pool, self.indexer.submit, spec)
         if spec.wait:
             await wait_for(job)
+            if job is not None and job.token.cancelled and self.draining():  # the build ended with the server
+                raise Unavailable("the server is shutting down; retry on another worker or after its restart")
         info = await in_thread(self.pool, context_info, self.indexer, cid)
         return pb.PutContextResponse(context=info, created=created)
 
@@ -101,54 +103,47 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
     async def GetContext(self, request, context):
         caller = self._caller(context)
         cid = convert.context_id(request.context_id)
-        return await in_thread(self.pool, lambda: context_info(self.indexer, self._visible(caller, cid)))
+        return await in_thread(self.pool, lambda: context_info(self.indexer,
+                                                               contexts.visible(self.indexer, caller, cid)))
 
     @unary
     async def ListContexts(self, request, context):
         caller = self._caller(context)
         size, after = convert.page(request)
-        ms = await in_thread(self.pool, self.indexer.backend.list, size + 1, after or None, caller.tenant)
-        more = len(ms) > size
-        ms = ms[:size]
-        return pb.ListContextsResponse(contexts=[info_from_manifest(m) for m in ms],
-                                       next_page_token=ms[-1].context_id if more else "")
+        infos = await in_thread(self.pool, self._list, size, after, caller)
+        more = len(infos) > size
+        infos = infos[:size]
+        return pb.ListContextsResponse(contexts=infos, next_page_token=infos[-1].context_id if more else "")
+
+    def _list(self, size: int, after: str, caller: Caller) -> list[pb.ContextInfo]:
+        """Stored contexts and this worker's unstored builds (BUILDING, FAILED) in id order: the
+        first size + 1 after `after`. Every build is merged, so a page misses none of either."""
+        ms = self.indexer.backend.list(size + 1, after or None, caller.tenant)
+        stored = {m.context_id for m in ms}
+        jobs = [j for j in unstored_jobs(self.indexer) if j.context_id > after and j.context_id not in stored
+                and caller.sees(j.spec.tenant)]
+        infos = [info_from_manifest(m) for m in ms] + [info_from_job(j, self.indexer.lm.model_id) for j in jobs]
+        return sorted(infos, key=lambda i: i.context_id)[:size + 1]
 
     @unary
     async def DeleteContext(self, request, context):
         caller = self._caller(context)
         cid = convert.context_id(request.context_id)
-        return await in_thread(self.pool, self._delete, caller, cid)
-
-    def _delete(self, caller: Caller, cid: str) -> pb.DeleteContextResponse:
-        try:
-            self._visible(caller, cid)
-        except NotFound:
-            return pb.DeleteContextResponse(deleted=False)
-        cancelled = self.indexer.cancel(cid, "deleted by DeleteContext")  # a BUILDING id stops building
-        deleted = self.indexer.backend.delete(cid)  # store first, then DRAM (see Evict)
-        self.decoder.evict(cid)
-        return pb.DeleteContextResponse(deleted=deleted or cancelled)
+        deleted = await in_thread(self.pool, contexts.delete, self.indexer, self.decoder, caller, cid)
+        return pb.DeleteContextResponse(deleted=deleted)
 
     @streaming
     async def Generate(self, request, context):
         t0 = time.perf_counter()
         caller = self._caller(context)
-        spec = convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len)
-        await in_thread(self.pool, self._check_readable, caller, spec.context_id)
+        spec = convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len,
+                                     self.indexer.prompter.message_tokens)
+        await in_thread(self.pool, contexts.check_readable, self.indexer, caller, spec.context_id)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, deadline, t0))
         async for event in events:
             yield _response(event)
-
-    def _check_readable(self, caller: Caller, cid: str) -> None:
-        self._visible(caller, cid)
-        if self.indexer.backend.manifest(cid) is None:
-            job = self.indexer.job(cid)
-            if job is not None and job.state == "building":
-                raise FailedPrecondition(f"context {cid} is still BUILDING ({job.progress:.0%}); "
-                                         "retry when GetContext says READY")
-            raise NotFound(self.indexer.backend.missing(cid))
 
 
 def _response(event: Chunk | Final) -> pb.GenerateResponse:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ctxcache.bench.common.report import device_tag
-from ctxcache.bench.common.retention import retention
+from ctxcache.bench.common.retention_report import draw_retention, retention_markdown, summarize_retention
 from ctxcache.bench.compare import FULL, _write, all_cells, method_specs
 
 
@@ -56,25 +56,9 @@ def summarize(merged: dict) -> list[dict]:
             if mine:
                 row["tasks"] = _task_means(mine)
             if any(r["method"] == spec.label and r["keep"] == keep for r in ret):
-                row["retention"] = _retention(ret, spec.label, keep)
+                row["retention"] = summarize_retention(ret, spec.label, keep, config)
             rows.append(row)
     return rows
-
-
-RETENTION_SLICES = {
-    **{f"@{n}": (lambda n: lambda r: r["length"] == n)(n) for n in (2048, 4096, 6144)},
-    **{q: (lambda q: lambda r: r["qkind"] == q)(q) for q in ("number", "code", "multivalue", "doc")},
-    **{f"depth {d}": (lambda d: lambda r: r["qkind"] in ("number", "code") and r["depth"] == d)(d)
-       for d in (0.1, 0.5, 0.9)},
-    **{f"in {f}": (lambda f: lambda r: r["filler"] == f)(f) for f in ("prose", "code")},
-}
-
-
-def _retention(ret: list[dict], label: str, keep: float | None) -> dict:
-    """Overall retention against full and the oracle, and its slices (length, kind, depth, filler)."""
-    out = retention(ret, label, keep)
-    out["slices"] = {name: retention(ret, label, keep, where=f)["kept"] for name, f in RETENTION_SLICES.items()}
-    return out
 
 
 def _task_means(rows: list[dict]) -> dict:
@@ -109,6 +93,14 @@ def markdown(merged: dict, rows: list[dict]) -> str:
     config, m = merged["config"], merged["machine"]
     texts, lengths = config["texts"], task_lengths(config)
     tasks, at = (config["tasks"] if lengths else []), detail_length(config)
+    ret_rows = [r for r in rows if "retention" in r]
+    missing = merged.get("missing_cells") or []
+    if "fid" in config.get("skip", []) and not lengths:  # a retention run: its tables alone
+        notes = [f"Model {config['model']}, sinks {config['sinks']} + recent {config['recent']} always read; "
+                 f"machine: {m.get('cpu')} ({m.get('cpu_count')} CPUs), torch {m.get('torch')}; date {merged['date']}."]
+        if missing:
+            notes.append(f"INCOMPLETE: {len(missing)} cells missing: {', '.join(missing)}")
+        return "\n".join(f"- {n}" for n in notes) + "\n" + retention_markdown(ret_rows, config)
     tl = "/".join(t[0].upper() for t in texts)
     head = (["method", "keep", "keys read"] + [f"mass recall {tl}", f"top-K recall {tl}",
              f"output rel. err. {tl}", f"top-1 agr. {tl}", f"NLL change {tl}"]
@@ -154,19 +146,10 @@ def markdown(merged: dict, rows: list[dict]) -> str:
     if lengths:
         notes.append("Task trials per method and budget: " + ", ".join(f"{trials[n]} @{n}" for n in lengths)
                      + " (each a score in [0, 1]; `full` is dense attention).")
-    ret_rows = [r for r in rows if "retention" in r]
-    if ret_rows:
-        n = max(r["retention"]["questions"] for r in ret_rows)
-        right = max(r["retention"]["full_correct"] for r in ret_rows)
-        notes.append(f"Retention: {n} questions per method (exact-copy numbers and codes at depths 0.1 / 0.5 / 0.9, "
-                     f"a two-value key, document lines), {right} answered correctly by full attention; `kept` is the "
-                     "fraction of those the method also answers exactly; W/L and the two-sided sign test p pair it "
-                     "with the oracle at the same keep, question by question.")
-    missing = merged.get("missing_cells") or []
     if missing:
         notes.append(f"INCOMPLETE: {len(missing)} cells missing: {', '.join(missing)}")
     return ("\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-            + retention_table(ret_rows))
+            + retention_markdown(ret_rows, config))
 
 
 def _retention_cells(r: dict) -> list[str]:
@@ -178,30 +161,16 @@ def _retention_cells(r: dict) -> list[str]:
     return [f"{_f(ret['kept'])} ({ret['full_correct']})", wl, p]
 
 
-def retention_table(rows: list[dict]) -> str:
-    """Retention by slice: context length, question kind, needle depth, filler."""
-    if not rows:
-        return ""
-    names = list(RETENTION_SLICES)
-    lines = ["", "Retention by slice (fraction of full attention's correct answers kept):", "",
-             "| method | keep | " + " | ".join(names) + " |", "|" + " --- |" * (len(names) + 2)]
-    for r in rows:
-        if r["method"] == FULL:
-            continue
-        sl = r["retention"]["slices"]
-        lines.append(f"| {r['method']} | {_f(r['keep'], '.2f')} | " + " | ".join(_f(sl[n]) for n in names) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def plot(merged: dict, rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     config = merged["config"]
-    texts, lengths = config["texts"], task_lengths(config)
+    texts = [] if "fid" in config.get("skip", []) else config["texts"]
+    lengths = task_lengths(config)
     ret_rows = [r for r in rows if "retention" in r and r["method"] != FULL]
-    panels = len(texts) + len(lengths) + (1 if ret_rows else 0)
+    panels = len(texts) + len(lengths) + (2 if ret_rows else 0)
     rows_n = 1 if panels <= 3 else 2
     cols_n = -(-panels // rows_n)
     fig, grid = plt.subplots(rows_n, cols_n, figsize=(5 * cols_n, 4.2 * rows_n), squeeze=False)
@@ -236,27 +205,16 @@ def plot(merged: dict, rows: list[dict], path: Path) -> None:
             ax.axhline(full["tasks"][length]["mean"], color="k", ls="--", label="full")
         ax.set(title=f"task accuracy @{length} tokens", xlabel="keys searched (fraction)", ylabel="mean score")
     if ret_rows:
-        _retention_panel(axes[len(texts) + len(lengths)], ret_rows, texts[0])
-    legend_ax = axes[len(texts) + len(lengths) - 1]
-    if legend_ax.get_legend_handles_labels()[0]:  # a retention-only run draws no labelled lines there
-        legend_ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"{config['model']} on {merged['machine'].get('cpu')} ({merged['date']}); "
-                 "MagicPIG (squares) at its sampled fraction")
+        draw_retention(axes[len(texts) + len(lengths):], ret_rows, config)
+    if texts or lengths:
+        legend_ax = axes[len(texts) + len(lengths) - 1]
+        if legend_ax.get_legend_handles_labels()[0]:
+            legend_ax.legend(fontsize=7, loc="lower right")
+    pig = "; MagicPIG (squares) at its sampled fraction" if any("sampled_frac" in r for r in rows) else ""
+    fig.suptitle(f"{config['model']} on {merged['machine'].get('cpu')} ({merged['date']}){pig}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _retention_panel(ax, rows: list[dict], text: str) -> None:
-    """Retention (task answers kept) against mass recall, one point per method and keep."""
-    for r in rows:
-        recall = r.get("fidelity", {}).get(text, {}).get("mass_recall")
-        x = recall if recall is not None else 0.0
-        ax.plot([x], [r["retention"]["kept"] or 0.0], "o")
-        ax.annotate(f"{r['method']} {_f(r['keep'], '.2f')}", (x, r["retention"]["kept"] or 0.0), fontsize=6)
-    ax.axhline(0.95, color="k", ls=":", lw=0.8)
-    ax.set(title=f"answers kept vs mass recall ({text}; 0 = not measured)", xlabel="mass recall",
-           ylabel="fraction of full's correct answers kept")
 
 
 def merge(args: argparse.Namespace) -> dict[str, Path]:

@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from ctxcache.bench.common.report import add_out
 from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuTables
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.config import NAMED_CONFIGS
@@ -115,7 +116,7 @@ def gpu_cli(prog: str, contexts: str, argv: list[str] | None,
     ap.add_argument("--batches", default="1,8", type=positive_ints, help="comma-separated batch sizes")
     ap.add_argument("--seed", default=0, type=int,
                     help="seed of the random inputs (tables, queries, K/V), so runs compare on the same rows")
-    ap.add_argument("--out", default="bench/results")
+    add_out(ap)
     ap.add_argument("--flush", default="write", choices=("write", "read"),
                     help="how L2 is emptied before each timed run: zeroing 256 MB (triton do_bench, the default) "
                          "or reading 256 MB (L2 left clean, as after a model's weight reads; time_us)")

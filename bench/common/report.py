@@ -10,14 +10,21 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
-import time
-
 import torch
 
-RESULTS = "bench/results"
+# every benchmark's default --out: a scratch folder, so a casual run never replaces the committed
+# results; `--out bench/results` (from the repository root) updates those
+SCRATCH = Path(tempfile.gettempdir()) / "ctxcache-bench"
+
+
+def add_out(ap, default: Path = SCRATCH, flag: str = "--out", what: str = "the result JSON") -> None:
+    ap.add_argument(flag, default=str(default), help=f"folder of {what} (default: {default}; "
+                    "`--out bench/results` from the repository root updates the committed results)")
 
 
 def machine_info() -> dict:
@@ -66,7 +73,7 @@ def commit() -> str | None:
         return None
 
 
-def write_result(bench: str, payload: dict, out: str | Path = RESULTS) -> Path:
+def write_result(bench: str, payload: dict, out: str | Path = SCRATCH) -> Path:
     """Write `<out>/<bench>_<device>.json` with the bench name, date, commit and machine first."""
     info = machine_info()
     path = Path(out) / f"{bench}_{device_tag(info)}.json"

@@ -18,12 +18,13 @@ import torch
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.reference_attention import SparseConfig
-from ctxcache.decoder.session import generate
-from ctxcache.generation import SamplingParams
+from ctxcache.decoder.session import Restorer, restore_on_demand, start_batch
+from ctxcache.generation import SamplingParams, decode_n_tokens
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel
 
 from ctxcache.bench.common.copy_tasks import CopyContext, CopySpec
+from ctxcache.bench.common.step_bytes import step_bytes
 from ctxcache.bench.common.tasks import FULL, _config, make_artifact, prefill_context
 
 ORACLE = "oracle"
@@ -38,7 +39,9 @@ def answer_all(lm: LoadedModel, art: ContextArtifact, ctx: CopyContext, config: 
     sampling = SamplingParams(max_tokens=max(q.max_new_tokens for q in ctx.questions), stop_token_ids=stops)
     outs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for tokens, _ in generate(lm, [art] * len(prompts), prompts, sampling, config):
+    first, attn, cache = start_batch(lm, [art] * len(prompts), prompts, config, sampling.max_tokens,
+                                     restore=_restore_once())
+    for tokens, _ in decode_n_tokens(lm.model, first, cache, attn, sampling):
         for i, t in enumerate(tokens.tolist()):
             if done[i]:
                 continue
@@ -51,6 +54,18 @@ def answer_all(lm: LoadedModel, art: ContextArtifact, ctx: CopyContext, config: 
         if all(done):  # every row answered: the rest of the batch's steps are not needed
             break
     return [tok.decode(o) for o in outs]
+
+
+def _restore_once() -> Restorer:
+    """Every row of a batch decodes the same artifact: restore its tables once and hand each
+    row the same read-only tables (restoring per row held one fp64 copy of the keys per row)."""
+    done: dict[int, list] = {}
+
+    def restore(method, art, device, keys=None):
+        if id(art) not in done:
+            done[id(art)] = restore_on_demand(method, art, device, keys)
+        return done[id(art)]
+    return restore
 
 
 def build_key(name: str, params: dict) -> str:
@@ -77,11 +92,16 @@ def run_context(lm: LoadedModel, methods: dict[str, tuple[str, dict]], spec: Cop
         if name != FULL:  # the artifact records the decoding method's own parameters
             art = replace(art, method_params=make_method(name, params).params.to_dict())
         for keep in [None] if name == FULL else keeps:
-            outs = answer_all(lm, art, ctx, _config(lm, name, keep or 1.0, sinks, recent))
+            config = _config(lm, name, keep or 1.0, sinks, recent)
+            outs = answer_all(lm, art, ctx, config)
+            a = lm.args
+            read = step_bytes(name, params, len(ids), config.budget, a.n_kv_heads, a.n_heads // a.n_kv_heads,
+                              a.head_dim)
             rows += [{"kind": "retention", "n_tokens": len(ids), "length": spec.n_tokens,
                       "filler": spec.filler, "seed": seed, "question": i, "qkind": q.kind,
                       "depth": round(q.depth, 3), "answers": list(q.answers), "method": label,
-                      "keep": keep, "score": q.score(out), "output": out}
+                      "keep": keep, "score": q.score(out), "output": out,
+                      "read_per_key": read["per_key"], "read_x_dense": read["x_dense"]}
                      for i, (q, out) in enumerate(zip(ctx.questions, outs))]
     return rows
 
@@ -112,6 +132,10 @@ def retention(rows: list[dict], method: str, keep: float | None, reference: str 
     paired = [q for q in base if q in ref]
     wins = sum(mine[q] and not ref[q] for q in paired)
     losses = sum(ref[q] and not mine[q] for q in paired)
+    reads = [(r["read_per_key"], r["read_x_dense"]) for r in rows if r["kind"] == "retention"
+             and r["method"] == method and r["keep"] == keep and where(r) and "read_per_key" in r]
     return {"questions": len(asked), "full_correct": len(base),
+            "read_per_key": sum(x for x, _ in reads) / len(reads) if reads else None,
+            "read_x_dense": sum(x for _, x in reads) / len(reads) if reads else None,
             "kept": sum(mine[q] for q in base) / len(base) if base else None,
             "vs_oracle_wins": wins, "vs_oracle_losses": losses, "sign_test_p": sign_test_p(wins, losses)}

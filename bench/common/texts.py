@@ -3,6 +3,8 @@
 prose: the GNU GPL v3 text, bundled in bench/texts/prose.txt (verbatim copying is permitted).
 code: Python source from the running interpreter's standard library (argparse, then more
 modules as needed), so every Python installation has it.
+KINDS: the answer-retention suite's kinds of document, one bundled file each
+(bench/texts/NAME.txt; sources and licenses in bench/texts/README.md).
 """
 
 from __future__ import annotations
@@ -14,17 +16,19 @@ from pathlib import Path
 
 _TEXT_DIR = Path(__file__).parent.parent / "texts"  # bench/texts/ (package data)
 _CODE_MODULES = ("argparse", "dataclasses")
+KINDS = ("narrative", "license", "changelog", "python", "c", "json")
+BUILTIN = ("prose", "code", *KINDS)
 
 
 def builtin_text(name: str) -> str:
-    """`prose`, `code`, or a path to any UTF-8 text file."""
-    if name == "prose":
-        return (_TEXT_DIR / "prose.txt").read_text(encoding="utf-8")
+    """`prose`, `code`, one of KINDS, or a path to any UTF-8 text file."""
+    if name == "prose" or name in KINDS:
+        return (_TEXT_DIR / f"{name}.txt").read_text(encoding="utf-8")
     if name == "code":
         return "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in _CODE_MODULES)
     path = Path(name)
     if not path.is_file():
-        raise ValueError(f"--text {name!r} is neither 'prose', 'code' nor a readable file")
+        raise ValueError(f"--text {name!r} is neither one of {BUILTIN} nor a readable file")
     return path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -48,7 +52,8 @@ def text_of_tokens(tokenizer, text: str, n: int) -> str:
 def parse_text_args(ap: argparse.ArgumentParser, argv: list[str] | None, min_continuation: int) -> argparse.Namespace:
     """Parse a text bench's arguments (--out, --text, --tokens, --continuation among them) and
     refuse, as argparse errors, a --text that is no text and lengths out of range."""
-    ap.add_argument("--out", default="bench/results", help="folder of the result JSON (<bench>_<device>.json)")
+    from ctxcache.bench.common.report import add_out  # here: report imports torch, this module none
+    add_out(ap, what="the result JSON (<bench>_<device>.json)")
     args = ap.parse_args(argv)
     try:
         builtin_text(args.text)

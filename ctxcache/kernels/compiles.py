@@ -3,9 +3,12 @@ while serving (every kernel specialization is built during warm-up, before SERVI
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import triton
+
+_log = logging.getLogger(__name__)
 
 
 class CompileCounter:
@@ -36,6 +39,7 @@ class CompileCounter:
             self.total += 1
             if self.at_ready is not None:
                 self.names.append(getattr(fn, "name", str(fn)))
+                _log.warning("Triton compiled %s after warm-up (a shape the warm-up did not build)", self.names[-1])
 
     def ready(self) -> None:
         with self._lock:

@@ -173,6 +173,12 @@ class SparseMethod(ABC):
         so the method may derive lazily what a step reads instead of everything at load."""
         return tables
 
+    def build_work(self, n_tokens: int, n_heads: int, n_kv_heads: int) -> float:
+        """Clustering work of one layer's build, in point-centroid distances (k-means: points x
+        centroids x (iterations + seeding)): what parameters make expensive beyond the prefill,
+        checked against a server's limit before a build is queued. 0: no clustering."""
+        return 0.0
+
     def derived_bytes(self, n_tokens: int, n_kv_heads: int) -> int:
         """Bytes per layer that `restore` adds to the stored tables: resident, never stored."""
         return 0
@@ -193,6 +199,11 @@ class SparseMethod(ABC):
         """Cached keys per KV head whose K a search for k keys in a region of `region` keys
         reads, those it returns included (more when it re-ranks candidates by their keys)."""
         return min(k, region)
+
+    def index_read_bytes(self, n_tokens: int, n_kv_heads: int, group: int) -> int:
+        """Bytes of its own tables (not K/V) a search reads per step and layer over n_tokens
+        cached keys, for n_kv_heads KV heads of `group` query heads each (0: none counted)."""
+        return 0
 
     def append(self, state: LayerState, k_new: torch.Tensor, start: int) -> None:
         """Index keys k_new [Hkv, T, D] generated at positions start..start+T-1."""

@@ -247,6 +247,12 @@ class CSAttention(SparseMethod):
             wait_for_host_copies(device)  # once per group: the copies overlap, the caller reads landed tables
             yield from built
 
+    def build_work(self, n_tokens: int, n_heads: int, n_kv_heads: int) -> float:
+        p: CSAttentionParams = self.params
+        points = n_tokens * (1 if p.routing == "group" else n_heads // n_kv_heads)
+        points = min(points, p.max_queries or points)
+        return n_kv_heads * p.subspaces * points * p.centroids * (p.kmeans_iters + 1.0)
+
     def _cluster_queries(self, q: torch.Tensor, hkv: int) -> torch.Tensor:
         """Cosine k-means per (KV head, subspace) over the GQA group's queries -> [Hkv, m, C, d_b]."""
         p: CSAttentionParams = self.params
@@ -328,6 +334,15 @@ class CSAttention(SparseMethod):
 
     def search_reads(self, k: int, region: int) -> int:
         return self.params.candidates(k, region)
+
+    def index_read_bytes(self, n_tokens: int, n_kv_heads: int, group: int) -> int:
+        """The routed rows (dense layout: one per subspace and route, per KV head, or per query
+        head with routing="head") with their scales; lists: their (int32 index, fp16 score) pairs."""
+        p: CSAttentionParams = self.params
+        routes = p.subspaces * (p.backoff_tau if p.backoff_cos > -1.0 else 1) * (group if p.routing == "head" else 1)
+        if self._dense:
+            return n_kv_heads * routes * (n_tokens * (1 if p.int8_tables else 2) + (4 if p.int8_tables else 0))
+        return n_kv_heads * routes * p.list_length(n_tokens) * 6
 
     def estimate(self, state: LayerState, q: torch.Tensor, n: int) -> torch.Tensor:
         """Estimated (offset) logits [Hkv, G, n] of every cached key for q [Hq, D] (int8 tables:

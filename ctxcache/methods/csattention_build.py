@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ctxcache.kernels.quantize import quantize_rows_fused
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.methods.int8_tables import int8_dense_tables
+from ctxcache.cancel import check as check_cancel
 from ctxcache.methods.kmeans import lloyd_step
 
 
@@ -33,6 +34,7 @@ def kmeans_pp_seeds(x: torch.Tensor, n_clusters: int, gen: torch.Generator) -> t
     nearest = 1.0 - (x @ cent[0][..., None])[..., 0]
     draws = torch.rand(b, n_clusters, 1, device=x.device, generator=gen)
     for i in range(1, n_clusters):
+        check_cancel()
         cdf = torch.cumsum(nearest.clamp_min(0) + 1e-12, dim=1)
         pick = torch.searchsorted(cdf, draws[:, i] * cdf[:, -1:]).clamp_max(n - 1)[:, 0]
         cent.append(x[rows, pick])
@@ -46,6 +48,7 @@ def kmeans_gpu(x: torch.Tensor, n_clusters: int, iters: int, seed: int = 0) -> t
     gen = torch.Generator(device=x.device).manual_seed(seed)
     cent = kmeans_pp_seeds(x, n_clusters, gen)
     for _ in range(iters):
+        check_cancel()  # a build's cancellation, time bound or turn, between iterations
         cent = lloyd_step(x, cent, cosine=True)
     return cent
 

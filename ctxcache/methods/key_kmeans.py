@@ -41,6 +41,10 @@ class KeyKMeans(SparseMethod):
         cent, assign = kmeans(k.float(), n_clusters, p.kmeans_iters, cosine=False, seed=p.seed)
         return {"centroids": cent.half(), "assign": assign.int()}  # [Hkv, C, D], [Hkv, N]
 
+    def build_work(self, n_tokens: int, n_heads: int, n_kv_heads: int) -> float:
+        p: KeyKMeansParams = self.params
+        return n_kv_heads * n_tokens * math.ceil(n_tokens / p.keys_per_cluster) * (p.kmeans_iters + 1.0)
+
     def search(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int,
                k: int) -> torch.Tensor:
         cent = state.tables["centroids"]

@@ -92,6 +92,11 @@ class Multipole(SparseMethod):
         _, assign = kmeans(k.float(), c, self.params.kmeans_iters, cosine=False, seed=seed)
         return (*cluster_stats(k, v, assign, c), assign)
 
+    def build_work(self, n_tokens: int, n_heads: int, n_kv_heads: int) -> float:
+        p: MultipoleParams = self.params  # blocks of at most (1 + slack) W tokens, clustered apart
+        block = min(n_tokens, p.block * (1 + p.slack))
+        return n_kv_heads * n_tokens * math.ceil(block / p.tokens_per_cluster) * (p.kmeans_iters + 1.0)
+
     def build(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tables:
         p: MultipoleParams = self.params
         hkv, n, d = k.shape

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,29 @@ class ModelArgs:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def differences(self, stored: dict[str, Any]) -> list[str]:
+        """How `stored` (model_args as an artifact recorded them, e.g. after a JSON round trip)
+        differs from these args: one 'field: stored X, running Y' per field. Both sides are
+        compared in their JSON form, where a tuple and the list it was stored as are equal."""
+        mine, theirs = _canonical(self.to_dict()), _canonical(stored)
+        return [f"{k}: stored {theirs.get(k, '<absent>')!r}, running {mine.get(k, '<absent>')!r}"
+                for k in sorted(set(mine) | set(theirs)) if mine.get(k, _ABSENT) != theirs.get(k, _ABSENT)]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelArgs":
+        """Inverse of to_dict, also of its JSON form (lists back to tuples); unknown keys refused."""
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"ModelArgs has no fields {unknown}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+_ABSENT = object()
+
+
+def _canonical(d: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(d, sort_keys=True))
+
 
 NAMED_CONFIGS: dict[str, ModelArgs] = {
     # Random-weight shapes for GPU speed work; fidelity is measured on real models only.
@@ -54,4 +79,9 @@ NAMED_CONFIGS: dict[str, ModelArgs] = {
     "tiny": ModelArgs(
         vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
         intermediate_size=256, rope_theta=10000.0, max_seq_len=1024),
+    # tiny with Llama-3.1 rope scaling (original length inside max_seq_len, so it bites)
+    "tiny-llama3": ModelArgs(
+        vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+        intermediate_size=256, rope_theta=10000.0, max_seq_len=1024,
+        rope_llama3_scaling=(8.0, 1.0, 4.0, 256)),
 }

@@ -42,8 +42,8 @@ def args_from_hf_config(cfg: Any) -> ModelArgs:
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     scaling = None
     if rope.get("rope_type") == "llama3":
-        scaling = (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
-                   rope["original_max_position_embeddings"])
+        scaling = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                   int(rope["original_max_position_embeddings"]))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return ModelArgs(
         vocab_size=cfg.vocab_size, dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers,
@@ -119,8 +119,7 @@ def _load_cached_smollm2(dtype: torch.dtype) -> tuple[Transformer, Any]:
         (cache / "args.json").write_text(json.dumps(model.args.to_dict()))
         os.replace(tmp, weights)  # last, so a half-written cache is never used
         return model.to(dtype), tok
-    args = ModelArgs(**{k: tuple(v) if isinstance(v, list) else v
-                        for k, v in json.loads((cache / "args.json").read_text()).items()})
+    args = ModelArgs.from_dict(json.loads((cache / "args.json").read_text()))
     model = Transformer(args)
     model.load_state_dict(load_file(str(weights)), strict=False)
     return model.to(dtype), AutoTokenizer.from_pretrained(str(cache))

@@ -15,6 +15,7 @@ dense mode: split-K attention over every cached key (the same engine with every 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,10 @@ from ctxcache.methods import make_method
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams, subspace_permutation
 from ctxcache.models.attention import appended_attention
 from ctxcache.models.loader import LoadedModel
+
+
+_log = logging.getLogger(__name__)
+SLOW_ADMIT_S = 0.1  # an admission slower than this is logged with where its time went
 
 
 def serves_index(art: ContextArtifact, params: CSAttentionParams) -> bool:
@@ -112,7 +117,9 @@ class GpuRunner:
               max_new: int, check: Callable[[], None] = lambda: None) -> tuple[Slot, torch.Tensor]:
         if len(prompt) >= self.max_new:
             raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the {self.max_new}-key index overlay")
+        t0 = time.perf_counter()
         with self.lock:
+            t_lock = time.perf_counter()
             slot = self._claim(context_id, check)
             try:
                 if slot.context_id != context_id:
@@ -128,6 +135,10 @@ class GpuRunner:
                 slot.context_id, slot.busy = None, False  # a half-loaded row holds no context
                 self.lock.notify_all()
                 raise
+        done = time.perf_counter()
+        if done - t0 > SLOW_ADMIT_S:
+            _log.info("slow admission: %.0f ms (runner lock wait %.0f ms, slot + prefill of %d tokens %.0f ms)",
+                      1e3 * (done - t0), 1e3 * (t_lock - t0), len(prompt), 1e3 * (done - t_lock))
         return slot, first
 
     def _claim(self, context_id: str, check: Callable[[], None]) -> Slot:

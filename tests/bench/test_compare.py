@@ -36,7 +36,7 @@ def test_methods_take_parameters_and_retention_cells_can_run_alone():
     cfg = config_of(parse_args(["--methods", "full,csattention", "--skip", "fid,task",
                                 "--retention-lengths", "2048,6144", "--retention-seeds", "0,1,2"]))
     cells = all_cells(cfg)
-    assert len(cells) == 2 * 3 * 2 and "ret:6144:code:2" in cells  # lengths x seeds x fillers
+    assert len(cells) == 2 * 3 * 6 and "ret:6144:changelog:2" in cells  # lengths x seeds x kinds of document
 
 
 def _shard(path, cfg, cells):
@@ -77,7 +77,8 @@ def test_merge_writes_one_table_json_and_plot(tmp_path):
 
 def _ret(method, keep, question, score, length=2048):
     return {"kind": "retention", "length": length, "filler": "prose", "seed": 0, "question": question,
-            "qkind": "code", "depth": 0.1, "method": method, "keep": keep, "score": score}
+            "qkind": "ticket", "depth": 0.1, "method": method, "keep": keep, "score": score,
+            "read_per_key": 50.0, "read_x_dense": 0.2}
 
 
 def test_merge_reports_retention_beside_mass_recall(tmp_path):
@@ -97,9 +98,12 @@ def test_merge_reports_retention_beside_mass_recall(tmp_path):
     assert cs["retention"]["slices"]["@2048"] == 0.25 and cs["retention"]["slices"]["depth 0.1"] == 0.25
     assert cs["retention"]["slices"]["number"] is None
     sl = cs["retention"]["slices"]  # question kind and filler are separate slices
-    assert sl["code"] == 0.25 and sl["in prose"] == 0.25 and sl["in code"] is None
+    assert sl["ticket"] == 0.25 and sl["in prose"] == 0.25 and "in code" not in sl
+    kind = cs["retention"]["by_kind"]["prose"]  # per kind of document, the oracle's fraction beside
+    assert (kind["kept"], kind["oracle_kept"], kind["vs_oracle_losses"]) == (0.25, 1.0, 3)
     md = paths["md"].read_text()
     assert "| 0.250 (4) | 0 / 3 | 0.250 |" in md and "Retention by slice" in md
+    assert "| csattention | 0.05 | 50.0 (0.200) | 0.250 (4) 0/3 p=0.25 | 0.250 (4) 0/3 p=0.25 |" in md
     assert "tasks @" not in md  # the task suite was skipped: no empty columns for it
     assert paths["png"].stat().st_size > 0
 
@@ -117,7 +121,7 @@ def test_text_benches_refuse_a_missing_text_file(capsys):
     from ctxcache.bench.fidelity import parse_args as fidelity_args
     with pytest.raises(SystemExit):
         fidelity_args(["--text", "/no/such/file.txt"])
-    assert "neither 'prose', 'code' nor a readable file" in capsys.readouterr().err
+    assert "is neither one of ('prose', 'code', 'narrative'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bench", ["attention", "offload"])
@@ -136,3 +140,17 @@ def test_gpu_bench_grid_runs_every_batch_and_context():
     from ctxcache.bench.common.gpu import grid_points, positive_ints
     args = argparse.Namespace(batches=positive_ints("1,8"), contexts=positive_ints("8192,131072"))
     assert list(grid_points(args)) == [(1, 8192), (1, 131072), (8, 8192), (8, 131072)]
+
+
+def test_a_retention_run_reports_its_tables_alone(tmp_path):
+    args = parse_args(["--methods", "full,oracle,csattention", "--keeps", "0.05", "--skip", "fid,task",
+                       "--retention-lengths", "2048", "--retention-seeds", "0", "--retention-fillers", "prose"])
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    rows = ([_ret("full", None, i, 1.0) for i in range(4)] + [_ret("oracle", 0.05, i, 1.0) for i in range(4)]
+            + [_ret("csattention", 0.05, i, float(i < 3)) for i in range(4)])
+    _shard(shards / "a.json", config_of(args), {"ret:2048:prose:0": {"rows": rows, "seconds": 1.0}})
+    paths = merge(argparse.Namespace(merge=str(shards), results=str(tmp_path / "out"), name=None))
+    md = paths["md"].read_text()
+    assert "mass recall" not in md and "| csattention | 0.05 | 50.0 (0.200) | 0.750 (4) 0/1 p=1 |" in md
+    assert paths["png"].stat().st_size > 0

@@ -13,7 +13,8 @@ def tok(smollm2):
     return smollm2.tokenizer
 
 
-@pytest.mark.parametrize("n,filler", [(2048, "prose"), (4096, "code")])
+@pytest.mark.parametrize("n,filler", [(2048, "prose"), (4096, "python"), (2048, "changelog"), (2048, "c"),
+                                      (2048, "json"), (2048, "narrative")])
 def test_copy_contexts_are_seeded_sized_and_hold_their_answers(tok, n, filler):
     spec = CopySpec(n, filler)
     a, b, c = spec.make(tok, 0), spec.make(tok, 0), spec.make(tok, 1)
@@ -21,18 +22,22 @@ def test_copy_contexts_are_seeded_sized_and_hold_their_answers(tok, n, filler):
     got = len(tok(a.context, add_special_tokens=False)["input_ids"])
     assert abs(got - n) <= 0.03 * n, got
     kinds = [q.kind for q in a.questions]
-    assert kinds.count("number") == kinds.count("code") == 6 and kinds.count("multivalue") == 1
-    assert kinds.count("doc") == 1
+    counts = {k: kinds.count(k) for k in set(kinds)}
+    assert counts == {"number": 5, "city": 5, "ticket": 5, "multikey": 4, "multivalue": 1, "doc": 3}
     for q in a.questions:
         for ans in q.answers:
             assert ans in a.context, (q.kind, ans)
         assert q.score(" and ".join(q.answers)) == 1.0
-    if filler == "code":
-        assert f"# The access code for" in a.context
-    body = a.context
-    for q in a.questions:  # needles sit near their nominal depth
-        if q.kind in ("number", "code"):
-            assert abs(body.index(q.answers[0]) / len(body) - q.depth) < 0.08
+    note = {"python": "# The ticket number of", "c": "/* The ticket number of", "json": '{"note": "The ticket number of'}
+    assert note.get(filler, "\nThe ticket number of") in a.context
+    lines = a.context.split("\n")
+    values = [v for q in a.questions if q.kind != "doc" for v in q.answers]
+    start = next(i for i, x in enumerate(lines) if x.startswith("The text below hides")) + 1
+    filler = [i for i, x in enumerate(lines) if i >= start and not any(v in x for v in values)]
+    for q in a.questions:  # needles sit near their nominal depth among the document's lines
+        if q.kind in ("number", "ticket", "city"):
+            at = next(i for i, x in enumerate(lines) if q.answers[0] in x)
+            assert abs(sum(i < at for i in filler) / len(filler) - q.depth) < 0.05  # + 0.015 j
 
 
 def test_copies_must_be_exact():
@@ -75,7 +80,7 @@ def test_retention_counts_only_what_full_gets_right_and_pairs_with_the_oracle():
 def test_spec_errors_name_the_value():
     with pytest.raises(ValueError, match="n_tokens=100"):
         CopySpec(100)
-    with pytest.raises(ValueError, match="filler='poem'"):
+    with pytest.raises(ValueError, match="filler='poem'.*narrative"):
         CopySpec(2048, "poem")
 
 

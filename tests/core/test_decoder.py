@@ -68,6 +68,13 @@ def test_search_period_reuses_selection(tiny):
         SparseConfig.from_schedule("fast")
 
 
+@pytest.mark.parametrize("schedule", ["0.05-step-\u0663", "0.05-step-1\n", "\u0660.05-step-1", "0.05-step-\uff11",
+                                      " 0.05-step-1", "0.05-step-1 "])
+def test_schedule_is_ascii_and_matched_whole(schedule):
+    with pytest.raises(ValueError, match="keep-step-period"):
+        SparseConfig.from_schedule(schedule)
+
+
 def test_artifact_from_another_model_is_refused(tiny):
     art = build_artifact(tiny, _tokens(tiny, 50, 10), make_method("oracle"), QUIET)
     art.model_id = "someone-else"

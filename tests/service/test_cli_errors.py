@@ -50,7 +50,7 @@ CASES = {  # name -> (argv with {d} = files dir, env, expected words in the line
     "slots and memory both": (["serve", "--model", "random:tiny", "--data", "{d}/s", "--gpu-slots", "2",
                                "--gpu-memory-gb", "4"], {}, "not both"),
     "no memory": (["serve", "--model", "random:tiny", "--data", "{d}/s", "--gpu-memory-gb", "0"], {}, "must be > 0"),
-    "unreachable server": (["admin", "--address", "127.0.0.1:{free}", "stats"], {}, "UNAVAILABLE"),
+    "unreachable server": (["admin", "--address", "127.0.0.1:{free}", "stats"], {}, "ctxcache serve"),
 }
 
 

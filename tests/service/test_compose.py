@@ -77,8 +77,8 @@ def test_the_compose_command_starts_with_no_environment(tmp_path):
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root")}
     for item in svc["environment"]:  # list form: "NAME" passes the shell's value (unset here), "NAME=v" sets v
         name, sep, value = item.partition("=")
-        if sep:
-            env[name] = value
+        if sep:  # ${VAR:-default} with VAR unset in the shell: the default
+            env[name] = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
     volumes = {"/data": str(tmp_path / "data"), "/models": str(cache_root())}
     env = {k: volumes.get(v, v) for k, v in env.items()}
     ports = {p: str(_free_port()) for p in ("50051", "50052", "9100")}
@@ -97,6 +97,70 @@ def test_the_compose_command_starts_with_no_environment(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ---- issue 29 #10: the images and the compose file as an operator runs them -------------------
+
+def _services() -> dict:
+    import yaml
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+
+
+def _dockerfile() -> list[str]:
+    """Instructions, continuation lines joined."""
+    return (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
+
+
+def test_the_image_runs_as_a_non_root_user():
+    lines = [l.split() for l in _dockerfile() if l.split()]
+    users = [i for i, l in enumerate(lines) if l[0] == "USER"]
+    assert users, "the image runs as root"
+    user = lines[users[-1]][1].split(":")[0]
+    assert user not in ("root", "0")
+    assert not any(l[0] == "RUN" for l in lines[users[-1]:]), "a RUN after USER is not the build's last step"
+
+
+def test_allow_unauthenticated_is_the_operators_choice():
+    assert "--allow-unauthenticated" not in (ROOT / "Dockerfile").read_text()
+    for name, svc in _services().items():
+        assert "--allow-unauthenticated" not in svc.get("command", []), name
+    for name in ("ctxcache", "ctxcache-gpu"):
+        assert any(e.startswith("CTXCACHE_ALLOW_UNAUTHENTICATED") for e in _services()[name]["environment"]), name
+
+
+def test_each_ctxcache_service_has_a_health_check_and_a_metrics_port():
+    for name, svc in _services().items():
+        if not name.startswith("ctxcache"):
+            continue
+        check = svc.get("healthcheck", {}).get("test", [])
+        assert check[:3] == ["CMD", "ctxcache", "health"], (name, check)
+        command = svc["command"]
+        port = command[command.index("--metrics-port") + 1]
+        assert any(p.endswith(f":{port}") for p in svc["ports"]), (name, svc["ports"])
+
+
+def test_the_image_has_a_c_compiler_for_triton():
+    """Triton compiles a small C launcher at run time (the GPU image needs gcc)."""
+    installs = [l for l in _dockerfile() if l.startswith("RUN") and "apt-get install" in l]
+    assert any(" gcc" in l for l in installs), installs
+
+
+def test_the_health_check_command_answers_serving(start):
+    srv, _ = start()
+    check = _services()["ctxcache"]["healthcheck"]["test"][1:]
+    address = check[check.index("--address") + 1]
+    argv = [a.replace(address, f"127.0.0.1:{srv.port}") for a in check[1:]]
+    from ctxcache.service import cli
+    assert cli.main(argv) == 0
+
+
+@pytest.mark.parametrize("value,words", [("1", "nonexistent"), ("0", "CTXCACHE_TOKEN"), ("maybe", "'maybe'")])
+def test_serve_reads_allow_unauthenticated_from_the_environment(value, words, monkeypatch, capsys, tmp_path):
+    from ctxcache.service import cli
+    monkeypatch.setenv("CTXCACHE_ALLOW_UNAUTHENTICATED", value)
+    rc = cli.main(["serve", "--host", "0.0.0.0", "--model", "/nonexistent", "--data", str(tmp_path / "d")])
+    err = capsys.readouterr().err
+    assert rc == 1 and words in err, err
 
 
 def test_the_fleet_profile_is_redis_s3_one_indexer_and_two_decoders_with_valid_commands():

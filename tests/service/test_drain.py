@@ -115,3 +115,35 @@ def test_sigterm_with_8_streams_and_a_build_exits_0(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_answers_waiting_puts_unavailable(tmp_path):
+    """Issue 29 #6: a PutContext waiting on a build that SIGTERM cancels (running or queued) is
+    told to retry (UNAVAILABLE), not that its context does not exist (NOT_FOUND)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ctxcache.service.cli", "serve", "--model", "random:tiny",
+                             "--port", "0", "--data", str(tmp_path / "d"), "--grace", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", proc.stdout.readline()).group(1))
+        client = Client(f"127.0.0.1:{port}")
+        running = client.put(slow_put("abc " * 180, False), timeout=10).context
+        assert running.state == pb.CONTEXT_STATE_BUILDING
+        waiting = [client.context.PutContext.future(slow_put(text, True), timeout=30)
+                   for text in ("abc " * 180, "queued " * 100)]
+        time.sleep(0.5)
+        assert not any(w.done() for w in waiting)
+        proc.send_signal(signal.SIGTERM)
+        answers = []
+        for w in waiting:
+            try:
+                answers.append(("OK", w.result().context.state))
+            except grpc.RpcError as err:
+                answers.append((err.code().name, err.details()))
+        assert [a[0] for a in answers] == ["UNAVAILABLE"] * 2, answers
+        assert all("shutting down" in a[1] for a in answers), answers
+        assert proc.wait(30) == 0
+        client.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -6,6 +6,7 @@ it when Triton knew its candidate count divisible by 16)."""
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import grpc
 import pytest
 import torch
 
@@ -68,7 +69,41 @@ def test_generate_past_120k_tokens_with_the_defaults(tmp_path):
 
 
 def _text_of(tokenizer, n_tokens: int) -> str:
-    """Distinct sentences of about n_tokens tokens (one byte a token without a tokenizer)."""
-    sentences = [f"Record {i} keeps the value {i * 7919 % 100003}. " for i in range(n_tokens)]
-    per = len(tokenizer.encode("".join(sentences[:200]))) / 200 if tokenizer is not None else len(sentences[0])
-    return "".join(sentences[:int(n_tokens / per)])
+    """Distinct sentences cut to n_tokens tokens (one byte a token without a tokenizer)."""
+    text = "".join(f"Record {i} keeps the value {i * 7919 % 100003}. " for i in range(n_tokens))
+    if tokenizer is None:
+        return text[:n_tokens]
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:n_tokens])
+
+
+def _llama3_server(tmp_path, offload: bool):
+    cfg = tiny_config(tmp_path)
+    cfg = replace(cfg, model=replace(cfg.model, model="random:llama-3.1-8b", dtype="bfloat16", device="cuda"),
+                  indexer=replace(cfg.indexer, method="csattention"),
+                  decoder=replace(cfg.decoder, gpu_slots=1, gpu_slot_tokens=1024, offload=offload))
+    server, port = create_server(cfg, load_model("random:llama-3.1-8b", torch.bfloat16, "cuda"))
+    return server, Client(f"127.0.0.1:{port}")
+
+
+def test_llama3_context_past_a_slot_is_offloaded_or_refused(tmp_path):
+    """Random Llama-3.1-8B (llama3 rope scaling, which the reference path once refused after a
+    store round trip): a 3K context on 1K slots decodes offloaded with --offload, and without it
+    PutContext refuses it naming --gpu-slot-tokens."""
+    server, client = _llama3_server(tmp_path / "offload", offload=True)
+    try:
+        text = _text_of(server.lm.tokenizer, 3000)
+        info = client.put(pb.PutContextRequest(text=text, wait=True), timeout=300).context
+        assert info.state == pb.CONTEXT_STATE_READY, info.error
+        final = _generate(client, info.context_id, 8)
+        assert final.decode_path == "gpu-offload" and final.usage.generated_tokens == 8
+    finally:
+        client.close()
+        server.stop(0)
+    server, client = _llama3_server(tmp_path / "slots", offload=False)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            client.put(pb.PutContextRequest(text=text, wait=True), timeout=300)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--gpu-slot-tokens" in err.value.details()
+    finally:
+        client.close()
+        server.stop(0)

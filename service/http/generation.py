@@ -1,0 +1,154 @@
+"""Chat and text completions over cached contexts; knows no web framework.
+
+A request becomes the same GenerateRequest the gRPC front receives and is validated by the same
+code (convert.generate_spec), then decodes through the same GenerateStreams, in this process.
+Its context is named (`cached_content`) or found from its leading messages (prefix.py). A
+streamed answer pulls its first event before the response starts, so a failure before the
+first token (absent context, streams full) gets its real status, not a 200 with an error inside.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from ctxcache.client.gen.v1 import context_pb2 as pb
+from ctxcache.service import contexts, convert
+from ctxcache.service.auth import Caller
+from ctxcache.service.build_queue import BuildQueue
+from ctxcache.service.errors import InvalidArgument
+from ctxcache.service.generate_streams import Chunk, Final, GenerateSpec, GenerateStreams
+from ctxcache.service.http.prefix import PrefixLookup
+from ctxcache.service.http.errors import error_body
+from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from ctxcache.service.http.shapes import Completion
+from ctxcache.service.rpc import in_thread, iterate_in_thread
+
+_NAME = re.compile(r"(?:cachedContents/)?([0-9a-f]{64})")
+_ANY_ID = "0" * 64  # validates a request before its context is known
+
+
+def context_reference(value: str) -> str:
+    """`cached_content`: a context id, or its resource name cachedContents/<id>."""
+    m = _NAME.fullmatch(value)
+    if m is None:
+        raise InvalidArgument("cached_content", f"{value[:80]!r} is not a context id (64 lowercase hex "
+                              "characters) or cachedContents/<id>")
+    return m[1]
+
+
+def _refuse(req: _Sampling, chat: bool) -> None:
+    """What this server does not do answers 400 naming the field, never a silent default."""
+    bad = {"n": req.n not in (None, 1) and "only n=1 (one choice per request) is supported",
+           "logprobs": req.logprobs not in (None, False, 0) and "log probabilities are not supported",
+           "presence_penalty": req.presence_penalty not in (None, 0) and "penalties are not supported",
+           "frequency_penalty": req.frequency_penalty not in (None, 0) and "penalties are not supported",
+           "logit_bias": bool(req.logit_bias) and "logit_bias is not supported"}
+    if chat:
+        assert isinstance(req, ChatCompletionRequest)
+        bad |= {"tools": bool(req.tools) and "tool calling is not supported",
+                "functions": bool(req.functions) and "function calling is not supported",
+                "tool_choice": req.tool_choice not in (None, "none", "auto") and "tool calling is not supported",
+                "top_logprobs": req.top_logprobs not in (None, 0) and "log probabilities are not supported",
+                "response_format": (req.response_format or {}).get("type", "text") != "text"
+                and "only the text response format is supported"}
+    else:
+        assert isinstance(req, CompletionRequest)
+        bad |= {"echo": req.echo and "echo is not supported", "suffix": bool(req.suffix) and "suffix is not supported",
+                "best_of": req.best_of not in (None, 1) and "only best_of=1 is supported"}
+    for name, why in bad.items():
+        if why:
+            raise InvalidArgument(name, why)
+
+
+def _proto(req: _Sampling, cid: str, max_tokens: int | None, **turn: Any) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                 top_p=req.top_p or 0.0, max_tokens=max_tokens or 0)
+    if req.seed is not None:
+        sampling.seed = req.seed
+    return pb.GenerateRequest(context_id=cid, sampling=sampling, stop=req.stops(), schedule=req.schedule or "", **turn)
+
+
+class Generation:
+    def __init__(self, indexer: BuildQueue, decoder: GenerateStreams, pool: ThreadPoolExecutor,
+                 default_max_tokens: int, max_tokens_limit: int, model: str) -> None:
+        self.indexer, self.decoder, self.pool, self.model = indexer, decoder, pool, model
+        self.default_max, self.limit = default_max_tokens, max_tokens_limit
+        self.prefixes = PrefixLookup(indexer)
+
+    def _spec(self, request: pb.GenerateRequest) -> GenerateSpec:
+        return convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len)
+
+    async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        t0 = time.perf_counter()
+        _refuse(req, chat=True)
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(**m.plain()) for m in req.messages])
+        spec = self._spec(_proto(req, _ANY_ID, req.max_completion_tokens or req.max_tokens, chat=chat))
+        spec = await in_thread(self.pool, self._resolve_chat, caller, req.cached_content, spec)
+        return await self._answer(spec, Completion(req.model or self.model, spec.context_id, True), req, t0)
+
+    def _resolve_chat(self, caller: Caller, reference: str | None, spec: GenerateSpec) -> GenerateSpec:
+        if reference is not None:
+            cid = context_reference(reference)
+            contexts.check_readable(self.indexer, caller, cid)
+            return replace(spec, context_id=cid)
+        match = self.prefixes.find(spec.turn, caller.tenant or "")
+        return replace(spec, context_id=match.context_id, turn=spec.turn[match.n_messages:])
+
+    async def completion(self, caller: Caller, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        """A text completion: the prompt's tokens follow the cached context as they are, with no
+        chat template (control tokens in it are the template's own, as in any raw completion)."""
+        t0 = time.perf_counter()
+        _refuse(req, chat=False)
+        if req.cached_content is None:
+            raise InvalidArgument("cached_content", "a text completion continues a cached context: name it "
+                                  "(automatic reuse is for chat messages, /v1/chat/completions)")
+        cid = context_reference(req.cached_content)
+        assert isinstance(req.prompt, str)  # the validator took the one prompt of a list
+        spec = self._spec(_proto(req, cid, req.max_tokens or 16, question=req.prompt))  # OpenAI's default 16
+        await in_thread(self.pool, contexts.check_readable, self.indexer, caller, cid)
+        tokens = await in_thread(self.pool, self.indexer.prompter.encode, req.prompt)
+        spec = replace(spec, prompt_tokens=tuple(tokens))
+        return await self._answer(spec, Completion(req.model or self.model, cid, False), req, t0)
+
+    async def _answer(self, spec: GenerateSpec, shape: Completion, req: _Sampling, t0: float
+                      ) -> dict | AsyncIterator[str]:
+        events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, None, t0))
+        if not req.stream:
+            ids: list[int] = []
+            async for event in events:
+                if isinstance(event, Final):
+                    return shape.whole(event, ids if req.return_token_ids else None)
+                ids += event.token_ids
+            raise AssertionError("a stream ends with its Final")  # pragma: no cover
+        first = await anext(events)  # errors before the first token raise here, before any byte is sent
+        return _sse(first, events, shape, req.include_usage(), req.return_token_ids)
+
+
+async def _sse(first: Chunk | Final, events: AsyncIterator[Chunk | Final], shape: Completion,
+               include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
+    """`data: <json>` per delta, the finish chunk (with usage unless a usage chunk follows),
+    then `data: [DONE]`. A failure after the first byte is an error event (the status is sent);
+    a client that goes away closes this generator, which stops the decode (rpc.iterate_in_thread)."""
+    try:
+        yield json.dumps(shape.opening())
+        event = first
+        while True:
+            if isinstance(event, Final):
+                yield json.dumps(shape.finish(event, with_usage=not include_usage))
+                if include_usage:
+                    yield json.dumps(shape.usage_chunk(event))
+                break
+            if event.text or (token_ids and event.token_ids):
+                yield json.dumps(shape.text(event.text, event.token_ids if token_ids else None))
+            event = await anext(events)
+    except Exception as exc:  # noqa: BLE001 - in-band, in the one error shape
+        yield json.dumps(error_body(exc)[1])
+    finally:
+        await events.aclose()
+    yield "[DONE]"
