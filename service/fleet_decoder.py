@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from ctxcache.cancel import CancelToken
 from ctxcache.methods import ParamError, make_method
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service import job_spec
@@ -35,6 +36,7 @@ class RemoteJob:
         self.context_id, self.spec, self.tokens = context_id, spec, range(n_tokens)  # len() = its tokens
         self.state, self.progress, self.error = "building", 0.0, ""
         self.done = threading.Event()
+        self.token = CancelToken()  # cancelled when this decoder stops waiting for it (its drain)
 
     @classmethod
     def from_facts(cls, f: Facts) -> "RemoteJob | None":
@@ -67,7 +69,10 @@ class RemoteBuilds:
         self.fleet = backend.fleet
         self.max_tokens = settings.max_context_tokens or max(1, lm.args.max_seq_len - 256)
         self.max_tokens_why = f"model maximum {lm.args.max_seq_len}"  # a GPU decoder's slots may lower both
-        self._watched: dict[str, RemoteJob] = {}
+        default = make_method(settings.method, settings.method_params)
+        self._default = (default.name, default.params)
+        self._jobs: dict[str, RemoteJob] = {}  # the builds this decoder's callers wait for (BuildQueue's name:
+        # servicer.unstored_jobs lists them under self._lock)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="ctxcache-fleet-jobs", daemon=True)
@@ -76,6 +81,7 @@ class RemoteBuilds:
     # the indexers' own formulas (one definition: an indexer recomputes the id and refuses a mismatch)
     context_id = BuildQueue.context_id
     tokens = BuildQueue.tokens
+    _check_work = BuildQueue._check_work  # the indexers' admission of a build's cost
 
     def submit(self, spec: PutSpec, tokens: list[int] | None = None,
                source=None) -> tuple[str, RemoteJob | None, bool]:  # noqa: ANN001
@@ -85,10 +91,13 @@ class RemoteBuilds:
                                      "re-indexes them runs on a --role all node (one that re-prefills, "
                                      "allow_reprefill, runs here)")
         try:
-            make_method(spec.method, spec.method_params).check_model(self.lm.args.head_dim)
+            method = make_method(spec.method, spec.method_params)
+            method.check_model(self.lm.args.head_dim)
         except ParamError as exc:
             raise InvalidArgument(f"method.params.{exc.field}", str(exc)) from exc
         tokens = self.tokens(spec) if tokens is None else tokens
+        if (method.name, method.params) != self._default:  # refused here, not FAILED on an indexer
+            self._check_work(method, len(tokens))
         cid = self.context_id(spec, tokens)
         if self.backend.manifest(cid) is not None:
             self.metrics.put_requests.labels("existing").inc()
@@ -105,15 +114,15 @@ class RemoteBuilds:
 
     def _watch_job(self, cid: str, spec: PutSpec, n_tokens: int) -> RemoteJob:
         with self._lock:
-            job = self._watched.get(cid)
+            job = self._jobs.get(cid)
             if job is None or job.done.is_set():
-                job = self._watched[cid] = RemoteJob(cid, spec, n_tokens)
+                job = self._jobs[cid] = RemoteJob(cid, spec, n_tokens)
             return job
 
     def _watch(self, poll_s: float) -> None:
         while not self._closed.wait(poll_s):
             with self._lock:
-                jobs = list(self._watched.values())
+                jobs = list(self._jobs.values())
             for job in jobs:
                 try:
                     job.update(self.fleet.facts(job.context_id))
@@ -121,8 +130,8 @@ class RemoteBuilds:
                     continue  # the waiting Put's own deadline bounds it
                 if job.done.is_set():
                     with self._lock:
-                        if self._watched.get(job.context_id) is job:
-                            del self._watched[job.context_id]
+                        if self._jobs.get(job.context_id) is job:
+                            del self._jobs[job.context_id]
 
     def cancel(self, cid: str, reason: str = "cancelled", wait_s: float = 2.0) -> bool:
         """Whether cid is building; the DeleteContext / Evict that follows stops the indexer
@@ -132,7 +141,7 @@ class RemoteBuilds:
 
     def job(self, cid: str) -> RemoteJob | None:
         with self._lock:
-            job = self._watched.get(cid)
+            job = self._jobs.get(cid)
         if job is not None:
             return job
         f = self.backend.facts(cid)
@@ -150,7 +159,7 @@ class RemoteBuilds:
     def counts(self) -> tuple[int, int]:
         """-> (builds this decoder's callers wait for, 0): failures live in the registry."""
         with self._lock:
-            return sum(not j.done.is_set() for j in self._watched.values()), 0
+            return sum(not j.done.is_set() for j in self._jobs.values()), 0
 
     def queued(self) -> int:
         try:
@@ -162,7 +171,8 @@ class RemoteBuilds:
         self._closed.set()
         self._thread.join(timeout)
         with self._lock:
-            for job in self._watched.values():
+            for job in self._jobs.values():
                 job.state, job.error = "failed", "the server is shutting down"
+                job.token.cancel(job.error)
                 job.done.set()
         self.stream.close()
