@@ -98,6 +98,11 @@ class ArtifactCache(Generic[T]):
             self.bytes -= item[1]
             return item[1]
 
+    def keys(self) -> set[str]:
+        """The ids held now (what a fleet worker advertises as hot)."""
+        with self._lock:
+            return set(self._items)
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._items

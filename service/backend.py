@@ -96,6 +96,9 @@ class Backend:
                     f"{entry.state.value} at {entry.location}")
         return f"context {cid} not found"
 
+    def fleet_facts(self, cid: str):  # noqa: ANN201 - fleet_backend.FleetFacts there; one node has none
+        return None
+
     def context_ids(self) -> list[str]:
         return self.store.context_ids()
 

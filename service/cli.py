@@ -92,6 +92,19 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="model weights and activations")
 
 
+def _fleet_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", default="all", choices=["all", "indexer", "decoder"],
+                   help="all: one node; indexer: builds jobs from Redis into the object store; "
+                        "decoder: PutContext, Generate and admin, loading artifacts from the object store")
+    p.add_argument("--object-store", default=None, metavar="URI",
+                   help="the artifacts' copy of record, --data their local cache (indexer, decoder; optional "
+                        "for all): s3://bucket/prefix?endpoint_override=host:port&scheme=http or file:///path")
+    p.add_argument("--build-lease", type=float, default=10.0, metavar="SECONDS",
+                   help="a build job whose indexer stopped beating this long is taken by another")
+    p.add_argument("--heartbeat", type=float, default=2.0, metavar="SECONDS",
+                   help="how often a decoder renews the contexts it holds hot (they expire after 3)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ctxcache", description="context cache service for long LLM prompts")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -118,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no access-log line per RPC (method, context id, status, duration) on stderr")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", type=Path, default=None, help="the certificate's private key (PEM)")
+    _fleet_flags(p)
 
     p = sub.add_parser("put", help="cache a context")
     _client_flags(p)

@@ -33,6 +33,7 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                    tenant_tokens: tuple[tuple[str, str], ...] = ()) -> ServiceConfig:
     from ctxcache.service.config import (GiB, DecoderSettings, IndexerSettings, ModelConfig, RegistrySettings,
                                          ServerConfig, ServiceConfig, StoreSettings)
+    from ctxcache.service.config import FleetSettings
 
     return ServiceConfig(
         server=ServerConfig(host=host, port=port, admin_port=admin_port, max_streams=args.max_streams,
@@ -41,7 +42,8 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                             grace_seconds=getattr(args, "grace", 5.0), advertise=getattr(args, "advertise", ""),
                             http_port=getattr(args, "http_port", None)),
         model=ModelConfig(args.model, args.device, args.dtype),
-        store=StoreSettings(args.data, int(args.store_budget_gb * GiB)),
+        store=StoreSettings(args.data, int(args.store_budget_gb * GiB),
+                            object_store_uri=getattr(args, "object_store", None)),
         registry=RegistrySettings(args.redis),
         indexer=IndexerSettings(method=args.method, store_queries=args.store_queries, kv_codec=args.kv_codec,
                                 max_build_work=getattr(args, "max_build_work", 3e10),
@@ -50,7 +52,9 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                                 torch_threads=args.threads, max_batch=args.max_batch,
                                 decode_mode=args.decode_mode, gpu_slot_tokens=args.gpu_slot_tokens,
                                 offload=getattr(args, "offload", False),
-                                **_gpu_slots(args)))
+                                **_gpu_slots(args)),
+        fleet=FleetSettings(getattr(args, "role", "all"), getattr(args, "build_lease", 10.0),
+                            getattr(args, "heartbeat", 2.0)))
 
 
 def _gpu_slots(args) -> dict:

@@ -194,6 +194,27 @@ class DecoderSettings:
             raise ValueError(f"decoder.max_batch={self.max_batch} must be >= 1")
 
 
+ROLES = ("all", "indexer", "decoder")
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """Many workers on one Redis and one object store (service/roles.py); role "all" is one
+    self-contained node: embedded registry (or Redis), local store, no object store needed."""
+
+    role: str = "all"
+    build_lease_s: float = 10.0  # a job whose indexer stopped beating this long goes to another
+    heartbeat_s: float = 2.0  # hot memberships expire 3 heartbeats after a worker's last
+    tombstone_s: float = 86400.0  # a deleted context's registry entry says DELETED this long
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role={self.role!r} must be one of {ROLES}")
+        for name in ("build_lease_s", "heartbeat_s", "tombstone_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"fleet.{name}={getattr(self, name)} must be > 0")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     server: ServerConfig = ServerConfig()
@@ -202,3 +223,11 @@ class ServiceConfig:
     registry: RegistrySettings = RegistrySettings()
     indexer: IndexerSettings = IndexerSettings()
     decoder: DecoderSettings = DecoderSettings()
+    fleet: FleetSettings = FleetSettings()
+
+    def __post_init__(self) -> None:
+        role = self.fleet.role
+        if role != "all" and (self.registry.redis_url is None or self.store.object_store_uri is None):
+            raise ValueError(f"--role {role} needs --redis (the registry and job stream) and --object-store "
+                             f"(the artifacts every worker shares); got redis={self.registry.redis_url!r}, "
+                             f"object_store={self.store.object_store_uri!r}")

@@ -18,6 +18,7 @@ from ctxcache.decoder.runner import ReferenceRunner, Runner
 from ctxcache.kernels.compiles import CompileCounter
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel, load_model
+from ctxcache.service import roles
 from ctxcache.service.access_log import AccessLogInterceptor
 from ctxcache.service.admin import AdminServicer
 from ctxcache.service.auth import Auth, AuthInterceptor
@@ -49,13 +50,17 @@ class CtxcacheServer:
         self.config, self.lm, self.metrics = config, lm, Metrics()
         self.compiles = CompileCounter.install()
         self.metrics.kernel_compiles_after_ready.set_function(self.compiles.after_ready)
-        self.backend = Backend(*_open_store_and_registry(config))
+        role = config.fleet.role
+        store, registry, kind = _open_store_and_registry(config)
+        self.backend = Backend(store, registry, kind) if role == "all" else roles.fleet_backend(config, store)
         prompter = Prompter(lm.tokenizer if lm.tokenizer is not None else ByteTokenizer())
         d, s = config.decoder, config.server
         cache = ArtifactCache[CachedContext](d.dram_cache_bytes, self.backend.load, CachedContext.nbytes)
-        self.indexer = BuildQueue(lm, prompter, self.backend, config.indexer, "float16", self.metrics)
+        self.indexer = roles.make_builds(config, lm, prompter, self.backend, self.metrics, "float16")
+        runners = [ReferenceRunner(lm)] if role == "indexer" else decode_runners(lm, config)  # an indexer decodes nothing
         self.decoder = GenerateStreams(lm, prompter, cache, s.max_streams, d.schedule, self.metrics,
-                                       decode_runners(lm, config), d.max_batch, d.decode_mode == "dense")
+                                       runners, d.max_batch, d.decode_mode == "dense")
+        self.fleet = roles.FleetRuntime(config, self.backend, self.indexer, self.decoder)
         self.metrics.offload_hit_rate.set_function(self.decoder.offload_hit_rate)
         self.metrics.track_store_loads(self.backend.store)
         _cap_to_slots(self.indexer, self.decoder.engines)
@@ -106,7 +111,9 @@ class CtxcacheServer:
         self.loop.run(self._set_health(health_pb2.HealthCheckResponse.SERVING))
         self.ready.set()  # the HTTP front's /health says ok from here on
         self.backend.relocate(self.config.server.advertised(self.port))
-        _reconcile(self.backend)  # the store is the truth; repair the index at start
+        if self.config.fleet.role == "all":
+            _reconcile(self.backend)  # the store is the truth; repair the index at start
+        self.fleet.start(self.backend.location)  # a fleet's registry is repaired by `admin reconcile`
         log.info("serving on %s:%d (admin %d, http %s) as %s", self.config.server.host, self.port, self.admin_port,
                  self.http_port or "off", self.backend.location)
         return self.port
@@ -114,11 +121,13 @@ class CtxcacheServer:
     async def _start(self) -> int:
         s, d = self.config.server, self.config.decoder
         main = self._new_server()
-        context_pb2_grpc.add_ContextServiceServicer_to_server(
+        indexer_only = self.config.fleet.role == "indexer"
+        context_pb2_grpc.add_ContextServiceServicer_to_server(roles.IndexerOnly() if indexer_only else
             ContextServicer(self.indexer, self.decoder, d.default_max_tokens, d.max_tokens_limit, self.pool,
                             self.auth, self.draining.is_set), main)
         admin = main if s.admin_port is None else self._new_server()
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.indexer, self.decoder, self.pool), admin)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(roles.IndexerOnly() if indexer_only else
+                                                          AdminServicer(self.indexer, self.decoder, self.pool), admin)
         elsewhere = AdminElsewhere()
         if admin is not main:
             admin_pb2_grpc.add_AdminServiceServicer_to_server(elsewhere, main)
@@ -147,7 +156,9 @@ class CtxcacheServer:
         grace = self.config.server.grace_seconds if grace is None else grace
         self.draining.set()
         self.loop.run(self.health.enter_graceful_shutdown())
+        self.fleet.stop_taking()  # an indexer takes no new job; the one in flight goes back to the stream
         self.indexer.close()  # cancels queued and running builds, joins the builder
+        self.fleet.close()
         end = time.monotonic() + grace
         while self.decoder.active and time.monotonic() < end:
             time.sleep(0.05)
@@ -246,6 +257,8 @@ def _open_store_and_registry(config: ServiceConfig):
     store = open_store(st.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20), budget_bytes=budget,
                                             pin_memory=pin),
                        st.object_store_uri, ObjectStoreConfig(budget_bytes=st.object_budget_bytes))
+    if config.fleet.role != "all":  # a fleet's registry of facts (service/roles.py)
+        return store, None, "fleet"
     url = config.registry.redis_url
     if url is None:
         return store, EmbeddedRegistry(), "embedded"

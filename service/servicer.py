@@ -45,7 +45,12 @@ def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
     """A stored manifest wins over a job record (a job may lag its own completion)."""
     m = indexer.backend.manifest(cid)
     if m is not None:
-        return info_from_manifest(m)
+        info = info_from_manifest(m)
+        facts = indexer.backend.fleet_facts(cid)  # a fleet's: the object's URI, the workers holding it hot
+        if facts is not None:
+            info.artifact_uri = facts.artifact_uri
+            info.hot_workers.extend(facts.hot_workers)
+        return info
     job = indexer.job(cid)
     if job is None:
         raise NotFound(f"context {cid} not found")

@@ -58,13 +58,26 @@ class RedisConfig:
 
 def _guard(fn: F) -> F:
     @functools.wraps(fn)
-    def wrapped(self: "RedisRegistry", *args: Any, **kwargs: Any) -> Any:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             raise RegistryUnavailable(f"redis at {self.config.host}:{self.config.port} is "
                                       f"unavailable: {exc}") from exc
     return wrapped  # type: ignore[return-value]
+
+
+guard = _guard  # the fleet's Redis parts (job_stream, fleet_registry) fail the same way
+
+
+def client_for(c: RedisConfig, socket_timeout_s: float | None = None, decode: bool = True) -> redis.Redis:
+    """A client that fails as fast as the config says: its retries and backoff, not redis-py's
+    defaults (3 retries from a 1 s backoff: seconds before a down Redis is reported)."""
+    retry = Retry(ExponentialBackoff(cap=c.backoff_cap_s, base=c.backoff_base_s), c.retries)
+    return redis.Redis(host=c.host, port=c.port, db=c.db, password=c.password, decode_responses=decode,
+                       socket_timeout=c.socket_timeout_s if socket_timeout_s is None else socket_timeout_s,
+                       socket_connect_timeout=c.connect_timeout_s, retry=retry,
+                       retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
 
 
 class RedisRegistry(Registry):

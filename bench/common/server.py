@@ -22,12 +22,15 @@ _SERVING = re.compile(r"serving on \S+:(\d+) ")
 
 
 @contextlib.contextmanager
-def running_server(flags: Sequence[str], log: Path, ready_s: float = 1800.0) -> Iterator[str]:
+def running_server(flags: Sequence[str], log: Path, ready_s: float = 1800.0,
+                   env: dict[str, str] | None = None) -> Iterator[str]:
     """`ctxcache serve --host 127.0.0.1 --port 0 FLAGS`, its output in `log`; -> its address.
-    ready_s: a large model loads for minutes before it serves."""
+    ready_s: a large model loads for minutes before it serves; env: set in its environment
+    (e.g. CUDA_VISIBLE_DEVICES)."""
     cmd = [sys.executable, "-m", "ctxcache.service", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
     # a private loopback server: tokens set in the shell would lock out the benchmark's client
-    env = {k: v for k, v in os.environ.items() if k not in ("CTXCACHE_TOKEN", "CTXCACHE_TENANT_TOKENS")}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("CTXCACHE_TOKEN", "CTXCACHE_TENANT_TOKENS")},
+           **(env or {})}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

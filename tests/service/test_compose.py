@@ -161,3 +161,26 @@ def test_serve_reads_allow_unauthenticated_from_the_environment(value, words, mo
     rc = cli.main(["serve", "--host", "0.0.0.0", "--model", "/nonexistent", "--data", str(tmp_path / "d")])
     err = capsys.readouterr().err
     assert rc == 1 and words in err, err
+
+
+def test_the_fleet_profile_is_redis_s3_one_indexer_and_two_decoders_with_valid_commands():
+    """Issue 33: `--profile fleet` adds an S3 server, one indexer and two decoders on the Redis;
+    each worker's command parses and makes a valid config (a fleet role without --redis or
+    --object-store would fail here), and each advertises its own compose name."""
+    import yaml
+
+    from ctxcache.service import cli, cli_commands
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    fleet = {name: s for name, s in services.items() if "fleet" in s.get("profiles", [])}
+    assert "profiles" not in services["redis"] and "seaweedfs" in fleet
+    roles = {}
+    for name, s in fleet.items():
+        if s["command"][0] != "ctxcache":
+            continue
+        args = cli.build_parser().parse_args(s["command"][1:])
+        cfg = cli_commands.service_config(args, args.port, args.host, args.admin_port)
+        assert cfg.server.advertise == f"{name}:{args.port}"
+        assert "seaweedfs:8333" in cfg.store.object_store_uri and "redis:6379" in cfg.registry.redis_url
+        roles[name] = cfg.fleet.role
+    assert sorted(roles.values()) == ["decoder", "decoder", "indexer"]

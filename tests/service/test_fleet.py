@@ -1,0 +1,326 @@
+"""Issue 33: a fleet of real `ctxcache serve` processes on one redis-server and one S3 server
+(SeaweedFS): two indexers, two decoders, and one `--role all` node (no Redis, no object store)
+as the reference. Tests that stop a shared part (Redis, the object store) come last."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.client.routing import RoutedClient, home
+from ctxcache.service import cli
+from ctxcache.store.fleet_registry import FleetRegistry, FleetState
+
+from fleet_procs import ADMIN_TOKEN, Worker, start_all, stop_all
+from redis_server import RedisServer, free_port, redis_binary
+from s3_server import S3Server, weed_binary
+
+pytestmark = [pytest.mark.redis, pytest.mark.s3, pytest.mark.timeout(300)]
+TEXT = "The harbour of Port Averel has a lighthouse on a granite spur called the Needle. " * 3
+# key-kmeans with one key per cluster and 100 iterations over ~700 tokens (random:tiny caches at
+# most 768): a build of seconds instead of milliseconds, long enough to kill or delete mid-build
+SLOW = {"keys_per_cluster": 1, "kmeans_iters": 100}
+SLOW_TEXT = (TEXT * 3)[:680]
+
+
+@dataclass
+class Fleet:
+    redis: RedisServer
+    s3: S3Server
+    indexers: list[Worker]
+    a: Worker
+    b: Worker
+    one: Worker  # --role all: the single-node reference
+
+    def registry(self) -> FleetRegistry:
+        return FleetRegistry(self.redis.config())
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    if redis_binary() is None or weed_binary() is None:
+        pytest.skip("needs redis-server and SeaweedFS's weed")
+    root = tmp_path_factory.mktemp("fleet")
+    redis, s3 = RedisServer(redis_binary(), root), S3Server(weed_binary(), root / "s3")
+    redis.start()
+    store = s3.uri(prefix="fleet")
+    indexers = [Worker(f"ix{i}", root, "indexer", redis.url, store, "--metrics-port", str(free_port()))
+                for i in (1, 2)]
+    a, b = (Worker(n, root, "decoder", redis.url, store) for n in ("decA", "decB"))
+    one = Worker("one", root, "all", None, None)
+    workers = start_all([*indexers, a, b, one], meanwhile=s3.start)  # no worker touches S3 before a Put
+    try:
+        yield Fleet(redis, s3, indexers, a, b, one)
+    finally:
+        stop_all(workers)
+        redis.stop()
+        s3.stop()
+
+
+def put(worker: Worker, text: str = TEXT, token: str | None = None, wait: bool = True, slow: bool = False,
+        **kw) -> pb.PutContextResponse:
+    c = worker.client(token) if token else worker.client()
+    req = pb.PutContextRequest(text=text, wait=wait, **kw)
+    if slow:
+        req.method.name = "key-kmeans"
+        req.method.params.update(SLOW)
+    try:
+        return c.put(req, timeout=120)
+    finally:
+        c.close()
+
+
+def get(worker: Worker, cid: str, token: str | None = None) -> pb.ContextInfo:
+    c = worker.client(token) if token else worker.client()
+    try:
+        return c.context.GetContext(pb.GetContextRequest(context_id=cid), metadata=c.metadata, timeout=10)
+    finally:
+        c.close()
+
+
+def tokens(worker: Worker, cid: str, token: str | None = None, max_tokens: int = 8, timeout: float = 60,
+           seen: list | None = None) -> list[int]:
+    """The greedy answer's token ids; `seen` collects the stream's messages as they arrive."""
+    c = worker.client(token) if token else worker.client()
+    req = pb.GenerateRequest(context_id=cid, question="Where is the lighthouse?",
+                             sampling=pb.SamplingParams(max_tokens=max_tokens))
+    events = [] if seen is None else seen
+    try:
+        for e in c.generate(req, timeout=timeout):
+            events.append(e)
+    finally:
+        c.close()
+    assert events[-1].HasField("final")
+    return [t for e in events if e.HasField("chunk") for t in e.chunk.token_ids]
+
+
+def code_of(fn) -> grpc.StatusCode | None:
+    try:
+        fn()
+    except grpc.RpcError as err:
+        return err.code()
+    return None
+
+
+def builds(indexer: Worker, outcome: str) -> int:
+    """The indexer's own count of builds by outcome (its Prometheus endpoint)."""
+    port = indexer.args[indexer.args.index("--metrics-port") + 1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    m = re.search(rf'^ctxcache_builds_total{{outcome="{outcome}"}} ([0-9.]+)$', text, re.MULTILINE)
+    return int(float(m.group(1))) if m else 0
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.02):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step_s)
+    return predicate()
+
+
+def test_put_on_one_decoder_generate_on_another_gives_the_single_nodes_tokens(fleet):
+    info = put(fleet.a).context
+    assert info.state == pb.CONTEXT_STATE_READY
+    on_b = get(fleet.b, info.context_id)  # b never saw the context
+    assert on_b.state == pb.CONTEXT_STATE_READY and on_b.artifact_uri
+    reference = put(fleet.one).context  # one node, no Redis, no object store
+    assert reference.context_id == info.context_id
+    assert tokens(fleet.b, info.context_id) == tokens(fleet.one, info.context_id)
+    assert len(tokens(fleet.b, info.context_id)) == 8
+
+
+def test_get_context_shows_the_workers_holding_it_hot_and_the_client_routes_there(fleet):
+    cid = put(fleet.a, TEXT + " hot").context.context_id
+    routed = RoutedClient([fleet.a.address, fleet.b.address], ADMIN_TOKEN)
+    assert list(get(fleet.a, cid).hot_workers) == []
+    assert routed.route(cid) == home(cid, [fleet.a.address, fleet.b.address])  # cold: its home decoder
+    tokens(fleet.b, cid)
+    assert wait_until(lambda: list(get(fleet.a, cid).hot_workers) == [fleet.b.address], 2.0)
+    assert routed.route(cid) == fleet.b.address
+    routed.close()
+    c = fleet.b.client()
+    c.admin.Evict(apb.EvictRequest(context_id=cid, memory_only=True), metadata=c.metadata)
+    c.close()
+    assert wait_until(lambda: list(get(fleet.a, cid).hot_workers) == [], 2.0)
+
+
+def test_the_same_text_from_two_callers_on_two_decoders_is_one_build(fleet):
+    before = sum(builds(ix, "ready") for ix in fleet.indexers)
+    text, barrier, out = TEXT + " raced", threading.Barrier(2), {}
+
+    def call(worker: Worker) -> None:
+        barrier.wait()
+        out[worker.name] = put(worker, text)
+
+    threads = [threading.Thread(target=call, args=(w,)) for w in (fleet.a, fleet.b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    a, b = out["decA"], out["decB"]
+    assert a.context.context_id == b.context.context_id
+    assert a.context.state == b.context.state == pb.CONTEXT_STATE_READY
+    assert sorted([a.created, b.created]) == [False, True]
+    assert sum(builds(ix, "ready") for ix in fleet.indexers) == before + 1
+
+
+def test_an_indexer_only_builds(fleet):
+    assert code_of(lambda: put(fleet.indexers[0])) == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(lambda: tokens(fleet.indexers[0], "0" * 64)) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_progress_and_delete_of_a_building_context_cross_processes(fleet):
+    cancelled = sum(builds(ix, "cancelled") for ix in fleet.indexers)
+    info = put(fleet.a, SLOW_TEXT + " deleted while building", wait=False, slow=True).context
+    assert info.state == pb.CONTEXT_STATE_BUILDING
+    seen = wait_until(lambda: get(fleet.b, info.context_id).progress >= 0.7, 60)  # the indexer's progress, on b
+    assert seen, get(fleet.b, info.context_id)
+    c = fleet.b.client()
+    assert c.context.DeleteContext(pb.DeleteContextRequest(context_id=info.context_id), metadata=c.metadata).deleted
+    c.close()
+    assert wait_until(lambda: sum(builds(ix, "cancelled") for ix in fleet.indexers) == cancelled + 1, 5)
+    assert code_of(lambda: get(fleet.a, info.context_id)) == grpc.StatusCode.NOT_FOUND
+    # the indexer is free again at once: a new build is done in well under the cancelled one's time
+    t0 = time.monotonic()
+    assert put(fleet.a, TEXT + " after the cancel").context.state == pb.CONTEXT_STATE_READY
+    assert time.monotonic() - t0 < 10
+
+
+def test_delete_on_one_decoder_is_not_found_on_every_decoder_within_a_second(fleet):
+    cid = put(fleet.a, TEXT + " to delete").context.context_id
+    tokens(fleet.a, cid), tokens(fleet.b, cid)  # hot on both
+    cb = fleet.b.client()
+    in_dram = cb.admin.Stats(apb.StatsRequest(), metadata=cb.metadata).dram_cache_entries
+    c = fleet.a.client()
+    t0 = time.monotonic()
+    assert c.context.DeleteContext(pb.DeleteContextRequest(context_id=cid), metadata=c.metadata).deleted
+    c.close()
+    for w in (fleet.a, fleet.b):
+        assert code_of(lambda: tokens(w, cid)) == grpc.StatusCode.NOT_FOUND
+        assert code_of(lambda: get(w, cid)) == grpc.StatusCode.NOT_FOUND
+    assert time.monotonic() - t0 < 1.0
+    # and b dropped its DRAM copy (the delete event)
+    assert wait_until(lambda: cb.admin.Stats(apb.StatsRequest(), metadata=cb.metadata).dram_cache_entries
+                      == in_dram - 1, 1.0)
+    cb.close()
+
+
+def test_tenants_are_isolated_across_workers(fleet):
+    cid = put(fleet.a, TEXT + " alpha's", token="alpha-token").context.context_id
+    assert code_of(lambda: get(fleet.b, cid, token="beta-token")) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: tokens(fleet.b, cid, token="beta-token")) == grpc.StatusCode.NOT_FOUND
+    c = fleet.b.client("beta-token")
+    listed = c.context.ListContexts(pb.ListContextsRequest(), metadata=c.metadata).contexts
+    deleted = c.context.DeleteContext(pb.DeleteContextRequest(context_id=cid), metadata=c.metadata).deleted
+    c.close()
+    assert cid not in [x.context_id for x in listed] and not deleted
+    assert len(tokens(fleet.b, cid, token="alpha-token")) == 8
+
+
+def test_kill9_of_the_building_indexer_another_finishes_and_the_put_succeeds(fleet):
+    text, out = SLOW_TEXT + " survives a kill -9", {}
+    waiter = threading.Thread(target=lambda: out.update(r=put(fleet.a, text, slow=True)))
+    waiter.start()
+    registry = fleet.registry()
+    by_address = {ix.address: ix for ix in fleet.indexers}
+
+    def building():
+        for f in registry.entries():
+            if f.state == FleetState.BUILDING and f.indexer and f.progress >= 0.7:
+                return f
+        return None
+
+    f = wait_until(building, 60)
+    assert f is not None, "no build reached 0.7"
+    victim = by_address[f.indexer]
+    victim.kill()
+    waiter.join(120)
+    info = out["r"].context
+    assert info.state == pb.CONTEXT_STATE_READY, info.error
+    after = registry.facts(info.context_id)
+    assert after.attempts == 2 and after.indexer != victim.address
+    assert len(tokens(fleet.b, info.context_id)) == 8
+    registry.close()
+    fleet.indexers.remove(victim)
+
+
+def damage(s3: S3Server, cid: str, how: str) -> str:
+    """Corrupt (flip bytes, same size) or truncate (half) the largest stored object of cid."""
+    from pyarrow import fs
+
+    s3fs = fs.S3FileSystem(endpoint_override=s3.endpoint, scheme="http", anonymous=True)
+    infos = s3fs.get_file_info(fs.FileSelector("ctxcache/fleet/v1/chunks", recursive=True))
+    victim = max((i for i in infos if cid in i.path and i.type == fs.FileType.File), key=lambda i: i.size)
+    with s3fs.open_input_stream(victim.path) as f:
+        data = bytearray(f.read())
+    if how == "truncate":
+        data = data[:len(data) // 2]
+    else:
+        data[len(data) // 2:len(data) // 2 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 16])
+    with s3fs.open_output_stream(victim.path) as f:
+        f.write(bytes(data))
+    return victim.path
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncate"])
+def test_a_damaged_object_is_data_loss_before_any_token(fleet, how):
+    cid = put(fleet.a, TEXT + f" to {how}").context.context_id
+    damage(fleet.s3, cid, how)
+    seen: list = []
+    with pytest.raises(grpc.RpcError) as err:
+        tokens(fleet.b, cid, seen=seen)  # b has no copy: a cold load from the object store
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and seen == []
+
+
+def test_a_fleet_role_needs_redis_and_an_object_store(capsys):
+    assert cli.main(["serve", "--role", "decoder", "--model", "random:tiny"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--role decoder needs --redis" in err
+
+
+def test_redis_down_local_tiers_keep_serving_new_builds_unavailable_then_recover(fleet):
+    cid = put(fleet.a, TEXT + " before the outage").context.context_id
+    expected = tokens(fleet.b, cid)  # hot on b
+    fleet.redis.stop()
+    try:
+        assert tokens(fleet.b, cid) == expected
+        t0 = time.monotonic()
+        assert code_of(lambda: put(fleet.a, TEXT + " during the outage")) == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        fleet.redis.start()  # empty: Redis held facts and jobs; the object store keeps the artifacts
+    info = put(fleet.a, TEXT + " after the outage").context
+    assert info.state == pb.CONTEXT_STATE_READY
+    c = fleet.a.client()
+    assert c.admin.Reconcile(apb.ReconcileRequest(), metadata=c.metadata).registered >= 1
+    c.close()
+    assert fleet.registry().facts(cid).state == FleetState.READY
+
+
+def test_object_store_stopped_local_tiers_serve_cold_loads_unavailable_then_recover(fleet):
+    warm = put(fleet.a, TEXT + " warm before the outage").context.context_id
+    cold = put(fleet.a, TEXT + " cold before the outage").context.context_id
+    expected = tokens(fleet.b, warm)  # in b's DRAM and its local store
+    c = fleet.b.client()
+    fleet.s3.stop()
+    try:
+        assert tokens(fleet.b, warm) == expected  # DRAM
+        c.admin.Evict(apb.EvictRequest(context_id=warm, memory_only=True), metadata=c.metadata)
+        assert tokens(fleet.b, warm) == expected  # b's local store
+        t0, seen = time.monotonic(), []
+        assert code_of(lambda: tokens(fleet.b, cold, timeout=10, seen=seen)) == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 10 and seen == []  # within the call's deadline, before any token
+    finally:
+        c.close()
+        fleet.s3.start()  # the same data: what it acknowledged before the stop is there
+    assert len(tokens(fleet.b, cold)) == 8
+    assert put(fleet.a, TEXT + " after the outage").context.state == pb.CONTEXT_STATE_READY
