@@ -30,7 +30,7 @@ from ctxcache.models.loader import LoadedModel
 from ctxcache.service.backend import ROLES_LABEL, Backend
 from ctxcache.service.build_turns import BuildTurns
 from ctxcache.service.config import IndexerSettings
-from ctxcache.service.convert import RESERVED_LABEL, PutSpec
+from ctxcache.service.convert import PutSpec
 from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
@@ -121,14 +121,7 @@ class BuildQueue:
         """-> (context id, the job if one is building, created). READY contexts have no job.
 
         tokens: skip tokenization (Rebuild); source: re-index its K/V instead of prefilling."""
-        try:
-            method = make_method(spec.method, spec.method_params)
-            method.check_model(self.lm.args.head_dim)
-        except ParamError as exc:
-            raise InvalidArgument(f"method.params.{exc.field}", str(exc)) from exc
-        tokens = self.tokens(spec) if tokens is None else tokens
-        if (method.name, method.params) != self._default:  # the operator's own choice is admitted
-            self._check_work(method, len(tokens))
+        method, tokens = self.admitted(spec, tokens)
         cid = self.context_id(spec, tokens)
         with self._lock:
             job = self._jobs.get(cid)
@@ -156,6 +149,19 @@ class BuildQueue:
             self._wake.notify()
         self.metrics.put_requests.labels("created").inc()
         return cid, job, True
+
+    def admitted(self, spec: PutSpec, tokens: list[int] | None):
+        """-> (method, tokens) of a Put this server accepts: valid parameters for the model, and a
+        build cost within --max-build-work unless it is the operator's own method."""
+        try:
+            method = make_method(spec.method, spec.method_params)
+            method.check_model(self.lm.args.head_dim)
+        except ParamError as exc:
+            raise InvalidArgument(f"method.params.{exc.field}", str(exc)) from exc
+        tokens = self.tokens(spec) if tokens is None else tokens
+        if (method.name, method.params) != self._default:
+            self._check_work(method, len(tokens))
+        return method, tokens
 
     def _check_work(self, method, n_tokens: int) -> None:
         a, limit = self.lm.args, self.settings.max_build_work

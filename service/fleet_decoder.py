@@ -12,13 +12,13 @@ import logging
 import threading
 
 from ctxcache.cancel import CancelToken
-from ctxcache.methods import ParamError, make_method
+from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service import job_spec
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.config import IndexerSettings
 from ctxcache.service.convert import PutSpec
-from ctxcache.service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from ctxcache.service.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from ctxcache.service.fleet_backend import FleetBackend
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
@@ -81,7 +81,8 @@ class RemoteBuilds:
     # the indexers' own formulas (one definition: an indexer recomputes the id and refuses a mismatch)
     context_id = BuildQueue.context_id
     tokens = BuildQueue.tokens
-    _check_work = BuildQueue._check_work  # the indexers' admission of a build's cost
+    admitted = BuildQueue.admitted  # the indexers' admission of parameters and a build's cost
+    _check_work = BuildQueue._check_work
 
     def submit(self, spec: PutSpec, tokens: list[int] | None = None,
                source=None) -> tuple[str, RemoteJob | None, bool]:  # noqa: ANN001
@@ -90,14 +91,7 @@ class RemoteBuilds:
             raise FailedPrecondition("a decoder cannot yet send stored K/V to an indexer: a Rebuild that "
                                      "re-indexes them runs on a --role all node (one that re-prefills, "
                                      "allow_reprefill, runs here)")
-        try:
-            method = make_method(spec.method, spec.method_params)
-            method.check_model(self.lm.args.head_dim)
-        except ParamError as exc:
-            raise InvalidArgument(f"method.params.{exc.field}", str(exc)) from exc
-        tokens = self.tokens(spec) if tokens is None else tokens
-        if (method.name, method.params) != self._default:  # refused here, not FAILED on an indexer
-            self._check_work(method, len(tokens))
+        method, tokens = self.admitted(spec, tokens)  # refused here, not FAILED on an indexer
         cid = self.context_id(spec, tokens)
         if self.backend.manifest(cid) is not None:
             self.metrics.put_requests.labels("existing").inc()
