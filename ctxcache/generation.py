@@ -57,6 +57,37 @@ def prefill(model: Transformer, tokens: torch.Tensor, cache: KVCache, attn: Atte
     return logits
 
 
+class LayeredPrefill:
+    """One prompt's prefill, a group of layers at a time, at positions known on the host (no
+    device read): an engine runs a group between decode steps, so a stream's admission adds a
+    slice of its prefill to each of a few steps instead of stalling every decoding stream for
+    all of it. A question's cost (the weights once, attention over the whole context) is per
+    layer, and a question is too short to divide by tokens."""
+
+    def __init__(self, model: Transformer, tokens: torch.Tensor, start: int, cache: KVCache,
+                 attn: AttentionFn) -> None:
+        """tokens [1, T] appended at positions start..start+T-1 of the one-row cache."""
+        limit = min(cache.max_len, model.args.max_seq_len)
+        if start + tokens.shape[1] > limit:
+            raise ValueError(f"positions up to {start + tokens.shape[1] - 1} exceed the cache/model length {limit}")
+        self.model, self.cache, self.attn = model, cache, attn
+        self.pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+        self.x = model.model.embed_tokens(tokens)
+        self.layer = 0
+
+    def run(self, layers: int) -> torch.Tensor | None:
+        """Run up to `layers` more layers: -> the last token's logits [1, V] after the last
+        layer, else None."""
+        m = self.model
+        end = min(self.layer + max(1, layers), m.args.n_layers)
+        for i in range(self.layer, end):
+            self.x = m.model.layers[i](self.x, i, self.pos, self.cache, m.rope, self.attn)
+        self.layer = end
+        if end < m.args.n_layers:
+            return None
+        return m.lm_head(m.model.norm(self.x[:, -1:])).float()[:, -1]
+
+
 @torch.inference_mode()
 def decode_one_token(model: Transformer, token: torch.Tensor, cache: KVCache,
                      attn: AttentionFn) -> torch.Tensor:

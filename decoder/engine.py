@@ -1,10 +1,13 @@
 """The decode engine: one thread steps every live stream together through a model runner.
 
-A stream is admitted in its caller's thread (the runner loads its context and prefills its
-question, under the runner's lock when the runner shares device buffers between rows), samples
-its first token there, then joins the engine loop: each step the scheduler picks the rows, the
-runner runs the model once over them (weights read once per step, attention per row), and each
-row's token goes to its consumer's queue. Streams join and leave between steps.
+A stream is admitted in its caller's thread: the runner claims a row and loads its context
+there. A runner that shares device buffers between rows (the GPU runner: `begin`) then hands
+the question's prefill to the engine thread, which runs it a chunk per decode step, queued
+behind the step it just launched, so a joining stream never stops the others for its whole
+prefill; the reference runner, whose rows share nothing, prefills in the caller's thread. The
+caller samples the first token, then the stream joins the loop: each step the scheduler picks
+the rows, the runner runs the model once over them (weights read once per step, attention per
+row), and each row's token goes to its consumer's queue. Streams join and leave between steps.
 
 Model code only: no gRPC here. A consumer reads its tokens with `Sequence.tokens()` and may
 cancel at any time; the engine drops a cancelled row before its next step and releases it.
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from ctxcache.artifact import ContextArtifact
+from ctxcache.decoder.admission import Admission
 from ctxcache.decoder.inflight import LaunchedStep
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.decoder.runner import Runner
@@ -91,16 +95,20 @@ class Engine:
         self._wake = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._admissions: list[Admission] = []  # prefills the engine thread runs between steps
         self.steps = 0  # batched steps run
         self.rows_stepped = 0  # sum of batch sizes (rows_stepped / steps = mean batch)
 
     def start(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
               sampling: SamplingParams, check: Callable[[], None] = lambda: None) -> Sequence:
-        """Load and prefill in the caller's thread (TTFT waits for no batch step beyond the
-        runner's lock), sample the first token, and queue the rest for batching."""
+        """Load (and, unless the runner hands it to the engine thread, prefill) in the caller's
+        thread, sample the first token, and queue the rest for batching."""
         if self._closed:
             raise RuntimeError("the decode engine is closed")
-        row, first_logits = self.runner.admit(context_id, art, prompt, config, sampling.max_tokens, check)
+        if hasattr(self.runner, "begin"):
+            row, first_logits = self._admit_in_loop(context_id, art, prompt, config, sampling.max_tokens, check)
+        else:
+            row, first_logits = self.runner.admit(context_id, art, prompt, config, sampling.max_tokens, check)
         gen = _generator(sampling)
         tok = int(sample(first_logits[None], sampling, gen)[0])
         stop = StopRule(sampling.max_tokens, frozenset(sampling.stop_token_ids))
@@ -119,6 +127,20 @@ class Engine:
             self._wake.notify()
         return seq
 
+    def _admit_in_loop(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
+                       max_new: int, check: Callable[[], None]) -> tuple[Any, torch.Tensor]:
+        """Claim and load here; the engine thread runs the prompt's prefill a chunk per step."""
+        row, chunks = self.runner.begin(context_id, art, prompt, config, max_new, check)
+        admission = Admission(row, chunks, self.runner.release)
+        with self._wake:
+            if self._closed:
+                admission.fail(RuntimeError("the decode engine is closed"))
+            else:
+                self._admissions.append(admission)
+                self._ensure_thread()
+                self._wake.notify()
+        return row, admission.wait(check)
+
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"ctxcache-engine-{self.runner.name}",
@@ -126,16 +148,30 @@ class Engine:
             self._thread.start()
 
     def _next_batch(self, wait: bool = True) -> list[Sequence] | None:
-        """The next step's rows; [] when none is live and `wait` is off; None once closed."""
+        """The next step's rows; [] when none is live and `wait` is off or an admission waits;
+        None once closed."""
         with self._wake:
             while not self._closed:
                 gone = [s for s in self.scheduler.live() if s.cancelled.is_set()]
                 self._retire(gone)
                 batch = self.scheduler.next_batch()
-                if batch or not wait:
+                if batch or not wait or self._admissions:
                     return batch
                 self._wake.wait()
             return None
+
+    def _admit_some(self, decoding: bool) -> None:
+        """One prefill chunk of the oldest admission beside a decode step (the step's token
+        budget); with nothing decoding, every waiting admission to its end."""
+        with self._wake:
+            waiting = list(self._admissions)
+        for admission in waiting[:1] if decoding else waiting:
+            while not admission.advance():
+                if decoding or self._closed:  # close() fails what is still waiting
+                    return
+            with self._wake:
+                if admission in self._admissions:
+                    self._admissions.remove(admission)
 
     def _retire(self, seqs: list[Sequence]) -> None:
         if seqs:
@@ -153,6 +189,7 @@ class Engine:
                 launched = None
                 if batch and self._overlaps(batch):
                     launched = self._guarded(batch, self._launch)
+                self._admit_some(decoding=bool(batch))  # queued behind the launched step
                 if in_flight is not None:
                     self._guarded(in_flight[0], lambda b: self._hand_out(b, in_flight[1]))
                 in_flight = (batch, launched) if launched is not None else None
@@ -206,9 +243,12 @@ class Engine:
             self._closed = True
             live = self.scheduler.live()
             self.scheduler.retire(live)
+            waiting, self._admissions = self._admissions, []
         for s in live:
             s.cancel()
             s.out.put(RuntimeError(f"the decode engine stopped: {exc!r}"))
+        for admission in waiting:
+            admission.fail(RuntimeError(f"the decode engine stopped: {exc!r}"))
 
     @torch.inference_mode()
     def _step(self, batch: list[Sequence]) -> None:
@@ -230,6 +270,10 @@ class Engine:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        with self._wake:
+            waiting, self._admissions = self._admissions, []
+        for admission in waiting:
+            admission.fail(RuntimeError("the decode engine is closed"))
         for s in live:
             s.cancel()
             s.out.put(_END)

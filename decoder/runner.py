@@ -25,6 +25,11 @@ from ctxcache.models.kv_cache import KVCache
 from ctxcache.models.loader import LoadedModel
 
 
+class ContextNotResident(LookupError):
+    """A stream came with a runner's resident head (no K/V) but the slot was given to another
+    context meanwhile: the caller acquires the whole artifact and starts again."""
+
+
 class Runner(Protocol):
     name: str
 

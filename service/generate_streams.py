@@ -13,22 +13,26 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.engine import Engine
-from ctxcache.decoder.runner import Runner
+from ctxcache.decoder.runner import ContextNotResident, Runner
 from ctxcache.generation import SamplingParams
 from ctxcache.models.loader import LoadedModel
-from ctxcache.service.artifact_cache import ArtifactCache
+from ctxcache.service.artifact_cache import ArtifactCache, Loaded
 from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
                                      ResourceExhausted, Unavailable)
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Messages, Prompter
 from ctxcache.service.textstream import TextStream
+
+
+_ROLES_KEPT = 4096  # contexts whose roles are remembered for a Generate that skips the DRAM tier
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class GenerateStreams:
         self._closing_reason = ""
         self.active = 0
         self._lock = threading.Lock()
+        self._roles: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # context id -> its roles
 
     def stream(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
                t_request: float) -> Iterator[Chunk | Final]:
@@ -104,6 +109,8 @@ class GenerateStreams:
     def evict(self, context_id: str) -> int:
         """Drop a context from DRAM and from every runner's device memory; -> DRAM bytes freed."""
         self.evict_device(context_id)
+        with self._lock:
+            self._roles.pop(context_id, None)
         return self.cache.evict(context_id)
 
     def evict_device(self, context_id: str) -> bool:
@@ -173,24 +180,11 @@ class GenerateStreams:
     def _run(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
              t0: float) -> Iterator[Chunk | Final]:
         config = self._config(spec.schedule)
-        loaded = self.cache.acquire(spec.context_id)  # NOT_FOUND / DATA_LOSS before any token
-        self.metrics.cache_lookups.labels("hit" if loaded.hit else "miss").inc()
-        if not loaded.hit:
-            self.metrics.bytes_loaded.inc(loaded.value.stored_bytes)
-            self.metrics.load_seconds.observe(loaded.load_seconds)
-        ctx, art = loaded.value, loaded.value.artifact
-        placeholder = [{"role": r, "content": "x"} for r in ctx.roles]
-        prompt = list(spec.prompt_tokens) or self.prompter.turn_tokens(placeholder, spec.turn)
-        room = self.lm.args.max_seq_len - art.n_tokens - len(prompt)
-        if room < 1:
-            raise InvalidArgument("question", f"{len(prompt)} new tokens after {art.n_tokens} cached "
-                                  f"exceed the model's maximum length {self.lm.args.max_seq_len}")
-        room = min(room, self._slot_room(art, config, len(prompt)))
-        sampling = replace(spec.sampling, max_tokens=min(spec.sampling.max_tokens, room),
-                           stop_token_ids=self.prompter.stop_token_ids)
-        _check(alive, deadline)
-        engine = self._engine(art, config, len(prompt) + sampling.max_tokens)
-        seq = engine.start(spec.context_id, art, prompt, config, sampling, lambda: _check(alive, deadline))
+        head = self._resident(spec.context_id)
+        try:
+            seq, art, prompt, sampling, loaded = self._start(spec, config, head, alive, deadline)
+        except ContextNotResident:  # its slot went to another context since: load it as any other
+            seq, art, prompt, sampling, loaded = self._start(spec, config, None, alive, deadline)
         self.metrics.decode_paths.labels(seq.path).inc()
         text, n, reason, t_first = TextStream(self.prompter.tokenizer, spec.stop), 0, "length", 0.0
         for tid, cache_full in seq.tokens(lambda: _check(alive, deadline)):
@@ -216,6 +210,52 @@ class GenerateStreams:
         if tail:
             yield Chunk(tail, ())
         yield self._final(text, reason, art, prompt, n, t0, t_first, loaded, seq.path)
+
+    def _resident(self, context_id: str) -> Loaded[CachedContext] | None:
+        """A context held in a GPU slot starts from the slot's head: no DRAM tier, no disk."""
+        roles = self._roles.get(context_id)
+        for engine in self.engines if roles is not None else ():
+            head = getattr(engine.runner, "resident_head", lambda _: None)(context_id)
+            if head is not None:
+                return Loaded(CachedContext(head, roles, 0), True, 0.0)
+        return None
+
+    def _acquire(self, context_id: str) -> Loaded[CachedContext]:
+        loaded = self.cache.acquire(context_id)  # NOT_FOUND / DATA_LOSS before any token
+        self.metrics.cache_lookups.labels("hit" if loaded.hit else "miss").inc()
+        if not loaded.hit:
+            self.metrics.bytes_loaded.inc(loaded.value.stored_bytes)
+            self.metrics.load_seconds.observe(loaded.load_seconds)
+        with self._lock:
+            self._roles[context_id] = loaded.value.roles
+            self._roles.move_to_end(context_id)
+            while len(self._roles) > _ROLES_KEPT:
+                self._roles.popitem(last=False)
+        return loaded
+
+    def _start(self, spec: GenerateSpec, config: SparseConfig, head: Loaded[CachedContext] | None,
+               alive: Callable[[], bool], deadline: float | None) -> tuple:
+        """-> (sequence, artifact, prompt tokens, sampling, loaded) of a started stream; from
+        the resident head if given (ContextNotResident when that runner no longer holds it)."""
+        loaded = head or self._acquire(spec.context_id)
+        ctx, art = loaded.value, loaded.value.artifact
+        placeholder = [{"role": r, "content": "x"} for r in ctx.roles]
+        prompt = list(spec.prompt_tokens) or self.prompter.turn_tokens(placeholder, spec.turn)
+        room = self.lm.args.max_seq_len - art.n_tokens - len(prompt)
+        if room < 1:
+            raise InvalidArgument("question", f"{len(prompt)} new tokens after {art.n_tokens} cached "
+                                  f"exceed the model's maximum length {self.lm.args.max_seq_len}")
+        room = min(room, self._slot_room(art, config, len(prompt)))
+        sampling = replace(spec.sampling, max_tokens=min(spec.sampling.max_tokens, room),
+                           stop_token_ids=self.prompter.stop_token_ids)
+        _check(alive, deadline)
+        engine = self._engine(art, config, len(prompt) + sampling.max_tokens)
+        if head is not None and not hasattr(engine.runner, "resident_head"):
+            raise ContextNotResident(spec.context_id)  # only a slot runner takes a head
+        seq = engine.start(spec.context_id, art, prompt, config, sampling, lambda: _check(alive, deadline))
+        if head is not None:
+            self.metrics.cache_lookups.labels("hit").inc()
+        return seq, art, prompt, sampling, loaded
 
     def _final(self, text: TextStream, reason: str, art: ContextArtifact, prompt: list[int], n: int,
                t0: float, t_first: float, loaded, path: str) -> Final:

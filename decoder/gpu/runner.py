@@ -18,19 +18,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 
 import torch
 
-from ctxcache.artifact import ContextArtifact
+from ctxcache.artifact import ContextArtifact, LayerArtifact
 from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.inflight import LaunchedStep, StepIO
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.reference_attention import SparseConfig
-from ctxcache.generation import prefill
+from ctxcache.decoder.runner import ContextNotResident
+from ctxcache.generation import LayeredPrefill
 from ctxcache.methods import make_method
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams, subspace_permutation
 from ctxcache.models.attention import appended_attention
@@ -39,12 +40,32 @@ from ctxcache.models.loader import LoadedModel
 
 _log = logging.getLogger(__name__)
 SLOW_ADMIT_S = 0.1  # an admission slower than this is logged with where its time went
+# prompt tokens x layers a prefill chunk may carry: a 20-token question over 32 layers goes in
+# two chunks, so each decode step it joins carries about half its prefill
+PREFILL_TOKEN_LAYERS = 512
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def serves_index(art: ContextArtifact, params: CSAttentionParams) -> bool:
     """Whether a GPU runner of these CSAttention parameters decodes the artifact's tables."""
     method = make_method(art.method, art.method_params)
     return method.params == params and method.gpu_decodable(art.layers[0].tables)
+
+
+@dataclass
+class ResidentHead(ContextArtifact):
+    """What a Generate on a context resident in a slot needs of its artifact, without its K/V
+    or tables (kept by the runner, so the stream skips the DRAM tier and never reloads the
+    artifact from disk for a context already in HBM): tokens, last logits, the method, and
+    layer 0's table names (what `serves_index` checks)."""
+
+    @classmethod
+    def of(cls, art: ContextArtifact) -> "ResidentHead":
+        shell = LayerArtifact(torch.empty(0), torch.empty(0), tables=dict(art.layers[0].tables))
+        return cls(**{f.name: getattr(art, f.name) for f in fields(art)} | {"layers": [shell]})
 
 
 @dataclass(eq=False)
@@ -55,26 +76,26 @@ class Slot:
     length: int = 0  # host copy of the row's cache length
     busy: bool = False
     last_used: float = 0.0
+    head: ResidentHead | None = None  # the resident context's head
 
 
 class _PrefillAttention:
     """Dense attention for a slot's prompt prefill that also indexes the new keys (sparse). The
-    row's length is known on the host (start, plus the chunks seen per layer), so attention
-    spans exactly the keys written, with no device read of the positions."""
+    row's length is known on the host (the context's, plus the prompt tokens each layer has
+    seen), so attention spans exactly the keys written, with no device read of the positions."""
 
-    def __init__(self, tables: list[GpuDenseTables] | None, row: int, start: int, perm: torch.Tensor | None,
+    def __init__(self, tables: list[GpuDenseTables] | None, row: int, n_ctx: int, perm: torch.Tensor | None,
                  layers: int) -> None:
-        self.tables, self.row, self.start, self.perm = tables, row, start, perm
-        self._done = [0] * layers  # prompt tokens each layer has attended so far (chunked prefill)
+        self.tables, self.row, self.n_ctx, self.perm = tables, row, n_ctx, perm
+        self._done = [0] * layers  # prompt tokens each layer has attended so far
 
     def __call__(self, layer: int, q: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
-        t = q.shape[2]
-        first = self.start + self._done[layer]
+        t, col = q.shape[2], self._done[layer]
         self._done[layer] += t
+        first = self.n_ctx + col
         if self.tables is not None:
-            self.tables[layer].insert_span(self.row, cache.k[layer][0, :, first:first + t], first, self.perm)
-        span = first + t
-        return appended_attention(q, cache.k[layer][:, :, :span], cache.v[layer][:, :, :span])
+            self.tables[layer].insert_span(self.row, cache.k[layer][0, :, first:first + t], col, self.perm)
+        return appended_attention(q, cache.k[layer][:, :, :first + t], cache.v[layer][:, :, :first + t])
 
 
 class GpuRunner:
@@ -82,10 +103,13 @@ class GpuRunner:
     question and answer (`max_new` tokens streamed into the index at most)."""
 
     def __init__(self, lm: LoadedModel, params: CSAttentionParams | None, config: SparseConfig, slots: int,
-                 max_len: int, max_new: int = MAX_NEW, use_graph: bool = True) -> None:
-        if slots < 1 or max_len < 2 or max_new < 1:
-            raise ValueError(f"slots={slots}, max_len={max_len}, max_new={max_new} must be >= 1, >= 2, >= 1")
+                 max_len: int, max_new: int = MAX_NEW, use_graph: bool = True,
+                 prefill_token_layers: int = PREFILL_TOKEN_LAYERS) -> None:
+        if slots < 1 or max_len < 2 or max_new < 1 or prefill_token_layers < 1:
+            raise ValueError(f"slots={slots}, max_len={max_len}, max_new={max_new}, prefill_token_layers="
+                             f"{prefill_token_layers} must be >= 1, >= 2, >= 1, >= 1")
         self.lm, self.params, self.config, self.max_new = lm, params, config, max_new
+        self.prefill_token_layers = prefill_token_layers
         self.name = "gpu-dense" if params is None else "gpu-sparse"
         model, a = lm.model, lm.args
         self.device = model.lm_head.weight.device
@@ -115,31 +139,81 @@ class GpuRunner:
     @torch.inference_mode()
     def admit(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
               max_new: int, check: Callable[[], None] = lambda: None) -> tuple[Slot, torch.Tensor]:
+        """Begin, then run every prefill chunk in the caller's thread."""
+        t0 = time.perf_counter()
+        slot, chunks = self.begin(context_id, art, prompt, config, max_new, check)
+        first = next(f for f in chunks if f is not None)
+        if time.perf_counter() - t0 > SLOW_ADMIT_S:
+            _log.info("slow admission: %.0f ms for a prompt of %d tokens", 1e3 * (time.perf_counter() - t0),
+                      len(prompt))
+        return slot, first
+
+    @torch.inference_mode()
+    def begin(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
+              max_new: int, check: Callable[[], None] = lambda: None) -> tuple[Slot, Iterator[torch.Tensor | None]]:
+        """Claim a slot and load the context into it (unless resident); -> (row, chunks): each
+        next() of chunks runs a group of the prompt's layers under the runner's lock and gives
+        None, the last gives the first logits [V]. The engine runs one chunk per decode step."""
         if len(prompt) >= self.max_new:
             raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the {self.max_new}-key index overlay")
         t0 = time.perf_counter()
         with self.lock:
             t_lock = time.perf_counter()
             slot = self._claim(context_id, check)
+            if slot.context_id != context_id and isinstance(art, ResidentHead):
+                slot.busy = False  # untouched: whatever it holds stays resident
+                self.lock.notify_all()
+                raise ContextNotResident(context_id)
             try:
                 if slot.context_id != context_id:
                     self._load(slot, context_id, art)
                 self._reset(slot)
-                if not prompt:
-                    first = art.last_logits.to(self.device).float()
-                elif len(prompt) == 1:  # one new token is a decode step, as on the reference path
-                    first = self._step_rows([slot], prompt)[0]
+                if len(prompt) > 1:
+                    # the row's device length points past the prompt at once: a decode step that
+                    # runs between chunks computes this idle row's throw-away token there, never
+                    # over the prompt's keys
+                    self.cache.lengths[slot.index] = slot.n_ctx + len(prompt)
+                    chunks = self._prefill_chunks(slot, prompt)
+                elif prompt:  # one new token is a decode step, as on the reference path
+                    chunks = iter([self._step_rows([slot], prompt)[0]])
                 else:
-                    first = self._prefill(slot, prompt)
+                    chunks = iter([art.last_logits.to(self.device).float()])
             except BaseException:
-                slot.context_id, slot.busy = None, False  # a half-loaded row holds no context
-                self.lock.notify_all()
+                self._forget(slot)
                 raise
-        done = time.perf_counter()
-        if done - t0 > SLOW_ADMIT_S:
-            _log.info("slow admission: %.0f ms (runner lock wait %.0f ms, slot + prefill of %d tokens %.0f ms)",
-                      1e3 * (done - t0), 1e3 * (t_lock - t0), len(prompt), 1e3 * (done - t_lock))
-        return slot, first
+        if time.perf_counter() - t0 > SLOW_ADMIT_S:
+            _log.info("slow admission: %.0f ms to claim and load a slot (runner lock wait %.0f ms)",
+                      1e3 * (time.perf_counter() - t0), 1e3 * (t_lock - t0))
+        return slot, chunks
+
+    def _forget(self, slot: Slot) -> None:
+        """A row whose load or prefill failed holds no context (call under the lock)."""
+        slot.context_id, slot.busy = None, False
+        self.lock.notify_all()
+
+    def _prefill_chunks(self, slot: Slot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
+        n_layers = self.lm.args.n_layers
+        per_chunk = _ceil_div(n_layers, _ceil_div(len(prompt) * n_layers, self.prefill_token_layers))
+        attn = _PrefillAttention(self.tables, slot.index, slot.n_ctx, self._perm, n_layers)
+        run = None
+        while True:
+            with self.lock, torch.inference_mode():
+                try:
+                    if run is None:
+                        # pinned and non-blocking: a pageable copy would wait for the step in flight
+                        ids = torch.tensor([prompt], pin_memory=self.device.type == "cuda").to(self.device,
+                                                                                                non_blocking=True)
+                        run = LayeredPrefill(self.lm.model, ids, slot.n_ctx, self.cache.row(slot.index), attn)
+                    logits = run.run(per_chunk)
+                except BaseException:
+                    self._forget(slot)
+                    raise
+                if logits is not None:
+                    slot.length += len(prompt)
+            if logits is not None:
+                yield logits[0]
+                return
+            yield None
 
     def _claim(self, context_id: str, check: Callable[[], None]) -> Slot:
         """A slot for the context: its idle resident slot, else an empty one, else the least
@@ -173,7 +247,7 @@ class GpuRunner:
                     self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len,
                                                         self.max_new, self.device) for _ in art.layers]
                 self.tables[layer].load_row(row, tables, n)
-        slot.context_id, slot.n_ctx = context_id, n
+        slot.context_id, slot.n_ctx, slot.head = context_id, n, ResidentHead.of(art)
         self.loads += 1
 
     def _reset(self, slot: Slot) -> None:
@@ -181,14 +255,6 @@ class GpuRunner:
         if self.tables is not None:
             for t in self.tables:
                 t.reset_stream(slot.index)
-
-    def _prefill(self, slot: Slot, prompt: list[int]) -> torch.Tensor:
-        row = slot.index
-        attn = _PrefillAttention(self.tables, row, slot.length, self._perm, self.lm.args.n_layers)
-        ids = torch.tensor([prompt], device=self.device)
-        logits = prefill(self.lm.model, ids, self.cache.row(row), attn)[0]
-        slot.length += len(prompt)
-        return logits.float()
 
     # ---- decode -------------------------------------------------------------------------------
     def _decoder(self, bucket: int) -> GraphDecoder:
@@ -297,3 +363,8 @@ class GpuRunner:
     def resident(self) -> list[str]:
         """Context ids held in HBM (busy or idle)."""
         return [s.context_id for s in self.slots if s.context_id is not None]
+
+    def resident_head(self, context_id: str) -> ResidentHead | None:
+        """The head of the context if a slot holds it (a stream may then start from the head)."""
+        with self.lock:
+            return next((s.head for s in self.slots if s.context_id == context_id), None)

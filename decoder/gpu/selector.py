@@ -177,17 +177,17 @@ class GpuDenseTables:
         self.n_ctx[row] = n
         self.reset_stream(row)
 
-    def insert_span(self, row: int, keys: torch.Tensor, pos: int, perm: torch.Tensor | None) -> None:
-        """Index keys [Hkv, T, D] written at positions pos..pos+T-1 of row `row` (a prompt's
-        prefill: one product per layer instead of T stream_insert launches); the same fp32
-        centroid . key-subspace scores stream_insert writes."""
+    def insert_span(self, row: int, keys: torch.Tensor, col: int, perm: torch.Tensor | None) -> None:
+        """Index keys [Hkv, T, D] streamed into row `row` as its columns col..col+T-1 (positions
+        n_ctx + col ...; a prompt's prefill: one product per layer instead of T stream_insert
+        launches); the same fp32 centroid . key-subspace scores stream_insert writes. The column
+        comes from the host, and the count is raised on the device: no host sync per layer."""
         hkv, t, d = keys.shape
         cent = self.centroids[row].float()  # [Hkv, m, C, d_b]
         m, db = cent.shape[1], cent.shape[3]
         k = (keys[..., perm] if perm is not None else keys).float().view(hkv, t, m, db)
-        col = pos - int(self.stream_start[row])
         self.new_scores[row, ..., col:col + t] = torch.einsum("hmcd,htmd->hmct", cent, k)
-        self.stream_count[row] = max(int(self.stream_count[row]), col + t)
+        self.stream_count[row:row + 1].clamp_(min=col + t)
 
     def reset_stream(self, row: int) -> None:
         """Forget the keys streamed into row `row` after its context (a new stream starts)."""

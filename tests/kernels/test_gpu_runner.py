@@ -64,12 +64,14 @@ def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, in
     (16 of 2 dims) with few centroids."""
     method = _method(rerank, *index)
     artifacts = _artifacts(cpu_lm, method)
-    prompts = [[5, 6, 7], [], [9]]
+    # the 3-token prompt is admitted while the first stream decodes, a layer per step
+    prompts = [[9], [5, 6, 7], []]
     cfg = CONFIG if sparse else SparseConfig(CONFIG.budget, dense_layers=tuple(range(lm.args.n_layers)))
     ref = Engine(ReferenceRunner(lm))
     want = [[t for t, _ in ref.start("x", a, p, cfg, SamplingParams(max_tokens=STEPS)).tokens(lambda: None)]
             for a, p in zip(artifacts, prompts)]
-    runner = GpuRunner(lm, method.params if sparse else None, CONFIG, slots=3, max_len=384, max_new=STEPS + 8)
+    runner = GpuRunner(lm, method.params if sparse else None, CONFIG, slots=3, max_len=384, max_new=STEPS + 8,
+                       prefill_token_layers=1)
     fast = Engine(runner)
     # every context is resident after the first pass: the second loads none (on the CPU, where
     # each interpreted step takes seconds, checked for the plain index only)

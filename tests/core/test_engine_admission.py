@@ -1,0 +1,147 @@
+"""Admission on the engine thread: a prompt's prefill goes a chunk per decode step beside the
+streams decoding, and a caller that leaves, a prefill that fails or an engine that closes
+releases the row exactly once (a fake runner logs what ran in which order; no model)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ctxcache.decoder.engine import Engine
+from ctxcache.decoder.reference_attention import SparseConfig
+from ctxcache.generation import SamplingParams
+from ctxcache.methods import Budget
+
+CONFIG = SparseConfig(Budget(0.1, 2, 8))
+LOGITS = torch.tensor([0.0, 1.0, 0.0])  # greedy token 1, never a stop token
+
+
+class ChunkedRunner:
+    """Rows are context ids; a prompt's prefill is `chunks` chunks; a step takes `step_s`."""
+
+    name = "fake"
+
+    def __init__(self, chunks: int = 4, step_s: float = 0.002, fail: set[str] = frozenset()) -> None:
+        self.chunks, self.step_s, self.fail = chunks, step_s, fail
+        self.log: list[tuple] = []
+        self.released: list[str] = []
+        self._lock = threading.Lock()
+
+    def begin(self, cid, art, prompt, config, max_new, check):
+        def run():
+            for i in range(self.chunks):
+                with self._lock:
+                    self.log.append(("chunk", cid, i))
+                if cid in self.fail and i == 1:
+                    raise RuntimeError(f"prefill of {cid} broke")
+                time.sleep(self.step_s)
+                yield LOGITS if i == self.chunks - 1 else None
+        return cid, run()
+
+    def step(self, rows, tokens):
+        with self._lock:
+            self.log.append(("step", tuple(rows)))
+        time.sleep(self.step_s)
+        return LOGITS.expand(len(rows), -1)
+
+    def cache_full(self, row) -> bool:
+        return False
+
+    def release(self, row) -> None:
+        with self._lock:
+            self.released.append(row)
+
+
+def _start(engine, cid, max_tokens=10_000, check=lambda: None):
+    return engine.start(cid, None, [1, 2, 3], CONFIG, SamplingParams(max_tokens=max_tokens), check)
+
+
+def _wait_for(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_prefill_goes_a_chunk_per_step_beside_decoding_streams():
+    runner = ChunkedRunner(chunks=4)
+    engine = Engine(runner)
+    try:
+        a = _start(engine, "a")
+        tokens_a = a.tokens(lambda: None)
+        next(tokens_a)
+        b = _start(engine, "b", max_tokens=2)
+        assert [t for t, _ in b.tokens(lambda: None)] == [1, 1]
+        a.cancel()
+    finally:
+        engine.close()
+    log = runner.log
+    a_chunks = [i for i, e in enumerate(log) if e[:2] == ("chunk", "a")]
+    b_chunks = [i for i, e in enumerate(log) if e[:2] == ("chunk", "b")]
+    assert a_chunks == [0, 1, 2, 3]  # nothing decoded yet: the whole prefill at once
+    assert len(b_chunks) == 4
+    for lo, hi in zip(b_chunks, b_chunks[1:]):  # a decoded between every two chunks of b's prefill
+        assert any(e[0] == "step" and "a" in e[1] for e in log[lo:hi]), log[lo:hi + 1]
+
+
+def test_a_caller_that_leaves_mid_prefill_has_its_row_released_once():
+    runner = ChunkedRunner(chunks=40, step_s=0.01)
+    engine = Engine(runner)
+    left = time.monotonic() + 0.15
+
+    def check():
+        if time.monotonic() > left:
+            raise TimeoutError("deadline")
+    try:
+        a = _start(engine, "a")
+        next(a.tokens(lambda: None))
+        with pytest.raises(TimeoutError):
+            _start(engine, "b", check=check)
+        _wait_for(lambda: "b" in runner.released)
+        ran = sum(1 for e in runner.log if e[:2] == ("chunk", "b"))
+        time.sleep(0.1)
+        assert sum(1 for e in runner.log if e[:2] == ("chunk", "b")) == ran < 40  # its prefill stopped
+        a.cancel()
+    finally:
+        engine.close()
+    assert runner.released.count("b") == 1
+
+
+def test_a_broken_prefill_fails_its_caller_and_the_engine_decodes_on():
+    runner = ChunkedRunner(chunks=4, fail={"b"})
+    engine = Engine(runner)
+    try:
+        a = _start(engine, "a")
+        tokens_a = a.tokens(lambda: None)
+        next(tokens_a)
+        with pytest.raises(RuntimeError, match="prefill of b broke"):
+            _start(engine, "b")
+        before = sum(1 for e in runner.log if e[0] == "step")
+        next(tokens_a), next(tokens_a)
+        _wait_for(lambda: sum(1 for e in runner.log if e[0] == "step") > before)
+        a.cancel()
+    finally:
+        engine.close()
+    assert "b" not in runner.released  # the runner forgot the row itself
+
+
+def test_closing_the_engine_fails_a_waiting_admission_and_releases_its_row():
+    runner = ChunkedRunner(chunks=1000, step_s=0.01)
+    engine = Engine(runner)
+    a = _start(engine, "a")
+    next(a.tokens(lambda: None))
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            _start(engine, "b")
+        except RuntimeError as exc:
+            errors.append(exc)
+    t = threading.Thread(target=join)
+    t.start()
+    _wait_for(lambda: any(e[:2] == ("chunk", "b") for e in runner.log))
+    engine.close()
+    t.join(timeout=5)
+    assert not t.is_alive() and len(errors) == 1
+    assert runner.released.count("b") == 1
