@@ -149,11 +149,11 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
     rows = []
     for s in streams:  # the server compiled and captured every batch size before SERVING
         runs = [concurrent_rate(client, cids[:s], args.tokens) for _ in range(args.rate_repeats)]
-        agg, per, path, _ = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median run
+        agg, per, path, _, _ = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median run
         name = ("csattention-offload" if args.offload else "csattention") if mode == "sparse" else "dense"
         rows.append({"context": point.n_ctx, "streams": s, "mode": name,
                      "decode_path": path, "aggregate_tokens_per_s": agg, "per_stream_tokens_per_s": per,
-                     "aggregate_runs": [r[0] for r in runs],
+                     "aggregate_runs": [r[0] for r in runs], "run_starts": [r[4] for r in runs],
                      **limits_of(point, mode, s, agg, per, [g for r in runs for g in r[3]]),
                      "slots": stats.device_slots, "slot_gib": stats.device_slot_bytes / GiB,
                      "hbm_gib": args.hbm_gb, "method_params": args.method_params, "index": index_name(args),

@@ -31,9 +31,10 @@ def generate(client: Client, cid: str, max_tokens: int, arrivals: list[float] | 
     return final
 
 
-def concurrent_rate(client: Client, cids: list[str], tokens: int) -> tuple[float, float, str, list[float]]:
+def concurrent_rate(client: Client, cids: list[str], tokens: int) -> tuple[float, float, str, list[float], dict]:
     """Aggregate generated tok/s of one stream per context, all at once, the mean per-stream
-    tok/s, the path and every stream's inter-token gaps (ms). The client threads run in this
+    tok/s, the path, every stream's inter-token gaps (ms) and the run's starts (slowest TTFT,
+    streams that missed the server's DRAM and GPU tiers). The client threads run in this
     process, the server in its own: they never take the decode loop's interpreter lock."""
     finals: list = [None] * len(cids)
     arrivals: list[list[float]] = [[] for _ in cids]
@@ -47,7 +48,9 @@ def concurrent_rate(client: Client, cids: list[str], tokens: int) -> tuple[float
         raise RuntimeError(f"streams were served by different paths: {sorted(paths)}")
     made = sum(f.usage.generated_tokens for f in finals)
     gaps = [g for a in arrivals for g in gaps_ms(a)]
-    return made / wall, statistics.mean(f.timings.tokens_per_second for f in finals), paths.pop(), gaps
+    starts = {"ttft_max_s": max(f.timings.ttft_seconds for f in finals),
+              "loads": sum(not f.timings.cache_hit for f in finals)}
+    return made / wall, statistics.mean(f.timings.tokens_per_second for f in finals), paths.pop(), gaps, starts
 
 
 def admission(client: Client, cids: list[str], tokens: int, joins: int = 8) -> dict:

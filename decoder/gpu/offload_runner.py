@@ -126,7 +126,7 @@ class OffloadRunner:
         cache = HostKVCache(a.n_layers, a.n_kv_heads, max_len, a.head_dim, self.lm.model.lm_head.weight.dtype,
                             self.device)
         tables = [self._load_layer(la, cache, layer, n, max_len) for layer, la in enumerate(art.layers)]
-        cache.lengths[0] = n
+        cache.lengths[0:1].fill_(n)  # no host-scalar copy (a stream sync)
         attn = OffloadSparseAttention(self.params, tables, self.config, a.n_heads, a.n_kv_heads, a.head_dim, max_len,
                                       cache.k[0].dtype)
         row = OffloadRow(cache, attn, n, max_len)

@@ -172,7 +172,7 @@ class GpuRunner:
                     # the row's device length points past the prompt at once: a decode step that
                     # runs between chunks computes this idle row's throw-away token there, never
                     # over the prompt's keys
-                    self.cache.lengths[slot.index] = slot.n_ctx + len(prompt)
+                    self.cache.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx + len(prompt))
                     chunks = self._prefill_chunks(slot, prompt)
                 elif prompt:  # one new token is a decode step, as on the reference path
                     chunks = iter([self._step_rows([slot], prompt)[0]])
@@ -251,7 +251,10 @@ class GpuRunner:
         self.loads += 1
 
     def _reset(self, slot: Slot) -> None:
-        self.cache.lengths[slot.index] = slot.length = slot.n_ctx
+        # fill_, never `t[i] = int`: that copies a host scalar, and a pageable copy waits for
+        # the whole stream (the decode step in flight) while this thread holds the runner lock
+        slot.length = slot.n_ctx
+        self.cache.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx)
         if self.tables is not None:
             for t in self.tables:
                 t.reset_stream(slot.index)

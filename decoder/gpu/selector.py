@@ -174,7 +174,7 @@ class GpuDenseTables:
         self.centroids[row].copy_(tables["centroids"], non_blocking=True)
         self.dense_score[row, ..., :n].copy_(tables["dense_score"], non_blocking=True)
         self.score_scale[row].copy_(tables["dense_scale"], non_blocking=True)
-        self.n_ctx[row] = n
+        self.n_ctx[row:row + 1].fill_(n)  # no host-scalar copy (a stream sync)
         self.reset_stream(row)
 
     def insert_span(self, row: int, keys: torch.Tensor, col: int, perm: torch.Tensor | None) -> None:
@@ -192,7 +192,7 @@ class GpuDenseTables:
     def reset_stream(self, row: int) -> None:
         """Forget the keys streamed into row `row` after its context (a new stream starts)."""
         self.stream_start[row] = self.n_ctx[row]
-        self.stream_count[row] = 0
+        self.stream_count[row:row + 1].fill_(0)  # no host-scalar copy (a stream sync)
 
 
 def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
