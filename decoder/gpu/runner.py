@@ -27,6 +27,7 @@ from ctxcache.artifact import ContextArtifact, LayerArtifact
 from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
+from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs
 from ctxcache.decoder.inflight import LaunchedStep, StepIO
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.reference_attention import SparseConfig
@@ -47,6 +48,12 @@ PREFILL_TOKEN_LAYERS = 512
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _eager(prefill: LayeredPrefill, per_chunk: int) -> Iterator[torch.Tensor | None]:
+    while (logits := prefill.run(per_chunk)) is None:
+        yield None
+    yield logits
 
 
 def serves_index(art: ContextArtifact, params: CSAttentionParams) -> bool:
@@ -125,6 +132,7 @@ class GpuRunner:
         self.loads = 0  # contexts copied into a slot (HBM misses)
         self.slot_bytes = slot_bytes(a, params, max_len, max_new, model.lm_head.weight.element_size())
         self.io = StepIO(slots, self.device)
+        self.prefill_graphs = PrefillGraphs()
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
@@ -194,7 +202,10 @@ class GpuRunner:
     def _prefill_chunks(self, slot: Slot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
         n_layers = self.lm.args.n_layers
         per_chunk = _ceil_div(n_layers, _ceil_div(len(prompt) * n_layers, self.prefill_token_layers))
-        attn = _PrefillAttention(self.tables, slot.index, slot.n_ctx, self._perm, n_layers)
+
+        def make(ids: torch.Tensor) -> LayeredPrefill:
+            attn = _PrefillAttention(self.tables, slot.index, slot.n_ctx, self._perm, n_layers)
+            return LayeredPrefill(self.lm.model, ids, slot.n_ctx, self.cache.row(slot.index), attn)
         run = None
         while True:
             with self.lock, torch.inference_mode():
@@ -203,8 +214,10 @@ class GpuRunner:
                         # pinned and non-blocking: a pageable copy would wait for the step in flight
                         ids = torch.tensor([prompt], pin_memory=self.device.type == "cuda").to(self.device,
                                                                                                 non_blocking=True)
-                        run = LayeredPrefill(self.lm.model, ids, slot.n_ctx, self.cache.row(slot.index), attn)
-                    logits = run.run(per_chunk)
+                        key = (slot.index, slot.n_ctx, len(prompt))
+                        run = (self.prefill_graphs.chunks(key, ids, per_chunk, n_layers, make)
+                               or _eager(make(ids), per_chunk))
+                    logits = next(run)
                 except BaseException:
                     self._forget(slot)
                     raise
@@ -316,14 +329,18 @@ class GpuRunner:
         ids = [f"warm-up:{i}" for i in range(len(self.slots))]
         arts = [art for art in arts if self.accepts(art, self.config, 17 + 8)]  # slots too small skip them
         for a, art in enumerate(arts):
-            rows = []
+            rows, first = [], None
             try:
                 for i, cid in enumerate(ids):
                     prompt = list(range(3, 3 + (16, 17)[(a + i) % 2]))
-                    rows.append(self.admit(cid, art, prompt, self.config, 8)[0])
+                    row, logits = self.admit(cid, art, prompt, self.config, 8)
+                    rows.append(row)
+                    first = logits if i == 0 else first
                 for b in self.buckets if a == 0 else ():
                     self.launch(rows[:b], [5] * b).result()
                     self.step(rows[:b], [5] * b)
+                if a == 0:
+                    self._check_prefill_graph(ids[0], art, rows, first)
             finally:
                 for row in rows:
                     self.release(row)
@@ -331,6 +348,17 @@ class GpuRunner:
                     self.evict(cid)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def _check_prefill_graph(self, cid: str, art: ContextArtifact, rows: list[Slot], eager: torch.Tensor) -> None:
+        """Slot 0's prompt again (its prefill graph captured, then replayed): the logits must
+        equal the eager prefill's bit for bit, else every prefill stays eager (logged)."""
+        prompt = list(range(3, 19))
+        for _ in range(2):
+            self.release(rows[0])
+            rows[0], replayed = self.admit(cid, art, prompt, self.config, 8)
+            if not torch.equal(replayed, eager) and not self.prefill_graphs.broken:
+                self.prefill_graphs.broken = True
+                _log.warning("a replayed prefill graph's logits differ from the eager prefill's: prefills stay eager")
 
     def cache_full(self, row: Slot) -> bool:
         """Full when the row's cache is, or when its index overlay holds max_new streamed keys."""
