@@ -187,9 +187,11 @@ class Engine:
         try:
             while (batch := self._next_batch(wait=in_flight is None)) is not None:
                 launched = None
+                # an admission's chunk is queued ahead of the step: its stream's first token is
+                # ready a step sooner, and the streams decoding wait the same
+                self._admit_some(decoding=bool(batch))
                 if batch and self._overlaps(batch):
                     launched = self._guarded(batch, self._launch)
-                self._admit_some(decoding=bool(batch))  # queued behind the launched step
                 if in_flight is not None:
                     self._guarded(in_flight[0], lambda b: self._hand_out(b, in_flight[1]))
                 in_flight = (batch, launched) if launched is not None else None

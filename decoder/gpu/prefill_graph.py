@@ -14,6 +14,7 @@ joins. Capture only records (no kernel runs), so it happens inside the admission
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class PrefillGraphs:
         self._seen: OrderedDict[Key, _Captured | None] = OrderedDict()
         self.broken = False  # a capture failed once: eager from then on (logged)
         self.captures = self.replays = 0
+        self._eager_threads: set[int] = set()  # threads that ran an eager prefill
+        self._side: torch.cuda.Stream | None = None  # the capture stream (one: its cuBLAS workspace once)
 
     def chunks(self, key: Key, ids: torch.Tensor, per_chunk: int, n_layers: int,
                make: Callable[[torch.Tensor], LayeredPrefill]) -> Iterator[torch.Tensor | None] | None:
@@ -54,7 +57,10 @@ class PrefillGraphs:
             return None
         cap = self._seen.get(key)
         if cap is None:
-            if key not in self._seen:
+            thread = threading.get_ident()
+            if key not in self._seen or thread not in self._eager_threads:
+                # a thread's first prefill creates its cuBLAS handles, which a capture cannot
+                self._eager_threads.add(thread)
                 self._remember(key, None)
                 return None
             cap = self._capture(key, ids, per_chunk, n_layers, make)
@@ -75,7 +81,7 @@ class PrefillGraphs:
                  make: Callable[[torch.Tensor], LayeredPrefill]) -> _Captured | None:
         """Record every layer group (nothing runs); None, and eager from now on, if it fails."""
         cap = _Captured(torch.empty_like(ids), torch.cuda.graph_pool_handle())
-        side = torch.cuda.Stream()
+        side = self._side = self._side or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(side):
