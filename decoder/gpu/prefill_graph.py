@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class PrefillGraphs:
         self._seen: OrderedDict[Key, _Captured | None] = OrderedDict()
         self.broken = False  # a capture failed once: eager from then on (logged)
         self.captures = self.replays = 0
+        self.capture_seconds = 0.0  # the slowest capture (host time)
         self._eager_threads: set[int] = set()  # threads that ran an eager prefill
         self._side: torch.cuda.Stream | None = None  # the capture stream (one: its cuBLAS workspace once)
 
@@ -80,6 +82,7 @@ class PrefillGraphs:
     def _capture(self, key: Key, ids: torch.Tensor, per_chunk: int, n_layers: int,
                  make: Callable[[torch.Tensor], LayeredPrefill]) -> _Captured | None:
         """Record every layer group (nothing runs); None, and eager from now on, if it fails."""
+        t0 = time.perf_counter()
         cap = _Captured(torch.empty_like(ids), torch.cuda.graph_pool_handle())
         side = self._side = self._side or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -104,6 +107,7 @@ class PrefillGraphs:
         finally:
             torch.cuda.current_stream().wait_stream(side)
         self.captures += 1
+        self.capture_seconds = max(self.capture_seconds, time.perf_counter() - t0)
         self._remember(key, cap)
         return cap
 
