@@ -226,6 +226,29 @@ def test_tenants_are_isolated_across_workers(fleet):
     assert len(tokens(fleet.b, cid, token="alpha-token")) == 8
 
 
+def rebuild(worker: Worker, cid: str) -> apb.RebuildResponse:
+    """To a query-built method with new parameters: from the stored query sample, no prefill."""
+    c = worker.client()
+    req = apb.RebuildRequest(context_id=cid, wait=True,
+                             method=pb.MethodSpec(name="csattention", params={"subspaces": 4, "centroids": 8}))
+    try:
+        return c.admin.Rebuild(req, metadata=c.metadata, timeout=120)
+    finally:
+        c.close()
+
+
+def test_rebuild_on_a_decoder_reindexes_on_an_indexer_like_one_node(fleet):
+    before = sum(builds(ix, "ready") for ix in fleet.indexers)
+    cid = put(fleet.a, TEXT + " rebuilt", keep_queries=True).context.context_id
+    on_b = rebuild(fleet.b, cid)  # the job names cid; an indexer reads its K/V from the object store
+    assert on_b.context.state == pb.CONTEXT_STATE_READY and not on_b.reprefilled, on_b.context.error
+    assert sum(builds(ix, "ready") for ix in fleet.indexers) == before + 2  # the put and the re-index
+    assert put(fleet.one, TEXT + " rebuilt", keep_queries=True).context.context_id == cid
+    reference = rebuild(fleet.one, cid)
+    assert reference.context.context_id == on_b.context.context_id != cid
+    assert tokens(fleet.a, on_b.context.context_id) == tokens(fleet.one, on_b.context.context_id)
+
+
 def test_kill9_of_the_building_indexer_another_finishes_and_the_put_succeeds(fleet):
     text, out = SLOW_TEXT + " survives a kill -9", {}
     waiter = threading.Thread(target=lambda: out.update(r=put(fleet.a, text, slow=True)))
