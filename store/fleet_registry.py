@@ -95,7 +95,8 @@ class FleetRegistry:
         self._r = client_for(config)
         self._scripts = {name: self._r.register_script(src) for name, src in (
             ("enqueue", ENQUEUE), ("start", START), ("progress", PROGRESS), ("finish", FINISH),
-            ("delete", DELETE), ("record", RECORD), ("lost", LOST), ("drop_ready", DROP_READY), ("due", DUE), ("job_ids", JOB_IDS))}
+            ("delete", DELETE), ("record", RECORD), ("lost", LOST), ("drop_ready", DROP_READY), ("due", DUE),
+            ("job_ids", JOB_IDS))}
         self._closed = threading.Event()
 
     @guard
