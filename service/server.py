@@ -288,6 +288,8 @@ def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple
     if lm is None:
         m = config.model
         lm = load_model(m.model, _DTYPES[m.dtype], m.device)
+        if lm.model.lm_head.weight.is_cuda:  # a random model's fp32 draft stays reserved otherwise (an
+            torch.cuda.empty_cache()  # 8B: 16 GB that an indexer beside a decoder on one GPU needs)
     server = CtxcacheServer(config, lm)
     try:
         return server, server.start()

@@ -28,7 +28,7 @@ def test_bench_fleet_on_valkey_and_a_folder_pairs_each_cold_load_with_a_reprefil
     from ctxcache.bench import fleet
     assert fleet.main(["--model", "random:tiny", "--method", "key-kmeans", "--tokens", "300", "--decoders", "2",
                        "--streams", "2", "--max-tokens", "4", "--repeats", "2", "--threads", "1",
-                       "--out", str(tmp_path)]) == 0
+                       "--keep-logs", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("fleet_*.json")
     got = json.loads(path.read_text())
     assert got["store"].startswith("file://") and got["commit"] and set(got["load_avg"]) == {
@@ -39,3 +39,5 @@ def test_bench_fleet_on_valkey_and_a_folder_pairs_each_cold_load_with_a_reprefil
     assert [(t["decoders"], t["streams"], t["completed"]) for t in got["throughput"]] == [(1, 2, 2), (2, 4, 4)]
     assert all(t["tokens"] > 0 and len(t["runs_tokens_per_s"]) == 2 for t in got["throughput"])
     assert got["summary"]["scaling"] == got["throughput"][1]["tokens_per_s"] / got["throughput"][0]["tokens_per_s"]
+    logs = {p.name for p in (tmp_path / "fleet_logs").iterdir()}
+    assert {"ix.log", "d0.log", "d1.log", "redis.log"} <= logs
