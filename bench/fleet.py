@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=0, help="streams per decoder in the tok/s runs (0: none)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per stream in the tok/s runs")
     ap.add_argument("--repeats", type=int, default=3, help="cold contexts, and runs of each tok/s row")
-    ap.add_argument("--prefill-chunk", type=int, default=0, help="the re-prefill baseline's chunk (0: the "
-                    "faster one seen per device, 4096 on a GPU as bench serve, 1024 on the CPU: 20.6 vs 31.8 s at 4K)")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="the re-prefill baseline's chunk (0: 4096 on "
+                    "a GPU, as bench serve; on the CPU 1024, the servers' own prefill chunk)")
     ap.add_argument("--dram-gb", type=float, default=32.0, help="each decoder's DRAM cache (every context of a run)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads of each worker and of the baseline "
                     "(0: torch's default)")
