@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ctxcache.methods import make_method
 from ctxcache.service import convert
 from ctxcache.service.convert import PutSpec
+from ctxcache.service.job_spec import Reindex
 from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.service.errors import FailedPrecondition, InvalidArgument, NotFound
 from ctxcache.service.rpc import in_thread, unary
@@ -74,7 +75,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         labels = {k: v for k, v in m.labels.items() if not k.startswith(convert.RESERVED_LABEL)}
         spec = PutSpec([{"role": r, "content": ""} for r in roles], labels, m.ttl_s, m.pinned, name,
                        params, request.wait, m.tenant, m.kv_codec, has_queries)
-        new_id, job, _ = self.indexer.submit(spec, art.tokens.tolist(), None if reprefill else art)
+        source = None if reprefill else Reindex(cid, needs_queries, art)  # a decoder's indexer loads it by id
+        new_id, job, _ = self.indexer.submit(spec, art.tokens.tolist(), source)
         return new_id, job, reprefill
 
     @unary

@@ -31,6 +31,7 @@ from ctxcache.service.backend import ROLES_LABEL, Backend
 from ctxcache.service.build_turns import BuildTurns
 from ctxcache.service.config import IndexerSettings
 from ctxcache.service.convert import PutSpec
+from ctxcache.service.job_spec import Reindex
 from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
@@ -117,10 +118,12 @@ class BuildQueue:
         return tokens
 
     def submit(self, spec: PutSpec, tokens: list[int] | None = None,
-               source: ContextArtifact | None = None) -> tuple[str, Job | None, bool]:
+               source: Reindex | None = None) -> tuple[str, Job | None, bool]:
         """-> (context id, the job if one is building, created). READY contexts have no job.
 
-        tokens: skip tokenization (Rebuild); source: re-index its K/V instead of prefilling."""
+        tokens: skip tokenization (Rebuild); source: re-index its K/V (loaded) instead of prefilling."""
+        if source is not None and source.artifact is None:
+            raise ValueError(f"Reindex of {source.context_id[:12]}... without its artifact")
         method, tokens = self.admitted(spec, tokens)
         cid = self.context_id(spec, tokens)
         with self._lock:
@@ -141,7 +144,7 @@ class BuildQueue:
                 # READY on another worker: this worker builds its own copy (each serves its own store)
                 log.info("context %s is READY at %s; building a local copy", cid[:12], elsewhere)
             chunks = 0 if source is not None else -(-len(tokens) // self.settings.chunk)
-            job = self._jobs[cid] = Job(cid, spec, tokens, source,
+            job = self._jobs[cid] = Job(cid, spec, tokens, source.artifact if source is not None else None,
                                         token=CancelToken(self.settings.build_timeout_s),
                                         expected_blocks=max(1, chunks * self.lm.args.n_layers),
                                         n_layers=self.lm.args.n_layers)

@@ -103,6 +103,11 @@ def _fleet_flags(p: argparse.ArgumentParser) -> None:
                    help="a build job whose indexer stopped beating this long is taken by another")
     p.add_argument("--heartbeat", type=float, default=2.0, metavar="SECONDS",
                    help="how often a decoder renews the contexts it holds hot (they expire after 3)")
+    p.add_argument("--gc-interval", type=float, default=600.0, metavar="SECONDS",
+                   help="indexers: collect the object store's garbage this often, one indexer of the fleet "
+                        "at a time (expired contexts, objects nothing references); 0: never")
+    p.add_argument("--gc-grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="an object nothing references is garbage only once this old (longer than any write)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,7 +54,8 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                                 offload=getattr(args, "offload", False),
                                 **_gpu_slots(args)),
         fleet=FleetSettings(getattr(args, "role", "all"), getattr(args, "build_lease", 10.0),
-                            getattr(args, "heartbeat", 2.0)))
+                            getattr(args, "heartbeat", 2.0), gc_interval_s=getattr(args, "gc_interval", 600.0),
+                            gc_grace_s=getattr(args, "gc_grace", 3600.0)))
 
 
 def _gpu_slots(args) -> dict:

@@ -206,6 +206,8 @@ class FleetSettings:
     build_lease_s: float = 10.0  # a job whose indexer stopped beating this long goes to another
     heartbeat_s: float = 2.0  # hot memberships expire 3 heartbeats after a worker's last
     tombstone_s: float = 86400.0  # a deleted context's registry entry says DELETED this long
+    gc_interval_s: float = 600.0  # indexers: the object store's GC, once per interval fleet-wide; 0: off
+    gc_grace_s: float = 3600.0  # an unreferenced object is garbage once this old (longer than any write)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -213,6 +215,9 @@ class FleetSettings:
         for name in ("build_lease_s", "heartbeat_s", "tombstone_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"fleet.{name}={getattr(self, name)} must be > 0")
+        for name in ("gc_interval_s", "gc_grace_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"fleet.{name}={getattr(self, name)} must be >= 0")
 
 
 @dataclass(frozen=True)

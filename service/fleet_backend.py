@@ -116,7 +116,7 @@ class FleetBackend(Backend):
     def reconcile(self) -> tuple[int, int]:
         """The registry from the object store: every stored artifact READY (unless a tombstone
         says it was deleted: then the object is garbage and goes), READY entries whose object
-        is gone removed. -> (added, removed)."""
+        is gone removed, builds lost with their job FAILED. -> (added, removed)."""
         try:
             return reconcile_fleet(self.fleet, self.store, self.artifact_uri)
         except RegistryUnavailable as exc:
@@ -130,6 +130,10 @@ class FleetBackend(Backend):
 
 
 def reconcile_fleet(fleet: FleetRegistry, store: TieredStore, uri_of: Callable[[str], str]) -> tuple[int, int]:
+    """-> (entries added, stale entries removed or failed). Safe beside running workers: every
+    change is a conditional script, and an entry is dropped only after a second look at the
+    object store (a build may have finished since the listing)."""
+    queued = fleet.queued_jobs()  # before the entries: a job enqueued later holds its claim
     stored: dict[str, Manifest] = {}
     after = None
     while page := store.list_manifests(limit=500, after=after):
@@ -142,7 +146,9 @@ def reconcile_fleet(fleet: FleetRegistry, store: TieredStore, uri_of: Callable[[
             store.delete(cid)  # its delete reached Redis but not the object store
         added += outcome == "ADDED"
     for f in fleet.entries():
-        if f.state == FleetState.READY and f.context_id not in stored:
-            fleet.drop(f.context_id)
-            removed += 1
+        if f.state == FleetState.READY and f.context_id not in stored and store.shared.manifest(f.context_id) is None:
+            removed += fleet.drop_ready(f)
+        elif f.state == FleetState.BUILDING and f.job_id not in queued:
+            removed += fleet.fail_lost(f, "lost: no indexer holds this build and its job is not on the stream; "
+                                          "PutContext builds it again")
     return added, removed

@@ -18,7 +18,7 @@ from ctxcache.service import job_spec
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.config import IndexerSettings
 from ctxcache.service.convert import PutSpec
-from ctxcache.service.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from ctxcache.service.errors import ResourceExhausted, Unavailable
 from ctxcache.service.fleet_backend import FleetBackend
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
@@ -85,12 +85,9 @@ class RemoteBuilds:
     _check_work = BuildQueue._check_work
 
     def submit(self, spec: PutSpec, tokens: list[int] | None = None,
-               source=None) -> tuple[str, RemoteJob | None, bool]:  # noqa: ANN001
-        """-> (context id, the job if building, whether this call queued it)."""
-        if source is not None:
-            raise FailedPrecondition("a decoder cannot yet send stored K/V to an indexer: a Rebuild that "
-                                     "re-indexes them runs on a --role all node (one that re-prefills, "
-                                     "allow_reprefill, runs here)")
+               source: job_spec.Reindex | None = None) -> tuple[str, RemoteJob | None, bool]:
+        """-> (context id, the job if building, whether this call queued it). source: a Rebuild's;
+        the job names it and the indexer reads its K/V from the object store."""
         method, tokens = self.admitted(spec, tokens)  # refused here, not FAILED on an indexer
         cid = self.context_id(spec, tokens)
         if self.backend.manifest(cid) is not None:
@@ -100,7 +97,7 @@ class RemoteBuilds:
             if self.stream.waiting() >= self.settings.queue_limit:
                 self.metrics.rejected.labels("PutContext").inc()
                 raise ResourceExhausted(f"{self.settings.queue_limit} builds queued for the indexers; retry later")
-            outcome, _ = self.fleet.enqueue(cid, tokens, job_spec.to_json(spec), spec.tenant, self.claim_s)
+            outcome, _ = self.fleet.enqueue(cid, tokens, job_spec.to_json(spec, source), spec.tenant, self.claim_s)
         except RegistryUnavailable as exc:
             raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
         self.metrics.put_requests.labels("created" if outcome == Enqueued.QUEUED else "joined").inc()

@@ -1,7 +1,9 @@
 """The indexer role: build jobs from the Redis stream, one at a time, on the BuildQueue.
 
-Per job: `start` in the registry (skipped when READY already, deleted or superseded, failed
-after MAX_ATTEMPTS indexers died on it), build, and while building, every `beat` seconds,
+A Rebuild's job names its source context: the indexer reads those K/V from the object store
+and re-indexes them (no prefill). Per job: `start` in the registry (skipped when READY
+already, deleted or superseded, failed after MAX_ATTEMPTS indexers died on it), build, and
+while building, every `beat` seconds,
 publish progress (False back means the context was deleted: cancel) and keep the stream entry
 fresh (False back means another indexer took it over: stop). The entry is acknowledged once
 the artifact is in the object store and the registry says READY (or FAILED); an indexer that
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 from ctxcache.service import job_spec
 from ctxcache.service.build_queue import BuildQueue, Job
@@ -75,7 +78,7 @@ class FleetIndexer:
             if (mine := self.builds.context_id(spec, t.tokens)) != cid:
                 raise ValueError(f"this indexer computes context id {mine[:12]}... for the job: its model, "
                                  "tokenizer or format differs from the decoder's")
-            _, job, _ = self.builds.submit(spec, t.tokens)
+            _, job, _ = self.builds.submit(spec, t.tokens, self._source(facts.spec))
         except (ValueError, ServiceError) as exc:
             self.fleet.fail(cid, t.job_id, f"{type(exc).__name__}: {exc}")
             return True
@@ -93,6 +96,16 @@ class FleetIndexer:
             log.info("job %s: deleted while it was written; removing the artifact", cid[:12])
             self.backend.store.delete(cid)
         return True
+
+    def _source(self, spec_json: str) -> job_spec.Reindex | None:
+        """A Rebuild's source K/V, read through this worker's store from the object store."""
+        src = job_spec.source_of(spec_json)
+        if src is None:
+            return None
+        art = self.backend.get(src.context_id, with_queries=src.with_queries)
+        if art is None:
+            raise ValueError(f"the Rebuild's source context {src.context_id} is gone from the object store")
+        return replace(src, artifact=art)
 
     def _follow(self, t: TakenJob, job: Job) -> bool:
         """Wait for the build, beating; False if it was taken over (leave the job alone)."""

@@ -1,21 +1,48 @@
 """A PutSpec as the JSON a build job carries from a decoder to an indexer (no torch).
 
 The job carries the tokens (packed beside it on the stream), so the text itself never
-travels: the messages keep their roles only, which is all a build stores of them.
+travels: the messages keep their roles only, which is all a build stores of them. A Rebuild's
+job names its source context instead of carrying its K/V: the indexer reads them from the
+object store, the copy of record every worker shares.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ctxcache.service.convert import PutSpec
 
+if TYPE_CHECKING:
+    from ctxcache.artifact import ContextArtifact
 
-def to_json(spec: PutSpec) -> str:
-    return json.dumps({"roles": list(spec.roles), "labels": spec.labels, "ttl_s": spec.ttl_s, "pin": spec.pin,
-                       "method": spec.method, "method_params": spec.method_params, "tenant": spec.tenant,
-                       "kv_codec": spec.kv_codec, "keep_queries": spec.keep_queries},
-                      sort_keys=True, separators=(",", ":"))
+
+@dataclass(frozen=True)
+class Reindex:
+    """Rebuild's source: a stored context whose K/V are re-indexed instead of prefilled."""
+
+    context_id: str
+    with_queries: bool  # the new method builds from the stored prefill query sample
+    artifact: "ContextArtifact | None" = None  # None on a decoder: the indexer loads it by id
+
+
+def to_json(spec: PutSpec, source: Reindex | None = None) -> str:
+    d = {"roles": list(spec.roles), "labels": spec.labels, "ttl_s": spec.ttl_s, "pin": spec.pin,
+         "method": spec.method, "method_params": spec.method_params, "tenant": spec.tenant,
+         "kv_codec": spec.kv_codec, "keep_queries": spec.keep_queries}
+    if source is not None:
+        d["source"] = {"context_id": source.context_id, "with_queries": source.with_queries}
+    return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+
+def source_of(text: str) -> Reindex | None:
+    """The Rebuild source a job names (without its artifact), None for a plain build."""
+    try:
+        src = json.loads(text).get("source")
+        return None if src is None else Reindex(str(src["context_id"]), bool(src["with_queries"]))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"build job source in {text[:80]!r} is unreadable: {type(exc).__name__}: {exc}") from None
 
 
 def from_json(text: str) -> PutSpec:

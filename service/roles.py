@@ -3,7 +3,8 @@
 - all (the default): one node. PutContext builds in this process into the local store; the
   registry is embedded (or Redis with --redis); no object store.
 - indexer: builds only. Takes jobs from the Redis stream (fleet_indexer.py), writes artifacts
-  to the object store, and serves health (ContextService and AdminService answer where to go).
+  to the object store, and serves health (ContextService and AdminService answer where to go);
+  reconciles the registry at start and collects the object store's garbage (fleet_janitor.py).
 - decoder: serves PutContext (it enqueues: fleet_decoder.py), Generate (artifacts load on
   demand from the object store through the local store) and the admin API; it heartbeats the
   contexts it holds hot and drops those deleted anywhere (fleet_presence.py).
@@ -21,6 +22,7 @@ from ctxcache.service.config import ServiceConfig
 from ctxcache.service.fleet_backend import FleetBackend
 from ctxcache.service.fleet_decoder import RemoteBuilds
 from ctxcache.service.fleet_indexer import FleetIndexer
+from ctxcache.service.fleet_janitor import Janitor
 from ctxcache.service.fleet_presence import Presence
 from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.service.metrics import Metrics
@@ -55,6 +57,7 @@ class FleetRuntime:
         self.config, self.backend, self.builds, self.decoder = config, backend, builds, decoder
         self.indexer: FleetIndexer | None = None
         self.presence: Presence | None = None
+        self.janitor: Janitor | None = None
 
     def start(self, worker: str) -> None:
         f = self.config.fleet
@@ -62,6 +65,7 @@ class FleetRuntime:
             stream = JobStream(self.config.registry.redis_config(), worker, f.build_lease_s)
             self.indexer = FleetIndexer(self.builds, self.backend, stream, worker, f.build_lease_s,
                                         claim_s(self.config))
+            self.janitor = Janitor(self.backend, worker, f.gc_interval_s, f.gc_grace_s)
         elif f.role == "decoder":
             cache: ArtifactCache = self.decoder.cache
             self.presence = Presence(self.backend, worker, cache.keys, self.decoder.evict, f.heartbeat_s)
@@ -72,6 +76,8 @@ class FleetRuntime:
             self.indexer.close()
 
     def close(self) -> None:
+        if self.janitor is not None:
+            self.janitor.close()
         if self.indexer is not None:
             self.indexer.join()
         if self.presence is not None:

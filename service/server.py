@@ -113,7 +113,7 @@ class CtxcacheServer:
         self.backend.relocate(self.config.server.advertised(self.port))
         if self.config.fleet.role == "all":
             _reconcile(self.backend)  # the store is the truth; repair the index at start
-        self.fleet.start(self.backend.location)  # a fleet's registry is repaired by `admin reconcile`
+        self.fleet.start(self.backend.location)  # a fleet: an indexer reconciles (fleet_janitor.py)
         log.info("serving on %s:%d (admin %d, http %s) as %s", self.config.server.host, self.port, self.admin_port,
                  self.http_port or "off", self.backend.location)
         return self.port
@@ -288,6 +288,8 @@ def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple
     if lm is None:
         m = config.model
         lm = load_model(m.model, _DTYPES[m.dtype], m.device)
+        if lm.model.lm_head.weight.is_cuda:  # a random model's fp32 draft stays reserved otherwise (an
+            torch.cuda.empty_cache()  # 8B: 16 GB that an indexer beside a decoder on one GPU needs)
     server = CtxcacheServer(config, lm)
     try:
         return server, server.start()

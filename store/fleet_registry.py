@@ -8,6 +8,8 @@ Keys (typed, versioned; <w> is a worker's host:port):
   ctxcache:v1:hot:<id>    set      workers holding <id> in memory (routing: the documented key)
   ctxcache:v1:worker:<w>  string   a worker's heartbeat (PX); a hot member without one is gone
   ctxcache:v1:events      channel  "deleted <id>": workers drop their local copies
+  ctxcache:v1:due:<task>  string   the last run of a periodic fleet task (ms, Redis's clock)
+  ctxcache:v1:lead:<task> string   the worker running a one-at-a-time fleet task (PX)
 
 Every transition is one Lua script keyed by the job id, so a build whose context was deleted
 (or superseded by a newer job of the same id) learns it at its next progress update and never
@@ -29,7 +31,8 @@ import redis
 
 from ctxcache.store.keys import check_id, prefix
 from ctxcache.store.redis_registry import RedisConfig, client_for, guard
-from ctxcache.store.fleet_scripts import DELETE, ENQUEUE, FINISH, PROGRESS, RECORD, START
+from ctxcache.store.fleet_scripts import (DELETE, DROP_READY, DUE, ENQUEUE, FINISH, JOB_IDS, LOST, PROGRESS,
+                                          RECORD, START)
 from ctxcache.store.job_stream import STREAM, pack_tokens
 
 log = logging.getLogger("ctxcache.store.fleet")
@@ -80,6 +83,7 @@ class Facts:
     error: str = ""
     indexer: str = ""  # the worker building it
     attempts: int = 0  # indexers that started it (more than 1: one died)
+    updated_at: float = 0.0  # its last transition (a conditional drop names it)
 
 
 class FleetRegistry:
@@ -91,7 +95,8 @@ class FleetRegistry:
         self._r = client_for(config)
         self._scripts = {name: self._r.register_script(src) for name, src in (
             ("enqueue", ENQUEUE), ("start", START), ("progress", PROGRESS), ("finish", FINISH),
-            ("delete", DELETE), ("record", RECORD))}
+            ("delete", DELETE), ("record", RECORD), ("lost", LOST), ("drop_ready", DROP_READY), ("due", DUE),
+            ("job_ids", JOB_IDS))}
         self._closed = threading.Event()
 
     @guard
@@ -158,6 +163,40 @@ class FleetRegistry:
     @guard
     def drop(self, cid: str) -> None:
         self._r.delete(ctx_key(cid), hot_key(cid))
+
+    @guard
+    def drop_ready(self, f: Facts) -> bool:
+        """Drop f's READY entry (its object is gone) unless it changed since f was read."""
+        return bool(self._scripts["drop_ready"](keys=[ctx_key(f.context_id), hot_key(f.context_id)],
+                                                args=[repr(f.updated_at)]))
+
+    @guard
+    def fail_lost(self, f: Facts, error: str) -> bool:
+        """FAILED for f's build if it is still BUILDING under f's job and nobody holds its claim."""
+        return bool(self._scripts["lost"](keys=[ctx_key(f.context_id), claim_key(f.context_id)],
+                                          args=[f.job_id, error[:500], self.clock()]))
+
+    @guard
+    def queued_jobs(self) -> set[str]:
+        """The job ids on the build stream, waiting or taken (an entry leaves it when settled)."""
+        return set(self._scripts["job_ids"](keys=[STREAM]))
+
+    @guard
+    def due(self, task: str, interval_s: float) -> bool:
+        """Whether this caller runs the fleet's periodic `task` now: at most once per interval_s
+        across every worker (a shared last-run time on Redis's clock)."""
+        return bool(self._scripts["due"](keys=[prefix("due") + task], args=[_ms(interval_s)]))
+
+    @guard
+    def lead(self, task: str, worker: str, ttl_s: float) -> bool:
+        """Take the fleet's one-at-a-time lock on `task` (it lapses after ttl_s)."""
+        return bool(self._r.set(prefix("lead") + task, worker, nx=True, px=_ms(ttl_s)))
+
+    @guard
+    def step_down(self, task: str, worker: str) -> None:
+        key = prefix("lead") + task
+        if self._r.get(key) == worker:  # another worker's lock after a lapse stays
+            self._r.delete(key)
 
     @guard
     def entries(self) -> Iterator[Facts]:
@@ -253,4 +292,5 @@ def _facts(cid: str, h: dict[str, str]) -> Facts | None:
         return None
     return Facts(cid, FleetState(h["state"]), h.get("job_id", ""), h.get("uri", ""), h.get("tenant", ""),
                  h.get("spec", ""), int(h.get("n_tokens", 0) or 0), float(h.get("progress", 0) or 0),
-                 h.get("error", ""), h.get("indexer", ""), int(h.get("attempts", 0) or 0))
+                 h.get("error", ""), h.get("indexer", ""), int(h.get("attempts", 0) or 0),
+                 float(h.get("updated_at", 0) or 0))

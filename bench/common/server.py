@@ -27,16 +27,33 @@ def running_server(flags: Sequence[str], log: Path, ready_s: float = 1800.0,
     """`ctxcache serve --host 127.0.0.1 --port 0 FLAGS`, its output in `log`; -> its address.
     ready_s: a large model loads for minutes before it serves; env: set in its environment
     (e.g. CUDA_VISIBLE_DEVICES)."""
+    with running_servers([(flags, log, env)], ready_s) as (address,):
+        yield address
+
+
+@contextlib.contextmanager
+def running_servers(servers: Sequence[tuple[Sequence[str], Path, dict[str, str] | None]],
+                    ready_s: float = 1800.0) -> Iterator[list[str]]:
+    """Several servers (flags, log, env) started at once, so their model loads and warm-ups
+    overlap; -> their addresses, once every one is SERVING. All are stopped on exit."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for flags, log, env in servers:
+            procs.append(_spawn(flags, log, env))
+        deadline = time.monotonic() + ready_s
+        yield [_wait_serving(p, log, deadline) for p, (_, log, _) in zip(procs, servers)]
+    finally:
+        for proc in procs:
+            _stop(proc)
+
+
+def _spawn(flags: Sequence[str], log: Path, env: dict[str, str] | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ctxcache.service", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
     # a private loopback server: tokens set in the shell would lock out the benchmark's client
     env = {**{k: v for k, v in os.environ.items() if k not in ("CTXCACHE_TOKEN", "CTXCACHE_TENANT_TOKENS")},
            **(env or {})}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        yield _wait_serving(proc, log, time.monotonic() + ready_s)
-    finally:
-        _stop(proc)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def _wait_serving(proc: subprocess.Popen, log: Path, deadline: float) -> str:

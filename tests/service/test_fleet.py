@@ -9,14 +9,16 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
 from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.client.routing import RoutedClient, home
 from ctxcache.service import cli
-from ctxcache.store.fleet_registry import FleetRegistry, FleetState
+from ctxcache.store.fleet_registry import FleetRegistry, FleetState, claim_key, ctx_key
 
 from fleet_procs import ADMIN_TOKEN, Worker, start_all, stop_all
 from redis_server import RedisServer, free_port, redis_binary
@@ -38,6 +40,7 @@ class Fleet:
     a: Worker
     b: Worker
     one: Worker  # --role all: the single-node reference
+    root: Path
 
     def registry(self) -> FleetRegistry:
         return FleetRegistry(self.redis.config())
@@ -57,7 +60,7 @@ def fleet(tmp_path_factory):
     one = Worker("one", root, "all", None, None)
     workers = start_all([*indexers, a, b, one], meanwhile=s3.start)  # no worker touches S3 before a Put
     try:
-        yield Fleet(redis, s3, indexers, a, b, one)
+        yield Fleet(redis, s3, indexers, a, b, one, root)
     finally:
         stop_all(workers)
         redis.stop()
@@ -224,6 +227,83 @@ def test_tenants_are_isolated_across_workers(fleet):
     c.close()
     assert cid not in [x.context_id for x in listed] and not deleted
     assert len(tokens(fleet.b, cid, token="alpha-token")) == 8
+
+
+def rebuild(worker: Worker, cid: str) -> apb.RebuildResponse:
+    """To a query-built method with new parameters: from the stored query sample, no prefill."""
+    c = worker.client()
+    req = apb.RebuildRequest(context_id=cid, wait=True,
+                             method=pb.MethodSpec(name="csattention", params={"subspaces": 4, "centroids": 8}))
+    try:
+        return c.admin.Rebuild(req, metadata=c.metadata, timeout=120)
+    finally:
+        c.close()
+
+
+def test_rebuild_on_a_decoder_reindexes_on_an_indexer_like_one_node(fleet):
+    before = sum(builds(ix, "ready") for ix in fleet.indexers)
+    cid = put(fleet.a, TEXT + " rebuilt", keep_queries=True).context.context_id
+    on_b = rebuild(fleet.b, cid)  # the job names cid; an indexer reads its K/V from the object store
+    assert on_b.context.state == pb.CONTEXT_STATE_READY and not on_b.reprefilled, on_b.context.error
+    assert sum(builds(ix, "ready") for ix in fleet.indexers) == before + 2  # the put and the re-index
+    assert put(fleet.one, TEXT + " rebuilt", keep_queries=True).context.context_id == cid
+    reference = rebuild(fleet.one, cid)
+    assert reference.context.context_id == on_b.context.context_id != cid
+    assert tokens(fleet.a, on_b.context.context_id) == tokens(fleet.one, on_b.context.context_id)
+
+
+def test_an_indexer_reconciles_the_registry_with_the_object_store_at_start(fleet):
+    registry, r = fleet.registry(), redis.Redis.from_url(fleet.redis.url, decode_responses=True)
+    unlisted = put(fleet.a, TEXT + " unlisted").context.context_id
+    registry.drop(unlisted)  # an artifact with no entry (e.g. Redis restarted empty)
+    gone, lost, held = "b" * 64, "c" * 64, "d" * 64
+    r.hset(ctx_key(gone), mapping={"state": "READY", "uri": "s3://nowhere", "updated_at": 1.0})  # no object
+    r.hset(ctx_key(lost), mapping={"state": "BUILDING", "job_id": "lost-job", "updated_at": 1.0})  # no job, claim
+    r.hset(ctx_key(held), mapping={"state": "BUILDING", "job_id": "held-job", "updated_at": 1.0})
+    r.set(claim_key(held), "held-job", px=60_000)  # a build someone holds: left alone
+    ix = Worker("ix-reconcile", fleet.root, "indexer", fleet.redis.url, fleet.s3.uri(prefix="fleet")).start()
+    try:
+        ix.wait_serving()
+        def states() -> tuple:
+            return tuple(f.state if f else None for f in map(registry.facts, (unlisted, gone, lost, held)))
+
+        want = (FleetState.READY, None, FleetState.FAILED, FleetState.BUILDING)
+        assert wait_until(lambda: states() == want, 30), (states(), ix.log()[-2000:])
+        assert len(tokens(fleet.b, unlisted)) == 8
+    finally:
+        ix.stop()
+        r.delete(ctx_key(lost), ctx_key(held), claim_key(held))
+        r.close()
+        registry.close()
+
+
+def test_an_indexer_collects_the_object_stores_garbage_and_tombstones_what_expired(fleet):
+    from pyarrow import fs
+
+    registry = fleet.registry()
+    expired = put(fleet.a, TEXT + " expires", ttl_seconds=1).context.context_id
+    s3fs = fs.S3FileSystem(endpoint_override=fleet.s3.endpoint, scheme="http", anonymous=True)
+    root = "ctxcache/fleet/v1"
+    orphan = f"{root}/chunks/{'e' * 64}.{'0' * 20}/ctx.tokens"  # a dead writer's chunk, no manifest
+    with s3fs.open_output_stream(orphan) as f:
+        f.write(b"x" * 1000)
+
+    def there(path: str) -> bool:
+        return s3fs.get_file_info(path).type == fs.FileType.File
+
+    assert there(orphan) and there(f"{root}/manifests/{expired}")
+    time.sleep(1.5)  # the TTL and the grace pass
+    ix = Worker("ix-gc", fleet.root, "indexer", fleet.redis.url, fleet.s3.uri(prefix="fleet"),
+                "--gc-interval", "0.5", "--gc-grace", "1").start()
+    try:
+        ix.wait_serving()
+        assert wait_until(lambda: not there(orphan), 30), ix.log()[-2000:]
+        assert not there(f"{root}/manifests/{expired}")
+        assert registry.facts(expired).state == FleetState.DELETED  # every decoder drops its copies
+        assert code_of(lambda: get(fleet.b, expired)) == grpc.StatusCode.NOT_FOUND
+    finally:
+        ix.stop()
+        registry.close()
 
 
 def test_kill9_of_the_building_indexer_another_finishes_and_the_put_succeeds(fleet):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -122,6 +123,45 @@ def test_reconcile_records_keep_tombstones_and_live_builds(fleet):
     assert fleet.record_ready(other, "s3://b/y", "", 1) == "KEPT"
     assert {f.context_id: f.state for f in fleet.entries()} == {CID: FleetState.DELETED,
                                                                 other: FleetState.BUILDING}
+
+
+def test_a_build_is_lost_only_without_its_claim_and_under_its_own_job(fleet, redis_server):
+    _, job = fleet.enqueue(CID, [1, 2], "{}", "", claim_s=0.2)
+    assert fleet.queued_jobs() == {job}  # the ids alone, not the entries' packed tokens
+    building = fleet.facts(CID)
+    assert not fleet.fail_lost(building, "lost")  # its claim is held: someone builds or will
+    time.sleep(0.3)  # the claim lapses
+    assert not fleet.fail_lost(replace(building, job_id="another job"), "lost")
+    assert fleet.fail_lost(building, "lost")
+    f = fleet.facts(CID)
+    assert (f.state, f.error) == (FleetState.FAILED, "lost")
+    assert fleet.enqueue(CID, [1, 2], "{}", "", claim_s=30)[0] == Enqueued.QUEUED  # a new Put builds it
+
+
+def test_a_ready_entry_is_dropped_only_as_it_was_read(fleet):
+    fleet.record_ready(CID, "s3://b/x", "t", 9)
+    seen = fleet.facts(CID)
+    assert not fleet.drop_ready(replace(seen, updated_at=seen.updated_at - 1))  # changed since: kept
+    assert fleet.drop_ready(seen) and fleet.facts(CID) is None
+
+
+def test_a_periodic_task_is_due_once_per_interval_across_workers(fleet, redis_server):
+    other = FleetRegistry(redis_server.config())
+    assert fleet.due("gc", 0.3)
+    assert not other.due("gc", 0.3) and not fleet.due("gc", 0.3)
+    time.sleep(0.35)
+    assert other.due("gc", 0.3) and not fleet.due("gc", 0.3)
+    other.close()
+
+
+def test_a_one_at_a_time_task_has_one_leader(fleet, redis_server):
+    other = FleetRegistry(redis_server.config())
+    assert fleet.lead("reconcile", "w1", 30) and not other.lead("reconcile", "w2", 30)
+    other.step_down("reconcile", "w2")  # not its lock: held still
+    assert not other.lead("reconcile", "w2", 30)
+    fleet.step_down("reconcile", "w1")
+    assert other.lead("reconcile", "w2", 30)
+    other.close()
 
 
 def test_the_fleet_registry_and_job_stream_import_no_torch():

@@ -1,0 +1,68 @@
+"""An indexer's upkeep of the shared tier: reconcile the registry at start, then collect the
+object store's garbage every `gc_interval_s`.
+
+Indexers do it because they write the object store and the builds' states; decoders only
+read (their deletes are tombstoned first). Several indexers are safe together: the start's
+reconcile runs on one of them at a time (a lock on Redis) and changes entries by conditional
+scripts only; GC runs once per interval across the fleet (a last-run time on Redis's clock),
+and it is safe beside live writers by age alone (store/object_gc.py). Contexts GC deletes for
+their TTL are tombstoned in the registry, so every decoder drops its copies as on a delete.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ctxcache.service.fleet_backend import FleetBackend, reconcile_fleet
+from ctxcache.store import RegistryUnavailable, StoreError
+
+log = logging.getLogger("ctxcache.service.fleet")
+RECONCILE_LOCK_S = 600.0  # a reconcile that dies holding the lock frees it after this
+
+
+class Janitor:
+    def __init__(self, backend: FleetBackend, worker: str, gc_interval_s: float, gc_grace_s: float) -> None:
+        self.backend, self.fleet, self.worker = backend, backend.fleet, worker
+        self.gc_interval_s, self.gc_grace_s = gc_interval_s, gc_grace_s
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ctxcache-fleet-janitor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._quietly("reconcile at start", self.reconcile)
+        while self.gc_interval_s > 0 and not self._closed.wait(self.gc_interval_s):
+            self._quietly("object store GC", self.collect)
+
+    def _quietly(self, what: str, call) -> None:  # noqa: ANN001
+        """A failure is logged and tried again at the next turn: the worker serves on."""
+        try:
+            call()
+        except (RegistryUnavailable, StoreError) as exc:
+            log.warning("%s skipped: %s", what, exc)
+        except Exception:  # noqa: BLE001 - upkeep must not end the thread
+            log.exception("%s failed", what)
+
+    def reconcile(self) -> None:
+        if not self.fleet.lead("reconcile", self.worker, RECONCILE_LOCK_S):
+            log.info("reconcile at start: another worker is reconciling")
+            return
+        try:
+            added, removed = reconcile_fleet(self.fleet, self.backend.store, self.backend.artifact_uri)
+        finally:
+            self.fleet.step_down("reconcile", self.worker)
+        log.info("reconciled the registry with the object store: %d added, %d stale removed", added, removed)
+
+    def collect(self) -> None:
+        if not self.fleet.due("gc", self.gc_interval_s):
+            return
+        report = self.backend.store.gc(self.gc_grace_s)
+        for cid in report.expired:
+            self.fleet.delete(cid)
+        log.info("object store GC: %d expired contexts, %d orphan chunks (%d bytes), %d stale marks, %d partials",
+                 len(report.expired), report.orphan_chunks, report.orphan_bytes, report.stale_access,
+                 report.partials)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(5)
