@@ -8,7 +8,10 @@ groups are captured once per (r, n, T), on that key's second use (a one-off ques
 pays for a capture), and replayed after copying the new token ids into the graph's input. On
 the H100 the eager prefill of a 20-token question on a 32K context took 27-37 ms of host time
 for 12.7 ms of GPU time: host-bound, and on the engine thread it delays the decode steps it
-joins. Capture only records (no kernel runs), so it happens inside the admission it serves.
+joins. Capture only records (no kernel runs), so it happens inside the admission it serves,
+but it took up to 354 ms of host time on the H100 at 8 x 32K (sparse; new graph pools beside
+nearly full HBM): the runner captures only while no other stream uses it, so a capture delays
+its own admission and never the streams decoding.
 """
 
 from __future__ import annotations
@@ -51,16 +54,16 @@ class PrefillGraphs:
         self._side: torch.cuda.Stream | None = None  # the capture stream (one: its cuBLAS workspace once)
 
     def chunks(self, key: Key, ids: torch.Tensor, per_chunk: int, n_layers: int,
-               make: Callable[[torch.Tensor], LayeredPrefill]) -> Iterator[torch.Tensor | None] | None:
+               make: Callable[[torch.Tensor], LayeredPrefill], may_capture: bool) -> Iterator[torch.Tensor | None] | None:
         """-> the key's graphs as chunk results (None, ..., logits [1, V]) with `ids` as input,
-        capturing them (`make(input)` builds the prefill to record) on the key's second use;
-        None: run this prefill eagerly."""
+        capturing them (`make(input)` builds the prefill to record) on the key's second use
+        where `may_capture`; None: run this prefill eagerly."""
         if self.broken or ids.device.type != "cuda":
             return None
         cap = self._seen.get(key)
         if cap is None:
             thread = threading.get_ident()
-            if key not in self._seen or thread not in self._eager_threads:
+            if key not in self._seen or thread not in self._eager_threads or not may_capture:
                 # a thread's first prefill creates its cuBLAS handles, which a capture cannot
                 self._eager_threads.add(thread)
                 self._remember(key, None)

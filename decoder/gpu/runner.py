@@ -215,7 +215,8 @@ class GpuRunner:
                         ids = torch.tensor([prompt], pin_memory=self.device.type == "cuda").to(self.device,
                                                                                                 non_blocking=True)
                         key = (slot.index, slot.n_ctx, len(prompt))
-                        run = (self.prefill_graphs.chunks(key, ids, per_chunk, n_layers, make)
+                        alone = not any(s.busy for s in self.slots if s is not slot)
+                        run = (self.prefill_graphs.chunks(key, ids, per_chunk, n_layers, make, may_capture=alone)
                                or _eager(make(ids), per_chunk))
                     logits = next(run)
                 except BaseException:
