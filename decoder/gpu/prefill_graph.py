@@ -9,9 +9,9 @@ pays for a capture), and replayed after copying the new token ids into the graph
 the H100 the eager prefill of a 20-token question on a 32K context took 27-37 ms of host time
 for 12.7 ms of GPU time: host-bound, and on the engine thread it delays the decode steps it
 joins. Capture only records (no kernel runs), so it happens inside the admission it serves,
-but it took up to 354 ms of host time on the H100 at 8 x 32K (sparse; new graph pools beside
-nearly full HBM): the runner captures only while no other stream uses it, so a capture delays
-its own admission and never the streams decoding.
+but one took 354 ms of host time on the H100 at 8 x 32K (sparse, a new memory pool per
+graph beside nearly full HBM): graphs now share one pool, and once a capture is slow only an
+admission alone on the runner captures, so the streams decoding are not stalled again.
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ import torch
 from ctxcache.generation import LayeredPrefill
 
 _log = logging.getLogger(__name__)
+# captures this fast may run while other streams decode (a step's worth of host time); once
+# one took longer, only an admission alone on the runner captures
+FAST_CAPTURE_S = 0.02
 Key = tuple[int, int, int]  # (slot row, context length, prompt tokens)
 
 
 @dataclass(eq=False)
 class _Captured:
     ids: torch.Tensor  # [1, T] the graphs' input
-    pool: tuple
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     run: LayeredPrefill | None = None  # keeps the tensors the graphs read and write alive
     logits: torch.Tensor | None = None  # [1, V] the last graph's output
@@ -52,6 +54,9 @@ class PrefillGraphs:
         self.capture_seconds = 0.0  # the slowest capture (host time)
         self._eager_threads: set[int] = set()  # threads that ran an eager prefill
         self._side: torch.cuda.Stream | None = None  # the capture stream (one: its cuBLAS workspace once)
+        # one memory pool for every prefill graph (replayed one prefill at a time, as the decode
+        # graphs share theirs): later captures reuse its blocks instead of new device memory
+        self._pool: tuple | None = None
 
     def chunks(self, key: Key, ids: torch.Tensor, per_chunk: int, n_layers: int,
                make: Callable[[torch.Tensor], LayeredPrefill], may_capture: bool) -> Iterator[torch.Tensor | None] | None:
@@ -63,7 +68,8 @@ class PrefillGraphs:
         cap = self._seen.get(key)
         if cap is None:
             thread = threading.get_ident()
-            if key not in self._seen or thread not in self._eager_threads or not may_capture:
+            if (key not in self._seen or thread not in self._eager_threads
+                    or not (may_capture or self.capture_seconds < FAST_CAPTURE_S)):
                 # a thread's first prefill creates its cuBLAS handles, which a capture cannot
                 self._eager_threads.add(thread)
                 self._remember(key, None)
@@ -77,16 +83,19 @@ class PrefillGraphs:
 
     @staticmethod
     def _replay(cap: _Captured, ids: torch.Tensor) -> Iterator[torch.Tensor | None]:
+        """One prefill's graphs in order; the pool is shared, so the logits leave it as a copy
+        before any other key's graph runs (one admission's chunks run back to back)."""
         cap.ids.copy_(ids, non_blocking=True)
         for i, graph in enumerate(cap.graphs):
             graph.replay()
-            yield cap.logits if i == len(cap.graphs) - 1 else None
+            yield cap.logits.clone() if i == len(cap.graphs) - 1 else None
 
     def _capture(self, key: Key, ids: torch.Tensor, per_chunk: int, n_layers: int,
                  make: Callable[[torch.Tensor], LayeredPrefill]) -> _Captured | None:
         """Record every layer group (nothing runs); None, and eager from now on, if it fails."""
         t0 = time.perf_counter()
-        cap = _Captured(torch.empty_like(ids), torch.cuda.graph_pool_handle())
+        cap = _Captured(torch.empty_like(ids))
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
         side = self._side = self._side or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
@@ -94,7 +103,7 @@ class PrefillGraphs:
                 for _ in range(-(-n_layers // per_chunk)):
                     graph = torch.cuda.CUDAGraph()
                     # thread-local: a build on another thread may use the GPU meanwhile
-                    graph.capture_begin(pool=cap.pool, capture_error_mode="thread_local")
+                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                     try:
                         if cap.run is None:
                             cap.run = make(cap.ids)
