@@ -160,6 +160,14 @@ class Engine:
                 self._wake.wait()
             return None
 
+    def _idle_work(self) -> bool:
+        """With no stream and no admission, one piece of the runner's idle work (a prefill
+        graph capture); -> whether it did one (the loop then looks for work before the next)."""
+        with self._wake:
+            if self.scheduler.live() or self._admissions or self._closed:
+                return False
+        return hasattr(self.runner, "idle_work") and self.runner.idle_work()
+
     def _admit_some(self, decoding: bool) -> None:
         """One prefill chunk of the oldest admission beside a decode step (the step's token
         budget); with nothing decoding, every waiting admission to its end."""
@@ -185,7 +193,7 @@ class Engine:
         thread; otherwise each step ends in a device sync, as a sampled row needs its logits."""
         in_flight: tuple[list[Sequence], LaunchedStep] | None = None
         try:
-            while (batch := self._next_batch(wait=in_flight is None)) is not None:
+            while (batch := self._next_batch(wait=in_flight is None and not self._idle_work())) is not None:
                 launched = None
                 # an admission's chunk is queued ahead of the step: its stream's first token is
                 # ready a step sooner, and the streams decoding wait the same

@@ -8,10 +8,11 @@ groups are captured once per (r, n, T), on that key's second use (a one-off ques
 pays for a capture), and replayed after copying the new token ids into the graph's input. On
 the H100 the eager prefill of a 20-token question on a 32K context took 27-37 ms of host time
 for 12.7 ms of GPU time: host-bound, and on the engine thread it delays the decode steps it
-joins. Capture only records (no kernel runs), so it happens inside the admission it serves,
-but one took 354 ms of host time on the H100 at 8 x 32K (sparse, a new memory pool per
-graph beside nearly full HBM): graphs now share one pool, and once a capture is slow only an
-admission alone on the runner captures, so the streams decoding are not stalled again.
+joins. Capture only records (no kernel runs), so it may happen inside the admission it
+serves, but one took 354 ms of host time on the H100 at 8 x 32K (sparse, a new memory pool
+per graph beside nearly full HBM) and 82 ms with one pool: once a capture is slow, only an
+admission alone on the runner captures, and the engine captures the keys seen once while it
+has no stream (idle_work), so the streams decoding are never stalled by a capture.
 """
 
 from __future__ import annotations
@@ -81,6 +82,18 @@ class PrefillGraphs:
         self.replays += 1
         return self._replay(cap, ids)
 
+    def capture_seen(self, make_for: Callable[[Key], Callable[[torch.Tensor], LayeredPrefill]],
+                     per_chunk_for: Callable[[int], int], n_layers: int, device: torch.device) -> bool:
+        """Capture the most recent key seen once (idle time: the runner has no stream); ->
+        whether one was captured."""
+        if self.broken or device.type != "cuda" or threading.get_ident() not in self._eager_threads:
+            return False
+        key = next((k for k in reversed(self._seen) if self._seen[k] is None), None)
+        if key is None:
+            return False
+        ids = torch.zeros(1, key[2], dtype=torch.long, device=device)  # a capture reads no values
+        return self._capture(key, ids, per_chunk_for(key[2]), n_layers, make_for(key)) is not None
+
     @staticmethod
     def _replay(cap: _Captured, ids: torch.Tensor) -> Iterator[torch.Tensor | None]:
         """One prefill's graphs in order; the pool is shared, so the logits leave it as a copy
@@ -113,7 +126,7 @@ class PrefillGraphs:
                     cap.graphs.append(graph)
         except Exception:  # noqa: BLE001 - eager prefills still serve; the log says why
             self.broken = True
-            self._seen.pop(key, None)
+            self._seen.pop(key, None)  # (and capture_seen never picks it again)
             _log.exception("capturing a prefill graph failed: question prefills run eagerly from now on")
             return None
         finally:

@@ -199,13 +199,32 @@ class GpuRunner:
         slot.context_id, slot.busy = None, False
         self.lock.notify_all()
 
-    def _prefill_chunks(self, slot: Slot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
+    def _per_chunk(self, tokens: int) -> int:
+        """Layers per prefill chunk: as even as chunks of prefill_token_layers allow."""
         n_layers = self.lm.args.n_layers
-        per_chunk = _ceil_div(n_layers, _ceil_div(len(prompt) * n_layers, self.prefill_token_layers))
+        return _ceil_div(n_layers, _ceil_div(tokens * n_layers, self.prefill_token_layers))
 
+    def _maker(self, row: int, n_ctx: int) -> Callable[[torch.Tensor], LayeredPrefill]:
+        """A prefill of ids [1, T] into `row` after a context of n_ctx tokens, for the engine
+        or for a graph capture (which records it: the row's contents do not matter then)."""
         def make(ids: torch.Tensor) -> LayeredPrefill:
-            attn = _PrefillAttention(self.tables, slot.index, slot.n_ctx, self._perm, n_layers)
-            return LayeredPrefill(self.lm.model, ids, slot.n_ctx, self.cache.row(slot.index), attn)
+            attn = _PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers)
+            return LayeredPrefill(self.lm.model, ids, n_ctx, self.cache.row(row), attn)
+        return make
+
+    @torch.inference_mode()
+    def idle_work(self) -> bool:
+        """While no stream uses the runner: capture one prefill graph of a key seen before (its
+        next admission replays it, even beside decoding streams); -> whether one was captured."""
+        with self.lock:
+            if any(s.busy for s in self.slots):
+                return False
+            return self.prefill_graphs.capture_seen(lambda key: self._maker(key[0], key[1]), self._per_chunk,
+                                                    self.lm.args.n_layers, self.device)
+
+    def _prefill_chunks(self, slot: Slot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
+        n_layers, per_chunk = self.lm.args.n_layers, self._per_chunk(len(prompt))
+        make = self._maker(slot.index, slot.n_ctx)
         run = None
         while True:
             with self.lock, torch.inference_mode():
