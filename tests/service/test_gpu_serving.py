@@ -3,6 +3,7 @@ of 1 to 8 rows decode), and a context of over 120K tokens decodes with the defau
 Llama-3.1-8B shapes (the re-rank's score kernel aborted the server there: LLVM could not compile
 it when Triton knew its candidate count divisible by 16)."""
 
+import gc
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -17,6 +18,19 @@ from ctxcache.service.server import create_server
 from service_helpers import tiny_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def _free_the_gpu():
+    """A stopped server is garbage in reference cycles (its loop, servicers, threads): collect
+    it, or the next test's 8B model and slots do not fit beside it (OOM on an 80 GB H100)."""
+    yield
+    _collect()
+
+
+def _collect() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _generate(client: Client, cid: str, tokens: int) -> pb.Final:
@@ -99,6 +113,8 @@ def test_llama3_context_past_a_slot_is_offloaded_or_refused(tmp_path):
     finally:
         client.close()
         server.stop(0)
+    del server, client
+    _collect()
     server, client = _llama3_server(tmp_path / "slots", offload=False)
     try:
         with pytest.raises(grpc.RpcError) as err:
