@@ -235,10 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="TTFT samples per tier")
     ap.add_argument("--rate-repeats", type=int, default=3, help="measurements of each stream count (median kept)")
     ap.add_argument("--store-gb", type=float, default=40.0)
-    ap.add_argument("--dram-gb", type=float, default=48.0,
-                    help="the server's DRAM artifact cache: it must hold every context of the run, since a Generate "
-                         "reloads a context missing from DRAM from the store even when the GPU holds it (8 GB "
-                         "with 8 x 32K contexts: H100 8-stream aggregate 91-190 tok/s instead of 381)")
+    ap.add_argument("--dram-gb", type=float, default=8.0,
+                    help="the server's DRAM artifact cache (a context resident in a GPU slot does not need it; "
+                         "8 x 32K int8 contexts are 17 GB)")
     ap.add_argument("--hbm-gb", type=float, default=0.0,
                     help="HBM for resident contexts, the same for every mode (serve --gpu-memory-gb); 0: a slot "
                          "per stream, as many as the free memory holds")
