@@ -117,8 +117,12 @@ def test_a_client_that_leaves_stops_its_decode(server, stream):
             assert r.status_code == 200
             next(r.iter_lines())  # the opening chunk: decoding is under way
     else:
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/chat/completions", json=ask, timeout=0.5)
+        try:
+            r = http.post("/v1/chat/completions", json=ask, timeout=0.5)
+        except httpx.ReadTimeout:
+            pass  # the client left while the server decoded
+        else:  # seen once in a full run on a loaded box, not reproduced: say what came back
+            pytest.fail(f"answered within 0.5 s, so the client never left mid-decode: {r.status_code} {r.text[:300]}")
     end = time.monotonic() + 10
     while srv.decoder.active and time.monotonic() < end:
         time.sleep(0.01)
