@@ -26,11 +26,7 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   head instead of G * m (3x fewer on SmolLM2, 4x at Llama-3.1-8B shapes, where the row read is
   the step's largest cost). Measured on SmolLM2 at 4K, keep 5% (every 3rd layer): mass recall
   0.932 / 0.919 (prose / code) vs 0.940 / 0.925 routing each head (`routing="head"`, which
-  merges the per-head estimates by `group_combine`). With group routing, `group_combine` other
-  than "sum" keeps the group's m routed rows (the same bytes) but weights them per query head
-  by the head's projection on the routed centroid, and merges the heads' estimates (e.g. the
-  sum of per-head softmaxes, the oracle's criterion): a single head's sharp peak, which the
-  summed logits dilute, then reaches the candidates (issue 31's screen, bench/README.md).
+  merges the per-head estimates by `group_combine`).
 - int8 dense tables (`table_dtype="auto"`, the default, picks them for the dense layout):
   dense_score rows stored as int8 with a per-row scale (half the bytes), and the estimate is
   an integer dot product against int8-quantized routed weights (methods/int8_tables; the GPU
@@ -130,15 +126,13 @@ class CSAttentionParams(MethodParams):
             raise ValueError("table_dtype='int8' quantizes the dense layout's summed estimate: it needs "
                              f"list_fraction=1.0 and group_combine='sum', got {self.list_fraction} and "
                              f"{self.group_combine!r}")
+        if self.routing == "group" and self.group_combine != "sum":
+            raise ValueError(f"routing='group' estimates the group's summed logits; it needs "
+                             f"group_combine='sum', got {self.group_combine!r}")
 
     @property
     def _int8_applies(self) -> bool:
-        return self.list_fraction == 1.0 and (self.group_combine == "sum" or self.routing == "group")
-
-    @property
-    def per_head_from_group(self) -> bool:
-        """Group routing with per-head estimates from the group's rows (see group_combine)."""
-        return self.routing == "group" and self.group_combine != "sum"
+        return self.list_fraction == 1.0 and self.group_combine == "sum"
 
     @property
     def int8_tables(self) -> bool:
@@ -367,15 +361,7 @@ class CSAttention(SparseMethod):
         if "dense_score" in t or ROW_KEYS in t:
             rows, scale = self._routed_rows(t, hh, mm, ids)  # [Hkv, R, N], [Hkv, R] (int8) or None
             n_rows = rows.shape[-1]
-            if self.params.per_head_from_group:
-                heads = self._split(q.float().view(hkv, -1, q.shape[-1]))  # [Hkv, G, m, d_b]
-                wts = torch.einsum("hgmd,hmtd->hgmt", heads, cent[hh, mm, ids][:, 0])  # [Hkv, G, m, tau]
-                ws = wts.flatten(2) * (1.0 if scale is None else scale[:, None])
-                acc = torch.zeros(hkv, heads.shape[1], n)
-                acc[..., :n_rows] = (int_dot_scores(rows[:, None], ws) if scale is not None
-                                     else ws @ rows.float())
-                ids = ids.expand(-1, heads.shape[1], -1, -1)
-            elif scale is not None:  # int8 rows: the integer estimate of the group's sum, in head slot 0
+            if scale is not None:  # int8 rows: the integer estimate of the group's sum, in head slot 0
                 ws = wts.reshape(hkv, -1) * scale
                 acc[:, 0, :n_rows] = int_dot_scores(rows, ws)
             else:
@@ -397,8 +383,8 @@ class CSAttention(SparseMethod):
         """The default parameters (group routing, one centroid per subspace, unit or qnorm
         weights, int8 rows): estimate's arithmetic with half the torch calls (_estimate_lean)."""
         p: CSAttentionParams = self.params
-        return (p.routing == "group" and p.group_combine == "sum" and p.backoff_cos <= -1.0
-                and p.weighting in ("unit", "qnorm") and p.int8_tables and (ROW_KEYS in t or "dense_scale" in t))
+        return (p.routing == "group" and p.backoff_cos <= -1.0 and p.weighting in ("unit", "qnorm")
+                and p.int8_tables and (ROW_KEYS in t or "dense_scale" in t))
 
     def _estimate_lean(self, state: LayerState, q: torch.Tensor, n: int) -> torch.Tensor:
         """estimate() for _lean_applies, bitwise its general path's result (the same ops on the
@@ -487,9 +473,7 @@ class CSAttention(SparseMethod):
             return est.sum(1)
         if how == "max":
             return est.max(1).values
-        # log of the summed per-head softmax: its order, without the fp16 rank (search) flattening
-        # probabilities below 6e-8 into ties
-        return torch.logsumexp(torch.log_softmax(est * head_dim ** -0.5, dim=-1), dim=1)
+        return torch.softmax(est * head_dim ** -0.5, dim=-1).sum(1)
 
     def append(self, state: LayerState, k_new: torch.Tensor, start: int) -> None:
         cent = lean_state(state).cent

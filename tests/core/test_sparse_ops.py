@@ -135,45 +135,11 @@ def test_streaming_append_scores_like_a_rebuild(fraction, routing):
         torch.testing.assert_close(est[kv, 100:], expect, atol=1e-4, rtol=1e-4)
 
 
-def test_routing_must_be_known():
+def test_group_routing_needs_the_sum_combine():
+    with pytest.raises(ValueError, match="routing='group'.*group_combine='sum'"):
+        CSAttentionParams(routing="group", group_combine="max")
     with pytest.raises(ValueError, match="routing"):
         CSAttentionParams(routing="heads")
-
-
-@pytest.mark.parametrize("dtype", ["int8", "float16"])
-def test_per_head_estimate_from_the_group_rows(dtype):
-    """Group routing with group_combine="softmax": the group's m routed rows (the same rows and
-    bytes as the default), each head weighting them by its projection on the routed centroid;
-    the heads' estimates sum to the group estimate under that weighting."""
-    torch.manual_seed(6)
-    base = dict(subspaces=4, centroids=8, table_dtype=dtype)
-    m = CSAttention(CSAttentionParams(**base, group_combine="softmax"))
-    q, k = torch.randn(6, 150, 16), torch.randn(2, 150, 16)
-    state = m.open(m.build(q, k, k))
-    qt = torch.randn(6, 16)
-    est = m.estimate(state, qt, n=150)  # [Hkv, G, n]
-    assert est.shape == (2, 3, 150) and m.params.int8_tables == (dtype == "int8")
-    cent = state.tables["centroids"].float()
-    ids, _ = m._route(cent, m._split(m._group(qt.view(2, 3, 16))))
-    heads, sub_k = m._split(qt.view(2, 3, 16)), m._split(k).permute(0, 2, 1, 3)
-    for kv in range(2):
-        rows = torch.stack([cent[kv, b, int(ids[kv, 0, b, 0])] @ sub_k[kv, b].T for b in range(4)])
-        proj = torch.stack([heads[kv, :, b] @ cent[kv, b, int(ids[kv, 0, b, 0])] for b in range(4)], 1)
-        want = proj @ rows  # [G, n]
-        tol = (0.02 if dtype == "int8" else 2e-3) * want.abs().max()  # int8: weights quantized too
-        assert (est[kv] - want).abs().max() <= tol
-    default = make_method("csattention", base)
-    assert m.index_read_bytes(150, 2, 3) == default.index_read_bytes(150, 2, 3)
-    assert m.search_reads(8, 150) == default.search_reads(8, 150)
-
-
-def test_softmax_combine_ranks_one_heads_peak_first():
-    """Summed logits let two heads' mild preference outrank one head's sharp peak; the summed
-    per-head softmax (the oracle's criterion) ranks the peak first."""
-    m = CSAttention(CSAttentionParams(group_combine="softmax"))
-    est = torch.tensor([[[8.0, 0.0, 0.0, 0.0], [-3.0, 2.0, 2.0, 2.0], [-3.0, 2.0, 2.0, 2.0]]])  # [1, G, n]
-    assert int(est.sum(1).argmax()) == 1
-    assert int(m._combine(est, 1).argmax()) == 0
 
 
 def test_method_registry_errors_name_the_problem():
