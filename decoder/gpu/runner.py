@@ -19,15 +19,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from ctxcache.artifact import ContextArtifact, LayerArtifact
+from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs
+from ctxcache.decoder.gpu.slot_prefill import (PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead, eager_chunks,
+                                               layers_per_chunk)
 from ctxcache.decoder.inflight import LaunchedStep, StepIO
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.reference_attention import SparseConfig
@@ -35,44 +37,15 @@ from ctxcache.decoder.runner import ContextNotResident
 from ctxcache.generation import LayeredPrefill
 from ctxcache.methods import make_method
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams, subspace_permutation
-from ctxcache.models.attention import appended_attention
 from ctxcache.models.loader import LoadedModel
 
 
 _log = logging.getLogger(__name__)
 SLOW_ADMIT_S = 0.1  # an admission slower than this is logged with where its time went
-# prompt tokens x layers a prefill chunk may carry: a 20-token question over 32 layers goes in
-# two chunks, so each decode step it joins carries about half its prefill
-PREFILL_TOKEN_LAYERS = 512
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _eager(prefill: LayeredPrefill, per_chunk: int) -> Iterator[torch.Tensor | None]:
-    while (logits := prefill.run(per_chunk)) is None:
-        yield None
-    yield logits
-
-
 def serves_index(art: ContextArtifact, params: CSAttentionParams) -> bool:
     """Whether a GPU runner of these CSAttention parameters decodes the artifact's tables."""
     method = make_method(art.method, art.method_params)
     return method.params == params and method.gpu_decodable(art.layers[0].tables)
-
-
-@dataclass
-class ResidentHead(ContextArtifact):
-    """What a Generate on a context resident in a slot needs of its artifact, without its K/V
-    or tables (kept by the runner, so the stream skips the DRAM tier and never reloads the
-    artifact from disk for a context already in HBM): tokens, last logits, the method, and
-    layer 0's table names (what `serves_index` checks)."""
-
-    @classmethod
-    def of(cls, art: ContextArtifact) -> "ResidentHead":
-        shell = LayerArtifact(torch.empty(0), torch.empty(0), tables=dict(art.layers[0].tables))
-        return cls(**{f.name: getattr(art, f.name) for f in fields(art)} | {"layers": [shell]})
 
 
 @dataclass(eq=False)
@@ -84,25 +57,6 @@ class Slot:
     busy: bool = False
     last_used: float = 0.0
     head: ResidentHead | None = None  # the resident context's head
-
-
-class _PrefillAttention:
-    """Dense attention for a slot's prompt prefill that also indexes the new keys (sparse). The
-    row's length is known on the host (the context's, plus the prompt tokens each layer has
-    seen), so attention spans exactly the keys written, with no device read of the positions."""
-
-    def __init__(self, tables: list[GpuDenseTables] | None, row: int, n_ctx: int, perm: torch.Tensor | None,
-                 layers: int) -> None:
-        self.tables, self.row, self.n_ctx, self.perm = tables, row, n_ctx, perm
-        self._done = [0] * layers  # prompt tokens each layer has attended so far
-
-    def __call__(self, layer: int, q: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
-        t, col = q.shape[2], self._done[layer]
-        self._done[layer] += t
-        first = self.n_ctx + col
-        if self.tables is not None:
-            self.tables[layer].insert_span(self.row, cache.k[layer][0, :, first:first + t], col, self.perm)
-        return appended_attention(q, cache.k[layer][:, :, :first + t], cache.v[layer][:, :, :first + t])
 
 
 class GpuRunner:
@@ -200,15 +154,13 @@ class GpuRunner:
         self.lock.notify_all()
 
     def _per_chunk(self, tokens: int) -> int:
-        """Layers per prefill chunk: as even as chunks of prefill_token_layers allow."""
-        n_layers = self.lm.args.n_layers
-        return _ceil_div(n_layers, _ceil_div(tokens * n_layers, self.prefill_token_layers))
+        return layers_per_chunk(tokens, self.lm.args.n_layers, self.prefill_token_layers)
 
     def _maker(self, row: int, n_ctx: int) -> Callable[[torch.Tensor], LayeredPrefill]:
         """A prefill of ids [1, T] into `row` after a context of n_ctx tokens, for the engine
         or for a graph capture (which records it: the row's contents do not matter then)."""
         def make(ids: torch.Tensor) -> LayeredPrefill:
-            attn = _PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers)
+            attn = PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers)
             return LayeredPrefill(self.lm.model, ids, n_ctx, self.cache.row(row), attn)
         return make
 
@@ -236,7 +188,7 @@ class GpuRunner:
                         key = (slot.index, slot.n_ctx, len(prompt))
                         alone = not any(s.busy for s in self.slots if s is not slot)
                         run = (self.prefill_graphs.chunks(key, ids, per_chunk, n_layers, make, may_capture=alone)
-                               or _eager(make(ids), per_chunk))
+                               or eager_chunks(make(ids), per_chunk))
                     logits = next(run)
                 except BaseException:
                     self._forget(slot)

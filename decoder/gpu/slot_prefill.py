@@ -1,0 +1,62 @@
+"""What a GPU runner's admission needs beside the runner: the question's prefill attention (and
+its chunks), and the head a resident context's next stream starts from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import torch
+
+from ctxcache.artifact import ContextArtifact, LayerArtifact
+from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.generation import LayeredPrefill
+from ctxcache.models.attention import appended_attention
+
+# prompt tokens x layers a prefill chunk may carry: a 20-token question over 32 layers goes in
+# two chunks, so each decode step it joins carries about half its prefill
+PREFILL_TOKEN_LAYERS = 512
+
+
+def layers_per_chunk(tokens: int, n_layers: int, token_layers: int) -> int:
+    """Layers per prefill chunk: as even as chunks of at most `token_layers` allow."""
+    chunks = -(-tokens * n_layers // token_layers)
+    return -(-n_layers // chunks)
+
+
+def eager_chunks(prefill: LayeredPrefill, per_chunk: int) -> Iterator[torch.Tensor | None]:
+    while (logits := prefill.run(per_chunk)) is None:
+        yield None
+    yield logits
+
+
+@dataclass
+class ResidentHead(ContextArtifact):
+    """What a Generate on a context resident in a slot needs of its artifact, without its K/V
+    or tables (kept by the runner, so the stream skips the DRAM tier and never reloads the
+    artifact from disk for a context already in HBM): tokens, last logits, the method, and
+    layer 0's table names (what `serves_index` checks)."""
+
+    @classmethod
+    def of(cls, art: ContextArtifact) -> "ResidentHead":
+        shell = LayerArtifact(torch.empty(0), torch.empty(0), tables=dict(art.layers[0].tables))
+        return cls(**{f.name: getattr(art, f.name) for f in fields(art)} | {"layers": [shell]})
+
+
+class PrefillAttention:
+    """Dense attention for a slot's prompt prefill that also indexes the new keys (sparse). The
+    row's length is known on the host (the context's, plus the prompt tokens each layer has
+    seen), so attention spans exactly the keys written, with no device read of the positions."""
+
+    def __init__(self, tables: list[GpuDenseTables] | None, row: int, n_ctx: int, perm: torch.Tensor | None,
+                 layers: int) -> None:
+        self.tables, self.row, self.n_ctx, self.perm = tables, row, n_ctx, perm
+        self._done = [0] * layers  # prompt tokens each layer has attended so far
+
+    def __call__(self, layer: int, q: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
+        t, col = q.shape[2], self._done[layer]
+        self._done[layer] += t
+        first = self.n_ctx + col
+        if self.tables is not None:
+            self.tables[layer].insert_span(self.row, cache.k[layer][0, :, first:first + t], col, self.perm)
+        return appended_attention(q, cache.k[layer][:, :, :first + t], cache.v[layer][:, :, :first + t])
