@@ -3,8 +3,7 @@
 A stream is admitted in its caller's thread: the runner claims a row and loads its context
 there. A runner that shares device buffers between rows (the GPU runner: `begin`) then hands
 the question's prefill to the engine thread, which runs it a chunk per decode step, queued
-behind the step it just launched, so a joining stream never stops the others for its whole
-prefill; the reference runner, whose rows share nothing, prefills in the caller's thread. The
+ahead of the next step, so a joining stream never stops the others for its whole prefill; the reference runner, whose rows share nothing, prefills in the caller's thread. The
 caller samples the first token, then the stream joins the loop: each step the scheduler picks
 the rows, the runner runs the model once over them (weights read once per step, attention per
 row), and each row's token goes to its consumer's queue. Streams join and leave between steps.
