@@ -51,7 +51,6 @@ class PrefillGraphs:
         self.keep = keep
         self._seen: OrderedDict[Key, _Captured | None] = OrderedDict()
         self.broken = False  # a capture failed once: eager from then on (logged)
-        self.captures = self.replays = 0
         self.capture_seconds = 0.0  # the slowest capture (host time)
         self._eager_threads: set[int] = set()  # threads that ran an eager prefill
         self._side: torch.cuda.Stream | None = None  # the capture stream (one: its cuBLAS workspace once)
@@ -79,7 +78,6 @@ class PrefillGraphs:
             if cap is None:
                 return None
         self._seen.move_to_end(key)
-        self.replays += 1
         return self._replay(cap, ids)
 
     def capture_seen(self, make_for: Callable[[Key], Callable[[torch.Tensor], LayeredPrefill]],
@@ -131,7 +129,6 @@ class PrefillGraphs:
             return None
         finally:
             torch.cuda.current_stream().wait_stream(side)
-        self.captures += 1
         self.capture_seconds = max(self.capture_seconds, time.perf_counter() - t0)
         self._remember(key, cap)
         return cap
