@@ -15,13 +15,15 @@ from typing import Any
 
 import torch
 
+from ctxcache.decoder.inflight import HostLogits
+
 
 class Admission:
     def __init__(self, row: Any, chunks: Iterator[torch.Tensor | None], release: Callable[[Any], None]) -> None:
         self.row, self.chunks, self._release = row, chunks, release
         self._lock = threading.Lock()
         self._done = threading.Event()
-        self._first: torch.Tensor | None = None
+        self._first: HostLogits | None = None
         self._error: BaseException | None = None
         self.abandoned = False
 
@@ -38,7 +40,7 @@ class Admission:
             return True
         if first is None:
             return False
-        if not self._end(first, None):
+        if not self._end(HostLogits.start(first), None):
             self._release(self.row)  # the caller left while the last chunk ran
         return True
 
@@ -48,7 +50,7 @@ class Admission:
         self._release(self.row)
         self._end(None, error)
 
-    def _end(self, first: torch.Tensor | None, error: BaseException | None) -> bool:
+    def _end(self, first: HostLogits | None, error: BaseException | None) -> bool:
         """-> False when the caller had abandoned it."""
         with self._lock:
             self._first, self._error = first, error
@@ -69,4 +71,4 @@ class Admission:
                 break  # it ended meanwhile: its result stands (a later check stops the stream)
         if self._error is not None:
             raise self._error
-        return self._first
+        return self._first.result()

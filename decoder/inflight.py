@@ -34,6 +34,31 @@ class LaunchedStep:
         return [host[i] for i in self.rows]
 
 
+@dataclass(eq=False)
+class HostLogits:
+    """A prompt's last logits on their way to pinned host memory: the stream's caller waits for
+    this copy alone, not for the decode step the engine queues behind the prompt's last chunk
+    (a device read such as .item() would wait for that step too: one more step of TTFT)."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, logits: torch.Tensor) -> "HostLogits":
+        if logits.device.type != "cuda":
+            return cls(logits, None)
+        host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+        host.copy_(logits, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(host, done)
+
+    def result(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
 class StepIO:
     """Staging for `slots` rows: per step [advance, from_host, host_token] in, greedy tokens out."""
 

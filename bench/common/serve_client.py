@@ -53,7 +53,7 @@ def concurrent_rate(client: Client, cids: list[str], tokens: int) -> tuple[float
     return made / wall, statistics.mean(f.timings.tokens_per_second for f in finals), paths.pop(), gaps, starts
 
 
-def admission(client: Client, cids: list[str], tokens: int, joins: int = 8) -> dict:
+def admission(client: Client, cids: list[str], tokens: int, joins: int = 16) -> dict:
     """Seven streams decode while one stream at a time joins on the eighth (hot) context: the
     joiners' TTFT and the seven's inter-token gaps while they join, against the seven's median."""
     arrivals: list[list[float]] = [[] for _ in cids[:7]]
