@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +33,6 @@ from ctxcache.generation import SamplingParams, sample
 
 _log = logging.getLogger(__name__)
 _END = object()  # queued after a sequence's last token
-# an overlapped step is queued this share of a step before its predecessor should end: until
-# then an admission's chunk may still go ahead of it (a step queued at once made every joiner
-# wait for one more whole step: dense 32K x 7, TTFT p99 75 ms)
-LAUNCH_LEAD = 0.25
 
 
 @dataclass(eq=False)
@@ -193,16 +188,12 @@ class Engine:
 
     def _loop(self) -> None:
         """Overlapped where the runner can launch a step without waiting (all rows greedy): step
-        N+1 is queued late in step N (LAUNCH_LEAD), before N's tokens are handed out, so the
-        device never waits for this thread and a joiner's chunk may still go first; otherwise
-        each step ends in a device sync, as a sampled row needs its logits."""
+        N+1 is queued before step N's tokens are handed out, so the device never waits for this
+        thread; otherwise each step ends in a device sync, as a sampled row needs its logits."""
         in_flight: tuple[list[Sequence], LaunchedStep] | None = None
-        running_since = 0.0  # when the step in flight started on the device (as seen here)
         try:
             while (batch := self._next_batch(wait=in_flight is None and not self._idle_work())) is not None:
                 launched = None
-                if in_flight is not None and batch and self._overlaps(batch):
-                    self._await_launch_point(running_since)
                 # an admission's chunk is queued ahead of the step: its stream's first token is
                 # ready a step sooner, and the streams decoding wait the same
                 self._admit_some(decoding=bool(batch))
@@ -210,7 +201,6 @@ class Engine:
                     launched = self._guarded(batch, self._launch)
                 if in_flight is not None:
                     self._guarded(in_flight[0], lambda b: self._hand_out(b, in_flight[1]))
-                    running_since = time.perf_counter()  # the step just launched runs from here
                 in_flight = (batch, launched) if launched is not None else None
                 if batch and launched is None and not self._overlaps(batch):
                     self._guarded(batch, self._step)
@@ -219,17 +209,6 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - the loop itself broke (a row's release failed)
             _log.exception("the decode engine's loop stopped")
             self._fail_all(exc)
-
-    def _await_launch_point(self, running_since: float) -> None:
-        """Hold the next launch until an admission waits or the step in flight is due to end
-        within LAUNCH_LEAD of a step (the runner's measured step time; no wait without one)."""
-        step_s = self.runner.step_seconds() if hasattr(self.runner, "step_seconds") else None
-        if step_s is None:
-            return
-        launch_at = running_since + (1.0 - LAUNCH_LEAD) * step_s
-        with self._wake:
-            while not self._admissions and not self._closed and (left := launch_at - time.perf_counter()) > 0:
-                self._wake.wait(left)
 
     @staticmethod
     def _guarded(batch: list[Sequence], run: Callable[[list[Sequence]], Any]) -> Any:

@@ -4,7 +4,7 @@ launches instead of ~1,200 kernel launches from Python.
 A prefill of T tokens into slot row r after a context of n tokens is the same sequence of
 kernels at the same addresses whatever the context's contents or the question's tokens: its
 positions (n..n+T-1), attention spans and index columns are fixed by (r, n, T). So its layer
-groups are captured once per (r, n, T, layers per chunk), on that key's second use (a one-off question never
+groups are captured once per (r, n, T), on that key's second use (a one-off question never
 pays for a capture), and replayed after copying the new token ids into the graph's input. On
 the H100 the eager prefill of a 20-token question on a 32K context took 27-37 ms of host time
 for 12.7 ms of GPU time: host-bound, and on the engine thread it delays the decode steps it
@@ -32,7 +32,7 @@ _log = logging.getLogger(__name__)
 # captures this fast may run while other streams decode (a step's worth of host time); once
 # one took longer, only an admission alone on the runner captures
 FAST_CAPTURE_S = 0.02
-Key = tuple[int, int, int, int]  # (slot row, context length, prompt tokens, layers per chunk)
+Key = tuple[int, int, int]  # (slot row, context length, prompt tokens)
 
 
 @dataclass(eq=False)
@@ -58,7 +58,7 @@ class PrefillGraphs:
         # graphs share theirs): later captures reuse its blocks instead of new device memory
         self._pool: tuple | None = None
 
-    def chunks(self, key: Key, ids: torch.Tensor, n_layers: int,
+    def chunks(self, key: Key, ids: torch.Tensor, per_chunk: int, n_layers: int,
                make: Callable[[torch.Tensor], LayeredPrefill], may_capture: bool) -> Iterator[torch.Tensor | None] | None:
         """-> the key's graphs as chunk results (None, ..., logits [1, V]) with `ids` as input,
         capturing them (`make(input)` builds the prefill to record) on the key's second use
@@ -74,14 +74,14 @@ class PrefillGraphs:
                 self._eager_threads.add(thread)
                 self._remember(key, None)
                 return None
-            cap = self._capture(key, ids, n_layers, make)
+            cap = self._capture(key, ids, per_chunk, n_layers, make)
             if cap is None:
                 return None
         self._seen.move_to_end(key)
         return self._replay(cap, ids)
 
     def capture_seen(self, make_for: Callable[[Key], Callable[[torch.Tensor], LayeredPrefill]],
-                     n_layers: int, device: torch.device) -> bool:
+                     per_chunk_for: Callable[[int], int], n_layers: int, device: torch.device) -> bool:
         """Capture the most recent key seen once (idle time: the runner has no stream); ->
         whether one was captured."""
         if self.broken or device.type != "cuda" or threading.get_ident() not in self._eager_threads:
@@ -90,7 +90,7 @@ class PrefillGraphs:
         if key is None:
             return False
         ids = torch.zeros(1, key[2], dtype=torch.long, device=device)  # a capture reads no values
-        return self._capture(key, ids, n_layers, make_for(key)) is not None
+        return self._capture(key, ids, per_chunk_for(key[2]), n_layers, make_for(key)) is not None
 
     @staticmethod
     def _replay(cap: _Captured, ids: torch.Tensor) -> Iterator[torch.Tensor | None]:
@@ -101,10 +101,10 @@ class PrefillGraphs:
             graph.replay()
             yield cap.logits.clone() if i == len(cap.graphs) - 1 else None
 
-    def _capture(self, key: Key, ids: torch.Tensor, n_layers: int,
+    def _capture(self, key: Key, ids: torch.Tensor, per_chunk: int, n_layers: int,
                  make: Callable[[torch.Tensor], LayeredPrefill]) -> _Captured | None:
         """Record every layer group (nothing runs); None, and eager from now on, if it fails."""
-        t0, per_chunk = time.perf_counter(), key[3]
+        t0 = time.perf_counter()
         cap = _Captured(torch.empty_like(ids))
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         side = self._side = self._side or torch.cuda.Stream()

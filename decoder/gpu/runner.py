@@ -16,7 +16,6 @@ dense mode: split-K attention over every cached key (the same engine with every 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +27,8 @@ from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
-from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs
-from ctxcache.decoder.gpu.slot_prefill import (PREFILL_STEP_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
-                                               eager_chunks,
+from ctxcache.decoder.gpu.slot_prefill import (PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead, eager_chunks,
                                                layers_per_chunk)
 from ctxcache.decoder.inflight import LaunchedStep, StepIO
 from ctxcache.decoder.gpu.selector import GpuDenseTables
@@ -90,7 +87,6 @@ class GpuRunner:
         self.slot_bytes = slot_bytes(a, params, max_len, max_new, model.lm_head.weight.element_size())
         self.io = StepIO(slots, self.device)
         self.prefill_graphs = PrefillGraphs()
-        self.times = DeviceTimes(self.device)
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
@@ -158,21 +154,7 @@ class GpuRunner:
         self.lock.notify_all()
 
     def _per_chunk(self, tokens: int) -> int:
-        """Layers per prefill chunk: each chunk costs at most PREFILL_STEP_SHARE of a decode step
-        where both have been measured (a dense step at 32K x 8 takes 19 ms and a 23-token
-        prefill 13 ms: one chunk; a sparse step 13.7 ms: two), else the token-layer budget."""
-        n_layers = self.lm.args.n_layers
-        layer_ms, step_ms = self.times.ms("prefill layer"), self.times.ms("step")
-        if layer_ms is None or step_ms is None:
-            return layers_per_chunk(tokens, n_layers, self.prefill_token_layers)
-        chunks = max(1, math.ceil(layer_ms * n_layers / (PREFILL_STEP_SHARE * step_ms)))
-        return -(-n_layers // chunks)
-
-    def step_seconds(self) -> float | None:
-        """A decode step's device time lately (None before one was measured)."""
-        with self.lock:
-            ms = self.times.ms("step")
-        return None if ms is None else ms / 1e3
+        return layers_per_chunk(tokens, self.lm.args.n_layers, self.prefill_token_layers)
 
     def _maker(self, row: int, n_ctx: int) -> Callable[[torch.Tensor], LayeredPrefill]:
         """A prefill of ids [1, T] into `row` after a context of n_ctx tokens, for the engine
@@ -189,13 +171,13 @@ class GpuRunner:
         with self.lock:
             if any(s.busy for s in self.slots):
                 return False
-            return self.prefill_graphs.capture_seen(lambda key: self._maker(key[0], key[1]),
+            return self.prefill_graphs.capture_seen(lambda key: self._maker(key[0], key[1]), self._per_chunk,
                                                     self.lm.args.n_layers, self.device)
 
     def _prefill_chunks(self, slot: Slot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
         n_layers, per_chunk = self.lm.args.n_layers, self._per_chunk(len(prompt))
         make = self._maker(slot.index, slot.n_ctx)
-        run, done = None, 0
+        run = None
         while True:
             with self.lock, torch.inference_mode():
                 try:
@@ -203,14 +185,11 @@ class GpuRunner:
                         # pinned and non-blocking: a pageable copy would wait for the step in flight
                         ids = torch.tensor([prompt], pin_memory=self.device.type == "cuda").to(self.device,
                                                                                                 non_blocking=True)
-                        key = (slot.index, slot.n_ctx, len(prompt), per_chunk)
+                        key = (slot.index, slot.n_ctx, len(prompt))
                         alone = not any(s.busy for s in self.slots if s is not slot)
-                        run = (self.prefill_graphs.chunks(key, ids, n_layers, make, may_capture=alone)
+                        run = (self.prefill_graphs.chunks(key, ids, per_chunk, n_layers, make, may_capture=alone)
                                or eager_chunks(make(ids), per_chunk))
-                    started = self.times.start()
                     logits = next(run)
-                    self.times.stop("prefill layer", started, min(per_chunk, n_layers - done))
-                    done += per_chunk
                 except BaseException:
                     self._forget(slot)
                     raise
@@ -293,9 +272,7 @@ class GpuRunner:
             index = [s.index for s in rows]
             tokens, advance = self.io.stage(bucket, index, host_tokens)
             dec = self._decoder(bucket)
-            started = self.times.start()
             logits = dec.run(tokens)
-            self.times.stop("step", started)
             dec.cache.lengths += advance
             for s in rows:
                 s.length += 1
