@@ -82,10 +82,8 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     built = method.build_layers(inputs, args.n_layers)
     for layer in tqdm(range(args.n_layers), desc=f"index ({method.name})", unit="layer",
                       disable=not config.progress):
-        q = capture.queries(layer)
         tables = method.persist(next(built))
-        kept = to_host(q[:, query_positions(q.shape[1], config.store_queries).to(q.device)], torch.half) \
-            if config.store_queries else None
+        kept = _kept_queries(capture.queries(layer), config.store_queries) if config.store_queries else None
         layers.append(_kv_layer(cache.k[layer][0, :, :n], cache.v[layer][0, :, :n], dtype,
                                 config.kv_codec if config.coded_kv else "lossless", tables, kept))
         capture.chunks[layer] = []  # free the queries as we go
@@ -94,6 +92,12 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
         method_params=method.params.to_dict(), tokens=ids.cpu(), last_logits=logits[0].float().cpu(),
         layers=layers, kv_dtype=config.kv_dtype, kv_codec=config.kv_codec)
+
+
+def _kept_queries(q: torch.Tensor, keep: int) -> torch.Tensor:
+    """The query sample an artifact stores (fp16, on the host); read only when it stores one:
+    concatenating a layer's captured chunks is a copy of every kept query."""
+    return to_host(q[:, query_positions(q.shape[1], keep).to(q.device)], torch.half)
 
 
 def _kv_layer(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, kv_codec: str, tables: dict,
