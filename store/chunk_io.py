@@ -7,15 +7,17 @@ used, so a damaged or truncated chunk raises CorruptArtifact (DATA_LOSS), never 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
+
+import torch
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.store import codec
 from ctxcache.store.arena import Arena
 from ctxcache.store.config import StoreConfig
 from ctxcache.store.errors import CorruptArtifact
-from ctxcache.store.layout import assemble, build_manifest, chunk_tensors
+from ctxcache.store.layout import Slot, assemble, build_manifest, chunk_tensors
 from ctxcache.store.manifest import ChunkInfo, ContextMeta, Manifest
 
 Payload = bytes | memoryview
@@ -29,6 +31,34 @@ def encode_artifact(context_id: str, art: ContextArtifact, meta: ContextMeta, co
     enc = list(pool.map(lambda t: codec.encode(t, c.zstd_level, c.min_gain, c.sample_bytes), tensors))
     manifest = build_manifest(context_id, art, meta, slots, tensors, enc, now)
     return manifest, [e.payload for e in enc]
+
+
+class ChunkStream:
+    """A put's chunks in store order, each encoding on the pool: a writer takes each payload
+    as it is ready (`payloads`), then the manifest of them all."""
+
+    def __init__(self, context_id: str, art: ContextArtifact, chunks: Sequence[tuple[Slot, torch.Tensor]],
+                 meta: ContextMeta, config: StoreConfig, pool: Executor, now: float) -> None:
+        self.context_id, self.art, self.meta, self.now = context_id, art, meta, now
+        self.slots, self.tensors = zip(*chunks, strict=True)
+        c = config
+        self._futures = [pool.submit(codec.encode, t, c.zstd_level, c.min_gain, c.sample_bytes)
+                         for t in self.tensors]
+
+    def payloads(self) -> Iterator[tuple[Slot, Payload]]:
+        for slot, future in zip(self.slots, self._futures, strict=True):
+            yield slot, future.result().payload
+
+    def manifest(self) -> Manifest:
+        """Once every chunk is encoded (waits for the rest)."""
+        enc = [f.result() for f in self._futures]
+        return build_manifest(self.context_id, self.art, self.meta, self.slots, self.tensors, enc, self.now)
+
+
+def raw_bytes(chunks: Sequence[tuple[Slot, torch.Tensor]]) -> int:
+    """Bytes of the chunks as tensors: the most they take stored (codec.encode keeps a
+    compressed or narrowed chunk only when it is smaller)."""
+    return sum(t.numel() * t.element_size() for _, t in chunks)
 
 
 def check_chunk(m: Manifest, info: ChunkInfo, buf: Payload | None, how: str) -> None:

@@ -294,3 +294,34 @@ def test_concurrent_readers_see_whole_artifacts_or_none(store_dir: Path) -> None
     s.close()
     assert not errors, errors[:3]
     assert seen["whole"] > 0 and seen["none"] > 0
+
+
+def test_put_writes_what_encode_artifact_encodes(store_dir: Path) -> None:
+    """put encodes while it writes (ChunkStream): the manifest and the stored chunks are the
+    ones the encode-then-write path (encode_artifact + put_encoded, the object tier's) makes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ctxcache.store.chunk_io import encode_artifact
+
+    art = make_artifact(5)
+    art.layers[0].tables["zeros"] = torch.zeros(8, 64, dtype=torch.int32)  # a compressed chunk too
+    with open_store(store_dir) as s, ThreadPoolExecutor(2) as pool:
+        got = s.put("ctx-s", art)
+        want, _ = encode_artifact("ctx-s", art, ContextMeta(), s.config, pool, got.created_at)
+        assert got.chunks == want.chunks and got.stored_bytes == want.stored_bytes
+        assert s.verify("ctx-s").ok
+        assert_same(art, s.get("ctx-s"))
+
+
+def test_put_fits_by_encoded_size_when_raw_does_not(store_dir: Path) -> None:
+    """Room is made for the raw bytes first; an artifact over the budget raw but under it
+    encoded (zero K/V compress) is still stored, by its exact size."""
+    art = make_artifact(6, n=4096)
+    for layer in art.layers:
+        layer._k.zero_()
+        layer._v.zero_()
+    raw = sum(c.raw_bytes for c in open_store(store_dir / "probe").put("p", art).chunks)
+    with open_store(store_dir, budget_bytes=raw // 2) as s:
+        m = s.put("zeros", art)
+        assert m.stored_bytes < raw // 2 < raw
+        assert_same(art, s.get("zeros"))
