@@ -44,7 +44,7 @@ from ctxcache.client.gen.v1 import admin_pb2 as apb
 from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.decoder.reference_attention import SparseConfig
-from ctxcache.indexer import IndexerConfig, build_artifact
+from ctxcache.indexer import IndexerConfig, build_artifact, prefill_chunk
 from ctxcache.methods import make_method
 from ctxcache.models.loader import load_model
 
@@ -179,7 +179,8 @@ def limits_of(point: Point, mode: str, s: int, agg: float, per: float, gaps: lis
 def build_times(lm, n_ctx: int, method_params: dict) -> dict:
     """The indexer's prefill + tables to an artifact in host memory, beside the prefill alone."""
     tokens = torch.randint(3, 200, (n_ctx,))
-    cfg = IndexerConfig(progress=False, store_queries=0, coded_kv=True,  # as PutContext: K/V encoded on the device
+    on_gpu = lm.model.lm_head.weight.is_cuda
+    cfg = IndexerConfig(prefill_chunk(on_gpu), progress=False, store_queries=0, coded_kv=True,  # as PutContext
                         kv_dtype="bfloat16" if lm.model.lm_head.weight.dtype == torch.bfloat16 else "float16")
     method = make_method("csattention", method_params)
     build_artifact(lm, tokens[:256], method, cfg)  # warm-up

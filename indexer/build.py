@@ -22,6 +22,15 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 CAPTURE_TAIL = 1024
 
 
+# prefill tokens per forward pass by where the model runs: a 32K prefill took 2.23 s at 4096
+# against 3.96 s at 1024 on the H100 (random Llama-3.1-8B, bf16); the CPU keeps 1024
+GPU_PREFILL_CHUNK, CPU_PREFILL_CHUNK = 4096, 1024
+
+
+def prefill_chunk(on_gpu: bool) -> int:
+    return GPU_PREFILL_CHUNK if on_gpu else CPU_PREFILL_CHUNK
+
+
 @dataclass(frozen=True)
 class IndexerConfig:
     chunk: int = 1024  # prefill tokens per forward pass (bounds attention memory)

@@ -24,7 +24,7 @@ import torch
 
 from ctxcache.artifact import FORMAT_VERSION, ContextArtifact
 from ctxcache.cancel import BuildCancelled, CancellableMethod, CancelToken, building, install_hooks
-from ctxcache.indexer import IndexerConfig, build_artifact, reindex
+from ctxcache.indexer import IndexerConfig, build_artifact, prefill_chunk, reindex
 from ctxcache.methods import ParamError, make_method
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.backend import ROLES_LABEL, Backend
@@ -143,7 +143,7 @@ class BuildQueue:
                     raise Unavailable(f"context {cid} is being built by another worker; retry later")
                 # READY on another worker: this worker builds its own copy (each serves its own store)
                 log.info("context %s is READY at %s; building a local copy", cid[:12], elsewhere)
-            chunks = 0 if source is not None else -(-len(tokens) // self.settings.chunk)
+            chunks = 0 if source is not None else -(-len(tokens) // self._prefill_chunk())
             job = self._jobs[cid] = Job(cid, spec, tokens, source.artifact if source is not None else None,
                                         token=CancelToken(self.settings.build_timeout_s),
                                         expected_blocks=max(1, chunks * self.lm.args.n_layers),
@@ -165,6 +165,9 @@ class BuildQueue:
         if (method.name, method.params) != self._default:
             self._check_work(method, len(tokens))
         return method, tokens
+
+    def _prefill_chunk(self) -> int:
+        return self.settings.chunk or prefill_chunk(self.lm.model.lm_head.weight.is_cuda)
 
     def _check_work(self, method, n_tokens: int) -> None:
         a, limit = self.lm.args, self.settings.max_build_work
@@ -246,7 +249,7 @@ class BuildQueue:
                 else:
                     keep = self.settings.store_queries if job.spec.keep_queries else 0
                     art = build_artifact(self.lm, job.tokens, method,
-                                         IndexerConfig(self.settings.chunk, self.kv_dtype, job.spec.kv_codec,
+                                         IndexerConfig(self._prefill_chunk(), self.kv_dtype, job.spec.kv_codec,
                                                        progress=False, store_queries=keep, coded_kv=True))
             release_build_memory(self.lm)
             job.token.check()  # a delete that arrived during the last layer wins over the write

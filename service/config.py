@@ -127,7 +127,7 @@ class IndexerSettings:
     method_params: dict[str, Any] = field(default_factory=dict, hash=False)
     queue_limit: int = 64  # queued builds beyond this -> RESOURCE_EXHAUSTED
     max_context_tokens: int = 0  # 0: the model's maximum length - 256
-    chunk: int = 1024
+    chunk: int = 0  # prefill tokens per forward pass; 0: by device (indexer.build.prefill_chunk)
     store_queries: int = 1536  # prefill query positions kept per layer when PutContext asks (keep_queries)
     kv_codec: str = "int8"  # PutContext's default K/V codec (measured: bench storage, README)
     claim_lease_s: float = CLAIM_LEASE_S  # registry build claims, renewed every lease/3 while building
@@ -155,8 +155,8 @@ class IndexerSettings:
         if not self.max_build_work > 0 or self.build_lanes < 1:
             raise ValueError(f"indexer.max_build_work={self.max_build_work} must be > 0 and "
                              f"build_lanes={self.build_lanes} >= 1")
-        if self.queue_limit < 1 or self.chunk < 1 or self.max_context_tokens < 0 or self.store_queries < 0:
-            raise ValueError(f"queue_limit={self.queue_limit}, chunk={self.chunk} must be >= 1 "
+        if self.queue_limit < 1 or self.chunk < 0 or self.max_context_tokens < 0 or self.store_queries < 0:
+            raise ValueError(f"queue_limit={self.queue_limit} must be >= 1, chunk={self.chunk} >= 0 "
                              f"and max_context_tokens={self.max_context_tokens}, store_queries="
                              f"{self.store_queries} >= 0")
 
