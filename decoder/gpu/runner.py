@@ -27,6 +27,7 @@ from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
+from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs
 from ctxcache.decoder.gpu.slot_prefill import (PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead, eager_chunks,
                                                layers_per_chunk)
@@ -87,6 +88,7 @@ class GpuRunner:
         self.slot_bytes = slot_bytes(a, params, max_len, max_new, model.lm_head.weight.element_size())
         self.io = StepIO(slots, self.device)
         self.prefill_graphs = PrefillGraphs()
+        self.times = DeviceTimes(self.device)
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
@@ -155,6 +157,12 @@ class GpuRunner:
 
     def _per_chunk(self, tokens: int) -> int:
         return layers_per_chunk(tokens, self.lm.args.n_layers, self.prefill_token_layers)
+
+    def step_seconds(self) -> float | None:
+        """A launched decode step's device time lately (None before one was measured)."""
+        with self.lock:
+            ms = self.times.ms("step")
+        return None if ms is None else ms / 1e3
 
     def _maker(self, row: int, n_ctx: int) -> Callable[[torch.Tensor], LayeredPrefill]:
         """A prefill of ids [1, T] into `row` after a context of n_ctx tokens, for the engine
@@ -272,7 +280,9 @@ class GpuRunner:
             index = [s.index for s in rows]
             tokens, advance = self.io.stage(bucket, index, host_tokens)
             dec = self._decoder(bucket)
+            started = self.times.start()
             logits = dec.run(tokens)
+            self.times.stop("step", started)
             dec.cache.lengths += advance
             for s in rows:
                 s.length += 1

@@ -145,3 +145,102 @@ def test_closing_the_engine_fails_a_waiting_admission_and_releases_its_row():
     t.join(timeout=5)
     assert not t.is_alive() and len(errors) == 1
     assert runner.released.count("b") == 1
+
+
+class _Done:
+    """A launched step whose tokens are ready when the simulated device has run it."""
+
+    def __init__(self, rows, end):
+        self.rows, self.full, self.end = rows, [False] * len(rows), end
+
+    def result(self):
+        time.sleep(max(0.0, self.end - time.monotonic()))
+        return [1] * len(self.rows)
+
+
+class QueuedRunner(ChunkedRunner):
+    """Overlapped like the GPU runner: launch and a chunk queue work on one simulated device
+    (each starts when the work before it ends) and return at once; step_seconds is known."""
+
+    def __init__(self, chunks: int = 1, step_s: float = 0.2) -> None:
+        super().__init__(chunks=chunks, step_s=step_s)
+        self.device_free = 0.0
+
+    def _queue(self, seconds: float) -> float:
+        self.device_free = max(time.monotonic(), self.device_free) + seconds
+        return self.device_free
+
+    def begin(self, cid, art, prompt, config, max_new, check):
+        def run():
+            for i in range(self.chunks):
+                with self._lock:
+                    self.log.append(("chunk", cid, i, time.monotonic()))
+                end = self._queue(self.step_s / 4)
+                if i == self.chunks - 1:
+                    time.sleep(max(0.0, end - time.monotonic()))  # the caller waits for its logits
+                yield LOGITS if i == self.chunks - 1 else None
+        return cid, run()
+
+    def launch(self, rows, host_tokens):
+        now = time.monotonic()
+        with self._lock:
+            self.log.append(("launch", tuple(rows), now, now > self.device_free))  # (.., the device idled)
+        return _Done(rows, self._queue(self.step_s))
+
+    def step_seconds(self):
+        return self.step_s
+
+
+def test_a_joiner_chunk_goes_ahead_of_the_next_step_and_the_device_never_idles():
+    """The next step is launched late in the one in flight, so a prompt arriving early in a
+    step has its chunk queued right behind it, not behind one more step; meanwhile every
+    launch still comes before the step in flight ends."""
+    runner = QueuedRunner(step_s=0.2)
+    engine = Engine(runner)
+    try:
+        a = _start(engine, "a")
+        tokens_a = a.tokens(lambda: None)
+        next(tokens_a), next(tokens_a)
+        _wait_for(lambda: sum(e[0] == "launch" for e in runner.log) >= 3)
+        launches = [e[2] for e in runner.log if e[0] == "launch"]
+        joined = time.monotonic()
+        assert joined - launches[-1] < 0.1  # early in a step (a launch comes ~3/4 into one)
+        _start(engine, "b", max_tokens=1)
+        ttft = time.monotonic() - joined
+        a.cancel()
+    finally:
+        engine.close()
+    chunk_at = next(e[3] for e in runner.log if e[:2] == ("chunk", "b"))
+    assert not [t for t in launches + [e[2] for e in runner.log if e[0] == "launch"] if joined < t < chunk_at]
+    assert ttft < 0.2 + 0.05 + 0.1  # the step in flight, the chunk, slack: not one more step
+    idled = [e[3] for e in runner.log if e[0] == "launch"]
+    assert sum(idled[1:]) <= 1, runner.log  # every launch but the first (and b's end) found work queued
+
+
+class IdleWorkRunner(ChunkedRunner):
+    """Logs idle work; its cache_full (asked after the first token, before the stream joins the
+    batch) is slow, which widens the gap in which idle work must not start."""
+
+    def idle_work(self):
+        with self._lock:
+            self.log.append(("idle",))
+        return False
+
+    def cache_full(self, row) -> bool:
+        time.sleep(0.05)
+        return False
+
+
+def test_no_idle_work_between_a_prefill_and_its_streams_first_step():
+    runner = IdleWorkRunner(chunks=1)
+    engine = Engine(runner)
+    try:
+        a = _start(engine, "a")
+        tokens_a = a.tokens(lambda: None)
+        next(tokens_a), next(tokens_a)  # the prefill's token, then the first step's
+        a.cancel()
+    finally:
+        engine.close()
+    chunk = runner.log.index(("chunk", "a", 0))
+    step = next(i for i, e in enumerate(runner.log) if e[0] == "step")
+    assert ("idle",) not in runner.log[chunk:step], runner.log
