@@ -89,6 +89,7 @@ class GpuRunner:
         self.io = StepIO(slots, self.device)
         self.prefill_graphs = PrefillGraphs()
         self.times = DeviceTimes(self.device)
+        self._last_bucket = 0  # the batch size of the last launched step
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
@@ -159,9 +160,10 @@ class GpuRunner:
         return layers_per_chunk(tokens, self.lm.args.n_layers, self.prefill_token_layers)
 
     def step_seconds(self) -> float | None:
-        """A launched decode step's device time lately (None before one was measured)."""
+        """The device time of a launched step of the last batch size lately (None before one
+        was measured)."""
         with self.lock:
-            ms = self.times.ms("step")
+            ms = self.times.ms(f"step {self._last_bucket}")
         return None if ms is None else ms / 1e3
 
     def _maker(self, row: int, n_ctx: int) -> Callable[[torch.Tensor], LayeredPrefill]:
@@ -280,9 +282,12 @@ class GpuRunner:
             index = [s.index for s in rows]
             tokens, advance = self.io.stage(bucket, index, host_tokens)
             dec = self._decoder(bucket)
-            started = self.times.start()
+            # replays only: a bucket's first run captures its graph (seconds in the warm-up), and
+            # an estimate holding that held the engine's next launches back for a whole run
+            started = self.times.start() if dec.graph is not None else None
             logits = dec.run(tokens)
-            self.times.stop("step", started)
+            self.times.stop(f"step {bucket}", started)
+            self._last_bucket = bucket
             dec.cache.lengths += advance
             for s in rows:
                 s.length += 1
