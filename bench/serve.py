@@ -127,7 +127,8 @@ def run_point(args, mode: str, point: Point, data: Path) -> tuple[list[dict], di
         client = Client(address)
         try:
             got = measure(client, args, mode, point)
-            slow = [line for line in log.read_text().splitlines() if "slow admission" in line or "after warm-up" in line]
+            slow = [line for line in log.read_text().splitlines()
+                    if any(what in line for what in ("slow admission", "after warm-up", "slow gc"))]
             print(f"--- the {mode} server's slow admissions ({len(slow)}):\n" + "\n".join(slow[-12:]), flush=True)
             return got
         except Exception:

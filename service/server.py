@@ -34,6 +34,7 @@ from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
 from ctxcache.service.servicer import ContextServicer
 from ctxcache.service.warmup import warm_up
+from ctxcache.service.gc_watch import freeze_and_watch
 from ctxcache.store import EmbeddedRegistry, ObjectStoreConfig, StoreConfig, open_store
 
 log = logging.getLogger("ctxcache.service")
@@ -108,6 +109,7 @@ class CtxcacheServer:
         ix = self.config.indexer
         warm_up(self.lm, [e.runner for e in self.decoder.engines], ix.method, ix.method_params, "float16",
                 self.compiles)
+        freeze_and_watch()
         self.loop.run(self._set_health(health_pb2.HealthCheckResponse.SERVING))
         self.ready.set()  # the HTTP front's /health says ok from here on
         self.backend.relocate(self.config.server.advertised(self.port))
