@@ -181,9 +181,9 @@ def build_times(lm, n_ctx: int, method_params: dict) -> dict:
     """The indexer's prefill + tables to an artifact in host memory, beside the prefill alone."""
     tokens = torch.randint(3, 200, (n_ctx,))
     on_gpu = lm.model.lm_head.weight.is_cuda
-    cfg = IndexerConfig(prefill_chunk(on_gpu), progress=False, store_queries=0, coded_kv=True, pin_ahead=True,
+    cfg = IndexerConfig(prefill_chunk(on_gpu), progress=False, store_queries=0, coded_kv=True,  # as PutContext
                         kv_dtype="bfloat16" if lm.model.lm_head.weight.dtype == torch.bfloat16 else "float16")
-    method = make_method("csattention", method_params)  # cfg: as PutContext builds
+    method = make_method("csattention", method_params)
     build_artifact(lm, tokens[:256], method, cfg)  # warm-up
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()

@@ -52,9 +52,7 @@ class IndexerConfig:
     # generation, benches, tests)
     coded_kv: bool = False
     # page-lock one host buffer of exactly the K/V's bytes on a thread while the prefill runs
-    # (host_copy.HostSlab) instead of a torch pinned block per part after it (on by PutContext:
-    # H100 32K, build 2.7 s against 4.2 s with cold torch blocks, as a DRAM tier holding earlier
-    # artifacts keeps them; 2.1 s only when torch's cache holds freed blocks of the same sizes)
+    # (host_copy.HostSlab) instead of a torch pinned block per part after it
     pin_ahead: bool = False
 
     def __post_init__(self) -> None:

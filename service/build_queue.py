@@ -250,8 +250,7 @@ class BuildQueue:
                     keep = self.settings.store_queries if job.spec.keep_queries else 0
                     art = build_artifact(self.lm, job.tokens, method,
                                          IndexerConfig(self._prefill_chunk(), self.kv_dtype, job.spec.kv_codec,
-                                                       progress=False, store_queries=keep, coded_kv=True,
-                                                       pin_ahead=True))
+                                                       progress=False, store_queries=keep, coded_kv=True))
             release_build_memory(self.lm)
             job.token.check()  # a delete that arrived during the last layer wins over the write
             job.stage, t_built = 0.9, time.perf_counter()
