@@ -78,11 +78,8 @@ class HostSlab:
 
     ALIGN = 64  # bytes: every part starts aligned for any dtype's view
 
-    def __init__(self, layers: list[dict[str, tuple[tuple[int, ...], torch.dtype]]],
-                 device: torch.device | None = None) -> None:
-        """device: the build's (a CUDA call on a new thread would otherwise open a context on
-        device 0, hundreds of MB of another GPU's memory)."""
-        self._specs, self._offsets, total, self._device = layers, [], 0, device
+    def __init__(self, layers: list[dict[str, tuple[tuple[int, ...], torch.dtype]]]) -> None:
+        self._specs, self._offsets, total = layers, [], 0
         for layer in layers:
             at = {}
             for name, (shape, dtype) in layer.items():
@@ -97,8 +94,6 @@ class HostSlab:
 
     def _allocate(self) -> None:
         try:
-            if self._device is not None and self._device.type == "cuda":
-                torch.cuda.set_device(self._device)
             self._buf = pinned_exact((max(self.nbytes, 1),), torch.uint8)
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by layers()
             self._error = exc

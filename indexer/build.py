@@ -84,7 +84,7 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     bounded = 0 < config.capture_queries < n
     capture = QueryCapture(args.n_layers, keep=query_positions(n, config.capture_queries, CAPTURE_TAIL) if bounded else None)
     dtype = _DTYPES[config.kv_dtype]
-    slab = _host_slab(cache.k[0][0, :, :n], dtype, config, args.n_layers) if config.pin_ahead else None
+    slab = _host_slab(tuple(cache.k[0][0, :, :n].shape), dtype, config, args.n_layers) if config.pin_ahead else None
     with tqdm(total=n, desc="prefill", unit="tok", disable=not config.progress) as bar:
         logits = prefill(lm.model, ids[None].to(device), cache, capture, config.chunk, bar.update)
     hosts = iter(slab.layers()) if slab is not None else None
@@ -115,13 +115,12 @@ def _kept_queries(q: torch.Tensor, keep: int) -> torch.Tensor:
     return to_host(q[:, query_positions(q.shape[1], keep).to(q.device)], torch.half)
 
 
-def _host_slab(k: torch.Tensor, dtype: torch.dtype, config: IndexerConfig, n_layers: int) -> HostSlab:
-    """Host tensors for every layer's K/V (k: one layer's [Hkv, N, D] cache slice) as the build
-    hands them over (the codec's parts, shaped by encoding meta tensors: no data), being
-    page-locked from now on."""
-    meta = torch.empty(k.shape, dtype=dtype, device="meta")
+def _host_slab(shape: tuple[int, int, int], dtype: torch.dtype, config: IndexerConfig, n_layers: int) -> HostSlab:
+    """Host tensors for every layer's K/V as the build hands them over (the codec's parts,
+    shaped by encoding meta tensors: no data), being page-locked from now on."""
+    meta = torch.empty(shape, dtype=dtype, device="meta")
     parts = CodedKV.encode(meta, meta, config.kv_codec if config.coded_kv else "lossless").parts
-    return HostSlab([{name: (tuple(t.shape), t.dtype) for name, t in parts.items()}] * n_layers, k.device)
+    return HostSlab([{name: (tuple(t.shape), t.dtype) for name, t in parts.items()}] * n_layers)
 
 
 def _kv_layer(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, kv_codec: str, tables: dict,
