@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import threading
 import weakref
 
 import torch
@@ -65,49 +64,3 @@ def pinned_exact(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     buf = mmap.mmap(-1, max(n * torch.empty(0, dtype=dtype).element_size(), 1),
                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # anonymous pages are zero
     return torch.frombuffer(page_lock(buf), dtype=dtype, count=n).view(shape)
-
-
-class HostSlab:
-    """Host tensors of shapes known ahead (a build's K/V parts, per layer), carved from one
-    buffer page-locked for exactly their bytes (pinned_exact) on a thread: a build starts it
-    before its prefill, so the page-locking overlaps the GPU work instead of following it.
-    Why not to_host's torch.empty(pin_memory=True) per part: each cold block is a
-    cudaHostAlloc on the build's own thread after the prefill, rounded up to a power of two
-    (the 127K K/V, 8.5 GB, pinned 17 GB) and kept by torch's cache after the artifact is gone.
-    Off a GPU it is plain memory, so the same code runs in CPU builds."""
-
-    ALIGN = 64  # bytes: every part starts aligned for any dtype's view
-
-    def __init__(self, layers: list[dict[str, tuple[tuple[int, ...], torch.dtype]]]) -> None:
-        self._specs, self._offsets, total = layers, [], 0
-        for layer in layers:
-            at = {}
-            for name, (shape, dtype) in layer.items():
-                at[name] = total
-                total += -(-math.prod(shape) * torch.empty(0, dtype=dtype).element_size() // self.ALIGN) * self.ALIGN
-            self._offsets.append(at)
-        self.nbytes = total
-        self._buf: torch.Tensor | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._allocate, name="host-slab", daemon=True)
-        self._thread.start()
-
-    def _allocate(self) -> None:
-        try:
-            self._buf = pinned_exact((max(self.nbytes, 1),), torch.uint8)
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by layers()
-            self._error = exc
-
-    def layers(self) -> list[dict[str, torch.Tensor]]:
-        """Each layer's tensors (waits for the buffer; raises what allocating it raised)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        out = []
-        for layer, at in zip(self._specs, self._offsets):
-            views = {}
-            for name, (shape, dtype) in layer.items():
-                size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-                views[name] = self._buf[at[name]:at[name] + size].view(dtype).view(shape)
-            out.append(views)
-        return out

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from ctxcache.artifact import KV_CODECS, ContextArtifact, LayerArtifact
 from ctxcache.generation import prefill
-from ctxcache.host_copy import HostSlab, to_host, wait_for_host_copies
+from ctxcache.host_copy import to_host, wait_for_host_copies
 from ctxcache.kv_codec import CodedKV
 from ctxcache.methods import SparseMethod, make_method
 from ctxcache.models.attention import QueryCapture
@@ -51,9 +51,6 @@ class IndexerConfig:
     # the artifact holds the exact K/V and the store encodes at put (in-memory users: local
     # generation, benches, tests)
     coded_kv: bool = False
-    # page-lock one host buffer of exactly the K/V's bytes on a thread while the prefill runs
-    # (host_copy.HostSlab) instead of a torch pinned block per part after it
-    pin_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
@@ -83,11 +80,9 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     cache = lm.model.new_cache(1, max_len=n)
     bounded = 0 < config.capture_queries < n
     capture = QueryCapture(args.n_layers, keep=query_positions(n, config.capture_queries, CAPTURE_TAIL) if bounded else None)
-    dtype = _DTYPES[config.kv_dtype]
-    slab = _host_slab(tuple(cache.k[0][0, :, :n].shape), dtype, config, args.n_layers) if config.pin_ahead else None
     with tqdm(total=n, desc="prefill", unit="tok", disable=not config.progress) as bar:
         logits = prefill(lm.model, ids[None].to(device), cache, capture, config.chunk, bar.update)
-    hosts = iter(slab.layers()) if slab is not None else None
+    dtype = _DTYPES[config.kv_dtype]
     layers = []
     # the method builds where the keys are (SparseMethod.build_layers: on a GPU for CSAttention);
     # each layer's queries are read only when its build needs them
@@ -99,8 +94,7 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         tables = method.persist(next(built))
         kept = _kept_queries(capture.queries(layer), config.store_queries) if config.store_queries else None
         layers.append(_kv_layer(cache.k[layer][0, :, :n], cache.v[layer][0, :, :n], dtype,
-                                config.kv_codec if config.coded_kv else "lossless", tables, kept,
-                                next(hosts) if hosts is not None else None))
+                                config.kv_codec if config.coded_kv else "lossless", tables, kept))
         capture.chunks[layer] = []  # free the queries as we go
     wait_for_host_copies(device)
     return ContextArtifact(
@@ -115,28 +109,15 @@ def _kept_queries(q: torch.Tensor, keep: int) -> torch.Tensor:
     return to_host(q[:, query_positions(q.shape[1], keep).to(q.device)], torch.half)
 
 
-def _host_slab(shape: tuple[int, int, int], dtype: torch.dtype, config: IndexerConfig, n_layers: int) -> HostSlab:
-    """Host tensors for every layer's K/V as the build hands them over (the codec's parts,
-    shaped by encoding meta tensors: no data), being page-locked from now on."""
-    meta = torch.empty(shape, dtype=dtype, device="meta")
-    parts = CodedKV.encode(meta, meta, config.kv_codec if config.coded_kv else "lossless").parts
-    return HostSlab([{name: (tuple(t.shape), t.dtype) for name, t in parts.items()}] * n_layers)
-
-
 def _kv_layer(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, kv_codec: str, tables: dict,
-              queries: torch.Tensor | None, host: dict[str, torch.Tensor] | None = None) -> LayerArtifact:
+              queries: torch.Tensor | None) -> LayerArtifact:
     """A layer whose K/V are encoded by the context's codec where the build ran (on a GPU: the
     int8 codes cross PCIe, half the fp16 bytes, and the host does no float work; encoding on
-    the host was most of a 32K PutContext's store write), then queued to the host: into
-    `host` (a HostSlab layer) when given, else into fresh pinned tensors."""
-    def out(t: torch.Tensor, name: str) -> torch.Tensor:
-        return to_host(t) if host is None else host[name].copy_(t, non_blocking=True)
-
+    the host was most of a 32K PutContext's store write), then queued to the host."""
     if kv_codec == "lossless":
-        return LayerArtifact(k=out(k.to(dtype), "k"), v=out(v.to(dtype), "v"), tables=tables, queries=queries)
-    coded = CodedKV.encode(k.to(dtype), v.to(dtype), kv_codec)
-    parts = {name: out(t, name) for name, t in coded.parts.items()}
-    return LayerArtifact(coded=CodedKV(coded.codec, parts, coded.shape, coded.dtype), tables=tables, queries=queries)
+        return LayerArtifact(k=to_host(k, dtype), v=to_host(v, dtype), tables=tables, queries=queries)
+    coded = CodedKV.encode(k.to(dtype), v.to(dtype), kv_codec).map(to_host)
+    return LayerArtifact(coded=coded, tables=tables, queries=queries)
 
 
 def query_positions(n: int, keep: int, tail: int | None = None) -> torch.Tensor:

@@ -71,26 +71,10 @@ def tiny():
     return load_model("random:tiny")
 
 
-def _build(lm, codec: str, coded_kv: bool = True, pin_ahead: bool = False) -> ContextArtifact:
+def _build(lm, codec: str, coded_kv: bool = True) -> ContextArtifact:
     method = make_method("csattention", {"subspaces": 4, "centroids": 8, "kmeans_iters": 2})
     ids = torch.randint(0, lm.args.vocab_size, (150,), generator=torch.Generator().manual_seed(0))
-    return build_artifact(lm, ids, method, IndexerConfig(kv_codec=codec, progress=False, coded_kv=coded_kv,
-                                                         pin_ahead=pin_ahead))
-
-
-@pytest.mark.parametrize("codec,coded_kv", [("int8", True), ("int4", True), ("int8", False), ("lossless", True)])
-def test_pin_ahead_builds_the_same_artifact_into_one_slab(tiny, codec: str, coded_kv: bool) -> None:
-    """pin_ahead (host_copy.HostSlab, shaped from meta tensors before the prefill) holds the
-    bits the per-part copies hold, each layer's tensors in one shared buffer."""
-    plain, slab = _build(tiny, codec, coded_kv), _build(tiny, codec, coded_kv, pin_ahead=True)
-    for a, b in zip(plain.layers, slab.layers):
-        pa = a.coded.parts if a.coded is not None else {"k": a._k, "v": a._v}
-        pb = b.coded.parts if b.coded is not None else {"k": b._k, "v": b._v}
-        assert list(pa) == list(pb)
-        assert all(pa[n].shape == pb[n].shape and pa[n].dtype == pb[n].dtype and same_bits(pa[n], pb[n]) for n in pa)
-    storages = {t.untyped_storage().data_ptr() for l in slab.layers
-                for t in (l.coded.parts.values() if l.coded is not None else (l._k, l._v))}
-    assert len(storages) == 1
+    return build_artifact(lm, ids, method, IndexerConfig(kv_codec=codec, progress=False, coded_kv=coded_kv))
 
 
 @pytest.mark.parametrize("codec", LOSSY)
@@ -189,14 +173,3 @@ def test_gpu_pinned_arena_is_page_locked_for_its_exact_size_and_released() -> No
         assert torch.equal(back[0], a) and torch.equal(back[1], b)
         del arena, a, b, back
         gc.collect()
-
-
-@pytest.mark.gpu
-def test_gpu_pin_ahead_build_lands_pinned_and_equals_the_per_part_build() -> None:
-    """A CUDA build with pin_ahead copies every layer's codes into one buffer page-locked on a
-    thread during the prefill (HostSlab): pinned, and the bits of the per-part pinned copies."""
-    lm = load_model("random:tiny", device="cuda")
-    plain, slab = _build(lm, "int8"), _build(lm, "int8", pin_ahead=True)
-    for a, b in zip(plain.layers, slab.layers):
-        assert all(t.is_pinned() and not t.is_cuda for t in b.coded.parts.values())
-        assert all(same_bits(a.coded.parts[n], b.coded.parts[n]) for n in a.coded.parts)
