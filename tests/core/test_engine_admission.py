@@ -57,6 +57,16 @@ def _start(engine, cid, max_tokens=10_000, check=lambda: None):
     return engine.start(cid, None, [1, 2, 3], CONFIG, SamplingParams(max_tokens=max_tokens), check)
 
 
+def _decoding(engine, cid, read=1):
+    """A stream started and `read` of its tokens consumed (the prefill's, then steps'); -> it
+    and its token iterator."""
+    seq = _start(engine, cid)
+    tokens = seq.tokens(lambda: None)
+    for _ in range(read):
+        next(tokens)
+    return seq, tokens
+
+
 def _wait_for(cond, timeout=5.0):
     end = time.monotonic() + timeout
     while not cond():
@@ -68,9 +78,7 @@ def test_a_prefill_goes_a_chunk_per_step_beside_decoding_streams():
     runner = ChunkedRunner(chunks=4)
     engine = Engine(runner)
     try:
-        a = _start(engine, "a")
-        tokens_a = a.tokens(lambda: None)
-        next(tokens_a)
+        a, tokens_a = _decoding(engine, "a")
         b = _start(engine, "b", max_tokens=2)
         assert [t for t, _ in b.tokens(lambda: None)] == [1, 1]
         a.cancel()
@@ -112,9 +120,7 @@ def test_a_broken_prefill_fails_its_caller_and_the_engine_decodes_on():
     runner = ChunkedRunner(chunks=4, fail={"b"})
     engine = Engine(runner)
     try:
-        a = _start(engine, "a")
-        tokens_a = a.tokens(lambda: None)
-        next(tokens_a)
+        a, tokens_a = _decoding(engine, "a")
         with pytest.raises(RuntimeError, match="prefill of b broke"):
             _start(engine, "b")
         before = sum(1 for e in runner.log if e[0] == "step")
@@ -198,9 +204,7 @@ def test_a_joiner_chunk_goes_ahead_of_the_next_step_and_the_device_never_idles()
     runner = QueuedRunner(step_s=0.2)
     engine = Engine(runner)
     try:
-        a = _start(engine, "a")
-        tokens_a = a.tokens(lambda: None)
-        next(tokens_a), next(tokens_a)
+        a, _ = _decoding(engine, "a", read=2)
         _wait_for(lambda: sum(e[0] == "launch" for e in runner.log) >= 3)
         launches = [e[2] for e in runner.log if e[0] == "launch"]
         joined = time.monotonic()
@@ -235,9 +239,7 @@ def test_no_idle_work_between_a_prefill_and_its_streams_first_step():
     runner = IdleWorkRunner(chunks=1)
     engine = Engine(runner)
     try:
-        a = _start(engine, "a")
-        tokens_a = a.tokens(lambda: None)
-        next(tokens_a), next(tokens_a)  # the prefill's token, then the first step's
+        a, _ = _decoding(engine, "a", read=2)  # the prefill's token, then the first step's
         a.cancel()
     finally:
         engine.close()
