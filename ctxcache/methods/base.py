@@ -195,6 +195,16 @@ class SparseMethod(ABC):
         read them beyond the indices they return. -> idx [Hkv, min(k, hi - lo)] long.
         """
 
+    @property
+    def observes_dense(self) -> bool:
+        """Whether observe_dense does something (the decoder skips the call otherwise)."""
+        return False
+
+    def observe_dense(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int) -> None:
+        """A dense step's last query q [Hq, D] over keys [Hkv, n, D] (a prompt prefilled after
+        the cached context, the step before the first search), for methods whose search carries
+        state from step to step; [lo, hi) is the next search's region. Default: nothing."""
+
     def search_reads(self, k: int, region: int) -> int:
         """Cached keys per KV head whose K a search for k keys in a region of `region` keys
         reads, those it returns included (more when it re-ranks candidates by their keys)."""
