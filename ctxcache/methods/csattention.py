@@ -185,9 +185,9 @@ def _promote_successors(rank: torch.Tensor, prev: torch.Tensor, lo: int, hi: int
     above every other key."""
     succ = prev + 1
     inside = (succ >= lo) & (succ < hi)
-    succ = succ.clamp(max=rank.shape[1] - 1)
-    top = torch.iinfo(rank.dtype).max
-    return rank.scatter(1, succ, torch.where(inside, torch.full_like(succ, top), rank.gather(1, succ)))
+    # amax: an index written twice (a clamped successor past the end) stays promoted if any says so
+    hit = torch.zeros_like(rank).scatter_reduce(1, succ.clamp(max=rank.shape[1] - 1), inside.long(), "amax")
+    return torch.where(hit.bool(), torch.iinfo(rank.dtype).max, rank)
 
 
 def subspace_permutation(head_dim: int, m: int, layout: str) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ctxcache.methods import Budget, make_method
-from ctxcache.methods.csattention import CSAttention, CSAttentionParams, exact_rerank
+from ctxcache.methods.csattention import CSAttention, CSAttentionParams, _promote_successors, exact_rerank
 from ctxcache.methods.oracle import Oracle
 
 from tests.methods.helpers import make_qkv
@@ -148,3 +148,12 @@ def test_a_dense_prompt_step_seeds_follow_with_its_last_query_best_keys(qkv):
         assert ("follow_prev" in state.extra) == seeded
         if seeded:
             assert torch.equal(state.extra["follow_prev"].sort(1).values, want.sort(1).values)
+
+
+def test_promoted_successors_stay_inside_the_region():
+    rank = torch.arange(8).view(1, 8) * 10
+    top = torch.iinfo(rank.dtype).max
+    got = _promote_successors(rank, torch.tensor([[0, 3, 7]]), 1, 8)  # 1 and 4 inside; 8 past the end
+    assert got[0].tolist() == [0, top, 20, 30, top, 50, 60, 70]
+    got = _promote_successors(rank, torch.tensor([[6, 7]]), 1, 8)  # 7 promoted, the clamped 8 (-> 7) too
+    assert got[0, 7] == top and got[0, :7].tolist() == rank[0, :7].tolist()
