@@ -97,9 +97,14 @@ class MethodParams:
     refused up front, with the field named."""
 
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {}
+    # fields added after contexts were stored, left out of to_dict while at their default: a
+    # context id hashes the parameters (store/ids.py), so contexts that never set them keep theirs
+    QUIET_DEFAULTS: ClassVar[frozenset[str]] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        values = asdict(self)
+        defaults = {f.name: f.default for f in fields(self) if f.name in self.QUIET_DEFAULTS}
+        return {k: v for k, v in values.items() if k not in defaults or v != defaults[k]}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> "MethodParams":

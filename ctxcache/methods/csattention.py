@@ -92,6 +92,7 @@ class CSAttentionParams(MethodParams):
         "kmeans_batch": (1, 1 << 20), "max_queries": (1, 1 << 20), "backoff_cos": (-1.0, 1.0),
         "backoff_tau": (1, 64), "seed": (0, (1 << 31) - 1), "rerank": (1.0, MAX_RERANK),
         "follow": (0, 1024)}
+    QUIET_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"follow"})
     subspaces: int = 16  # m (DESIGN.md: 16 x 16 keeps the answers of 8 x 128 at a quarter of the rows)
     centroids: int = 16  # C per subspace
     list_fraction: float = 1.0  # alpha: lists keep L = ceil(alpha * N) keys (1.0: dense layout)

@@ -157,3 +157,17 @@ def test_promoted_successors_stay_inside_the_region():
     assert got[0].tolist() == [0, top, 20, 30, top, 50, 60, 70]
     got = _promote_successors(rank, torch.tensor([[6, 7]]), 1, 8)  # 7 promoted, the clamped 8 (-> 7) too
     assert got[0, 7] == top and got[0, :7].tolist() == rank[0, :7].tolist()
+
+
+def test_follow_at_its_default_leaves_the_parameters_and_so_the_context_id_as_before():
+    from ctxcache.store import context_id_for
+
+    before = {**CSAttentionParams().to_dict()}
+    from dataclasses import fields
+    assert set(before) == {f.name for f in fields(CSAttentionParams)} - {"follow"}  # the dict ids hashed before
+    assert CSAttentionParams.from_dict(before) == CSAttentionParams()
+    assert CSAttentionParams(follow=8).to_dict()["follow"] == 8
+    assert CSAttentionParams.from_dict(CSAttentionParams(follow=8).to_dict()) == CSAttentionParams(follow=8)
+    ids = {context_id_for("m", "t", "c", "float16", 1, "csattention", p.to_dict(), [1, 2, 3])
+           for p in (CSAttentionParams(), CSAttentionParams(follow=0), CSAttentionParams(follow=8))}
+    assert len(ids) == 2
