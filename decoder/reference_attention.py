@@ -71,9 +71,21 @@ class ReferenceSparseAttention:
         for b in range(q.shape[0]):
             self.method.append(self.states[b][layer], cache.k[layer][b, :, pos[b]], int(pos[b, 0]))
         if q.shape[2] > 1 or layer in self.config.dense_layers:
+            if q.shape[2] > 1 and layer not in self.config.dense_layers:
+                self._observe(layer, q, cache, pos)
             return dense_attention(layer, q, cache, pos)
         rows = [self._row(layer, b, q[b, :, 0], cache, int(pos[b, 0]) + 1) for b in range(q.shape[0])]
         return torch.stack(rows)[:, :, None]
+
+    def _observe(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> None:
+        """Hand each row's last query of a dense multi-token step (a prompt) to its state: the
+        step before the first sparse one (SparseMethod.observe_dense)."""
+        if not self.method.observes_dense:
+            return
+        for b in range(q.shape[0]):
+            n = int(pos[b, -1]) + 1
+            lo, hi = self.config.budget.region(n)
+            self.method.observe_dense(self.states[b][layer], q[b, :, -1], cache.k[layer][b, :, :n], lo, hi)
 
     def _row(self, layer: int, b: int, q: torch.Tensor, cache: KVCache, n: int) -> torch.Tensor:
         keys, values = cache.k[layer][b, :, :n], cache.v[layer][b, :, :n]

@@ -97,9 +97,14 @@ class MethodParams:
     refused up front, with the field named."""
 
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {}
+    # fields added after contexts were stored, left out of to_dict while at their default: a
+    # context id hashes the parameters (store/ids.py), so contexts that never set them keep theirs
+    QUIET_DEFAULTS: ClassVar[frozenset[str]] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        values = asdict(self)
+        defaults = {f.name: f.default for f in fields(self) if f.name in self.QUIET_DEFAULTS}
+        return {k: v for k, v in values.items() if k not in defaults or v != defaults[k]}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> "MethodParams":
@@ -194,6 +199,16 @@ class SparseMethod(ABC):
         keys [Hkv, n, D] are the cached keys; only methods whose caps say reads_all_keys may
         read them beyond the indices they return. -> idx [Hkv, min(k, hi - lo)] long.
         """
+
+    @property
+    def observes_dense(self) -> bool:
+        """Whether observe_dense does something (the decoder skips the call otherwise)."""
+        return False
+
+    def observe_dense(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int) -> None:
+        """A dense step's last query q [Hq, D] over keys [Hkv, n, D] (a prompt prefilled after
+        the cached context, the step before the first search), for methods whose search carries
+        state from step to step; [lo, hi) is the next search's region. Default: nothing."""
 
     def search_reads(self, k: int, region: int) -> int:
         """Cached keys per KV head whose K a search for k keys in a region of `region` keys

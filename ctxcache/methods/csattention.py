@@ -40,6 +40,12 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   did not). The candidates' keys count as read (`search_reads`): 4K keys' K + K keys' K/V per step
   instead of K keys' K/V. On the GPU the selector proposes the candidates and
   `kernels/rerank.Reranker` re-ranks them in the captured step (Triton).
+- `follow=N` (off by default; not on the GPU yet): each step the successors of the previous
+  step's N best re-ranked keys per KV head (the prompt's dense last query seeds the first step)
+  take candidate slots ahead of the estimate's, same count and bytes. A head copying a number
+  attends one key further each step, and the estimate ranked that key 461-1486 against a cut of
+  412 (2K changelog, layer 7). On the suite: follow=128 keeps 0.987 vs the oracle's 0.982
+  (defaults 0.951; bench/README.md).
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
   shared tables stay read-only while many streams decode from one artifact.
@@ -63,6 +69,7 @@ from ctxcache.methods.csattention_lean import lean_state
 from ctxcache.methods.csattention_rows import DERIVED, ROW_KEYS, dense_row_bytes, dense_rows, routed_rows, row_keys
 from ctxcache.methods.int8_tables import int_dot_scores
 from ctxcache.methods.kmeans import kmeans
+from ctxcache.methods.oracle import group_probabilities
 from ctxcache.models.attention import select_keys
 
 _CHOICES = {
@@ -83,7 +90,9 @@ class CSAttentionParams(MethodParams):
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "subspaces": (1, 64), "centroids": (1, 4096), "list_fraction": (1e-6, 1.0), "kmeans_iters": (1, 100),
         "kmeans_batch": (1, 1 << 20), "max_queries": (1, 1 << 20), "backoff_cos": (-1.0, 1.0),
-        "backoff_tau": (1, 64), "seed": (0, (1 << 31) - 1), "rerank": (1.0, MAX_RERANK)}
+        "backoff_tau": (1, 64), "seed": (0, (1 << 31) - 1), "rerank": (1.0, MAX_RERANK),
+        "follow": (0, 1024)}
+    QUIET_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"follow"})
     subspaces: int = 16  # m (DESIGN.md: 16 x 16 keeps the answers of 8 x 128 at a quarter of the rows)
     centroids: int = 16  # C per subspace
     list_fraction: float = 1.0  # alpha: lists keep L = ceil(alpha * N) keys (1.0: dense layout)
@@ -103,6 +112,10 @@ class CSAttentionParams(MethodParams):
     # > 1: propose ceil(rerank * K) keys by the estimate, keep the K best by exact attention
     # (1: the estimate's top-K, what the GPU selector computes)
     rerank: float = 4.0
+    # > 0: the keys right after this stream's previous step's `follow` best re-ranked keys (per
+    # KV head) join the candidates ahead of the estimate's (same count): a head copying a
+    # span attends one key further each step, a key the estimate may rank far below the cut
+    follow: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -120,6 +133,9 @@ class CSAttentionParams(MethodParams):
             raise ValueError(f"list_fraction={self.list_fraction} must be in (0, 1]")
         if not 1.0 <= self.rerank <= MAX_RERANK:
             raise ValueError(f"rerank={self.rerank} must be in [1, {MAX_RERANK}]")
+        if self.follow and self.rerank <= 1.0:
+            raise ValueError(f"follow={self.follow} takes the re-rank's best keys: it needs rerank > 1, "
+                             f"got {self.rerank}")
         if not -1.0 <= self.backoff_cos <= 1.0:
             raise ValueError(f"backoff_cos={self.backoff_cos} must be in [-1, 1]")
         if self.table_dtype == "int8" and not self._int8_applies:
@@ -141,9 +157,9 @@ class CSAttentionParams(MethodParams):
 
     @property
     def gpu_selectable(self) -> bool:
-        """Whether the GPU path computes exactly this selection (no backoff, summed group; the
-        exact re-rank in kernels/rerank.Reranker)."""
-        return (self.backoff_cos <= -1.0 and self.group_combine == "sum"
+        """Whether the GPU path computes exactly this selection (no backoff, summed group, no
+        follow; the exact re-rank in kernels/rerank.Reranker)."""
+        return (self.backoff_cos <= -1.0 and self.group_combine == "sum" and self.follow == 0
                 and self.weighting in ("unit", "qnorm") and self.scoring in ("absolute", "relative", "expected"))
 
     def list_length(self, n: int) -> int:
@@ -155,19 +171,30 @@ class CSAttentionParams(MethodParams):
 
 
 def exact_rerank(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, k: int,
-                 others: torch.Tensor | None = None) -> torch.Tensor:
+                 others: torch.Tensor | None = None, ordered: bool = False) -> torch.Tensor:
     """The k of the candidates cand [Hkv, c] (key indices) with the largest attention probability
     summed over the GQA group: the oracle's criterion over the keys a step reads, the softmax
     normalized over the candidates plus `others` [Hkv, s] (the sinks and recent window, read
     anyway; with every key among them this is the oracle's ranking). q [Hq, D], keys [Hkv, n, D]
-    -> [Hkv, min(k, c)] key indices: the torch reference a GPU re-rank must match."""
+    -> [Hkv, min(k, c)] key indices (ordered: best first): the torch reference a GPU re-rank
+    must match."""
     hkv, _, d = keys.shape
     read = cand if others is None else torch.cat([cand, others], dim=1)
     kr = select_keys(keys, read).float()  # [Hkv, c + s, D]: torch.gather's values, 3.5x faster on CPU
     logits = torch.einsum("hgd,hcd->hgc", q.float().view(hkv, -1, d), kr) * d ** -0.5
     score = logits.softmax(-1)[..., :cand.shape[1]].sum(1)  # [Hkv, c]
-    best = torch.topk(score, min(k, cand.shape[-1]), dim=-1, sorted=False).indices
+    best = torch.topk(score, min(k, cand.shape[-1]), dim=-1, sorted=ordered).indices
     return torch.gather(cand, 1, best)
+
+
+def _promote_successors(rank: torch.Tensor, prev: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """rank [Hkv, n] with the keys right after prev [Hkv, f] (those inside [lo, hi)) ranked
+    above every other key."""
+    succ = prev + 1
+    inside = (succ >= lo) & (succ < hi)
+    # amax: an index written twice (a clamped successor past the end) stays promoted if any says so
+    hit = torch.zeros_like(rank).scatter_reduce(1, succ.clamp(max=rank.shape[1] - 1), inside.long(), "amax")
+    return torch.where(hit.bool(), torch.iinfo(rank.dtype).max, rank)
 
 
 def subspace_permutation(head_dim: int, m: int, layout: str) -> torch.Tensor:
@@ -190,7 +217,7 @@ class CSAttention(SparseMethod):
     name = "csattention"
     Params = CSAttentionParams
     caps = Capabilities(uses_queries=True, streaming=True, gpu_decode=True)
-    search_params = frozenset({"rerank"})
+    search_params = frozenset({"rerank", "follow"})
 
     def check_model(self, head_dim: int) -> None:
         try:
@@ -325,12 +352,34 @@ class CSAttention(SparseMethod):
         # rank fp16-rounded estimates, ties to the lower index: deterministic, and what the GPU
         # selection computes (its radix select runs over 16-bit keys), so both paths agree
         c = self.params.candidates(k, hi - lo)
-        found = topk_in_region(fp16_rank(self._combine(est, q.shape[-1])), lo, hi, c)
+        combined = self._combine(est, q.shape[-1])
+        rank = fp16_rank(combined)
+        follow = self.params.follow if c > k else 0
+        if follow and "follow_prev" in state.extra:
+            rank = _promote_successors(rank, state.extra["follow_prev"], lo, hi)
+        found = topk_in_region(rank, lo, hi, c)
         if c <= k:
             return found
         n = keys.shape[1]
         others = outside_region(lo, hi, n, found.device).expand(found.shape[0], -1)
-        return exact_rerank(q, keys, found, k, others)
+        chosen = exact_rerank(q, keys, found, k, others, ordered=bool(follow))
+        if follow:
+            state.extra["follow_prev"] = chosen[:, :follow]
+        return chosen
+
+    @property
+    def observes_dense(self) -> bool:
+        return self.params.follow > 0
+
+    def observe_dense(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int) -> None:
+        """follow: the prompt's last query's `follow` best keys in [lo, hi) by exact attention
+        (the dense step computed those scores anyway) stand in for a previous search, so the
+        first sparse step also proposes their successors."""
+        if not self.params.follow or hi <= lo:
+            return
+        probs = group_probabilities(q, keys).sum(1)  # [Hkv, n]
+        best = torch.topk(probs[:, lo:hi], min(self.params.follow, hi - lo), dim=-1).indices + lo
+        state.extra["follow_prev"] = best
 
     def search_reads(self, k: int, region: int) -> int:
         return self.params.candidates(k, region)

@@ -35,9 +35,9 @@ from ctxcache.methods.int8_tables import quantize_rows
 def check_params(p: CSAttentionParams) -> None:
     if not p.gpu_selectable:
         raise ValueError(f"GPU selection supports backoff_cos=-1, group_combine='sum', weighting "
-                         f"unit|qnorm and scoring absolute|relative|expected; got "
+                         f"unit|qnorm, scoring absolute|relative|expected and follow=0; got "
                          f"backoff_cos={p.backoff_cos}, group_combine={p.group_combine!r}, weighting={p.weighting!r}, "
-                         f"scoring={p.scoring!r}")
+                         f"scoring={p.scoring!r}, follow={p.follow}")
 
 
 @dataclass
