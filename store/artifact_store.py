@@ -13,7 +13,7 @@ import os
 import struct
 import time
 from dataclasses import replace
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch, StoreClosed, StoreError, StoreFull
 from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id, prefix
 from ctxcache.store.lmdb_file import StoreDamaged, check_data_file, mapped_bytes_ok
-from ctxcache.store.layout import QUERY_CHUNK, chunk_tensors
+from ctxcache.store.layout import QUERY_CHUNK, Slot, chunk_tensors
 from ctxcache.store.manifest import READABLE_STORE_FORMATS, ContextMeta, Manifest
 from ctxcache.store.txn_ops import (ManifestRead, delete_context, read_manifest, scan_manifests,
                                     verify_chunks)
@@ -140,23 +140,26 @@ class ArtifactStore:
                         f"{self.config.max_put_evictions} evictions")
 
     def _write(self, m: Manifest, body: bytes, payloads: Sequence[Payload], now: float) -> Manifest:
-        with self._env.begin(write=True) as txn:
-            delete_context(txn, m.context_id)  # replacing: drop the old chunks in the same txn
-            for info, payload in zip(m.chunks, payloads, strict=True):
-                txn.put(ChunkKey(m.context_id, info.layer, info.name).to_string().encode(), payload)
-            txn.put(AccessKey(m.context_id).to_string().encode(), struct.pack("<d", now))
-            txn.put(ManifestKey(m.context_id).to_string().encode(), body)
-        return m
+        chunks = (((info.layer, info.name), payload) for info, payload in zip(m.chunks, payloads, strict=True))
+        return self._write_txn(m.context_id, chunks, lambda: (m, body), now)
 
-    def _write_stream(self, chunks: ChunkStream) -> Manifest:
-        """One transaction: each chunk as the pool finishes it, then the manifest."""
+    def _write_stream(self, stream: ChunkStream) -> Manifest:
+        """Each chunk as the pool finishes it, then the manifest of them all."""
+        def manifest() -> tuple[Manifest, bytes]:
+            m = stream.manifest()
+            return m, m.to_bytes()
+        return self._write_txn(stream.context_id, stream.payloads(), manifest, stream.now)
+
+    def _write_txn(self, cid: str, chunks: Iterable[tuple[Slot, Payload]],
+                   manifest: Callable[[], tuple[Manifest, bytes]], now: float) -> Manifest:
+        """One transaction: the old chunks out, the new in, then the access time and manifest."""
         with self._env.begin(write=True) as txn:
-            delete_context(txn, chunks.context_id)
-            for (layer, name), payload in chunks.payloads():
-                txn.put(ChunkKey(chunks.context_id, layer, name).to_string().encode(), payload)
-            m = chunks.manifest()
-            txn.put(AccessKey(m.context_id).to_string().encode(), struct.pack("<d", chunks.now))
-            txn.put(ManifestKey(m.context_id).to_string().encode(), m.to_bytes())
+            delete_context(txn, cid)  # replacing: drop the old chunks in the same txn
+            for (layer, name), payload in chunks:
+                txn.put(ChunkKey(cid, layer, name).to_string().encode(), payload)
+            m, body = manifest()
+            txn.put(AccessKey(cid).to_string().encode(), struct.pack("<d", now))
+            txn.put(ManifestKey(cid).to_string().encode(), body)
         return m
 
     def _summaries(self) -> list[eviction.Summary]:

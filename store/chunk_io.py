@@ -26,11 +26,9 @@ Payload = bytes | memoryview
 def encode_artifact(context_id: str, art: ContextArtifact, meta: ContextMeta, config: StoreConfig,
                     pool: Executor, now: float) -> tuple[Manifest, list[Payload]]:
     """Encode every tensor (on the pool) -> the manifest and each chunk's stored bytes, in order."""
-    slots, tensors = zip(*chunk_tensors(art), strict=True)
-    c = config
-    enc = list(pool.map(lambda t: codec.encode(t, c.zstd_level, c.min_gain, c.sample_bytes), tensors))
-    manifest = build_manifest(context_id, art, meta, slots, tensors, enc, now)
-    return manifest, [e.payload for e in enc]
+    stream = ChunkStream(context_id, art, chunk_tensors(art), meta, config, pool, now)
+    payloads = [payload for _, payload in stream.payloads()]
+    return stream.manifest(), payloads
 
 
 class ChunkStream:
