@@ -26,9 +26,11 @@ from s3_server import S3Server, weed_binary
 
 pytestmark = [pytest.mark.redis, pytest.mark.s3, pytest.mark.timeout(300)]
 TEXT = "The harbour of Port Averel has a lighthouse on a granite spur called the Needle. " * 3
-# key-kmeans with one key per cluster and 100 iterations over ~700 tokens (random:tiny caches at
-# most 768): a build of seconds instead of milliseconds, long enough to kill or delete mid-build
-SLOW = {"keys_per_cluster": 1, "kmeans_iters": 100}
+# CSAttention with 16 subspaces x 1024 centroids and 100 k-means iterations over ~700 tokens
+# (random:tiny caches at most 768): ~2.5 s per layer on a 2-core CPU, so a build seen at 0.7
+# (indexing) still has seconds to go when the delete or kill reaches it; key-kmeans with one key
+# per cluster indexed both layers in ~0.4 s, and CI saw such a build finish before the delete
+SLOW_METHOD, SLOW = "csattention", {"subspaces": 16, "centroids": 1024, "kmeans_iters": 100}
 SLOW_TEXT = (TEXT * 3)[:680]
 
 
@@ -72,7 +74,7 @@ def put(worker: Worker, text: str = TEXT, token: str | None = None, wait: bool =
     c = worker.client(token) if token else worker.client()
     req = pb.PutContextRequest(text=text, wait=wait, **kw)
     if slow:
-        req.method.name = "key-kmeans"
+        req.method.name = SLOW_METHOD
         req.method.params.update(SLOW)
     try:
         return c.put(req, timeout=120)
