@@ -14,6 +14,8 @@ Two launches and a Top-K, all graph-capturable (lengths come from the device):
    of its log2 (fp16: ~0.3% relative precision, so near-ties may swap), adding radix pass 0;
    for fp32 models as fp32 (the reference's exact order, four radix passes).
 3. `radix_topk` passes 1 + collect over the slots [0, kc), then slots -> key positions.
+4. With `follow` (CSAttention's follow > 0): a second Top-K of the same scores, the best
+   min(follow, k) candidates (from a copy of pass 0), written as key positions to follow_out.
 Measured on the H100 at 32K batch 1 (time_us per piece): logits 17.7 us, fp32 scores + the
 four-pass fp32 radix Top-K 10.4 + 50.8 us, 16-bit keys' Top-K 28.7 us.
 Reading the candidates' keys (rerank x K keys, K only) is the cost: a third of the K/V bytes a
@@ -27,6 +29,7 @@ import triton.language as tl
 
 from ctxcache.kernels.sync import INTERPRET
 from ctxcache.kernels.dense_select import store_keys16
+from ctxcache.kernels.follow import write_follow
 from ctxcache.kernels.topk import blocks16, radix_topk, workspace
 
 BLOCK = 64  # candidate slots per inner step
@@ -159,7 +162,7 @@ class Reranker:
     k_max kept keys per row."""
 
     def __init__(self, batch: int, n_kv: int, group: int, kc_max: int, k_max: int, device: torch.device | str,
-                 programs: int = 264, key16: bool | None = None) -> None:
+                 programs: int = 264, key16: bool | None = None, follow: int = 0) -> None:
         """key16: rank by 16-bit keys (None: for bf16 / fp16 queries in GQA groups of 4; False: fp32
         scores always). Why groups of 4: with 2 or 3 query heads a group (random:tiny, SmolLM2's
         shapes) Triton 3.6 failed to compile the 16-bit score kernel on the H100 (LLVM "Cannot
@@ -180,11 +183,17 @@ class Reranker:
         self.topk_block = 4096
         self.ws = workspace(rows, device, blocks16(self.kcp, self.topk_block))
         self.zero = torch.zeros(batch, dtype=torch.int32, device=device)
+        # follow: the best candidates' slots, and a workspace for their Top-K
+        self.follow_slots = torch.zeros(batch, n_kv, follow, dtype=torch.int32, device=device) if follow else None
+        self.follow_ws = torch.zeros_like(self.ws) if follow else None
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, kc: torch.Tensor, k: torch.Tensor,
-                 lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+                 lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int, recent: int,
+                 follow_out: torch.Tensor | None = None, kf: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, D], keys [B, Hkv, L, D] (stride 1 in D), cand [B, Hkv, >= kc_max] int32,
-        kc, k, lo, hi, n [B] int32 -> key positions [B, Hkv, k_max] int32 (row b: its first k[b])."""
+        kc, k, lo, hi, n [B] int32 -> key positions [B, Hkv, k_max] int32 (row b: its first k[b]).
+        follow_out [B, Hkv, F] int32 (with kf [B] int32 <= min(F, k)): gets row b's kf[b] best
+        candidates' positions, in any order, then -1."""
         b, hkv, _, d = keys.shape
         rows = b * hkv
         ob = max(16, triton.next_power_of_2(sinks + recent))
@@ -202,5 +211,13 @@ class Reranker:
             self.logits, self.part, kc, k, out, self.ws, hkv, self.kc_max, self.kcp, self.splits,
             self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=BLOCK,
             KEY16=key16, num_warps=4)
+        if follow_out is not None:
+            if self.follow_slots is None or kf is None:
+                raise ValueError("follow_out needs a Reranker built with follow > 0 and kf")
+            if key16:
+                self.follow_ws.copy_(self.ws)  # pass 0, before the select below moves on from it
+            radix_topk(out, self.zero, kc, kf, self.follow_slots, self.follow_ws, block=self.topk_block,
+                       hist0_done=key16)
+            write_follow(cand, self.follow_slots, kf, follow_out)
         radix_topk(out, self.zero, kc, k, self.slots, self.ws, block=self.topk_block, hist0_done=key16)
         return torch.gather(cand[:, :, :self.kc_max], 2, self.slots.long())

@@ -40,12 +40,12 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   did not). The candidates' keys count as read (`search_reads`): 4K keys' K + K keys' K/V per step
   instead of K keys' K/V. On the GPU the selector proposes the candidates and
   `kernels/rerank.Reranker` re-ranks them in the captured step (Triton).
-- `follow=N` (off by default; not on the GPU yet): each step the successors of the previous
-  step's N best re-ranked keys per KV head (the prompt's dense last query seeds the first step)
-  take candidate slots ahead of the estimate's, same count and bytes. A head copying a number
+- `follow=128` (default; with a re-rank): each step the successors of the previous step's 128
+  best re-ranked keys per KV head (the prompt's dense last query seeds the first step) take
+  candidate slots ahead of the estimate's, same count and bytes. A head copying a number
   attends one key further each step, and the estimate ranked that key 461-1486 against a cut of
   412 (2K changelog, layer 7). On the suite: follow=128 keeps 0.987 vs the oracle's 0.982
-  (defaults 0.951; bench/README.md).
+  (follow=0: 0.951; bench/README.md). The GPU path does the same (kernels/follow.py).
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
   shared tables stay read-only while many streams decode from one artifact.
@@ -114,8 +114,11 @@ class CSAttentionParams(MethodParams):
     rerank: float = 4.0
     # > 0: the keys right after this stream's previous step's `follow` best re-ranked keys (per
     # KV head) join the candidates ahead of the estimate's (same count): a head copying a
-    # span attends one key further each step, a key the estimate may rank far below the cut
-    follow: int = 0
+    # span attends one key further each step, a key the estimate may rank far below the cut.
+    # It takes the re-rank's best keys: inert with rerank 1 (see `follows`). 128: the answer
+    # retention suite's measured choice (module docstring); contexts stored before it existed
+    # keep their ids (QUIET_DEFAULTS) and decode with it (a search parameter, not the index's)
+    follow: int = 128
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -133,9 +136,6 @@ class CSAttentionParams(MethodParams):
             raise ValueError(f"list_fraction={self.list_fraction} must be in (0, 1]")
         if not 1.0 <= self.rerank <= MAX_RERANK:
             raise ValueError(f"rerank={self.rerank} must be in [1, {MAX_RERANK}]")
-        if self.follow and self.rerank <= 1.0:
-            raise ValueError(f"follow={self.follow} takes the re-rank's best keys: it needs rerank > 1, "
-                             f"got {self.rerank}")
         if not -1.0 <= self.backoff_cos <= 1.0:
             raise ValueError(f"backoff_cos={self.backoff_cos} must be in [-1, 1]")
         if self.table_dtype == "int8" and not self._int8_applies:
@@ -157,10 +157,16 @@ class CSAttentionParams(MethodParams):
 
     @property
     def gpu_selectable(self) -> bool:
-        """Whether the GPU path computes exactly this selection (no backoff, summed group, no
-        follow; the exact re-rank in kernels/rerank.Reranker)."""
-        return (self.backoff_cos <= -1.0 and self.group_combine == "sum" and self.follow == 0
+        """Whether the GPU path computes exactly this selection (no backoff, summed group; follow
+        with the dense layout only; the exact re-rank in kernels/rerank.Reranker)."""
+        return (self.backoff_cos <= -1.0 and self.group_combine == "sum"
+                and (self.follows == 0 or self.list_fraction == 1.0)
                 and self.weighting in ("unit", "qnorm") and self.scoring in ("absolute", "relative", "expected"))
+
+    @property
+    def follows(self) -> int:
+        """The previous step's best keys whose successors are promoted: follow, with a re-rank."""
+        return self.follow if self.rerank > 1.0 else 0
 
     def list_length(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.list_fraction * n)))
@@ -354,7 +360,7 @@ class CSAttention(SparseMethod):
         c = self.params.candidates(k, hi - lo)
         combined = self._combine(est, q.shape[-1])
         rank = fp16_rank(combined)
-        follow = self.params.follow if c > k else 0
+        follow = self.params.follows if c > k else 0
         if follow and "follow_prev" in state.extra:
             rank = _promote_successors(rank, state.extra["follow_prev"], lo, hi)
         found = topk_in_region(rank, lo, hi, c)
@@ -369,13 +375,13 @@ class CSAttention(SparseMethod):
 
     @property
     def observes_dense(self) -> bool:
-        return self.params.follow > 0
+        return self.params.follows > 0
 
     def observe_dense(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int) -> None:
         """follow: the prompt's last query's `follow` best keys in [lo, hi) by exact attention
         (the dense step computed those scores anyway) stand in for a previous search, so the
         first sparse step also proposes their successors."""
-        if not self.params.follow or hi <= lo:
+        if not self.params.follows or hi <= lo:
             return
         probs = group_probabilities(q, keys).sum(1)  # [Hkv, n]
         best = torch.topk(probs[:, lo:hi], min(self.params.follow, hi - lo), dim=-1).indices + lo

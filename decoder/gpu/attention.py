@@ -50,7 +50,12 @@ class GpuSparseAttention:
         # with an exact re-rank the selector proposes ceil(rerank * K) candidates per row
         self.kc_max = params.candidates(self.k_max, max_len)
         self.selector = GpuSelector(params, batch, n_heads, n_kv, head_dim, max_len, self.kc_max, device)
-        self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device, key16=rerank_key16)
+        # follow: the rows' previous best re-ranked keys live in their tables (follow_prev)
+        self.follow = params.follows if self.kc_max > self.k_max else 0
+        if self.follow and any(getattr(t, "follow_prev", None) is None for t in tables):
+            raise ValueError(f"follow={params.follow}: the tables must hold follow_prev (GpuDenseTables(follow=...))")
+        self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device, key16=rerank_key16,
+                                  follow=self.follow)
                          if self.kc_max > self.k_max else None)
         cfg = {**ATTN_CFG, **(attn_cfg or {})}
         self.splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent,
@@ -71,13 +76,13 @@ class GpuSparseAttention:
         k = torch.minimum(torch.ceil(n.double() * b.keep).clamp(min=1).long(), (hi - lo).long())
         # CSAttentionParams.candidates: what the selector proposes when the re-rank is on
         kc = torch.minimum(hi - lo, torch.ceil(k.double() * self.params.rerank - 1e-9).long())
-        return lo.int(), hi.int(), k.int(), kc.int()
+        return lo.int(), hi.int(), k.int(), kc.int(), k.clamp(max=self.follow).int()
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         if layer == 0 or not self._step:  # every layer of a step shares the rows, positions and limits
             n = (pos[:, 0] + 1).int()
             self._step = (pos.int(), n, *self._limits(n))
-        pos32, n, lo, hi, k, kc = self._step
+        pos32, n, lo, hi, k, kc, kf = self._step
         for t in range(pos.shape[1]):
             self.tables[layer].insert(cache.k[layer], pos32[:, t].contiguous(), self.selector.perm)
         if q.shape[2] > 1:
@@ -85,9 +90,10 @@ class GpuSparseAttention:
         if layer in self.dense_layers:
             return self.dense(layer, q, cache, pos)
         if self.reranker is not None:
-            cand = self.selector.select(q[:, :, 0], self.tables[layer], lo, hi, kc)
+            t = self.tables[layer]
+            cand = self.selector.select(q[:, :, 0], t, lo, hi, kc)  # follow: the successors promoted
             idx = self.reranker(q[:, :, 0], cache.k[layer], cand, kc, k, lo, hi, n, self.budget.sinks,
-                                self.budget.recent)
+                                self.budget.recent, t.follow_prev if self.follow else None, kf)
         else:
             idx = self.selector.select(q[:, :, 0], self.tables[layer], lo, hi, k)
         if self.record:
@@ -96,7 +102,17 @@ class GpuSparseAttention:
 
     def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         """A prompt's tokens attend densely (the keys are indexed already)."""
-        return dense_attention(layer, q, cache, pos)
+        out = dense_attention(layer, q, cache, pos)
+        self._seed(layer, q, cache.k[layer], pos)
+        return out
+
+    def _seed(self, layer: int, q: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor) -> None:
+        """follow: each row's last prompt query seeds its follow state (GpuDenseTables.seed_follow;
+        keys [B, Hkv, >= n, D] on the GPU). Not captured: a prompt's step reads its lengths."""
+        if not self.follow or layer in self.dense_layers:
+            return
+        for b in range(q.shape[0]):
+            self.tables[layer].seed_follow(b, q[b, :, -1], keys[b, :, :int(pos[b, -1]) + 1], self.budget)
 
     def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,9 @@ class OffloadSparseAttention(GpuSparseAttention):
         span = int(pos.max()) + 1
         k = cache.k[layer][:, :, :span].to(q.device, non_blocking=True)
         v = cache.v[layer][:, :, :span].to(q.device, non_blocking=True)
-        return causal_attention(q, k, v, pos)
+        out = causal_attention(q, k, v, pos)
+        self._seed(layer, q, k, pos)
+        return out
 
     def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
@@ -147,7 +149,7 @@ class OffloadRunner:
         cache.v[layer][0, :, :n].copy_(v)
         stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
         restored = CSAttention(self.params).restore(stored, k)
-        tables = GpuDenseTables.empty(1, restored, max_len, self.max_new, self.device)
+        tables = GpuDenseTables.empty(1, restored, max_len, self.max_new, self.device, self.params.follows)
         tables.load_row(0, restored, n)
         return tables
 

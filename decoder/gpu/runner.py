@@ -170,7 +170,8 @@ class GpuRunner:
         """A prefill of ids [1, T] into `row` after a context of n_ctx tokens, for the engine
         or for a graph capture (which records it: the row's contents do not matter then)."""
         def make(ids: torch.Tensor) -> LayeredPrefill:
-            attn = PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers)
+            attn = PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers, self.config.budget,
+                                    self.config.dense_layers)
             return LayeredPrefill(self.lm.model, ids, n_ctx, self.cache.row(row), attn)
         return make
 
@@ -239,8 +240,8 @@ class GpuRunner:
                 stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
                 tables = method.restore(stored, self.cache.k[layer][row, :, :n])
                 if self.tables is None:
-                    self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len,
-                                                        self.max_new, self.device) for _ in art.layers]
+                    self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len, self.max_new,
+                                                        self.device, self.params.follows) for _ in art.layers]
                 self.tables[layer].load_row(row, tables, n)
         slot.context_id, slot.n_ctx, slot.head = context_id, n, ResidentHead.of(art)
         self.loads += 1

@@ -12,7 +12,12 @@ reference's arithmetic, instead of dense_select's fp32 arithmetic.
 
 Static buffers sized once (rows, heads, max context, max K), so a step is a fixed sequence of
 launches that a CUDA graph can capture. Matches CSAttention.search with tau = 1 (no backoff)
-and group_combine = "sum"; other settings are refused rather than silently changed."""
+and group_combine = "sum"; other settings are refused rather than silently changed.
+
+follow (dense layout, 16-bit keys): each row keeps its previous step's `follow` best re-ranked
+keys per KV head in its tables (GpuDenseTables.follow_prev, written by the re-rank, seeded by
+the prompt's prefill: seed_follow); the selector raises their successors above every estimate
+(kernels/follow.py) before the radix passes, as CSAttention.search promotes them."""
 
 from __future__ import annotations
 
@@ -23,21 +28,24 @@ import torch.nn.functional as F
 
 from ctxcache.kernels.dense_dot8 import dense_dot8
 from ctxcache.kernels.dense_select import dense_scores
+from ctxcache.kernels.follow import promote_successors
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
 from ctxcache.kernels.stream import add_streamed, stream_insert
 from ctxcache.kernels.sync import pdl_available
 from ctxcache.kernels.topk import MAX_ROW, blocks16, radix_topk, workspace
+from ctxcache.methods.budget import Budget
 from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
+from ctxcache.methods.oracle import group_probabilities
 from ctxcache.methods.int8_tables import quantize_rows
 
 
 def check_params(p: CSAttentionParams) -> None:
     if not p.gpu_selectable:
         raise ValueError(f"GPU selection supports backoff_cos=-1, group_combine='sum', weighting "
-                         f"unit|qnorm, scoring absolute|relative|expected and follow=0; got "
+                         f"unit|qnorm and scoring absolute|relative|expected; got "
                          f"backoff_cos={p.backoff_cos}, group_combine={p.group_combine!r}, weighting={p.weighting!r}, "
-                         f"scoring={p.scoring!r}, follow={p.follow}")
+                         f"scoring={p.scoring!r}")
 
 
 @dataclass
@@ -104,7 +112,9 @@ class GpuDenseTables:
     """One layer's dense full-list tables for a batch (leading row dim, stride 0 when shared):
     centroids [B, Hkv, m, C, d_b] fp16; dense_score [B, Hkv, m, C, N] fp16, or int8 with
     score_scale [B, Hkv, m, C] fp32; n_ctx [B] keys in the table per row; streamed overlay
-    new_scores [B, Hkv, m, C, T] fp32 for keys at stream_start[b] + t (= n_ctx[b] + t)."""
+    new_scores [B, Hkv, m, C, T] fp32 for keys at stream_start[b] + t (= n_ctx[b] + t);
+    follow_prev [B, Hkv, F] int32 (CSAttention's follow = F > 0): the row's previous best
+    re-ranked keys, -1 where none."""
 
     centroids: torch.Tensor
     dense_score: torch.Tensor
@@ -113,10 +123,11 @@ class GpuDenseTables:
     new_scores: torch.Tensor
     stream_start: torch.Tensor
     stream_count: torch.Tensor
+    follow_prev: torch.Tensor | None = None
 
     @classmethod
     def stack(cls, per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
-              device: torch.device | str, score_dtype: str = "float16") -> "GpuDenseTables":
+              device: torch.device | str, score_dtype: str = "float16", follow: int = 0) -> "GpuDenseTables":
         """Stack rows' dense tables (zero-padded to the longest N, rounded up to 16 keys so the
         score kernel can use vector loads; the kernel masks by n_ctx). score_dtype "int8"
         quantizes fp16 tables' (head, subspace, centroid) rows each with its own scale; tables
@@ -141,7 +152,7 @@ class GpuDenseTables:
         n = torch.tensor(n_ctx, dtype=torch.int32, **dev)
         return cls(torch.stack([t["centroids"] for t in per_row]).to(**dev), dense.contiguous(), scale, n,
                    torch.zeros(len(per_row), hkv, m, c, max(max_new, 1), **dev), n.clone(),
-                   torch.zeros(len(per_row), dtype=torch.int32, **dev))
+                   torch.zeros(len(per_row), dtype=torch.int32, **dev), _no_follow(len(per_row), hkv, follow, device))
 
     def insert(self, k: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
         """As GpuTables.insert."""
@@ -149,7 +160,7 @@ class GpuDenseTables:
 
     @classmethod
     def empty(cls, rows: int, like: dict[str, torch.Tensor], n_max: int, max_new: int,
-              device: torch.device | str) -> "GpuDenseTables":
+              device: torch.device | str, follow: int = 0) -> "GpuDenseTables":
         """Zeroed int8 tables for `rows` rows of up to n_max keys, shaped like one artifact
         layer's int8 tables `like` (centroids, dense_score, dense_scale); rows hold no keys."""
         if "dense_scale" not in like:
@@ -161,13 +172,13 @@ class GpuDenseTables:
         return cls(torch.zeros(rows, *like["centroids"].shape, dtype=like["centroids"].dtype, **dev),
                    torch.zeros(rows, hkv, m, c, n_pad, dtype=torch.int8, **dev),
                    torch.zeros(rows, hkv, m, c, **dev), n, torch.zeros(rows, hkv, m, c, max(max_new, 1), **dev),
-                   n.clone(), n.clone())
+                   n.clone(), n.clone(), _no_follow(rows, hkv, follow, device))
 
     def rows(self, start: int, end: int) -> "GpuDenseTables":
         """A view of rows [start, end) sharing storage with these tables."""
         return GpuDenseTables(*(None if t is None else t[start:end] for t in (
             self.centroids, self.dense_score, self.score_scale, self.n_ctx, self.new_scores,
-            self.stream_start, self.stream_count)))
+            self.stream_start, self.stream_count, self.follow_prev)))
 
     def load_row(self, row: int, tables: dict[str, torch.Tensor], n: int) -> None:
         """Copy one artifact layer's int8 tables (n keys) into row `row`; no streamed keys yet."""
@@ -193,15 +204,39 @@ class GpuDenseTables:
         """Forget the keys streamed into row `row` after its context (a new stream starts)."""
         self.stream_start[row] = self.n_ctx[row]
         self.stream_count[row:row + 1].fill_(0)  # no host-scalar copy (a stream sync)
+        if self.follow_prev is not None:
+            self.follow_prev[row].fill_(-1)  # a new stream follows nothing until its prefill seeds it
+
+    def seed_follow(self, row: int, q: torch.Tensor, keys: torch.Tensor, budget: Budget) -> None:
+        """The prompt's last query q [Hq, D] over the row's keys [Hkv, n, D]: its `follow` best
+        keys in the budget's region by exact attention stand in for a previous step's re-rank
+        (CSAttention.observe_dense; host-known lengths, so a prefill graph can hold it)."""
+        if self.follow_prev is None:
+            return
+        lo, hi = budget.region(keys.shape[1])
+        prev = self.follow_prev[row]
+        prev.fill_(-1)
+        f = min(prev.shape[-1], hi - lo)
+        if f > 0:
+            probs = group_probabilities(q, keys).sum(1)  # [Hkv, n]
+            prev[:, :f] = torch.topk(probs[:, lo:hi], f, dim=-1).indices.int() + lo
+
+
+def _no_follow(rows: int, n_kv: int, follow: int, device: torch.device | str) -> torch.Tensor | None:
+    return torch.full((rows, n_kv, follow), -1, dtype=torch.int32, device=device) if follow else None
 
 
 def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
-                 device: torch.device | str, score_dtype: str = "float16") -> "GpuTables | GpuDenseTables":
-    """GPU tables of whichever layout the artifact holds (dense_score: the dense layout)."""
+                 device: torch.device | str, score_dtype: str = "float16",
+                 follow: int = 0) -> "GpuTables | GpuDenseTables":
+    """GPU tables of whichever layout the artifact holds (dense_score: the dense layout; only it
+    keeps follow state)."""
     if all("dense_score" in t for t in per_row):
-        return GpuDenseTables.stack(per_row, n_ctx, max_new, device, score_dtype)
+        return GpuDenseTables.stack(per_row, n_ctx, max_new, device, score_dtype, follow)
     if any("dense_score" in t for t in per_row):
         raise ValueError("rows mix the dense and the list table layouts")
+    if follow:
+        raise ValueError(f"follow={follow} needs the dense table layout (list_fraction=1)")
     return GpuTables.stack(per_row, n_ctx, max_new, device)
 
 
@@ -233,6 +268,8 @@ class GpuSelector:
         check_params(params)
         if score_keys not in ("fp16", "fp32"):
             raise ValueError(f"score_keys={score_keys!r} must be 'fp16' or 'fp32'")
+        if params.follows and score_keys != "fp16":
+            raise ValueError(f"follow={params.follow} promotes 16-bit keys: it needs score_keys='fp16'")
         m = params.subspaces
         perm = subspace_permutation(head_dim, m, params.layout)
         self.perm = None if params.layout == "contiguous" else perm.to(device)
@@ -313,6 +350,8 @@ class GpuSelector:
         """-> idx [B, Hkv, k_max] int32; row b's first k[b] entries are its selection."""
         if isinstance(t, GpuDenseTables):
             scores = self.route_dense(q, t, lo, hi, k)
+            if t.follow_prev is not None:
+                promote_successors(scores, self.ws, t.follow_prev, lo, hi, k)
             return self.finish(scores, lo, hi, k)
         return radix_topk(self.route_scatter(q, t), lo, hi, k, self.idx, self.ws)
 

@@ -11,6 +11,7 @@ import torch
 from ctxcache.artifact import ContextArtifact, LayerArtifact
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.generation import LayeredPrefill
+from ctxcache.methods.budget import Budget
 from ctxcache.models.attention import appended_attention
 
 # prompt tokens x layers a prefill chunk may carry beside one decode step: a 20-token question
@@ -48,11 +49,14 @@ class ResidentHead(ContextArtifact):
 class PrefillAttention:
     """Dense attention for a slot's prompt prefill that also indexes the new keys (sparse). The
     row's length is known on the host (the context's, plus the prompt tokens each layer has
-    seen), so attention spans exactly the keys written, with no device read of the positions."""
+    seen), so attention spans exactly the keys written, with no device read of the positions.
+    With CSAttention's follow, the prompt's last query seeds each sparse layer's follow state
+    (GpuDenseTables.seed_follow, under `budget`)."""
 
     def __init__(self, tables: list[GpuDenseTables] | None, row: int, n_ctx: int, perm: torch.Tensor | None,
-                 layers: int) -> None:
+                 layers: int, budget: Budget | None = None, dense_layers: tuple[int, ...] = ()) -> None:
         self.tables, self.row, self.n_ctx, self.perm = tables, row, n_ctx, perm
+        self.budget, self.dense_layers = budget, dense_layers
         self._done = [0] * layers  # prompt tokens each layer has attended so far
 
     def __call__(self, layer: int, q: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
@@ -61,4 +65,6 @@ class PrefillAttention:
         first = self.n_ctx + col
         if self.tables is not None:
             self.tables[layer].insert_span(self.row, cache.k[layer][0, :, first:first + t], col, self.perm)
+            if self.budget is not None and layer not in self.dense_layers:
+                self.tables[layer].seed_follow(self.row, q[0, :, -1], cache.k[layer][0, :, :first + t], self.budget)
         return appended_attention(q, cache.k[layer][:, :, :first + t], cache.v[layer][:, :, :first + t])

@@ -30,8 +30,9 @@ def lm():
     return load_model("random:tiny", seed=3, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _method(rerank: float, subspaces: int = 4, centroids: int = 16):
-    return make_method("csattention", {"subspaces": subspaces, "centroids": centroids, "rerank": rerank})
+def _method(rerank: float, subspaces: int = 4, centroids: int = 16, follow: int = 0):
+    return make_method("csattention", {"subspaces": subspaces, "centroids": centroids, "rerank": rerank,
+                                       "follow": follow})
 
 
 def _artifacts(lm, method):
@@ -57,11 +58,12 @@ def _decode(engine, arts, prompts):
 
 
 @pytest.mark.parametrize("sparse, rerank, index", [(True, 1.0, (4, 16)), (True, 4.0, (4, 16)), (False, 1.0, (4, 16)),
-                                                   (True, 4.0, (16, 8))], ids=["rerank1", "rerank4", "dense", "m16c8"])
+                                                   (True, 4.0, (16, 8)), (True, 4.0, (4, 16, 8))],
+                         ids=["rerank1", "rerank4", "dense", "m16c8", "follow8"])
 def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, device):
     """rerank 4: the GPU re-ranks the selector's candidates exactly (kernels.rerank.Reranker), as the
     reference's search does (exact_rerank). m16c8: a compact index of many narrow subspaces
-    (16 of 2 dims) with few centroids."""
+    (16 of 2 dims) with few centroids. follow8: CSAttention's follow (the 3-token prompt seeds it)."""
     method = _method(rerank, *index)
     artifacts = _artifacts(cpu_lm, method)
     # the 3-token prompt is admitted while the first stream decodes, a layer per step

@@ -122,12 +122,13 @@ def test_follow_proposes_the_successor_of_the_previous_best_key(qkv):
     assert t in follow.search(state, q_dec, keys, lo, hi, kk)[0].tolist()
 
 
-def test_follow_is_validated_and_not_gpu_selectable():
-    with pytest.raises(ValueError, match="follow=2"):
-        CSAttentionParams(follow=2, rerank=1.0)
+def test_follow_is_validated_inert_without_a_rerank_and_gpu_selectable_with_the_dense_layout():
+    assert CSAttentionParams(follow=2, rerank=1.0).follows == 0 and CSAttentionParams(follow=2).follows == 2
     with pytest.raises(ValueError, match="follow=-1"):
         make_method("csattention", {"follow": -1})
-    assert not CSAttentionParams(follow=2).gpu_selectable and CSAttentionParams().gpu_selectable
+    assert CSAttentionParams(follow=2).gpu_selectable and CSAttentionParams().gpu_selectable
+    assert not CSAttentionParams(follow=2, list_fraction=0.5).gpu_selectable
+    assert CSAttentionParams(follow=2, list_fraction=0.5, rerank=1.0).gpu_selectable
 
 
 def test_a_dense_prompt_step_seeds_follow_with_its_last_query_best_keys(qkv):
