@@ -16,6 +16,7 @@ import triton.language as tl
 from ctxcache.kernels.topk import key16_codes
 
 TOP_KEY = 0xFFFF
+_TOP: tl.constexpr = tl.constexpr(TOP_KEY)  # what a jitted kernel may read of a global
 
 
 @triton.jit
@@ -31,7 +32,7 @@ def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk
     succ = prev + 1
     inside = (prev >= 0) & (succ >= lo) & (succ < hi) & (k > 0)
     old = tl.load(key_ptr + r.to(tl.int64) * sk_r + succ, mask=inside, other=0).to(tl.int32)
-    tl.store(key_ptr + r.to(tl.int64) * sk_r + succ, tl.full([FP], TOP_KEY, tl.uint16), mask=inside)
+    tl.store(key_ptr + r.to(tl.int64) * sk_r + succ, tl.full([FP], _TOP, tl.uint16), mask=inside)
     hist = ws_ptr + r * sws_r
     tl.atomic_add(hist + (old >> 8), -1, mask=inside, sem="relaxed")
     tl.atomic_add(hist + 255, tl.sum(inside.to(tl.int32), axis=0), sem="relaxed")

@@ -194,13 +194,15 @@ def exact_rerank(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, k: int
 
 
 def _promote_successors(rank: torch.Tensor, prev: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """rank [Hkv, n] with the keys right after prev [Hkv, f] (those inside [lo, hi)) ranked
-    above every other key."""
+    """rank [Hkv, n] (fp16_rank's) with the keys right after prev [Hkv, f] (those inside
+    [lo, hi)) ranked above every other key: their 16-bit key raised to 0xFFFF, above any real
+    score's, and ties among them to the lower index, as the GPU's radix select breaks them (more
+    successors than candidates: the lowest win)."""
     succ = prev + 1
     inside = (succ >= lo) & (succ < hi)
     # amax: an index written twice (a clamped successor past the end) stays promoted if any says so
     hit = torch.zeros_like(rank).scatter_reduce(1, succ.clamp(max=rank.shape[1] - 1), inside.long(), "amax")
-    return torch.where(hit.bool(), torch.iinfo(rank.dtype).max, rank)
+    return torch.where(hit.bool(), (0xFFFF << 32) + (rank & 0xFFFFFFFF), rank)
 
 
 def subspace_permutation(head_dim: int, m: int, layout: str) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The score kernels' inline PTX (dp4a, prmt, shared-memory atomics) assembles for the H100.
+"""The score kernels' inline PTX (dp4a, prmt, shared-memory atomics) assembles for the H100, and
+kernels no GPU has run yet (follow's) lower to sm_90 at all.
 
 CI has no GPU, and the CPU interpreter never emits PTX, so without this a broken asm string
 would only show on the device. Each kernel is compiled ahead of time for sm_90 (Triton's
@@ -50,6 +51,15 @@ CASES = {
                                 "KEY16": True, "HIST0": True, "ALIGN16": True, "USE_PDL": True,
                                 "ROW_EVICT": "evict_first", "SMEM": True}},
                      ("ATOMS.POPC.INC",)),
+    # CSAttention's follow: successors to the top 16-bit key, the histogram moved by global atomics
+    "follow_promote": ({"module": "ctxcache.kernels.follow", "kernel": "_promote_kernel",
+                        "types": {**_COMMON, "prev_ptr": "*i32"}, "default": "i32", "num_warps": 4,
+                        "const": {"FP": 128}},
+                       ("STG.E.U16", "REDG.E.ADD")),
+    "follow_out": ({"module": "ctxcache.kernels.follow", "kernel": "_follow_out_kernel",
+                    "types": {n: "*i32" for n in ("cand_ptr", "slot_ptr", "kf_ptr", "out_ptr")}, "default": "i32",
+                    "num_warps": 4, "const": {"FP": 128}},
+                   ("STG.E",)),
 }
 
 

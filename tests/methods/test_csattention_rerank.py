@@ -151,13 +151,16 @@ def test_a_dense_prompt_step_seeds_follow_with_its_last_query_best_keys(qkv):
             assert torch.equal(state.extra["follow_prev"].sort(1).values, want.sort(1).values)
 
 
-def test_promoted_successors_stay_inside_the_region():
-    rank = torch.arange(8).view(1, 8) * 10
-    top = torch.iinfo(rank.dtype).max
+def test_promoted_successors_stay_inside_the_region_and_tie_to_the_lower_index():
+    from ctxcache.methods.budget import fp16_rank
+
+    rank = fp16_rank(torch.arange(8.0).view(1, 8))
+    top = lambda i: (0xFFFF << 32) + (1 << 32) - 1 - i  # noqa: E731 - the top 16-bit key at index i
     got = _promote_successors(rank, torch.tensor([[0, 3, 7]]), 1, 8)  # 1 and 4 inside; 8 past the end
-    assert got[0].tolist() == [0, top, 20, 30, top, 50, 60, 70]
+    assert got[0].tolist() == [int(rank[0, 0]), top(1), *rank[0, 2:4].tolist(), top(4), *rank[0, 5:].tolist()]
+    assert torch.topk(got[0], 1).indices.tolist() == [1]  # more successors than slots: the lowest wins (GPU)
     got = _promote_successors(rank, torch.tensor([[6, 7]]), 1, 8)  # 7 promoted, the clamped 8 (-> 7) too
-    assert got[0, 7] == top and got[0, :7].tolist() == rank[0, :7].tolist()
+    assert got[0, 7] == top(7) and got[0, :7].tolist() == rank[0, :7].tolist()
 
 
 def test_follow_at_its_default_leaves_the_parameters_and_so_the_context_id_as_before():
@@ -170,5 +173,5 @@ def test_follow_at_its_default_leaves_the_parameters_and_so_the_context_id_as_be
     assert CSAttentionParams(follow=8).to_dict()["follow"] == 8
     assert CSAttentionParams.from_dict(CSAttentionParams(follow=8).to_dict()) == CSAttentionParams(follow=8)
     ids = {context_id_for("m", "t", "c", "float16", 1, "csattention", p.to_dict(), [1, 2, 3])
-           for p in (CSAttentionParams(), CSAttentionParams(follow=0), CSAttentionParams(follow=8))}
-    assert len(ids) == 2
+           for p in (CSAttentionParams(), CSAttentionParams(follow=128), CSAttentionParams(follow=0))}
+    assert len(ids) == 2 and CSAttentionParams().follow == 128
