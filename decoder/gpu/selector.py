@@ -36,7 +36,6 @@ from ctxcache.kernels.sync import pdl_available
 from ctxcache.kernels.topk import MAX_ROW, blocks16, radix_topk, workspace
 from ctxcache.methods.budget import Budget
 from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
-from ctxcache.methods.oracle import group_probabilities
 from ctxcache.methods.int8_tables import quantize_rows
 
 
@@ -218,7 +217,11 @@ class GpuDenseTables:
         prev.fill_(-1)
         f = min(prev.shape[-1], hi - lo)
         if f > 0:
-            probs = group_probabilities(q, keys).sum(1)  # [Hkv, n]
+            hkv, _, d = keys.shape
+            # the logits in the keys' dtype (a bf16 GEMM accumulates in fp32): group_probabilities
+            # copies the keys to fp32 first, 134 MB a layer at 32K and Llama-3.1-8B's shapes
+            logits = torch.matmul(q.view(hkv, -1, d).to(keys.dtype), keys.transpose(1, 2)).float() * d ** -0.5
+            probs = logits.softmax(-1).sum(1)  # [Hkv, n], as group_probabilities(q, keys).sum(1)
             prev[:, :f] = torch.topk(probs[:, lo:hi], f, dim=-1).indices.int() + lo
 
 
