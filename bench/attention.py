@@ -162,31 +162,39 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
 
 def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: float, shared: bool) -> list[dict]:
     """The default variant (group routing, int8 tables) with CSAttention's exact re-rank, as
-    GpuSparseAttention runs it: the selector proposes ceil(rerank * K) candidates,
-    the Reranker keeps the K best by exact group attention, then the sparse attention."""
+    GpuSparseAttention runs it: the selector proposes ceil(rerank * K) candidates (the default
+    follow: led by the successors of the last step's best keys, seeded here at random positions),
+    the Reranker keeps the K best by exact group attention (and records its best for the next
+    step), then the sparse attention."""
     batch, n = q.shape[0], k.shape[2]
     params = CSAttentionParams(routing="group", rerank=rerank)
     k_max = int(kk[0])
     kc_max = params.candidates(k_max, int(hi[0] - lo[0]))
     kc = torch.full_like(kk, kc_max)
     tables = batch_dense_tables(batch, n, params, q.device, "int8", shared=shared)
+    f = params.follows if kc_max > k_max else 0
+    if f:
+        span = int(hi[0] - lo[0]) - 1  # distinct previous keys, as a Top-K's are
+        tables.follow_prev = (torch.rand(batch, HKV, span, device=q.device).argsort(-1)[..., :f] + int(lo[0])).int()
+    kf = kk.clamp(max=f)
     sel = GpuSelector(params, batch, HQ, HKV, D, n, kc_max, q.device, score_keys="fp16")
     ss = attn_splits(batch, k_max, budget)
     cand = sel.select(q, tables, lo, hi, kc)
-    rr = Reranker(batch, HKV, HQ // HKV, kc_max, k_max, q.device)
+    rr = Reranker(batch, HKV, HQ // HKV, kc_max, k_max, q.device, follow=f)
 
     def rerank_only():
-        rr(q, k, cand, kc, kk, lo, hi, nt, budget.sinks, budget.recent)
+        rr(q, k, cand, kc, kk, lo, hi, nt, budget.sinks, budget.recent, tables.follow_prev, kf)
 
     def total():
-        idx = rr(q, k, sel.select(q, tables, lo, hi, kc), kc, kk, lo, hi, nt, budget.sinks, budget.recent)
+        idx = rr(q, k, sel.select(q, tables, lo, hi, kc), kc, kk, lo, hi, nt, budget.sinks, budget.recent,
+                 tables.follow_prev, kf)
         attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl)
     tag = f"_rerank{rerank:g}"
     rows = []
     for name, fn in {"cs_dense_select": lambda: sel.select(q, tables, lo, hi, kc), "cs_rerank_only": rerank_only,
                      "csattention_dense": total}.items():
         g = capture(fn)
-        rows.append({**base, "method": name + tag, "time_us": time_us(g.replay), "rerank": rerank,
+        rows.append({**base, "method": name + tag, "time_us": time_us(g.replay), "rerank": rerank, "follow": f,
                      "candidates": kc_max, "top_k": k_max, "tables_shared_across_batch_rows": shared})
     del tables, sel, cand
     torch.cuda.empty_cache()

@@ -6,8 +6,9 @@
    GPU attention output vs gather_attention (relative L2 error).
 2. A random-weight model: 64 greedy tokens from the GPU graph decode vs the CPU reference
    decode loop (decoder.session.generate), same artifact.
-Both for fp16 and for int8 dense tables (CSAttention table_dtype, results under "*_int8").
-Prints one row per table dtype, writes <out>/check_<device>.json."""
+Both for fp16 and for int8 dense tables at rerank 1 (CSAttention table_dtype, results under
+"*_int8"); (2) also at the defaults (rerank 4, follow 128: "*_defaults").
+Prints one row per variant, writes <out>/check_<device>.json."""
 
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ def check_captured(path: str, device: str, budget: Budget = Budget(), table_dtyp
     return rows
 
 
-def check_greedy(device: str, steps: int = 64, n_ctx: int = 900, table_dtype: str = "float16") -> dict:
+def check_greedy(device: str, steps: int = 64, n_ctx: int = 900, table_dtype: str = "float16",
+                 rerank: float = 1.0) -> dict:
+    """rerank > 1: with the exact re-rank and the default follow (their GPU kernels too)."""
     from ctxcache.decoder.session import generate, restore_tables
     from ctxcache.decoder.reference_attention import SparseConfig
     from ctxcache.generation import SamplingParams
@@ -89,7 +92,7 @@ def check_greedy(device: str, steps: int = 64, n_ctx: int = 900, table_dtype: st
 
     lm = load_model("random:tiny", seed=3)
     tokens = torch.randint(0, lm.args.vocab_size, (n_ctx,), generator=torch.Generator().manual_seed(0))
-    method = CSAttention(CSAttentionParams(table_dtype=table_dtype, rerank=1.0))
+    method = CSAttention(CSAttentionParams(table_dtype=table_dtype, rerank=rerank))
     art = build_artifact(lm, tokens, method, IndexerConfig(kv_dtype="float32", progress=False))
     budget = Budget()
     ref = torch.stack([t for t, _ in generate(lm, [art], [[]], SamplingParams(max_tokens=steps),
@@ -138,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result, table = {}, []
-    for dtype, tag in (("float16", ""), ("int8", "_int8")):  # the dense tables' storage
-        row = {"tables": dtype}
-        if Path(args.captured).exists():
+    # the dense tables' storage at rerank 1 (the selector alone), then the defaults (int8 tables,
+    # rerank 4, follow 128: the re-rank and follow kernels too)
+    for dtype, tag, rerank in (("float16", "", 1.0), ("int8", "_int8", 1.0), ("int8", "_defaults", 4.0)):
+        row = {"tables": dtype if rerank == 1.0 else "defaults"}
+        if Path(args.captured).exists() and rerank == 1.0:
             rows = check_captured(args.captured, device, table_dtype=dtype)
             result["captured" + tag] = got = {
                 "min_overlap": min(r["overlap"] for r in rows),
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_rel_err_float32": max(r["rel_err_float32"] for r in rows),
                 "max_rel_err_bfloat16": max(r["rel_err_bfloat16"] for r in rows), "rows": rows}
             row.update({k: v for k, v in got.items() if k != "rows"})
-        result["greedy" + tag] = greedy = check_greedy(device, table_dtype=dtype)
+        result["greedy" + tag] = greedy = check_greedy(device, table_dtype=dtype, rerank=rerank)
         same = sum(a == b for a, b in zip(greedy["ref"], greedy["gpu"]))
         row.update(greedy_identical=greedy["identical"], greedy_same=f"{same}/{greedy['steps']}",
                    first_mismatch=greedy["first_mismatch"])

@@ -50,10 +50,14 @@ class GpuSparseAttention:
         # with an exact re-rank the selector proposes ceil(rerank * K) candidates per row
         self.kc_max = params.candidates(self.k_max, max_len)
         self.selector = GpuSelector(params, batch, n_heads, n_kv, head_dim, max_len, self.kc_max, device)
-        # follow: the rows' previous best re-ranked keys live in their tables (follow_prev)
+        # follow: the rows' previous best re-ranked keys live in their tables (follow_prev; a
+        # runner allocates them with its slots, so every batch size's view shares them)
         self.follow = params.follows if self.kc_max > self.k_max else 0
-        if self.follow and any(getattr(t, "follow_prev", None) is None for t in tables):
-            raise ValueError(f"follow={params.follow}: the tables must hold follow_prev (GpuDenseTables(follow=...))")
+        for t in tables if self.follow else ():
+            if not isinstance(t, GpuDenseTables):
+                raise ValueError(f"follow={self.follow} needs the dense table layout (list_fraction=1)")
+            if t.follow_prev is None:  # tables stacked for this attention alone (benches, tests)
+                t.follow_prev = torch.full((batch, n_kv, self.follow), -1, dtype=torch.int32, device=device)
         self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device, key16=rerank_key16,
                                   follow=self.follow)
                          if self.kc_max > self.k_max else None)
