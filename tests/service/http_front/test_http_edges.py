@@ -111,10 +111,17 @@ def test_draining_answers_503(server):
 def test_a_client_that_leaves_stops_its_decode(server, stream, monkeypatch):
     srv, http, cid = server
     before = srv.metrics.generated_tokens._value.get()
-    # the random model's greedy answer decodes until the cache is full (~3 s on this CPU) unless
-    # it meets the end token, and where it meets it moved with the float order (the full suite
-    # saw it stop within 0.5 s, the module alone never): the test is about leaving, not stopping
+    # the client must leave mid-decode: the tiny model's answer (417 tokens to a full cache, no
+    # end token met) took ~3 s in this module alone but under 0.5 s in the full suite, so each
+    # step is made to take 5 ms at least (>= 2 s), and the end token cannot stop it early either
     monkeypatch.setattr(type(srv.decoder.prompter), "stop_token_ids", property(lambda self: ()))
+    engine = srv.decoder.engines[-1]  # the reference runner's (there is no GPU)
+    step, steps = engine.runner.step, []
+
+    def slow_step(rows, tokens):
+        steps.append(time.sleep(0.005))
+        return step(rows, tokens)
+    monkeypatch.setattr(engine.runner, "step", slow_step)
     ask = {"cached_content": cid, "messages": USER, "max_tokens": 600, "stream": stream, "temperature": 0}
     if stream:
         with http.stream("POST", "/v1/chat/completions", json=ask) as r:
@@ -129,7 +136,7 @@ def test_a_client_that_leaves_stops_its_decode(server, stream, monkeypatch):
     end = time.monotonic() + 10
     while srv.decoder.active and time.monotonic() < end:
         time.sleep(0.01)
-    assert srv.decoder.active == 0
+    assert srv.decoder.active == 0 and steps  # the decode ran through the slowed steps
     time.sleep(0.2)
     # an abandoned stream ends without its Final: it never counts its tokens as generated
     assert srv.metrics.generated_tokens._value.get() == before
