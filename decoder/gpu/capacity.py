@@ -2,8 +2,8 @@
 
 A slot holds one context for decoding: its K/V in the model's dtype for `max_len` tokens and,
 sparse, CSAttention's int8 dense rows (m x C per key and KV head, the rows padded to 16 keys),
-their per-row scales, the fp16 centroids and the fp32 overlay of `max_new` streamed keys
-(GpuDenseTables.empty allocates exactly these). The budget is HBM for resident contexts only:
+their per-row scales, the fp16 centroids, the fp32 overlay of `max_new` streamed keys and
+follow's previous best keys (GpuDenseTables.empty allocates exactly these). The budget is HBM for resident contexts only:
 the weights and the step's working buffers (selector, re-rank, graphs) are outside it, so two
 modes given the same budget hold their contexts in the same bytes.
 """
@@ -27,6 +27,7 @@ def slot_bytes(args: ModelArgs, params: CSAttentionParams | None, max_len: int, 
                         + 4  # fp32 scale per row
                         + 4 * max(max_new, 1)  # fp32 overlay of streamed keys
                         + 2 * (args.head_dim // m))  # fp16 centroids
+    per_head += 4 * params.follows  # int32 previous best keys
     return kv + args.n_layers * args.n_kv_heads * per_head
 
 

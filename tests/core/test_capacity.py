@@ -24,13 +24,15 @@ def _allocated(params: CSAttentionParams | None, max_len: int, max_new: int, dty
                 "dense_score": torch.zeros(ARGS.n_kv_heads, m, c, 1, dtype=torch.int8),
                 "dense_scale": torch.zeros(ARGS.n_kv_heads, m, c)}
         for _ in range(ARGS.n_layers):
-            t = GpuDenseTables.empty(1, like, max_len, max_new, "cpu")
-            total += sum(x.nbytes for x in (t.centroids, t.dense_score, t.score_scale, t.new_scores))
+            t = GpuDenseTables.empty(1, like, max_len, max_new, "cpu", params.follows)
+            parts = (t.centroids, t.dense_score, t.score_scale, t.new_scores, t.follow_prev)
+            total += sum(x.nbytes for x in parts if x is not None)
     return total
 
 
 @pytest.mark.parametrize("params", [None, CSAttentionParams(), CSAttentionParams(subspaces=8, centroids=128),
-                                    CSAttentionParams(centroids=32, subspaces=4)], ids=["dense", "default", "8x128", "4x32"])
+                                    CSAttentionParams(centroids=32, subspaces=4, follow=0)],
+                         ids=["dense", "default", "8x128", "4x32-no-follow"])
 @pytest.mark.parametrize("max_len", [1000, 1024])
 def test_slot_bytes_are_what_a_slot_allocates(params, max_len):
     dtype = torch.bfloat16
