@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables
+from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables, follow_state
 from ctxcache.kernels.rerank import Reranker
 from ctxcache.kernels.split_k_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
@@ -57,7 +57,7 @@ class GpuSparseAttention:
             if not isinstance(t, GpuDenseTables):
                 raise ValueError(f"follow={self.follow} needs the dense table layout (list_fraction=1)")
             if t.follow_prev is None:  # tables stacked for this attention alone (benches, tests)
-                t.follow_prev = torch.full((batch, n_kv, self.follow), -1, dtype=torch.int32, device=device)
+                t.follow_prev = follow_state(batch, n_kv, self.follow, device)
         self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device, key16=rerank_key16,
                                   follow=self.follow)
                          if self.kc_max > self.k_max else None)
@@ -80,7 +80,7 @@ class GpuSparseAttention:
         k = torch.minimum(torch.ceil(n.double() * b.keep).clamp(min=1).long(), (hi - lo).long())
         # CSAttentionParams.candidates: what the selector proposes when the re-rank is on
         kc = torch.minimum(hi - lo, torch.ceil(k.double() * self.params.rerank - 1e-9).long())
-        return lo.int(), hi.int(), k.int(), kc.int(), k.clamp(max=self.follow).int()
+        return lo.int(), hi.int(), k.int(), kc.int(), k.clamp(max=self.follow).int() if self.follow else None
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         if layer == 0 or not self._step:  # every layer of a step shares the rows, positions and limits

@@ -126,7 +126,7 @@ class GpuDenseTables:
 
     @classmethod
     def stack(cls, per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
-              device: torch.device | str, score_dtype: str = "float16", follow: int = 0) -> "GpuDenseTables":
+              device: torch.device | str, score_dtype: str = "float16") -> "GpuDenseTables":
         """Stack rows' dense tables (zero-padded to the longest N, rounded up to 16 keys so the
         score kernel can use vector loads; the kernel masks by n_ctx). score_dtype "int8"
         quantizes fp16 tables' (head, subspace, centroid) rows each with its own scale; tables
@@ -151,7 +151,7 @@ class GpuDenseTables:
         n = torch.tensor(n_ctx, dtype=torch.int32, **dev)
         return cls(torch.stack([t["centroids"] for t in per_row]).to(**dev), dense.contiguous(), scale, n,
                    torch.zeros(len(per_row), hkv, m, c, max(max_new, 1), **dev), n.clone(),
-                   torch.zeros(len(per_row), dtype=torch.int32, **dev), _no_follow(len(per_row), hkv, follow, device))
+                   torch.zeros(len(per_row), dtype=torch.int32, **dev))
 
     def insert(self, k: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
         """As GpuTables.insert."""
@@ -171,7 +171,7 @@ class GpuDenseTables:
         return cls(torch.zeros(rows, *like["centroids"].shape, dtype=like["centroids"].dtype, **dev),
                    torch.zeros(rows, hkv, m, c, n_pad, dtype=torch.int8, **dev),
                    torch.zeros(rows, hkv, m, c, **dev), n, torch.zeros(rows, hkv, m, c, max(max_new, 1), **dev),
-                   n.clone(), n.clone(), _no_follow(rows, hkv, follow, device))
+                   n.clone(), n.clone(), follow_state(rows, hkv, follow, device) if follow else None)
 
     def rows(self, start: int, end: int) -> "GpuDenseTables":
         """A view of rows [start, end) sharing storage with these tables."""
@@ -225,21 +225,18 @@ class GpuDenseTables:
             prev[:, :f] = torch.topk(probs[:, lo:hi], f, dim=-1).indices.int() + lo
 
 
-def _no_follow(rows: int, n_kv: int, follow: int, device: torch.device | str) -> torch.Tensor | None:
-    return torch.full((rows, n_kv, follow), -1, dtype=torch.int32, device=device) if follow else None
+def follow_state(rows: int, n_kv: int, follow: int, device: torch.device | str) -> torch.Tensor:
+    """GpuDenseTables.follow_prev for rows that follow nothing yet."""
+    return torch.full((rows, n_kv, follow), -1, dtype=torch.int32, device=device)
 
 
 def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
-                 device: torch.device | str, score_dtype: str = "float16",
-                 follow: int = 0) -> "GpuTables | GpuDenseTables":
-    """GPU tables of whichever layout the artifact holds (dense_score: the dense layout; only it
-    keeps follow state)."""
+                 device: torch.device | str, score_dtype: str = "float16") -> "GpuTables | GpuDenseTables":
+    """GPU tables of whichever layout the artifact holds (dense_score: the dense layout)."""
     if all("dense_score" in t for t in per_row):
-        return GpuDenseTables.stack(per_row, n_ctx, max_new, device, score_dtype, follow)
+        return GpuDenseTables.stack(per_row, n_ctx, max_new, device, score_dtype)
     if any("dense_score" in t for t in per_row):
         raise ValueError("rows mix the dense and the list table layouts")
-    if follow:
-        raise ValueError(f"follow={follow} needs the dense table layout (list_fraction=1)")
     return GpuTables.stack(per_row, n_ctx, max_new, device)
 
 

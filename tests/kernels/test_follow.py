@@ -84,7 +84,7 @@ def test_steps_with_follow_select_what_csattention_search_selects(device):
     """The prompt's seed, then steps of promotion, re-rank and update (GpuDenseTables.seed_follow,
     GpuSelector.select, Reranker's follow_out) against CSAttention.observe_dense and .search on
     the same int8 tables: the same keys each step (fp32 re-rank: the reference's order)."""
-    from ctxcache.decoder.gpu.selector import GpuSelector, stack_tables
+    from ctxcache.decoder.gpu.selector import GpuSelector, follow_state, stack_tables
     from ctxcache.methods import Budget
     from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 
@@ -102,7 +102,8 @@ def test_steps_with_follow_select_what_csattention_search_selects(device):
     method.observe_dense(state, q_pre[:, -1], k, lo, hi)
 
     sel = GpuSelector(params, 1, hq, hkv, d, n, kc_n, device)
-    tables = stack_tables([state.tables], [n], max_new=8, device=device, follow=f)
+    tables = stack_tables([state.tables], [n], max_new=8, device=device)
+    tables.follow_prev = follow_state(1, hkv, f, device)
     tables.seed_follow(0, q_pre[:, -1].to(device), k.to(device), budget)
     rr = Reranker(1, hkv, hq // hkv, kc_n, top_k, device, programs=4, follow=f)
     lens = [torch.tensor([x], dtype=torch.int32, device=device) for x in (lo, hi, top_k, kc_n, n, min(f, top_k))]
