@@ -71,6 +71,11 @@ class GpuSparseAttention:
         self.record = False
         self._step: tuple[torch.Tensor, ...] = ()
 
+    def carried(self) -> list[torch.Tensor]:
+        """What each step reads and rewrites for the next: follow's previous best keys per layer
+        (graph.carried_state)."""
+        return [t.follow_prev for t in self.tables if self.follow and t.follow_prev is not None]
+
     def _limits(self, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Budget.region, Budget.top_k and the re-rank's candidate count on the device (same
         double-precision ceil as the host), once per step."""

@@ -23,6 +23,14 @@ def forward_step(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, ca
     return model.lm_head(model.model.norm(x))[:, -1].float()
 
 
+def carried_state(attn: AttentionFn) -> list[torch.Tensor]:
+    """The tensors an attention's step reads and rewrites for the next step (CSAttention
+    follow's previous best keys): a capture's warm-up runs must leave them as they were, or
+    the first replay follows keys of steps that never happened."""
+    carried = getattr(attn, "carried", None)
+    return list(carried()) if carried is not None else []
+
+
 class GraphDecoder:
     """Greedy or logits-only decode of a batch whose cache rows may differ in length."""
 
@@ -46,14 +54,18 @@ class GraphDecoder:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture at the current lengths; the warm-up writes are overwritten by the next step."""
+        """Capture at the current lengths. The warm-up runs' cache writes are overwritten by the
+        step that follows; what a step carries to the next (carried_state) is put back."""
         self.pos.copy_(self.cache.lengths[:, None])
+        kept = [(t, t.clone()) for t in carried_state(self.attn)]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
                 self._run()
         torch.cuda.current_stream().wait_stream(s)
+        for t, before in kept:  # outside the capture: a copy inside would be replayed every step
+            t.copy_(before)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._run()

@@ -40,3 +40,32 @@ def test_lengths_changed_from_outside_are_reread(device):
     dec.lengths_changed()
     with pytest.raises(ValueError, match="cache full"):
         dec.step(tok)
+
+
+class _CountingAttention:
+    """Dense attention that counts its calls in a tensor it carries from step to step, as
+    CSAttention's follow carries its previous best keys."""
+
+    def __init__(self, inner, device: str) -> None:
+        self.inner, self.calls = inner, torch.zeros(1, dtype=torch.int32, device=device)
+
+    def carried(self) -> list[torch.Tensor]:
+        return [self.calls]
+
+    def __call__(self, layer, q, cache, pos):
+        self.calls += 1
+        return self.inner(layer, q, cache, pos)
+
+
+def test_a_capture_leaves_carried_state_as_one_step_would(device):
+    """A graph capture runs the step twice to warm up before it records it: a step's carried
+    state must advance once per step, not three times on a bucket's first step (on a GPU the
+    follow default's first replay followed keys of steps that never happened)."""
+    model = load_model("random:tiny", seed=3).model.to(device)
+    cache = model.new_cache(2, max_len=4)
+    attn = _CountingAttention(GpuDenseAttention(2, model.args.n_kv_heads, 4), device)
+    dec = GraphDecoder(model, cache, attn)
+    tok = torch.tensor([3, 5], device=device)
+    for step in (1, 2):
+        dec.step(tok)
+        assert int(attn.calls) == step * model.args.n_layers
