@@ -28,11 +28,11 @@ import triton
 import triton.language as tl
 
 from ctxcache.kernels.sync import INTERPRET
-from ctxcache.kernels.dense_select import store_keys16
 from ctxcache.kernels.follow import write_follow
-from ctxcache.kernels.topk import blocks16, radix_topk, workspace
+from ctxcache.kernels.topk import _keys16, blocks16, radix_topk, workspace
 
-BLOCK = 64  # candidate slots per inner step
+BLOCK = 64  # candidate slots per inner step of the logits
+SCORE_BLOCK = 256  # and of the scores (the key rows are padded to a multiple of it)
 NEG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (exp(NEG - NEG) is 1, not NaN)
 
 
@@ -143,6 +143,9 @@ def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, 
     m = tl.max(pm, 0)
     z = tl.sum(pl * tl.exp(pm - m[None, :]), 0)
     inv = tl.where(gmask, 1.0 / tl.maximum(z, 1e-30), 0.0)
+    # radix pass 0 of this program's keys, added to the row's histogram once at the end: one
+    # flush of 256 bins per block made the scores' launch ~30 us a layer at 32K x 8 (H100)
+    hist = tl.zeros([256], dtype=tl.int32)
     for start in range(split * BLOCK, KCP, NSPLIT * BLOCK):  # as many programs per row as the logits'
         slots = start + tl.arange(0, BLOCK)
         ok = slots < kc
@@ -152,8 +155,12 @@ def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, 
         if not KEY16:  # fp32 scores for the four-pass radix: the reference's exact order
             tl.store(key_ptr + r.to(tl.int64) * KCP + slots, tl.where(ok, score, -1.0))
         else:
-            store_keys16(tl.log2(tl.maximum(score, 1e-38)), slots, key_ptr + r.to(tl.int64) * KCP,
-                         ws_ptr + r * sws_r, 0, kc, k, HIST0=True, SMEM=False)
+            key = _keys16(tl.log2(tl.maximum(score, 1e-38)))
+            tl.store(key_ptr + r.to(tl.int64) * KCP + slots, key)
+            hist += tl.histogram((key >> 8).to(tl.int32), 256, mask=ok & (k > 0))
+    if KEY16:
+        bins = tl.arange(0, 256)
+        tl.atomic_add(ws_ptr + r * sws_r + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 class Reranker:
@@ -176,7 +183,8 @@ class Reranker:
         self.splits = max(1, min(blocks, programs // rows))  # ~2 waves of programs on 132 SMs
         self.logits = torch.empty(rows, group, kc_max, device=device)
         self.part = torch.empty(rows, self.splits, self.gp, 2, device=device)
-        self.kcp = blocks * BLOCK  # key rows padded: every score program stores whole blocks
+        self.logits_launch = {"num_warps": 4}  # Triton launch options of the logits kernel
+        self.kcp = triton.cdiv(kc_max, SCORE_BLOCK) * SCORE_BLOCK  # key rows padded: score programs store whole blocks
         self.keys16 = torch.zeros(batch, n_kv, self.kcp, dtype=torch.uint16, device=device)
         self.scores = torch.zeros(batch, n_kv, self.kcp, device=device)  # fp32 inputs: exact ranking
         self.slots = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
@@ -201,7 +209,7 @@ class Reranker:
             q, keys, cand, kc, lo, hi, n, self.logits, self.part, hkv, self.kc_max, self.splits,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), cand.stride(0), cand.stride(1),
             d ** -0.5, G=self.group, GP=self.gp, D=d, BLOCK=BLOCK, SINKS=sinks, RECENT=recent, OB=ob,
-            IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=4)
+            IEEE=q.dtype == torch.float32 or INTERPRET, **self.logits_launch)
         # bf16 / fp16 models rank by 16-bit keys (two radix launches; near-ties within ~0.3% may
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
         key16 = (q.dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
@@ -209,7 +217,7 @@ class Reranker:
         self.ws.zero_()  # the score kernel adds radix pass 0 into it (16-bit keys)
         _score_kernel[(rows, self.splits)](
             self.logits, self.part, kc, k, out, self.ws, hkv, self.kc_max, self.kcp, self.splits,
-            self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=BLOCK,
+            self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=SCORE_BLOCK,
             KEY16=key16, num_warps=4)
         if follow_out is not None:
             if self.follow_slots is None or kf is None:
