@@ -1,7 +1,7 @@
 """Garbage collection in a serving process. What is alive once the runners are warm (modules,
 the model's Python objects, the tokenizer) is frozen: no later collection scans it again, so a
 full collection costs what serving allocated since, not the whole heap, and every thread (the
-decode loop's too) stops for less. A collection slower than SLOW_GC_S is logged, so a stall in
+decode loop's too) stops for less; a stopped server thaws it (thaw). A collection slower than SLOW_GC_S is logged, so a stall in
 a stream's inter-token gaps can be matched to one."""
 
 from __future__ import annotations
@@ -30,3 +30,10 @@ def freeze_and_watch() -> None:
 
     timed.ctxcache_gc_watch = True
     gc.callbacks.append(timed)
+
+
+def thaw() -> None:
+    """Give what freeze_and_watch froze back to the collector: a stopped server's own objects
+    (its loop, servicers and runners in reference cycles) were frozen with it, and a second
+    server in the same process (the GPU serving tests) ran out of HBM beside the first's."""
+    gc.unfreeze()

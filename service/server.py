@@ -34,7 +34,7 @@ from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter
 from ctxcache.service.servicer import ContextServicer
 from ctxcache.service.warmup import warm_up
-from ctxcache.service.gc_watch import freeze_and_watch
+from ctxcache.service.gc_watch import freeze_and_watch, thaw
 from ctxcache.store import EmbeddedRegistry, ObjectStoreConfig, StoreConfig, open_store
 
 log = logging.getLogger("ctxcache.service")
@@ -177,6 +177,7 @@ class CtxcacheServer:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
         self.loop.close()
+        thaw()
 
 
 async def _make_health():
