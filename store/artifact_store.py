@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import replace
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -51,43 +49,21 @@ class ArtifactStore:
         self.stale_readers_cleared = self._env.reader_check()
         self._psize = self._env.stat()["psize"]
         self._pid = os.getpid()
-        self._write_lock = threading.Lock()  # this process's writes; _intact's second look waits for them
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(config.threads, "ctxstore")
 
     @property
     def location(self) -> str:
         return self.config.location or str(self.path.resolve())
 
-    def _short(self) -> bool:
-        return not mapped_bytes_ok(self.path / "data.mdb", self._env.info()["last_pgno"], self._psize)
-
     def _intact(self, context_id: str | None = None) -> None:
         """Before a read transaction: the file still holds every page LMDB may map (else a read
-        of a page past its end is SIGBUS); a context read answers CorruptArtifact (DATA_LOSS).
-        A short file is looked at again once this process's write in flight has committed
-        (a reader racing the writer once took a healthy store for a cut one, CorruptArtifact in
-        1 of 7 full suite runs; the cause was not found again)."""
-        if not self._short():
+        of a page past its end is SIGBUS); a context read answers CorruptArtifact (DATA_LOSS)."""
+        if mapped_bytes_ok(self.path / "data.mdb", self._env.info()["last_pgno"], self._psize):
             return
-        with self._write_lock:
-            if not self._short():
-                return
         why = "data.mdb is shorter than its meta page says (truncated while open)"
         if context_id is not None:
             raise CorruptArtifact(context_id, "data.mdb", why)
         raise StoreDamaged(f"{self.path}: {why}")
-
-    @contextmanager
-    def _writing(self) -> Iterator[lmdb.Transaction]:
-        """A write transaction of this process's, on a file that holds every page its meta
-        names: LMDB would write a cut file's new pages past the hole, and the pages in the hole
-        would then read as zeros instead of failing the truncation check."""
-        with self._write_lock:
-            if self._short():
-                raise StoreDamaged(f"{self.path}: data.mdb is shorter than its meta page says (truncated "
-                                   "while open); nothing is written to it")
-            with self._env.begin(write=True) as txn:
-                yield txn
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _live(self) -> ThreadPoolExecutor:
@@ -177,7 +153,7 @@ class ArtifactStore:
     def _write_txn(self, cid: str, chunks: Iterable[tuple[Slot, Payload]],
                    manifest: Callable[[], tuple[Manifest, bytes]], now: float) -> Manifest:
         """One transaction: the old chunks out, the new in, then the access time and manifest."""
-        with self._writing() as txn:
+        with self._env.begin(write=True) as txn:
             delete_context(txn, cid)  # replacing: drop the old chunks in the same txn
             for (layer, name), payload in chunks:
                 txn.put(ChunkKey(cid, layer, name).to_string().encode(), payload)
@@ -216,7 +192,7 @@ class ArtifactStore:
         """Remove a context (manifest, access time, chunks) in one transaction."""
         self._writable()
         check_id(context_id)
-        with self._writing() as txn:
+        with self._env.begin(write=True) as txn:
             return delete_context(txn, context_id)
 
     def evict_expired(self) -> list[str]:
@@ -248,7 +224,7 @@ class ArtifactStore:
 
     def _rewrite_meta(self, context_id: str, pinned: bool | None, ttl_s: Any,
                       labels: dict[str, str] | None) -> Manifest | None:
-        with self._writing() as txn:
+        with self._env.begin(write=True) as txn:
             m = read_manifest(txn, context_id).manifest
             if m is None:
                 return None
@@ -296,7 +272,7 @@ class ArtifactStore:
                 or now - m.last_access < self.config.access_granularity_s):
             return
         try:
-            with self._writing() as txn:
+            with self._env.begin(write=True) as txn:
                 if txn.get(ManifestKey(m.context_id).to_string().encode()) is not None:
                     txn.put(AccessKey(m.context_id).to_string().encode(), struct.pack("<d", now))
         except lmdb.MapFullError:
