@@ -14,9 +14,20 @@ from ctxcache.store.redis_registry import RedisConfig
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: every socket stays bound until all are picked (one at a time, the
+    kernel handed SeaweedFS's filer and S3 gateway the same port, and the gateway died)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def redis_binary() -> str | None:

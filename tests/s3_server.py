@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from redis_server import free_port
+from redis_server import free_ports
 
 # pyarrow's S3 reads it when it initialises; without it SeaweedFS keeps the uploads' chunk
 # trailers as data (shared/FINDINGS.md). The tier sets it too; tests set it first.
@@ -33,8 +33,9 @@ class S3Server:
 
     def __init__(self, binary: str, workdir: Path) -> None:
         self.binary, self.workdir = binary, workdir
-        self.ports = {s: free_port() for s in _SERVICES}
-        self.grpc = {s: free_port() for s in _SERVICES}
+        ports = free_ports(2 * len(_SERVICES))
+        self.ports = dict(zip(_SERVICES, ports))
+        self.grpc = dict(zip(_SERVICES, ports[len(_SERVICES):]))
         self.port = self.ports["s3"]
         self.endpoint = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
