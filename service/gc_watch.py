@@ -1,8 +1,8 @@
 """Garbage collection in a serving process. What is alive once the runners are warm (modules,
 the model's Python objects, the tokenizer) is frozen: no later collection scans it again, so a
 full collection costs what serving allocated since, not the whole heap, and every thread (the
-decode loop's too) stops for less; a stopped server thaws it (thaw). A collection slower than SLOW_GC_S is logged, so a stall in
-a stream's inter-token gaps can be matched to one."""
+decode loop's too) stops for less; a stopped server thaws it (thaw). A collection slower than
+SLOW_GC_S is logged, so a stall in a stream's inter-token gaps can be matched to one."""
 
 from __future__ import annotations
 

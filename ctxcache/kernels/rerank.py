@@ -183,7 +183,6 @@ class Reranker:
         self.splits = max(1, min(blocks, programs // rows))  # ~2 waves of programs on 132 SMs
         self.logits = torch.empty(rows, group, kc_max, device=device)
         self.part = torch.empty(rows, self.splits, self.gp, 2, device=device)
-        self.logits_launch = {"num_warps": 4}  # Triton launch options of the logits kernel
         self.kcp = triton.cdiv(kc_max, SCORE_BLOCK) * SCORE_BLOCK  # key rows padded: score programs store whole blocks
         self.keys16 = torch.zeros(batch, n_kv, self.kcp, dtype=torch.uint16, device=device)
         self.scores = torch.zeros(batch, n_kv, self.kcp, device=device)  # fp32 inputs: exact ranking
@@ -209,7 +208,7 @@ class Reranker:
             q, keys, cand, kc, lo, hi, n, self.logits, self.part, hkv, self.kc_max, self.splits,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), cand.stride(0), cand.stride(1),
             d ** -0.5, G=self.group, GP=self.gp, D=d, BLOCK=BLOCK, SINKS=sinks, RECENT=recent, OB=ob,
-            IEEE=q.dtype == torch.float32 or INTERPRET, **self.logits_launch)
+            IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=4)
         # bf16 / fp16 models rank by 16-bit keys (two radix launches; near-ties within ~0.3% may
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
         key16 = (q.dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
