@@ -65,14 +65,17 @@ class LayeredPrefill:
     layer, and a question is too short to divide by tokens."""
 
     def __init__(self, model: Transformer, tokens: torch.Tensor, start: int, cache: KVCache,
-                 attn: AttentionFn) -> None:
-        """tokens [1, T] appended at positions start..start+T-1 of the one-row cache."""
+                 attn: AttentionFn, last: torch.Tensor | None = None) -> None:
+        """tokens [1, T] appended at positions start..start+T-1 of the one-row cache; `last`
+        (int64 [1] on the device) is the token whose logits are wanted, the last one if None
+        (a prompt padded to a graph's length ends before its padding)."""
         limit = min(cache.max_len, model.args.max_seq_len)
         if start + tokens.shape[1] > limit:
             raise ValueError(f"positions up to {start + tokens.shape[1] - 1} exceed the cache/model length {limit}")
         self.model, self.cache, self.attn = model, cache, attn
         self.pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
         self.x = model.model.embed_tokens(tokens)
+        self.last = last
         self.layer = 0
 
     def run(self, layers: int) -> torch.Tensor | None:
@@ -85,7 +88,8 @@ class LayeredPrefill:
         self.layer = end
         if end < m.args.n_layers:
             return None
-        return m.lm_head(m.model.norm(self.x[:, -1:])).float()[:, -1]
+        x = self.x[:, -1:] if self.last is None else self.x.index_select(1, self.last)
+        return m.lm_head(m.model.norm(x)).float()[:, -1]
 
 
 @torch.inference_mode()

@@ -15,7 +15,7 @@ EMA_WEIGHT = 0.3
 class DeviceTimes:
     def __init__(self, device: torch.device) -> None:
         self.on = device.type == "cuda"
-        self._pending: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._pending: deque[tuple[str, torch.cuda.Event, torch.cuda.Event, int]] = deque()
         self._ms: dict[str, float] = {}
 
     def start(self) -> torch.cuda.Event | None:
@@ -26,25 +26,25 @@ class DeviceTimes:
         ev.record()
         return ev
 
-    def stop(self, kind: str, started: torch.cuda.Event | None) -> None:
-        """The work queued since `started` is one of `kind` (its time read once it has run)."""
+    def stop(self, kind: str, started: torch.cuda.Event | None, units: int = 1) -> None:
+        """The work queued since `started` is `units` of `kind` (its time read once it has run)."""
         if started is None:
             return
         ended = torch.cuda.Event(enable_timing=True)
         ended.record()
-        self._pending.append((kind, started, ended))
+        self._pending.append((kind, started, ended, units))
         if len(self._pending) > 8:  # read as they land, whether or not anyone asks
             self._harvest()
 
     def ms(self, kind: str) -> float | None:
-        """Milliseconds of one `kind` (a moving average), None before one has completed."""
+        """Milliseconds of one unit of `kind` (a moving average), None before one has completed."""
         self._harvest()
         return self._ms.get(kind)
 
     def _harvest(self) -> None:
         # one stream: the pairs complete in the order they were queued
         while self._pending and self._pending[0][2].query():
-            kind_done, started, ended = self._pending.popleft()
-            got = started.elapsed_time(ended)
+            kind_done, started, ended, units = self._pending.popleft()
+            got = started.elapsed_time(ended) / units
             old = self._ms.get(kind_done)
             self._ms[kind_done] = got if old is None else old + EMA_WEIGHT * (got - old)

@@ -28,9 +28,9 @@ from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.device_times import DeviceTimes
-from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs
-from ctxcache.decoder.gpu.slot_prefill import (PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead, eager_chunks,
-                                               layers_per_chunk)
+from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs, Replay
+from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
+                                               layers_per_chunk, padded_length, prompt_input)
 from ctxcache.decoder.inflight import LaunchedStep, StepIO
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.reference_attention import SparseConfig
@@ -130,7 +130,8 @@ class GpuRunner:
                 self.lock.notify_all()
                 raise ContextNotResident(context_id)
             try:
-                if slot.context_id != context_id:
+                loaded = slot.context_id != context_id
+                if loaded:
                     self._load(slot, context_id, art)
                 self._reset(slot)
                 if len(prompt) > 1:
@@ -138,7 +139,7 @@ class GpuRunner:
                     # runs between chunks computes this idle row's throw-away token there, never
                     # over the prompt's keys
                     self.cache.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx + len(prompt))
-                    chunks = self._prefill_chunks(slot, prompt)
+                    chunks = self._prefill_chunks(slot, prompt, loaded)
                 elif prompt:  # one new token is a decode step, as on the reference path
                     chunks = iter([self._step_rows([slot], prompt)[0]])
                 else:
@@ -167,12 +168,14 @@ class GpuRunner:
         return None if ms is None else ms / 1e3
 
     def _maker(self, row: int, n_ctx: int) -> Callable[[torch.Tensor], LayeredPrefill]:
-        """A prefill of ids [1, T] into `row` after a context of n_ctx tokens, for the engine
-        or for a graph capture (which records it: the row's contents do not matter then)."""
-        def make(ids: torch.Tensor) -> LayeredPrefill:
+        """A prefill of inputs [1, T + 1] (slot_prefill.prompt_input: T padded prompt tokens and
+        the real count) into `row` after a context of n_ctx tokens, for the engine or for a graph
+        capture (which records it: the row's contents do not matter then)."""
+        def make(inputs: torch.Tensor) -> LayeredPrefill:
+            count = inputs[0, -1:]
             attn = PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers, self.config.budget,
-                                    self.config.dense_layers)
-            return LayeredPrefill(self.lm.model, ids, n_ctx, self.cache.row(row), attn)
+                                    self.config.dense_layers, real=count.int())
+            return LayeredPrefill(self.lm.model, inputs[:, :-1], n_ctx, self.cache.row(row), attn, last=count - 1)
         return make
 
     @torch.inference_mode()
@@ -182,25 +185,33 @@ class GpuRunner:
         with self.lock:
             if any(s.busy for s in self.slots):
                 return False
-            return self.prefill_graphs.capture_seen(lambda key: self._maker(key[0], key[1]), self._per_chunk,
+            return self.prefill_graphs.capture_seen(lambda key: self._maker(key[0], key[1]),
                                                     self.lm.args.n_layers, self.device)
 
-    def _prefill_chunks(self, slot: Slot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
-        n_layers, per_chunk = self.lm.args.n_layers, self._per_chunk(len(prompt))
+    def _prefill_chunks(self, slot: Slot, prompt: list[int], loaded: bool) -> Iterator[torch.Tensor | None]:
+        """loaded: the slot was loaded for this prompt, whose stream already waits for that; its
+        prefill graph is captured now (host time a replay saves on every later question of its
+        padded length), not on the length's second use."""
+        room = min(self.cache.max_len, self.lm.args.max_seq_len) - slot.n_ctx
+        padded = padded_length(len(prompt), min(room, self.max_new - 1))
         make = self._maker(slot.index, slot.n_ctx)
+        kind = f"prefill layer {slot.n_ctx} {padded}"
         run = None
         while True:
             with self.lock, torch.inference_mode():
                 try:
                     if run is None:
-                        # pinned and non-blocking: a pageable copy would wait for the step in flight
-                        ids = torch.tensor([prompt], pin_memory=self.device.type == "cuda").to(self.device,
-                                                                                                non_blocking=True)
-                        key = (slot.index, slot.n_ctx, len(prompt))
+                        inputs = prompt_input(prompt, padded, self.device)
+                        key = (slot.index, slot.n_ctx, padded)
                         alone = not any(s.busy for s in self.slots if s is not slot)
-                        run = (self.prefill_graphs.chunks(key, ids, per_chunk, n_layers, make, may_capture=alone)
-                               or eager_chunks(make(ids), per_chunk))
-                    logits = next(run)
+                        run = (self.prefill_graphs.prefill(key, inputs, self.lm.args.n_layers, make,
+                                                           may_capture=alone or loaded, first_use=loaded)
+                               or make(inputs))
+                    replayed = isinstance(run, Replay)
+                    layers = self._chunk_layers(kind, padded) if replayed else self._per_chunk(padded)
+                    started = self.times.start() if replayed else None
+                    logits = run.run(layers)
+                    self.times.stop(kind, started, units=layers)
                 except BaseException:
                     self._forget(slot)
                     raise
@@ -210,6 +221,14 @@ class GpuRunner:
                 yield logits[0]
                 return
             yield None
+
+    def _chunk_layers(self, kind: str, padded: int) -> int:
+        """Layers of a replayed prefill to run beside the next decode step: as many as take
+        PREFILL_SHARE of that step's device time (both measured), else the token-layer rule's."""
+        layer_ms, step_ms = self.times.ms(kind), self.times.ms(f"step {self._last_bucket}")
+        if layer_ms is None or step_ms is None:
+            return self._per_chunk(padded)
+        return max(1, int(PREFILL_SHARE * step_ms / layer_ms))
 
     def _claim(self, context_id: str, check: Callable[[], None]) -> Slot:
         """A slot for the context: its idle resident slot, else an empty one, else the least

@@ -187,17 +187,20 @@ class GpuDenseTables:
         self.n_ctx[row:row + 1].fill_(n)  # no host-scalar copy (a stream sync)
         self.reset_stream(row)
 
-    def insert_span(self, row: int, keys: torch.Tensor, col: int, perm: torch.Tensor | None) -> None:
+    def insert_span(self, row: int, keys: torch.Tensor, col: int, perm: torch.Tensor | None,
+                    real: torch.Tensor | None = None) -> None:
         """Index keys [Hkv, T, D] streamed into row `row` as its columns col..col+T-1 (positions
         n_ctx + col ...; a prompt's prefill: one product per layer instead of T stream_insert
         launches); the same fp32 centroid . key-subspace scores stream_insert writes. The column
-        comes from the host, and the count is raised on the device: no host sync per layer."""
+        comes from the host, and the count is raised on the device: no host sync per layer.
+        `real` (int32 [1], device): only the first `real` keys count (a prompt padded to a
+        graph's length; the padding's columns are overwritten by the stream's own keys)."""
         hkv, t, d = keys.shape
         cent = self.centroids[row].float()  # [Hkv, m, C, d_b]
         m, db = cent.shape[1], cent.shape[3]
         k = (keys[..., perm] if perm is not None else keys).float().view(hkv, t, m, db)
         self.new_scores[row, ..., col:col + t] = torch.einsum("hmcd,htmd->hmct", cent, k)
-        self.stream_count[row:row + 1].clamp_(min=col + t)
+        self.stream_count[row:row + 1].clamp_(min=col + t if real is None else real + col)
 
     def reset_stream(self, row: int) -> None:
         """Forget the keys streamed into row `row` after its context (a new stream starts)."""
@@ -206,30 +209,37 @@ class GpuDenseTables:
         if self.follow_prev is not None:
             self.follow_prev[row].fill_(-1)  # a new stream follows nothing until its prefill seeds it
 
-    def seed_follow(self, row: int, q: torch.Tensor, keys: torch.Tensor, budget: Budget) -> None:
+    def seed_follow(self, row: int, q: torch.Tensor, keys: torch.Tensor, budget: Budget,
+                    padded: "SeedPadding | None" = None) -> None:
         """The prompt's last query q [Hq, D] over the row's keys [Hkv, n, D]: its `follow` best
         keys in the budget's region by exact attention stand in for a previous step's re-rank
-        (CSAttention.observe_dense; host-known lengths, so a prefill graph can hold it)."""
+        (CSAttention.observe_dense). `padded`: the last keys pad a prompt to its graph's length;
+        the region's bounds come from the device, so a prefill graph replays for any prompt
+        length it was padded to."""
         if self.follow_prev is None:
             return
-        lo, hi = budget.region(keys.shape[1])
         prev = self.follow_prev[row]
         prev.fill_(-1)
-        f = min(prev.shape[-1], hi - lo)
-        if f > 0:
-            hkv, n, d = keys.shape
-            # the logits in the keys' dtype (a bf16 GEMM accumulates in fp32): group_probabilities
-            # copies the keys to fp32 first, 134 MB a layer at 32K and Llama-3.1-8B's shapes
-            logits = torch.matmul(q.view(hkv, -1, d).to(keys.dtype), keys.transpose(1, 2)).float() * d ** -0.5
-            # [Hkv, n] as group_probabilities(q, keys).sum(1), in rows padded to 16 keys (one
-            # compiled shape of the radix kernels whatever the length)
-            probs = F.pad(logits.softmax(-1).sum(1), (0, -n % 16))
-            # the radix Top-K: torch.topk of 128 over 8 rows of 32K took ~0.7 ms a layer on the
-            # H100 (one block a row), 22 ms of a hot TTFT at 32K over 32 layers
-            bounds, ws = self._seed_buffers()
-            for i, v in enumerate((lo, hi, f)):
+        hkv, n, d = keys.shape
+        lo, hi = budget.region(n)
+        if min(prev.shape[-1], hi - lo) <= 0:  # (the real keys' region is no larger)
+            return
+        # the logits in the keys' dtype (a bf16 GEMM accumulates in fp32): group_probabilities
+        # copies the keys to fp32 first, 134 MB a layer at 32K and Llama-3.1-8B's shapes
+        logits = torch.matmul(q.view(hkv, -1, d).to(keys.dtype), keys.transpose(1, 2)).float() * d ** -0.5
+        bounds, ws = self._seed_buffers()
+        if padded is None:
+            for i, v in enumerate((lo, hi, min(prev.shape[-1], hi - lo))):
                 bounds[i:i + 1].fill_(v)  # no host-scalar copy (a stream sync)
-            radix_topk(probs[None], bounds[0:1], bounds[1:2], bounds[2:3], prev[None], ws)
+        else:  # the padding's keys weigh nothing (they sit after the real ones, past the region)
+            bounds = padded.bounds
+            logits[..., n - padded.mask.shape[0]:].masked_fill_(padded.mask, float("-inf"))
+        # [Hkv, n] as group_probabilities(q, keys).sum(1), in rows padded to 16 keys (one
+        # compiled shape of the radix kernels whatever the length)
+        probs = F.pad(logits.softmax(-1).sum(1), (0, -n % 16))
+        # the radix Top-K: torch.topk of 128 over 8 rows of 32K took ~0.7 ms a layer on the
+        # H100 (one block a row), 22 ms of a hot TTFT at 32K over 32 layers
+        radix_topk(probs[None], bounds[0:1], bounds[1:2], bounds[2:3], prev[None], ws)
 
     def _seed_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """seed_follow's region bounds and radix workspace (made on first use, before any prefill
@@ -238,6 +248,24 @@ class GpuDenseTables:
             dev = self.follow_prev.device
             self._seed = (torch.zeros(3, dtype=torch.int32, device=dev), workspace(self.follow_prev.shape[1], dev))
         return self._seed
+
+
+@dataclass(frozen=True)
+class SeedPadding:
+    """A padded prompt's seed inputs on the device, once per prompt: the region's bounds (lo,
+    hi, follow count; int32 [3]) over its real keys, and which of the prompt's slots pad it."""
+
+    bounds: torch.Tensor
+    mask: torch.Tensor  # bool [padded prompt length]: True where a slot is padding
+
+    @classmethod
+    def of(cls, n_ctx: int, real: torch.Tensor, padded_len: int, budget: Budget, follow: int) -> "SeedPadding":
+        """real: the prompt's real tokens (int32 [1], device)."""
+        n = real + n_ctx
+        lo = n.clamp(max=budget.sinks)
+        hi = torch.maximum(lo, n - budget.recent)
+        bounds = torch.cat([lo, hi, (hi - lo).clamp(max=follow)]).to(torch.int32)
+        return cls(bounds, torch.arange(padded_len, device=real.device) >= real)
 
 
 def follow_state(rows: int, n_kv: int, follow: int, device: torch.device | str) -> torch.Tensor:

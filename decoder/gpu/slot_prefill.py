@@ -3,34 +3,53 @@ its chunks), and the head a resident context's next stream starts from."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import torch
 
 from ctxcache.artifact import ContextArtifact, LayerArtifact
-from ctxcache.decoder.gpu.selector import GpuDenseTables
-from ctxcache.generation import LayeredPrefill
+from ctxcache.decoder.gpu.selector import GpuDenseTables, SeedPadding
 from ctxcache.methods.budget import Budget
 from ctxcache.models.attention import appended_attention
 
-# prompt tokens x layers a prefill chunk may carry beside one decode step: a 20-token question
-# over 32 layers goes in two chunks. Each chunk lands on one step of the others, each chunk after
-# the first costs the joiner a step (H100, 32K x 7 decoding, one chunk: joiner TTFT p50 42 / 55
-# ms sparse / dense, but the others' ITL p99 2.05x their median in sparse mode, over the 2x bar)
+# prompt tokens x layers an eager prefill chunk may carry beside one decode step: a 20-token
+# question over 32 layers goes in two chunks. Each chunk lands on one step of the others, each
+# chunk after the first costs the joiner a step (H100, 32K x 7 decoding, one chunk: joiner TTFT
+# p50 42 / 55 ms sparse / dense, but the others' ITL p99 2.05x their median in sparse mode)
 PREFILL_TOKEN_LAYERS = 512
+# a replayed prefill's chunk takes at most this share of a decode step's device time (measured,
+# both): the decoding streams' gap is then at most ~1.7 steps, and a prefill that fits goes in
+# one chunk (H100, 32K x 7, dense: one chunk; sparse, whose prefill also seeds follow: two)
+PREFILL_SHARE = 0.7
+
+
+# a prompt is padded to a multiple of this many tokens: one prefill graph then replays every
+# question of 17..32 tokens on a resident context, where a graph per exact length was captured
+# only on that length's second use (H100, 32K x 7 decoding: each eager chunk cost ~20 ms of host
+# time for ~6 ms of GPU time, and every joiner ran eagerly)
+PAD_TO = 16
+
+
+def padded_length(tokens: int, room: int) -> int:
+    """A prompt's length padded to a multiple of PAD_TO, or its own where `room` (the most the
+    slot and its index overlay take) is smaller."""
+    padded = -(-tokens // PAD_TO) * PAD_TO
+    return padded if padded <= room else tokens
+
+
+def prompt_input(prompt: list[int], padded: int, device: torch.device) -> torch.Tensor:
+    """A prefill's one input on the device, int64 [1, padded + 1]: the prompt, its padding
+    (token 0), then its real length. Pinned and non-blocking: a pageable copy would wait for the
+    decode step in flight."""
+    host = torch.tensor([prompt + [0] * (padded - len(prompt)) + [len(prompt)]],
+                        pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def layers_per_chunk(tokens: int, n_layers: int, token_layers: int) -> int:
     """Layers per prefill chunk: as even as chunks of at most `token_layers` allow."""
     chunks = -(-tokens * n_layers // token_layers)
     return -(-n_layers // chunks)
-
-
-def eager_chunks(prefill: LayeredPrefill, per_chunk: int) -> Iterator[torch.Tensor | None]:
-    while (logits := prefill.run(per_chunk)) is None:
-        yield None
-    yield logits
 
 
 @dataclass
@@ -51,20 +70,36 @@ class PrefillAttention:
     row's length is known on the host (the context's, plus the prompt tokens each layer has
     seen), so attention spans exactly the keys written, with no device read of the positions.
     With CSAttention's follow, the prompt's last query seeds each sparse layer's follow state
-    (GpuDenseTables.seed_follow, under `budget`)."""
+    (GpuDenseTables.seed_follow, under `budget`).
+
+    `real` (int32 [1], device): the prompt is padded to a graph's length (its last slots pad
+    it, after every real token: causal attention keeps them out of the real tokens' outputs);
+    only the first `real` of its keys are indexed and seeded from."""
 
     def __init__(self, tables: list[GpuDenseTables] | None, row: int, n_ctx: int, perm: torch.Tensor | None,
-                 layers: int, budget: Budget | None = None, dense_layers: tuple[int, ...] = ()) -> None:
+                 layers: int, budget: Budget | None = None, dense_layers: tuple[int, ...] = (),
+                 real: torch.Tensor | None = None) -> None:
         self.tables, self.row, self.n_ctx, self.perm = tables, row, n_ctx, perm
-        self.budget, self.dense_layers = budget, dense_layers
+        self.budget, self.dense_layers, self.real = budget, dense_layers, real
         self._done = [0] * layers  # prompt tokens each layer has attended so far
+        self._padding: SeedPadding | None = None  # made by the first seeded layer
 
     def __call__(self, layer: int, q: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
         t, col = q.shape[2], self._done[layer]
         self._done[layer] += t
         first = self.n_ctx + col
         if self.tables is not None:
-            self.tables[layer].insert_span(self.row, cache.k[layer][0, :, first:first + t], col, self.perm)
+            self.tables[layer].insert_span(self.row, cache.k[layer][0, :, first:first + t], col, self.perm, self.real)
             if self.budget is not None and layer not in self.dense_layers:
-                self.tables[layer].seed_follow(self.row, q[0, :, -1], cache.k[layer][0, :, :first + t], self.budget)
+                self._seed(layer, q, cache.k[layer][0, :, :first + t])
         return appended_attention(q, cache.k[layer][:, :, :first + t], cache.v[layer][:, :, :first + t])
+
+    def _seed(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
+        table = self.tables[layer]
+        if self.real is None:
+            table.seed_follow(self.row, q[0, :, -1], keys, self.budget)
+            return
+        if self._padding is None and table.follow_prev is not None:
+            self._padding = SeedPadding.of(self.n_ctx, self.real, q.shape[2], self.budget, table.follow_prev.shape[-1])
+        last = q[0].index_select(1, (self.real - 1).long())[:, 0]  # the last real token's query
+        table.seed_follow(self.row, last, keys, self.budget, self._padding)

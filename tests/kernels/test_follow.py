@@ -126,3 +126,30 @@ def test_steps_with_follow_select_what_csattention_search_selects(device):
         for h in range(hkv):
             assert set(got[0, h, :top_k].tolist()) == set(want[h].tolist()), (step, h)
     assert changed  # the promotion moved candidates: this test saw follow at work
+
+
+def test_a_padded_prompt_seeds_what_its_real_tokens_seed(device):
+    """seed_follow over a prompt padded to its graph's length (SeedPadding: device bounds, the
+    padding's keys masked) picks the unpadded prompt's keys, even where one query head's whole
+    attention would go to the padding."""
+    from ctxcache.decoder.gpu.selector import SeedPadding, follow_state, stack_tables
+    from ctxcache.methods import Budget
+    from ctxcache.methods.csattention import CSAttention, CSAttentionParams
+
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, n, f, real, padded = 8, 2, 32, 600, 8, 5, 16
+    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, routing="group", table_dtype="int8",
+                               rerank=4.0, follow=f)
+    q, k = torch.randn(hq, n, d, generator=gen), torch.randn(hkv, n, d, generator=gen)
+    state = CSAttention(params).open(CSAttention(params).build(q, k, k))
+    budget = Budget(keep=0.05, sinks=4, recent=8)
+    seeds = []
+    for keys, padding in ((k, None), (torch.cat([k, 40 * q[None, 0, -1].expand(hkv, padded - real, d)], 1), True)):
+        tables = stack_tables([state.tables], [n - real], max_new=32, device=device)
+        tables.follow_prev = follow_state(1, hkv, f, device)
+        if padding:
+            count = torch.tensor([real], dtype=torch.int32, device=device)
+            padding = SeedPadding.of(n - real, count, padded, budget, f)
+        tables.seed_follow(0, q[:, -1].to(device), keys.to(device), budget, padding)
+        seeds.append([set(row.tolist()) for row in tables.follow_prev[0].cpu()])
+    assert seeds[0] == seeds[1]

@@ -1,0 +1,48 @@
+"""A question's prefill padded to its graph's length (slot_prefill.PAD_TO) computes what the
+unpadded prefill computes: the first logits, the indexed keys' count and follow's seed. On the
+CPU the prefill runs eagerly (the radix Top-K interpreted); on a GPU the padded prefill is also
+what a replayed graph runs."""
+
+import pytest
+import torch
+
+from ctxcache.decoder.gpu import slot_prefill
+from ctxcache.decoder.gpu.runner import GpuRunner
+from ctxcache.decoder.reference_attention import SparseConfig
+from ctxcache.indexer import IndexerConfig, build_artifact
+from ctxcache.methods import Budget, make_method
+from ctxcache.models.loader import load_model
+
+CONFIG = SparseConfig(Budget(0.1, 2, 8))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpu_lm = load_model("random:tiny", seed=3)
+    method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 4.0, "follow": 8})
+    tokens = torch.randint(0, cpu_lm.args.vocab_size, (130,), generator=torch.Generator().manual_seed(7))
+    art = build_artifact(cpu_lm, tokens, method, IndexerConfig(kv_dtype="float32", progress=False))
+    return load_model("random:tiny", seed=3, device=device), method, art
+
+
+def _prefill(lm, method, art, prompt):
+    runner = GpuRunner(lm, method.params, CONFIG, slots=1, max_len=256, max_new=64, use_graph=False)
+    row, logits = runner.admit("c", art, prompt, CONFIG, 8)
+    tables = runner.tables
+    return (logits.cpu(), [int(t.stream_count[0]) for t in tables],
+            [t.follow_prev[0].sort(-1).values.cpu() for t in tables], int(runner.cache.lengths[0]), row.length)
+
+
+@pytest.mark.parametrize("tokens", [5, 16, 17])
+def test_a_padded_prompt_prefills_as_its_unpadded_self(setup, tokens, monkeypatch):
+    lm, method, art = setup
+    prompt = list(range(40, 40 + tokens))
+    padded = _prefill(lm, method, art, prompt)
+    monkeypatch.setattr(slot_prefill, "PAD_TO", 1)
+    plain = _prefill(lm, method, art, prompt)
+    torch.testing.assert_close(padded[0], plain[0], rtol=1e-4, atol=1e-4)
+    assert padded[1] == plain[1] == [tokens] * lm.args.n_layers  # the padding is not indexed
+    for p, q in zip(padded[2], plain[2]):
+        assert torch.equal(p, q)  # follow seeded from the last real token, padding excluded
+    assert padded[3:] == plain[3:] == (130 + tokens, 130 + tokens)
