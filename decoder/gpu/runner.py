@@ -209,9 +209,9 @@ class GpuRunner:
                                or make(inputs))
                     replayed = isinstance(run, Replay)
                     layers = self._chunk_layers(kind, padded) if replayed else self._per_chunk(padded)
-                    started = self.times.start() if replayed else None
+                    started, before = self.times.start() if replayed else None, run.layer
                     logits = run.run(layers)
-                    self.times.stop(kind, started, units=layers)
+                    self.times.stop(kind, started, units=run.layer - before)  # the last chunk runs fewer
                 except BaseException:
                     self._forget(slot)
                     raise
