@@ -16,6 +16,7 @@ dense mode: split-K attention over every cached key (the same engine with every 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -208,7 +209,7 @@ class GpuRunner:
                                                            may_capture=alone or loaded, first_use=loaded)
                                or make(inputs))
                     replayed = isinstance(run, Replay)
-                    layers = self._chunk_layers(kind, padded) if replayed else self._per_chunk(padded)
+                    layers = self._chunk_layers(kind, padded, run.layer) if replayed else self._per_chunk(padded)
                     started, before = self.times.start() if replayed else None, run.layer
                     logits = run.run(layers)
                     self.times.stop(kind, started, units=run.layer - before)  # the last chunk runs fewer
@@ -222,13 +223,17 @@ class GpuRunner:
                 return
             yield None
 
-    def _chunk_layers(self, kind: str, padded: int) -> int:
-        """Layers of a replayed prefill to run beside the next decode step: as many as take
-        PREFILL_SHARE of that step's device time (both measured), else the token-layer rule's."""
+    def _chunk_layers(self, kind: str, padded: int, done: int) -> int:
+        """Layers of a replayed prefill to run beside the next decode step, `done` of them run:
+        as few even chunks as keep each within PREFILL_SHARE of that step's device time (both
+        measured; each chunk after the first costs the stream a step), else the token-layer
+        rule's."""
         layer_ms, step_ms = self.times.ms(kind), self.times.ms(f"step {self._last_bucket}")
         if layer_ms is None or step_ms is None:
             return self._per_chunk(padded)
-        return max(1, int(PREFILL_SHARE * step_ms / layer_ms))
+        left = self.lm.args.n_layers - done
+        chunks = max(1, math.ceil(left * layer_ms / (PREFILL_SHARE * step_ms)))
+        return -(-left // chunks)
 
     def _claim(self, context_id: str, check: Callable[[], None]) -> Slot:
         """A slot for the context: its idle resident slot, else an empty one, else the least

@@ -17,10 +17,12 @@ from ctxcache.models.attention import appended_attention
 # chunk after the first costs the joiner a step (H100, 32K x 7 decoding, one chunk: joiner TTFT
 # p50 42 / 55 ms sparse / dense, but the others' ITL p99 2.05x their median in sparse mode)
 PREFILL_TOKEN_LAYERS = 512
-# a replayed prefill's chunk takes at most this share of a decode step's device time (measured,
-# both): the decoding streams' gap is then at most ~1.7 steps, and a prefill that fits goes in
-# one chunk (H100, 32K x 7, dense: one chunk; sparse, whose prefill also seeds follow: two)
-PREFILL_SHARE = 0.7
+# a replayed prefill's chunk takes at most this share of a decode step's device time (both
+# measured), in as few even chunks as that allows: each chunk after the first costs the joiner a
+# step. H100, 32K x 7 decoding, through gRPC: at 0.7 the sparse prefill (21 ms: it also seeds
+# follow) took 3 chunks and the joiner 61 ms; at 0.85, 2 chunks, 49 ms, the others' ITL p99
+# 1.88x their median (dense: one chunk, 37 ms, 1.75x)
+PREFILL_SHARE = 0.85
 
 
 # a prompt is padded to a multiple of this many tokens: one prefill graph then replays every
