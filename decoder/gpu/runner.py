@@ -174,8 +174,8 @@ class GpuRunner:
         capture (which records it: the row's contents do not matter then)."""
         def make(inputs: torch.Tensor) -> LayeredPrefill:
             count = inputs[0, -1:]
-            attn = PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers, self.config.budget,
-                                    self.config.dense_layers, real=count.int())
+            attn = PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers, count.int(),
+                                    self.config.budget, self.config.dense_layers)
             return LayeredPrefill(self.lm.model, inputs[:, :-1], n_ctx, self.cache.row(row), attn, last=count - 1)
         return make
 

@@ -188,19 +188,19 @@ class GpuDenseTables:
         self.reset_stream(row)
 
     def insert_span(self, row: int, keys: torch.Tensor, col: int, perm: torch.Tensor | None,
-                    real: torch.Tensor | None = None) -> None:
+                    real: torch.Tensor) -> None:
         """Index keys [Hkv, T, D] streamed into row `row` as its columns col..col+T-1 (positions
         n_ctx + col ...; a prompt's prefill: one product per layer instead of T stream_insert
         launches); the same fp32 centroid . key-subspace scores stream_insert writes. The column
         comes from the host, and the count is raised on the device: no host sync per layer.
-        `real` (int32 [1], device): only the first `real` keys count (a prompt padded to a
-        graph's length; the padding's columns are overwritten by the stream's own keys)."""
+        Only the first `real` (int32 [1], device) keys count: a prompt is padded to its graph's
+        length, and the padding's columns are overwritten by the stream's own keys."""
         hkv, t, d = keys.shape
         cent = self.centroids[row].float()  # [Hkv, m, C, d_b]
         m, db = cent.shape[1], cent.shape[3]
         k = (keys[..., perm] if perm is not None else keys).float().view(hkv, t, m, db)
         self.new_scores[row, ..., col:col + t] = torch.einsum("hmcd,htmd->hmct", cent, k)
-        self.stream_count[row:row + 1].clamp_(min=col + t if real is None else real + col)
+        self.stream_count[row:row + 1].clamp_(min=real + col)
 
     def reset_stream(self, row: int) -> None:
         """Forget the keys streamed into row `row` after its context (a new stream starts)."""

@@ -74,13 +74,13 @@ class PrefillAttention:
     With CSAttention's follow, the prompt's last query seeds each sparse layer's follow state
     (GpuDenseTables.seed_follow, under `budget`).
 
-    `real` (int32 [1], device): the prompt is padded to a graph's length (its last slots pad
-    it, after every real token: causal attention keeps them out of the real tokens' outputs);
-    only the first `real` of its keys are indexed and seeded from."""
+    The prompt is padded to a graph's length (slot_prefill.PAD_TO; its last slots pad it, after
+    every real token: causal attention keeps them out of the real tokens' outputs); only the
+    first `real` (int32 [1], device) of its keys are indexed and seeded from."""
 
     def __init__(self, tables: list[GpuDenseTables] | None, row: int, n_ctx: int, perm: torch.Tensor | None,
-                 layers: int, budget: Budget | None = None, dense_layers: tuple[int, ...] = (),
-                 real: torch.Tensor | None = None) -> None:
+                 layers: int, real: torch.Tensor, budget: Budget | None = None,
+                 dense_layers: tuple[int, ...] = ()) -> None:
         self.tables, self.row, self.n_ctx, self.perm = tables, row, n_ctx, perm
         self.budget, self.dense_layers, self.real = budget, dense_layers, real
         self._done = [0] * layers  # prompt tokens each layer has attended so far
@@ -98,9 +98,6 @@ class PrefillAttention:
 
     def _seed(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
         table = self.tables[layer]
-        if self.real is None:
-            table.seed_follow(self.row, q[0, :, -1], keys, self.budget)
-            return
         if self._padding is None and table.follow_prev is not None:
             self._padding = SeedPadding.of(self.n_ctx, self.real, q.shape[2], self.budget, table.follow_prev.shape[-1])
         last = q[0].index_select(1, (self.real - 1).long())[:, 0]  # the last real token's query
