@@ -28,6 +28,7 @@ from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
+from ctxcache.decoder.gpu.warm_up import warm_up_runner
 from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs, Replay
 from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
@@ -173,10 +174,9 @@ class GpuRunner:
         the real count) into `row` after a context of n_ctx tokens, for the engine or for a graph
         capture (which records it: the row's contents do not matter then)."""
         def make(inputs: torch.Tensor) -> LayeredPrefill:
-            count = inputs[0, -1:]
-            attn = PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers, count.int(),
+            attn = PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers, inputs[0, -1:].int(),
                                     self.config.budget, self.config.dense_layers)
-            return LayeredPrefill(self.lm.model, inputs[:, :-1], n_ctx, self.cache.row(row), attn, last=count - 1)
+            return LayeredPrefill(self.lm.model, inputs[:, :-1], n_ctx, self.cache.row(row), attn, last=attn.last)
         return make
 
     @torch.inference_mode()
@@ -333,44 +333,9 @@ class GpuRunner:
             s.length += 1
         return logits[[s.index for s in rows]]  # a copy: the graph's buffer is reused
 
-    @torch.inference_mode()
     def warm_up(self, arts: list[ContextArtifact]) -> None:
-        """Compile every kernel and capture every bucket's graph before serving: each artifact
-        loaded into every slot under prompts of 16 and 17 tokens (the prefill's specializations;
-        one token is a decode step), then per bucket one launched and one synchronous step."""
-        ids = [f"warm-up:{i}" for i in range(len(self.slots))]
-        arts = [art for art in arts if self.accepts(art, self.config, 17 + 8)]  # slots too small skip them
-        for a, art in enumerate(arts):
-            rows, first = [], None
-            try:
-                for i, cid in enumerate(ids):
-                    prompt = list(range(3, 3 + (16, 17)[(a + i) % 2]))
-                    row, logits = self.admit(cid, art, prompt, self.config, 8)
-                    rows.append(row)
-                    first = logits if i == 0 else first
-                for b in self.buckets if a == 0 else ():
-                    self.launch(rows[:b], [5] * b).result()
-                    self.step(rows[:b], [5] * b)
-                if a == 0:
-                    self._check_prefill_graph(ids[0], art, rows, first)
-            finally:
-                for row in rows:
-                    self.release(row)
-                for cid in ids:
-                    self.evict(cid)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def _check_prefill_graph(self, cid: str, art: ContextArtifact, rows: list[Slot], eager: torch.Tensor) -> None:
-        """Slot 0's prompt again (its prefill graph captured, then replayed): the logits must
-        equal the eager prefill's bit for bit, else every prefill stays eager (logged)."""
-        prompt = list(range(3, 19))
-        for _ in range(2):
-            self.release(rows[0])
-            rows[0], replayed = self.admit(cid, art, prompt, self.config, 8)
-            if not torch.equal(replayed, eager) and not self.prefill_graphs.broken:
-                self.prefill_graphs.broken = True
-                _log.warning("a replayed prefill graph's logits differ from the eager prefill's: prefills stay eager")
+        """Every kernel compiled and every bucket's graph captured before serving (warm_up.py)."""
+        warm_up_runner(self, arts)
 
     def cache_full(self, row: Slot) -> bool:
         """Full when the row's cache is, or when its index overlay holds max_new streamed keys."""

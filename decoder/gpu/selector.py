@@ -22,6 +22,7 @@ the prompt's prefill: seed_follow); the selector raises their successors above e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,9 @@ from ctxcache.kernels.topk import MAX_ROW, blocks16, radix_topk, workspace
 from ctxcache.methods.budget import Budget
 from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
 from ctxcache.methods.int8_tables import quantize_rows
+
+if TYPE_CHECKING:
+    from ctxcache.decoder.gpu.slot_prefill import SeedPadding
 
 
 def check_params(p: CSAttentionParams) -> None:
@@ -210,7 +214,7 @@ class GpuDenseTables:
             self.follow_prev[row].fill_(-1)  # a new stream follows nothing until its prefill seeds it
 
     def seed_follow(self, row: int, q: torch.Tensor, keys: torch.Tensor, budget: Budget,
-                    padded: "SeedPadding | None" = None) -> None:
+                    padded: SeedPadding | None = None) -> None:
         """The prompt's last query q [Hq, D] over the row's keys [Hkv, n, D]: its `follow` best
         keys in the budget's region by exact attention stand in for a previous step's re-rank
         (CSAttention.observe_dense). `padded`: the last keys pad a prompt to its graph's length;
@@ -248,24 +252,6 @@ class GpuDenseTables:
             dev = self.follow_prev.device
             self._seed = (torch.zeros(3, dtype=torch.int32, device=dev), workspace(self.follow_prev.shape[1], dev))
         return self._seed
-
-
-@dataclass(frozen=True)
-class SeedPadding:
-    """A padded prompt's seed inputs on the device, once per prompt: the region's bounds (lo,
-    hi, follow count; int32 [3]) over its real keys, and which of the prompt's slots pad it."""
-
-    bounds: torch.Tensor
-    mask: torch.Tensor  # bool [padded prompt length]: True where a slot is padding
-
-    @classmethod
-    def of(cls, n_ctx: int, real: torch.Tensor, padded_len: int, budget: Budget, follow: int) -> "SeedPadding":
-        """real: the prompt's real tokens (int32 [1], device)."""
-        n = real + n_ctx
-        lo = n.clamp(max=budget.sinks)
-        hi = torch.maximum(lo, n - budget.recent)
-        bounds = torch.cat([lo, hi, (hi - lo).clamp(max=follow)]).to(torch.int32)
-        return cls(bounds, torch.arange(padded_len, device=real.device) >= real)
 
 
 def follow_state(rows: int, n_kv: int, follow: int, device: torch.device | str) -> torch.Tensor:

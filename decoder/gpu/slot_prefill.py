@@ -8,7 +8,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from ctxcache.artifact import ContextArtifact, LayerArtifact
-from ctxcache.decoder.gpu.selector import GpuDenseTables, SeedPadding
+from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.kernels.split_k_attention import region
 from ctxcache.methods.budget import Budget
 from ctxcache.models.attention import appended_attention
 
@@ -67,6 +68,22 @@ class ResidentHead(ContextArtifact):
         return cls(**{f.name: getattr(art, f.name) for f in fields(art)} | {"layers": [shell]})
 
 
+@dataclass(frozen=True)
+class SeedPadding:
+    """A padded prompt's seed inputs on the device, once per prompt: the region's bounds (lo,
+    hi, follow count; int32 [3]) over its real keys, and which of the prompt's slots pad it."""
+
+    bounds: torch.Tensor
+    mask: torch.Tensor  # bool [padded prompt length]: True where a slot is padding
+
+    @classmethod
+    def of(cls, n_ctx: int, real: torch.Tensor, padded_len: int, budget: Budget, follow: int) -> "SeedPadding":
+        """real: the prompt's real tokens (int32 [1], device)."""
+        lo, hi = region(real + n_ctx, budget.sinks, budget.recent)
+        bounds = torch.cat([lo, hi, (hi - lo).clamp(max=follow)]).to(torch.int32)
+        return cls(bounds, torch.arange(padded_len, device=real.device) >= real)
+
+
 class PrefillAttention:
     """Dense attention for a slot's prompt prefill that also indexes the new keys (sparse). The
     row's length is known on the host (the context's, plus the prompt tokens each layer has
@@ -83,6 +100,7 @@ class PrefillAttention:
                  dense_layers: tuple[int, ...] = ()) -> None:
         self.tables, self.row, self.n_ctx, self.perm = tables, row, n_ctx, perm
         self.budget, self.dense_layers, self.real = budget, dense_layers, real
+        self.last = (real - 1).long()  # the last real token (its query seeds; its logits are the prompt's)
         self._done = [0] * layers  # prompt tokens each layer has attended so far
         self._padding: SeedPadding | None = None  # made by the first seeded layer
 
@@ -100,5 +118,4 @@ class PrefillAttention:
         table = self.tables[layer]
         if self._padding is None and table.follow_prev is not None:
             self._padding = SeedPadding.of(self.n_ctx, self.real, q.shape[2], self.budget, table.follow_prev.shape[-1])
-        last = q[0].index_select(1, (self.real - 1).long())[:, 0]  # the last real token's query
-        table.seed_follow(self.row, last, keys, self.budget, self._padding)
+        table.seed_follow(self.row, q[0].index_select(1, self.last)[:, 0], keys, self.budget, self._padding)

@@ -132,7 +132,8 @@ def test_a_padded_prompt_seeds_what_its_real_tokens_seed(device):
     """seed_follow over a prompt padded to its graph's length (SeedPadding: device bounds, the
     padding's keys masked) picks the unpadded prompt's keys, even where one query head's whole
     attention would go to the padding."""
-    from ctxcache.decoder.gpu.selector import SeedPadding, follow_state, stack_tables
+    from ctxcache.decoder.gpu.selector import follow_state, stack_tables
+    from ctxcache.decoder.gpu.slot_prefill import SeedPadding
     from ctxcache.methods import Budget
     from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 
