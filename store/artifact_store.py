@@ -27,7 +27,7 @@ from ctxcache.store.chunk_io import ChunkStream, Payload, decode_chunks, encode_
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch, StoreClosed, StoreError, StoreFull
 from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id, prefix
-from ctxcache.store.lmdb_file import StoreDamaged, check_data_file, mapped_bytes_ok
+from ctxcache.store.lmdb_file import StoreDamaged, check_data_file, still_whole
 from ctxcache.store.layout import QUERY_CHUNK, Slot, chunk_tensors
 from ctxcache.store.manifest import READABLE_STORE_FORMATS, ContextMeta, Manifest
 from ctxcache.store.txn_ops import (ManifestRead, delete_context, read_manifest, scan_manifests,
@@ -40,14 +40,13 @@ class ArtifactStore:
         self.path, self.config, self._clock = Path(path), config, clock
         if not config.readonly:
             self.path.mkdir(parents=True, exist_ok=True)
-        check_data_file(self.path)  # a truncated data.mdb would SIGBUS on its first missing page
+        self._size_seen = check_data_file(self.path)  # a truncated data.mdb would SIGBUS
         if config.pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA (page-locked memory is CUDA's host allocator)")
         self._env = lmdb.open(str(self.path), map_size=config.map_size_bytes, subdir=True,
                               max_readers=config.max_readers, readonly=config.readonly,
                               sync=config.sync, metasync=config.sync, lock=True, max_dbs=0)
         self.stale_readers_cleared = self._env.reader_check()
-        self._psize = self._env.stat()["psize"]
         self._pid = os.getpid()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(config.threads, "ctxstore")
 
@@ -56,11 +55,14 @@ class ArtifactStore:
         return self.config.location or str(self.path.resolve())
 
     def _intact(self, context_id: str | None = None) -> None:
-        """Before a read transaction: the file still holds every page LMDB may map (else a read
-        of a page past its end is SIGBUS); a context read answers CorruptArtifact (DATA_LOSS)."""
-        if mapped_bytes_ok(self.path / "data.mdb", self._env.info()["last_pgno"], self._psize):
+        """Before a read transaction: the file is no smaller than it was seen before (LMDB only
+        grows it, and a read of a page cut off its end is SIGBUS); a context read answers
+        CorruptArtifact (DATA_LOSS)."""
+        size = still_whole(self.path / "data.mdb", self._size_seen)
+        if size is not None:
+            self._size_seen = max(self._size_seen, size)
             return
-        why = "data.mdb is shorter than its meta page says (truncated while open)"
+        why = "data.mdb is shorter than it was seen before (truncated while open)"
         if context_id is not None:
             raise CorruptArtifact(context_id, "data.mdb", why)
         raise StoreDamaged(f"{self.path}: {why}")
