@@ -1,0 +1,114 @@
+"""Per-layer question prefill on a resident context: what admission adds to the decode steps.
+
+Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16), one layer, a
+prompt padded to `--tokens` (slot_prefill.PAD_TO) over random K/V: the prefill attention through
+SDPA (lower-right causal, GQA: each query head reads its KV head's keys) and through the packed
+path (models/packed_attention.py: each KV head's keys read once, the context cut into spans;
+swept over span counts), then what a sparse prefill adds per layer: CSAttention's follow seed
+(the last real query's exact Top-`follow` in the budget's region) and the index insert of the
+prompt's keys. Each is captured in a CUDA graph and timed by replay (median, L2 emptied); the
+floor is the layer's K/V bytes at the card's measured copy bandwidth.
+`ctxcache bench prefill [--contexts 32768,...] [--tokens 32] [--out DIR]`."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from ctxcache.bench.common.gpu import D, HKV, HQ, capture_graph, gpu_cli, time_us
+from ctxcache.bench.common.report import print_table, write_result
+from ctxcache.bench.common.serve_limits import copy_bandwidth
+from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.gpu.slot_prefill import SeedPadding
+from ctxcache.methods import Budget
+from ctxcache.methods.csattention import CSAttentionParams
+from ctxcache.models import packed_attention
+
+SPANS = (8, 16, 32, 64, 128)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                          enable_gqa=True)
+
+
+def _packed(spans: int | None):
+    """The packed path with `spans` spans (None: its own choice)."""
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        chosen = packed_attention.spans_for
+        if spans is not None:
+            packed_attention.spans_for = lambda programs, ctx: spans
+        try:
+            return packed_attention.packed_appended_attention(q, k, v)
+        finally:
+            packed_attention.spans_for = chosen
+    return run
+
+
+def _timed(fn) -> float:
+    return time_us(capture_graph(fn).replay)
+
+
+def _seed_tables(n: int, params: CSAttentionParams, dev: str) -> GpuDenseTables:
+    m, c = params.subspaces, params.centroids
+    like = {"centroids": torch.zeros(HKV, m, c, D // m, device=dev),
+            "dense_score": torch.zeros(HKV, m, c, 16, dtype=torch.int8, device=dev),
+            "dense_scale": torch.zeros(HKV, m, c, device=dev)}
+    tables = GpuDenseTables.empty(1, like, n, 256, dev, follow=params.follow)
+    tables.centroids.normal_()
+    return tables
+
+
+def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentionParams, bandwidth: float) -> dict:
+    dev = "cuda"
+    s = n + tokens
+    q = torch.randn(1, HQ, tokens, D, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, HKV, s + 256, D, device=dev, dtype=torch.bfloat16)[:, :, :s] for _ in range(2))
+    row = {"context": n, "tokens": tokens, "floor_us": 2 * k.numel() * 2 / bandwidth * 1e6}
+    want = _sdpa(q, k, v).float()
+    row["sdpa_us"] = _timed(lambda: _sdpa(q, k, v))
+    for spans in (None, *SPANS):
+        tag = "packed" if spans is None else f"packed{spans}"
+        run = _packed(spans)
+        row[f"{tag}_err"] = (run(q, k, v).float() - want).abs().max().item()
+        row[f"{tag}_us"] = _timed(lambda: run(q, k, v))
+    row["spans"] = packed_attention.spans_for(HKV * -(-HQ // HKV * tokens // 128), n)
+    tables = _seed_tables(s, params, dev)
+    tables.n_ctx.fill_(n)
+    real_t = torch.tensor([real], dtype=torch.int32, device=dev)
+    padding = SeedPadding.of(n, real_t, tokens, budget, params.follow)
+    last = q[0, :, real - 1]
+    row["seed_us"] = _timed(lambda: tables.seed_follow(0, last, k[0], budget, padding))
+    row["insert_us"] = _timed(lambda: tables.insert_span(0, k[0, :, n:], 0, None, real_t))
+    row["speedup"] = row["sdpa_us"] / row["packed_us"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    def extra(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--tokens", type=int, default=32, help="the prompt's padded length (a 20-token question: 32)")
+        ap.add_argument("--real", type=int, default=20, help="its real tokens (the seed's query is the last)")
+    args = gpu_cli("ctxcache bench prefill", "32768,131072", argv, extra, __doc__)
+    if args is None:
+        return 2
+    if not 0 < args.real <= args.tokens:
+        print(f"ctxcache bench prefill: error: --real {args.real} must be in 1..--tokens ({args.tokens})")
+        return 2
+    params, budget, bandwidth = CSAttentionParams(), Budget(), copy_bandwidth("cuda")
+    rows = []
+    for n in args.contexts:
+        rows.append(bench_one(n, args.tokens, args.real, budget, params, bandwidth))
+        torch.cuda.empty_cache()
+    cols = ["context", "tokens", "floor_us", "sdpa_us", "packed_us", "spans", "speedup", "seed_us", "insert_us"]
+    print_table(rows, cols)
+    print_table(rows, ["context"] + [f"packed{s}_us" for s in SPANS] + ["packed_err"])
+    path = write_result("prefill", {"copy_bytes_per_s": bandwidth, "rows": rows}, args.out)
+    print(f"per-layer question prefill, us (one layer of 32); wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

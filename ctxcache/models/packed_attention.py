@@ -1,0 +1,84 @@
+"""A few queries appended to a long context, attended with each KV head's keys read once.
+
+SDPA over GQA (enable_gqa) gives every query head its own pass over its KV head's keys: a
+question's prefill on a 32K context reads K/V once per query head. Here the group's query heads
+and the prompt's tokens are the rows of their KV head (as the split-K decode kernel packs them),
+the context's keys are cut into spans that run side by side (flash attention with its
+log-sum-exp, one program per span and KV head), and the spans' partial outputs merge by their
+log-sum-exps with the last keys' (the context's few left over and the prompt's own, causal).
+
+Not yet on the serving path: `ctxcache bench prefill` times it against SDPA on a GPU, and
+slot_prefill's attention takes it only once that shows it faster.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# packed rows per KV head (group x prompt tokens) up to which the packed path runs: past it the
+# tail's [rows x (leftover + prompt)] scores grow with the prompt, and SDPA's per-head pass
+# carries enough queries to be bound by compute anyway
+MAX_ROWS = 512
+# programs the spans aim for (span x KV head x 128-row block): two waves of an H100's 132 SMs
+TARGET_PROGRAMS = 264
+MIN_SPAN = 256  # keys per span at least: shorter spans cost more in partials than they save
+
+
+def packs(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the packed path takes q [B, Hq, T, D] over k [B, Hkv, S, D]."""
+    g, t = q.shape[1] // k.shape[1], q.shape[2]
+    return g * t <= MAX_ROWS and k.shape[2] - t >= MIN_SPAN
+
+
+def spans_for(programs_per_span: int, ctx: int) -> int:
+    """How many spans the context's keys are cut into."""
+    want = -(-TARGET_PROGRAMS // max(programs_per_span, 1))
+    return max(1, min(want, ctx // MIN_SPAN))
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of q [N, H, R, D] over k, v [N, H, L, D] -> (out [N, H, R, D] in
+    q's dtype, log-sum-exp of the scaled logits [N, H, R] fp32). Flash on a GPU in 16 bits;
+    elsewhere the same in fp32 math (the CPU tests, fp32 models)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
+        return out, lse[..., :q.shape[2]].float()
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    lse = logits.logsumexp(-1)
+    return torch.matmul((logits - lse[..., None]).exp(), v.float()).to(q.dtype), lse
+
+
+def _tail(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [B, Hkv, G*T, D] over the last keys k, v [B, Hkv, L, D] (L - T of the context's, then
+    the prompt's T): row (g, i) sees those up to prompt token i. fp32 math: L and G*T are small."""
+    n = k.shape[2]
+    logits = torch.matmul(rows.float(), k.float().transpose(-1, -2)) * rows.shape[-1] ** -0.5
+    token = torch.arange(rows.shape[2], device=rows.device) % t  # each row's prompt token
+    hidden = torch.arange(n, device=rows.device)[None, :] > (n - t + token)[:, None]
+    logits = logits.masked_fill(hidden, float("-inf"))
+    lse = logits.logsumexp(-1)
+    return torch.matmul((logits - lse[..., None]).exp(), v.float()), lse
+
+
+def packed_appended_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, T, D] at the last T of the S positions of k, v [B, Hkv, S, D] (in q's dtype):
+    what appended_attention computes, each KV head's keys read once. Needs `packs(q, k)`."""
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
+    rows = q.reshape(b, hkv, g * t, d)  # query head h is KV head h // g's rows h % g
+    spans = spans_for(b * hkv * -(-g * t // 128), s - t)
+    span = (s - t) // spans
+    main = spans * span
+
+    def cut(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, main, D] -> [B * spans, Hkv, span, D]
+        return x[:, :, :main].unflatten(2, (spans, span)).transpose(1, 2).flatten(0, 1)
+
+    q_spans = rows[:, None].expand(b, spans, hkv, g * t, d).flatten(0, 1)
+    out, lse = attend_with_lse(q_spans, cut(k), cut(v))
+    tail_out, tail_lse = _tail(rows, k[:, :, main:], v[:, :, main:], t)
+    outs = torch.cat([out.unflatten(0, (b, spans)).float(), tail_out[:, None]], 1)  # [B, P, Hkv, R, D]
+    lses = torch.cat([lse.unflatten(0, (b, spans)), tail_lse[:, None]], 1)  # [B, P, Hkv, R]
+    weights = (lses - lses.amax(1, keepdim=True)).exp()
+    merged = (outs * weights[..., None]).sum(1) / weights.sum(1)[..., None]
+    return merged.to(q.dtype).view(b, hq, t, d)
