@@ -8,7 +8,7 @@ swept over span counts), then what a sparse prefill adds per layer: CSAttention'
 (the last real query's exact Top-`follow` in the budget's region) and the index insert of the
 prompt's keys. Each is captured in a CUDA graph and timed by replay (median, L2 emptied); the
 floor is the layer's K/V bytes at the card's measured copy bandwidth.
-`ctxcache bench prefill [--contexts 32768,...] [--tokens 32] [--out DIR]`."""
+`ctxcache bench prefill [--contexts 32768,...] [--tokens 32] [--profile] [--out DIR]`."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def _seed_tables(n: int, params: CSAttentionParams, dev: str) -> GpuDenseTables:
     return tables
 
 
-def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentionParams, bandwidth: float) -> dict:
+def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentionParams, bandwidth: float,
+              profile: bool = False) -> dict:
     dev = "cuda"
     s = n + tokens
     q = torch.randn(1, HQ, tokens, D, device=dev, dtype=torch.bfloat16)
@@ -84,13 +85,31 @@ def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentio
     row["seed_us"] = _timed(lambda: tables.seed_follow(0, last, k[0], budget, padding))
     row["insert_us"] = _timed(lambda: tables.insert_span(0, k[0, :, n:], 0, None, real_t))
     row["speedup"] = row["sdpa_us"] / row["packed_us"]
+    if profile:
+        _kernel_table({"seed": lambda: tables.seed_follow(0, last, k[0], budget, padding),
+                       "insert": lambda: tables.insert_span(0, k[0, :, n:], 0, None, real_t),
+                       "packed": lambda: _packed(None)(q, k, v), "sdpa": lambda: _sdpa(q, k, v)}, n)
     return row
+
+
+def _kernel_table(parts: dict, n: int) -> None:
+    """Each part's kernels by GPU time (torch.profiler over 10 eager runs): where a part's
+    time goes, before choosing what to fuse."""
+    from torch.profiler import ProfilerActivity, profile
+    for name, fn in parts.items():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        print(f"{name} at {n} keys, 10 runs:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
 def main(argv: list[str] | None = None) -> int:
     def extra(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--tokens", type=int, default=32, help="the prompt's padded length (a 20-token question: 32)")
         ap.add_argument("--real", type=int, default=20, help="its real tokens (the seed's query is the last)")
+        ap.add_argument("--profile", action="store_true", help="also print each part's kernels by GPU time")
     args = gpu_cli("ctxcache bench prefill", "32768,131072", argv, extra, __doc__)
     if args is None:
         return 2
@@ -100,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     params, budget, bandwidth = CSAttentionParams(), Budget(), copy_bandwidth("cuda")
     rows = []
     for n in args.contexts:
-        rows.append(bench_one(n, args.tokens, args.real, budget, params, bandwidth))
+        rows.append(bench_one(n, args.tokens, args.real, budget, params, bandwidth, args.profile))
         torch.cuda.empty_cache()
     cols = ["context", "tokens", "floor_us", "sdpa_us", "packed_us", "spans", "speedup", "seed_us", "insert_us"]
     print_table(rows, cols)

@@ -4,8 +4,9 @@ LMDB maps data.mdb and reads pages through the mapping: a page past the end of a
 file is a SIGBUS that kills the whole process (and every client's stream with it).
 
 The meta pages' last page in use is only an upper bound: a commit may allocate pages at the
-end and give them back unwritten (LMDB's loose pages), so a healthy file can be a page or more
-shorter than (last page + 1) x page size. At open, a file shorter than that bound is walked
+end that it never writes (LMDB frees loose pages without flushing them), so a healthy file can
+be shorter than (last page + 1) x page size (seen: 151 pages, last page 151, under readers
+racing a writer that replaces and deletes; a false DATA_LOSS in 1 of ~6 runs of that test). At open, a file shorter than that bound is walked
 (plain reads, never the mapping) from both trees' roots to the pages they really reach; it is
 refused only when one of those lies past its end. While open, LMDB (without MDB_WRITEMAP)
 only ever grows the file, so a file smaller than it was seen before was cut (one fstat).
