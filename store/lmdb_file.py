@@ -109,12 +109,16 @@ def tree_pages(f: BinaryIO, meta: Meta, roots: Iterable[int]) -> Iterator[tuple[
         if pgno in seen or pgno > meta.last_page:
             continue  # a cycle or a garbage number: damage LMDB reports itself, not a SIGBUS
         seen.add(pgno)
+        head = os.pread(fd, _HDR, pgno * psize)
+        flags = struct.unpack_from("<H", head, 10)[0] if len(head) == _HDR else 0
+        if flags & P_OVERFLOW:  # a value's pages: where they end is all the file must hold
+            yield pgno, flags, max(1, struct.unpack_from("<I", head, 12)[0])
+            continue
         page = os.pread(fd, psize, pgno * psize)
         if len(page) < psize:  # cut at or inside this page
             yield pgno, -1, 1
             continue
-        flags = struct.unpack_from("<H", page, 10)[0]
-        yield pgno, flags, max(1, struct.unpack_from("<I", page, 12)[0]) if flags & P_OVERFLOW else 1
+        yield pgno, flags, 1
         todo.extend(_children(page, psize))
 
 
