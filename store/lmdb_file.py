@@ -6,9 +6,10 @@ file is a SIGBUS that kills the whole process (and every client's stream with it
 The meta pages' last page in use is only an upper bound: a commit may allocate pages at the
 end that it never writes (LMDB frees loose pages without flushing them), so a healthy file can
 be shorter than (last page + 1) x page size (seen: 151 pages, last page 151, under readers
-racing a writer that replaces and deletes; a false DATA_LOSS in 1 of ~6 runs of that test). At open, a file shorter than that bound is walked
-(plain reads, never the mapping) from both trees' roots to the pages they really reach; it is
-refused only when one of those lies past its end. While open, LMDB (without MDB_WRITEMAP)
+racing a writer that replaces and deletes; a false DATA_LOSS in 1 of ~6 runs of that test).
+At open, a file shorter than that bound is walked (plain reads, never the mapping) from both
+trees' roots to the pages they really reach; it is refused only when one of those lies past
+its end. While open, LMDB (without MDB_WRITEMAP)
 only ever grows the file, so a file smaller than it was seen before was cut (one fstat).
 
 Layout (lmdb.h / mdb.c, 64-bit): a page starts with a 16-byte header (pgno u64, pad u16,
@@ -23,9 +24,9 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
 from ctxcache.store.errors import StoreError
@@ -60,9 +61,9 @@ def _meta(buf: bytes) -> Meta | None:
     if magic != MAGIC:
         return None
     (psize,) = struct.unpack_from("<I", buf, _DBS_AT)
-    roots = tuple(struct.unpack_from("<Q", buf, _DBS_AT + i * _DB_SIZE + _ROOT_AT)[0] for i in (0, 1))
+    free_root, main_root = (struct.unpack_from("<Q", buf, _DBS_AT + i * _DB_SIZE + _ROOT_AT)[0] for i in (0, 1))
     last, txnid = struct.unpack_from("<QQ", buf, LAST_AT)
-    return Meta(psize, last, txnid, roots)  # type: ignore[arg-type]
+    return Meta(psize, last, txnid, (free_root, main_root))
 
 
 def newest_meta(f: BinaryIO, size: int, where: Path) -> Meta:
