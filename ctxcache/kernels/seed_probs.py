@@ -1,0 +1,111 @@
+"""Follow's seed scores in two launches: each key's attention probability from the prompt's last
+query, summed over its GQA group, for the radix Top-K.
+
+GpuDenseTables.seed_follow computes them in torch as a chain (the logits' GEMM, an fp32 copy,
+the scale, the padding's mask, softmax, the group sum, a pad to 16 keys: seven kernels a layer).
+Here one launch per (KV head, block of keys) reads the block's keys once for the whole group,
+keeps the fp32 logits and writes the block's softmax partial (max, sum of exponentials); a
+second merges the partials into each head's normalizer and writes the group-summed
+probabilities, zero past the real keys and up to the next multiple of 16.
+`seed_probs_ref` is the torch reference. Not yet on the serving path: `ctxcache bench prefill`
+times it against seed_follow's chain on a GPU, and seed_follow takes it once that shows it faster.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ctxcache.kernels.split_k_attention import INTERPRET, group_queries, padded_group
+
+BLOCK = 128  # keys per program
+
+
+def seed_probs_ref(q: torch.Tensor, keys: torch.Tensor, n_real: int) -> torch.Tensor:
+    """q [Hq, D] over keys [Hkv, n, D] (the first n_real count) -> fp32 [Hkv, n padded to 16]:
+    sum over each KV head's group of softmax(q . k / sqrt(D)), 0 past n_real."""
+    hkv, n, d = keys.shape
+    logits = torch.matmul(q.view(hkv, -1, d).float(), keys.float().transpose(1, 2)) * d ** -0.5
+    logits[..., n_real:] = float("-inf")
+    return torch.nn.functional.pad(logits.softmax(-1).sum(1), (0, -n % 16))
+
+
+@triton.jit
+def _logits_kernel(q_ptr, k_ptr, n_ptr, logit_ptr, part_ptr, n, G, sk_h, sk_n, n_blocks, scale,
+                   G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    h, blk = tl.program_id(0), tl.program_id(1)
+    q = group_queries(q_ptr, 0, h, G, 0, D, G_PAD, D)
+    cols = blk * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < tl.load(n_ptr)
+    k = tl.load(k_ptr + h * sk_h + cols[:, None] * sk_n + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q.to(k.dtype), tl.trans(k))
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    g = tl.arange(0, G_PAD)
+    row = h * G_PAD + g
+    tl.store(logit_ptr + row[:, None] * n + cols[None, :], s, mask=(g < G)[:, None] & (cols < n)[None, :])
+    m = tl.max(s, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+    tl.store(part_ptr + (row * n_blocks + blk) * 2, m)
+    tl.store(part_ptr + (row * n_blocks + blk) * 2 + 1, total)
+
+
+@triton.jit
+def _probs_kernel(logit_ptr, part_ptr, n_ptr, out_ptr, n, n_pad, G, n_blocks,
+                  G_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    h, blk = tl.program_id(0), tl.program_id(1)
+    g = tl.arange(0, G_PAD)
+    row = h * G_PAD + g
+    top = tl.full((G_PAD,), float("-inf"), tl.float32)
+    norm = tl.zeros((G_PAD,), tl.float32)
+    for start in range(0, n_blocks, CHUNK):  # the blocks' partials, merged online
+        b = start + tl.arange(0, CHUNK)
+        live = (g < G)[:, None] & (b < n_blocks)[None, :]
+        at = (row[:, None] * n_blocks + b[None, :]) * 2
+        m = tl.load(part_ptr + at, mask=live, other=float("-inf"))
+        total = tl.load(part_ptr + at + 1, mask=live, other=0.0)
+        new_top = tl.maximum(top, tl.max(m, axis=1))
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+        norm = norm * tl.exp(top - safe) + tl.sum(total * tl.exp(m - safe[:, None]), axis=1)
+        top = new_top
+    top = tl.where(top == float("-inf"), 0.0, top)
+    cols = blk * BLOCK + tl.arange(0, BLOCK)
+    valid = (cols < tl.load(n_ptr))[None, :] & (g < G)[:, None]
+    s = tl.load(logit_ptr + row[:, None] * n + cols[None, :], mask=valid, other=float("-inf"))
+    p = tl.where(valid, tl.exp(s - top[:, None]) / tl.where(norm > 0, norm, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + h * n_pad + cols, tl.sum(p, axis=0), mask=cols < n_pad)
+
+
+def seed_workspace(hkv: int, g: int, n: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits [Hkv x G_PAD, n] and the blocks' (max, sum) partials, fp32 (static inside a
+    captured graph)."""
+    rows = hkv * padded_group(g)
+    return (torch.empty(rows, n, dtype=torch.float32, device=device),
+            torch.empty(rows * triton.cdiv(n, BLOCK) * 2, dtype=torch.float32, device=device))
+
+
+def seed_probs(q: torch.Tensor, keys: torch.Tensor, n_real: torch.Tensor, out: torch.Tensor,
+               ws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """seed_probs_ref's result into out (fp32 [Hkv, n padded to 16], contiguous). q [Hq, D];
+    keys [Hkv, n, D] (last dim contiguous); n_real int32 [1] on the device (no host sync: a
+    prefill graph replays it for any prompt length)."""
+    hkv, n, d = keys.shape
+    g = q.shape[0] // hkv
+    n_pad = n + -n % 16
+    if out.shape != (hkv, n_pad) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous fp32 [{hkv}, {n_pad}]")
+    if keys.stride(2) != 1 or n_real.shape != (1,) or n_real.dtype != torch.int32:
+        raise ValueError("keys need a contiguous last dim and n_real must be int32 [1]")
+    logits, parts = ws if ws is not None else seed_workspace(hkv, g, n, keys.device)
+    n_blocks = triton.cdiv(n, BLOCK)
+    g_pad = padded_group(g)
+    _logits_kernel[(hkv, n_blocks)](q.contiguous(), keys, n_real, logits, parts, n, g, keys.stride(0),
+                                    keys.stride(1), n_blocks, d ** -0.5, G_PAD=g_pad, D=d, BLOCK=BLOCK,
+                                    IEEE=q.dtype == torch.float32 or INTERPRET)
+    _probs_kernel[(hkv, triton.cdiv(n_pad, BLOCK))](logits, parts, n_real, out, n, n_pad, g, n_blocks, G_PAD=g_pad,
+                                                   CHUNK=128, BLOCK=BLOCK)
+    return out
