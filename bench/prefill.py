@@ -82,10 +82,10 @@ def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentio
     tables = _seed_tables(s, params, dev)
     tables.n_ctx.fill_(n)
     real_t = torch.tensor([real], dtype=torch.int32, device=dev)
-    padding = SeedPadding.of(n, real_t, tokens, budget, params.follow)
+    padding = SeedPadding.of(n, real_t, budget, params.follow)
     last = q[0, :, real - 1]
     row["seed_us"] = _timed(lambda: tables.seed_follow(0, last, k[0], budget, padding))
-    fused = _fused_seed(last, k[0], real_t + n, padding, tables.follow_prev[0])
+    fused = _fused_seed(last, k[0], padding, tables.follow_prev[0])
     row["seed_fused_us"] = _timed(fused)
     row["seed_fused_overlap"] = _overlap(lambda: tables.seed_follow(0, last, k[0], budget, padding), fused,
                                          tables.follow_prev[0])
@@ -98,8 +98,7 @@ def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentio
     return row
 
 
-def _fused_seed(last: torch.Tensor, keys: torch.Tensor, n_real: torch.Tensor, padding: SeedPadding,
-                prev: torch.Tensor):
+def _fused_seed(last: torch.Tensor, keys: torch.Tensor, padding: SeedPadding, prev: torch.Tensor):
     """The seed through kernels/seed_probs.py (two launches for the probabilities), then the
     same radix Top-K as seed_follow."""
     hkv, n, _ = keys.shape
@@ -108,7 +107,7 @@ def _fused_seed(last: torch.Tensor, keys: torch.Tensor, n_real: torch.Tensor, pa
     b = padding.bounds
 
     def run() -> None:
-        seed_probs(last, keys, n_real, probs, ws)
+        seed_probs(last, keys, padding.keys, probs, ws)
         radix_topk(probs[None], b[0:1], b[1:2], b[2:3], prev[None], radix_ws)
     return run
 

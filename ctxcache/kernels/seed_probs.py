@@ -1,14 +1,14 @@
 """Follow's seed scores in two launches: each key's attention probability from the prompt's last
 query, summed over its GQA group, for the radix Top-K.
 
-GpuDenseTables.seed_follow computes them in torch as a chain (the logits' GEMM, an fp32 copy,
+GpuDenseTables.seed_follow computes them in torch as a chain (seed_scores) (the logits' GEMM, an fp32 copy,
 the scale, the padding's mask, softmax, the group sum, a pad to 16 keys: seven kernels a layer).
 Here one launch per (KV head, block of keys) reads the block's keys once for the whole group,
 keeps the fp32 logits and writes the block's softmax partial (max, sum of exponentials); a
 second merges the partials into each head's normalizer and writes the group-summed
 probabilities, zero past the real keys and up to the next multiple of 16.
-`seed_probs_ref` is the torch reference. Not yet on the serving path: `ctxcache bench prefill`
-times it against seed_follow's chain on a GPU, and seed_follow takes it once that shows it faster.
+`seed_probs_ref` is the torch reference. Off until measured (FUSED_SEED): `ctxcache bench
+prefill` times it against the chain on a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import triton.language as tl
 from ctxcache.kernels.split_k_attention import INTERPRET, group_queries, padded_group
 
 BLOCK = 128  # keys per program
+# follow's seed probabilities by the two launches here, else by the torch chain (seed_scores);
+# on once `ctxcache bench prefill` shows the launches faster on a GPU
+FUSED_SEED = False
 
 
 def seed_probs_ref(q: torch.Tensor, keys: torch.Tensor, n_real: int) -> torch.Tensor:
@@ -109,3 +112,19 @@ def seed_probs(q: torch.Tensor, keys: torch.Tensor, n_real: torch.Tensor, out: t
     _probs_kernel[(hkv, triton.cdiv(n_pad, BLOCK))](logits, parts, n_real, out, n, n_pad, g, n_blocks, G_PAD=g_pad,
                                                    CHUNK=128, BLOCK=BLOCK)
     return out
+
+
+def seed_scores(q: torch.Tensor, keys: torch.Tensor, real_keys: torch.Tensor | None) -> torch.Tensor:
+    """What follow's seed ranks: q [Hq, D] over keys [Hkv, n, D] -> fp32 [Hkv, n padded to 16],
+    the group-summed softmax over the first real_keys (int32 [1] on the device; None: all n),
+    0 past them (a prompt's padding)."""
+    hkv, n, d = keys.shape
+    if FUSED_SEED:
+        real = real_keys if real_keys is not None else torch.full((1,), n, dtype=torch.int32, device=keys.device)
+        return seed_probs(q, keys, real, torch.empty(hkv, n + -n % 16, device=keys.device))
+    # the logits in the keys' dtype (a bf16 GEMM accumulates in fp32): group_probabilities
+    # copies the keys to fp32 first, 134 MB a layer at 32K and Llama-3.1-8B's shapes
+    logits = torch.matmul(q.view(hkv, -1, d).to(keys.dtype), keys.transpose(1, 2)).float() * d ** -0.5
+    if real_keys is not None:
+        logits.masked_fill_(torch.arange(n, device=keys.device) >= real_keys, float("-inf"))
+    return torch.nn.functional.pad(logits.softmax(-1).sum(1), (0, -n % 16))

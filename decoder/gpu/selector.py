@@ -32,6 +32,7 @@ from ctxcache.kernels.dense_select import dense_scores
 from ctxcache.kernels.follow import promote_successors
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
+from ctxcache.kernels.seed_probs import seed_scores
 from ctxcache.kernels.stream import add_streamed, stream_insert
 from ctxcache.kernels.sync import pdl_available
 from ctxcache.kernels.topk import MAX_ROW, blocks16, radix_topk, workspace
@@ -228,19 +229,15 @@ class GpuDenseTables:
         lo, hi = budget.region(n)
         if min(prev.shape[-1], hi - lo) <= 0:  # (the real keys' region is no larger)
             return
-        # the logits in the keys' dtype (a bf16 GEMM accumulates in fp32): group_probabilities
-        # copies the keys to fp32 first, 134 MB a layer at 32K and Llama-3.1-8B's shapes
-        logits = torch.matmul(q.view(hkv, -1, d).to(keys.dtype), keys.transpose(1, 2)).float() * d ** -0.5
         bounds, ws = self._seed_buffers()
         if padded is None:
             for i, v in enumerate((lo, hi, min(prev.shape[-1], hi - lo))):
                 bounds[i:i + 1].fill_(v)  # no host-scalar copy (a stream sync)
         else:  # the padding's keys weigh nothing (they sit after the real ones, past the region)
             bounds = padded.bounds
-            logits[..., n - padded.mask.shape[0]:].masked_fill_(padded.mask, float("-inf"))
         # [Hkv, n] as group_probabilities(q, keys).sum(1), in rows padded to 16 keys (one
         # compiled shape of the radix kernels whatever the length)
-        probs = F.pad(logits.softmax(-1).sum(1), (0, -n % 16))
+        probs = seed_scores(q, keys, None if padded is None else padded.keys)
         # the radix Top-K: torch.topk of 128 over 8 rows of 32K took ~0.7 ms a layer on the
         # H100 (one block a row), 22 ms of a hot TTFT at 32K over 32 layers
         radix_topk(probs[None], bounds[0:1], bounds[1:2], bounds[2:3], prev[None], ws)

@@ -12,6 +12,7 @@ from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.kernels.split_k_attention import region
 from ctxcache.methods.budget import Budget
 from ctxcache.models.attention import appended_attention
+from ctxcache.models.packed_attention import packed_appended_attention, packs
 
 # prompt tokens x layers an eager prefill chunk may carry beside one decode step: a 20-token
 # question over 32 layers goes in two chunks. Each chunk lands on one step of the others, each
@@ -31,6 +32,10 @@ PREFILL_SHARE = 0.85
 # only on that length's second use (H100, 32K x 7 decoding: each eager chunk cost ~20 ms of host
 # time for ~6 ms of GPU time, and every joiner ran eagerly)
 PAD_TO = 16
+
+# the question's attention by models/packed_attention.py (each KV head's keys read once) where
+# it packs, else SDPA; on once `ctxcache bench prefill` shows it faster on a GPU
+PACKED_ATTENTION = False
 
 
 def padded_length(tokens: int, room: int) -> int:
@@ -71,17 +76,18 @@ class ResidentHead(ContextArtifact):
 @dataclass(frozen=True)
 class SeedPadding:
     """A padded prompt's seed inputs on the device, once per prompt: the region's bounds (lo,
-    hi, follow count; int32 [3]) over its real keys, and which of the prompt's slots pad it."""
+    hi, follow count; int32 [3]) over its real keys, and how many keys are real (int32 [1]:
+    the context's and the prompt's real tokens; the padding's come after them)."""
 
     bounds: torch.Tensor
-    mask: torch.Tensor  # bool [padded prompt length]: True where a slot is padding
+    keys: torch.Tensor
 
     @classmethod
-    def of(cls, n_ctx: int, real: torch.Tensor, padded_len: int, budget: Budget, follow: int) -> "SeedPadding":
+    def of(cls, n_ctx: int, real: torch.Tensor, budget: Budget, follow: int) -> "SeedPadding":
         """real: the prompt's real tokens (int32 [1], device)."""
-        lo, hi = region(real + n_ctx, budget.sinks, budget.recent)
-        bounds = torch.cat([lo, hi, (hi - lo).clamp(max=follow)]).to(torch.int32)
-        return cls(bounds, torch.arange(padded_len, device=real.device) >= real)
+        keys = (real + n_ctx).to(torch.int32)
+        lo, hi = region(keys, budget.sinks, budget.recent)
+        return cls(torch.cat([lo, hi, (hi - lo).clamp(max=follow)]).to(torch.int32), keys)
 
 
 class PrefillAttention:
@@ -112,10 +118,13 @@ class PrefillAttention:
             self.tables[layer].insert_span(self.row, cache.k[layer][0, :, first:first + t], col, self.perm, self.real)
             if self.budget is not None and layer not in self.dense_layers:
                 self._seed(layer, q, cache.k[layer][0, :, :first + t])
-        return appended_attention(q, cache.k[layer][:, :, :first + t], cache.v[layer][:, :, :first + t])
+        k, v = cache.k[layer][:, :, :first + t], cache.v[layer][:, :, :first + t]
+        if PACKED_ATTENTION and packs(q, k):
+            return packed_appended_attention(q, k.to(q.dtype), v.to(q.dtype))
+        return appended_attention(q, k, v)
 
     def _seed(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
         table = self.tables[layer]
         if self._padding is None and table.follow_prev is not None:
-            self._padding = SeedPadding.of(self.n_ctx, self.real, q.shape[2], self.budget, table.follow_prev.shape[-1])
+            self._padding = SeedPadding.of(self.n_ctx, self.real, self.budget, table.follow_prev.shape[-1])
         table.seed_follow(self.row, q[0].index_select(1, self.last)[:, 0], keys, self.budget, self._padding)

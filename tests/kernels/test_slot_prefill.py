@@ -46,3 +46,33 @@ def test_a_padded_prompt_prefills_as_its_unpadded_self(setup, tokens, monkeypatc
     for p, q in zip(padded[2], plain[2]):
         assert torch.equal(p, q)  # follow seeded from the last real token, padding excluded
     assert padded[3:] == plain[3:] == (130 + tokens, 130 + tokens)
+
+
+def test_packed_attention_and_fused_seed_prefill_as_the_default(setup, monkeypatch):
+    """The two levers `ctxcache bench prefill` measures (off by default): the packed prefill
+    attention (spans shortened so a 130-token context packs) and the two-launch seed give the
+    default path's first logits, indexed counts and follow seeds."""
+    from ctxcache.kernels import seed_probs
+    from ctxcache.models import packed_attention
+    lm, method, art = setup
+    prompt = list(range(40, 57))
+    want = _prefill(lm, method, art, prompt)
+    monkeypatch.setattr(slot_prefill, "PACKED_ATTENTION", True)
+    monkeypatch.setattr(packed_attention, "MIN_SPAN", 32)
+    monkeypatch.setattr(seed_probs, "FUSED_SEED", True)
+    calls = {"packed": 0, "fused": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+    monkeypatch.setattr(slot_prefill, "packed_appended_attention", counted("packed", slot_prefill.packed_appended_attention))
+    monkeypatch.setattr(seed_probs, "seed_probs", counted("fused", seed_probs.seed_probs))
+    got = _prefill(lm, method, art, prompt)
+    assert calls["packed"] == calls["fused"] == lm.args.n_layers  # both levers ran in every layer
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    assert got[1] == want[1]
+    for g, w in zip(got[2], want[2]):
+        assert torch.equal(g, w)
+    assert got[3:] == want[3:]
