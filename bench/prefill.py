@@ -82,7 +82,7 @@ def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentio
     tables = _seed_tables(s, params, dev)
     tables.n_ctx.fill_(n)
     real_t = torch.tensor([real], dtype=torch.int32, device=dev)
-    padding = SeedPadding.of(n, real_t, budget, params.follow)
+    padding = SeedPadding.of(n, real_t, tokens, budget, params.follow)
     last = q[0, :, real - 1]
     row["seed_us"] = _timed(lambda: tables.seed_follow(0, last, k[0], budget, padding))
     fused = _fused_seed(last, k[0], padding, tables.follow_prev[0])

@@ -114,10 +114,12 @@ def seed_probs(q: torch.Tensor, keys: torch.Tensor, n_real: torch.Tensor, out: t
     return out
 
 
-def seed_scores(q: torch.Tensor, keys: torch.Tensor, real_keys: torch.Tensor | None) -> torch.Tensor:
+def seed_scores(q: torch.Tensor, keys: torch.Tensor, real_keys: torch.Tensor | None = None,
+                padding: torch.Tensor | None = None) -> torch.Tensor:
     """What follow's seed ranks: q [Hq, D] over keys [Hkv, n, D] -> fp32 [Hkv, n padded to 16],
-    the group-summed softmax over the first real_keys (int32 [1] on the device; None: all n),
-    0 past them (a prompt's padding)."""
+    the group-summed softmax over the real keys, 0 past them. real_keys (int32 [1], device) and
+    padding (bool [P], True where one of the last P keys pads a prompt) say which are real, on
+    the device; None: all n."""
     hkv, n, d = keys.shape
     if FUSED_SEED:
         real = real_keys if real_keys is not None else torch.full((1,), n, dtype=torch.int32, device=keys.device)
@@ -125,6 +127,6 @@ def seed_scores(q: torch.Tensor, keys: torch.Tensor, real_keys: torch.Tensor | N
     # the logits in the keys' dtype (a bf16 GEMM accumulates in fp32): group_probabilities
     # copies the keys to fp32 first, 134 MB a layer at 32K and Llama-3.1-8B's shapes
     logits = torch.matmul(q.view(hkv, -1, d).to(keys.dtype), keys.transpose(1, 2)).float() * d ** -0.5
-    if real_keys is not None:
-        logits.masked_fill_(torch.arange(n, device=keys.device) >= real_keys, float("-inf"))
+    if padding is not None:
+        logits[..., n - padding.shape[0]:].masked_fill_(padding, float("-inf"))
     return torch.nn.functional.pad(logits.softmax(-1).sum(1), (0, -n % 16))

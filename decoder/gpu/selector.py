@@ -237,7 +237,7 @@ class GpuDenseTables:
             bounds = padded.bounds
         # [Hkv, n] as group_probabilities(q, keys).sum(1), in rows padded to 16 keys (one
         # compiled shape of the radix kernels whatever the length)
-        probs = seed_scores(q, keys, None if padded is None else padded.keys)
+        probs = seed_scores(q, keys, *((None, None) if padded is None else (padded.keys, padded.mask)))
         # the radix Top-K: torch.topk of 128 over 8 rows of 32K took ~0.7 ms a layer on the
         # H100 (one block a row), 22 ms of a hot TTFT at 32K over 32 layers
         radix_topk(probs[None], bounds[0:1], bounds[1:2], bounds[2:3], prev[None], ws)

@@ -76,18 +76,20 @@ class ResidentHead(ContextArtifact):
 @dataclass(frozen=True)
 class SeedPadding:
     """A padded prompt's seed inputs on the device, once per prompt: the region's bounds (lo,
-    hi, follow count; int32 [3]) over its real keys, and how many keys are real (int32 [1]:
-    the context's and the prompt's real tokens; the padding's come after them)."""
+    hi, follow count; int32 [3]) over its real keys, how many keys are real (int32 [1]: the
+    context's and the prompt's real tokens), and which of the prompt's slots pad it."""
 
     bounds: torch.Tensor
     keys: torch.Tensor
+    mask: torch.Tensor  # bool [padded prompt length]: True where a slot is padding
 
     @classmethod
-    def of(cls, n_ctx: int, real: torch.Tensor, budget: Budget, follow: int) -> "SeedPadding":
+    def of(cls, n_ctx: int, real: torch.Tensor, padded_len: int, budget: Budget, follow: int) -> "SeedPadding":
         """real: the prompt's real tokens (int32 [1], device)."""
         keys = (real + n_ctx).to(torch.int32)
         lo, hi = region(keys, budget.sinks, budget.recent)
-        return cls(torch.cat([lo, hi, (hi - lo).clamp(max=follow)]).to(torch.int32), keys)
+        return cls(torch.cat([lo, hi, (hi - lo).clamp(max=follow)]).to(torch.int32), keys,
+                   torch.arange(padded_len, device=real.device) >= real)
 
 
 class PrefillAttention:
@@ -126,5 +128,5 @@ class PrefillAttention:
     def _seed(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
         table = self.tables[layer]
         if self._padding is None and table.follow_prev is not None:
-            self._padding = SeedPadding.of(self.n_ctx, self.real, self.budget, table.follow_prev.shape[-1])
+            self._padding = SeedPadding.of(self.n_ctx, self.real, q.shape[2], self.budget, table.follow_prev.shape[-1])
         table.seed_follow(self.row, q[0].index_select(1, self.last)[:, 0], keys, self.budget, self._padding)

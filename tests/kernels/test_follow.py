@@ -150,7 +150,7 @@ def test_a_padded_prompt_seeds_what_its_real_tokens_seed(device):
         tables.follow_prev = follow_state(1, hkv, f, device)
         if padding:
             count = torch.tensor([real], dtype=torch.int32, device=device)
-            padding = SeedPadding.of(n - real, count, budget, f)
+            padding = SeedPadding.of(n - real, count, padded, budget, f)
         tables.seed_follow(0, q[:, -1].to(device), keys.to(device), budget, padding)
         seeds.append([set(row.tolist()) for row in tables.follow_prev[0].cpu()])
     assert seeds[0] == seeds[1]
