@@ -34,7 +34,8 @@ def seed_probs_ref(q: torch.Tensor, keys: torch.Tensor, n_real: int) -> torch.Te
     return torch.nn.functional.pad(logits.softmax(-1).sum(1), (0, -n % 16))
 
 
-@triton.jit
+# lengths vary with every context: unspecialized, so warm-up's compile serves them all
+@triton.jit(do_not_specialize=["n", "n_blocks"])
 def _logits_kernel(q_ptr, k_ptr, n_ptr, logit_ptr, part_ptr, n, G, sk_h, sk_n, n_blocks, scale,
                    G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
     h, blk = tl.program_id(0), tl.program_id(1)
@@ -57,7 +58,7 @@ def _logits_kernel(q_ptr, k_ptr, n_ptr, logit_ptr, part_ptr, n, G, sk_h, sk_n, n
     tl.store(part_ptr + (row * n_blocks + blk) * 2 + 1, total)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "n_pad", "n_blocks"])
 def _probs_kernel(logit_ptr, part_ptr, n_ptr, out_ptr, n, n_pad, G, n_blocks,
                   G_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     h, blk = tl.program_id(0), tl.program_id(1)
