@@ -13,6 +13,7 @@ floor is the layer's K/V bytes at the card's measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -140,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--tokens", type=int, default=32, help="the prompt's padded length (a 20-token question: 32)")
         ap.add_argument("--real", type=int, default=20, help="its real tokens (the seed's query is the last)")
         ap.add_argument("--profile", action="store_true", help="also print each part's kernels by GPU time")
-    args = gpu_cli("ctxcache bench prefill", "32768,131072", argv, extra, __doc__)
+    args = gpu_cli("ctxcache bench prefill", "32768,131072", argv, extra, __doc__, batches=False)
     if args is None:
         return 2
     if not 0 < args.real <= args.tokens:
-        print(f"ctxcache bench prefill: error: --real {args.real} must be in 1..--tokens ({args.tokens})")
+        print(f"ctxcache bench prefill: error: --real {args.real} must be in 1..--tokens ({args.tokens})",
+              file=sys.stderr)
         return 2
     params, budget, bandwidth = CSAttentionParams(), Budget(), copy_bandwidth("cuda")
     rows = []

@@ -107,13 +107,14 @@ def random_model(layers: int, max_len: int) -> Transformer:
 
 def gpu_cli(prog: str, contexts: str, argv: list[str] | None,
             extra: Callable[[argparse.ArgumentParser], None] | None = None,
-            description: str | None = None) -> argparse.Namespace | None:
-    """The GPU benches' shared arguments (--contexts, --batches, --out, plus `extra`'s); None,
-    after saying so, where there is no CUDA GPU."""
+            description: str | None = None, batches: bool = True) -> argparse.Namespace | None:
+    """The GPU benches' shared arguments (--contexts, --batches unless `batches` is off, --out,
+    plus `extra`'s); None, after saying so, where there is no CUDA GPU."""
     ap = argparse.ArgumentParser(prog=prog, description=description,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default=contexts, type=positive_ints, help="comma-separated context lengths")
-    ap.add_argument("--batches", default="1,8", type=positive_ints, help="comma-separated batch sizes")
+    if batches:
+        ap.add_argument("--batches", default="1,8", type=positive_ints, help="comma-separated batch sizes")
     ap.add_argument("--seed", default=0, type=int,
                     help="seed of the random inputs (tables, queries, K/V), so runs compare on the same rows")
     add_out(ap)
