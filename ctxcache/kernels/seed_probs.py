@@ -1,13 +1,13 @@
 """Follow's seed scores in two launches: each key's attention probability from the prompt's last
 query, summed over its GQA group, for the radix Top-K.
 
-GpuDenseTables.seed_follow computes them in torch as a chain (seed_scores) (the logits' GEMM, an fp32 copy,
+GpuDenseTables.seed_follow computes them in torch as a chain (seed_probs_ref) (the logits' GEMM, an fp32 copy,
 the scale, the padding's mask, softmax, the group sum, a pad to 16 keys: seven kernels a layer).
 Here one launch per (KV head, block of keys) reads the block's keys once for the whole group,
 keeps the fp32 logits and writes the block's softmax partial (max, sum of exponentials); a
 second merges the partials into each head's normalizer and writes the group-summed
 probabilities, zero past the real keys and up to the next multiple of 16.
-`seed_probs_ref` is the torch reference. Off until measured (FUSED_SEED): `ctxcache bench
+Off until measured (FUSED_SEED): `ctxcache bench
 prefill` times it against the chain on a GPU.
 """
 
@@ -25,12 +25,16 @@ BLOCK = 128  # keys per program
 FUSED_SEED = False
 
 
-def seed_probs_ref(q: torch.Tensor, keys: torch.Tensor, n_real: int) -> torch.Tensor:
-    """q [Hq, D] over keys [Hkv, n, D] (the first n_real count) -> fp32 [Hkv, n padded to 16]:
-    sum over each KV head's group of softmax(q . k / sqrt(D)), 0 past n_real."""
+def seed_probs_ref(q: torch.Tensor, keys: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+    """q [Hq, D] over keys [Hkv, n, D] -> fp32 [Hkv, n padded to 16]: the sum over each KV
+    head's group of softmax(q . k / sqrt(D)), 0 where padding (bool [P] over the last P keys)
+    is set. The torch chain seed_follow runs unless FUSED_SEED."""
     hkv, n, d = keys.shape
-    logits = torch.matmul(q.view(hkv, -1, d).float(), keys.float().transpose(1, 2)) * d ** -0.5
-    logits[..., n_real:] = float("-inf")
+    # the logits in the keys' dtype (a bf16 GEMM accumulates in fp32): group_probabilities
+    # copies the keys to fp32 first, 134 MB a layer at 32K and Llama-3.1-8B's shapes
+    logits = torch.matmul(q.view(hkv, -1, d).to(keys.dtype), keys.transpose(1, 2)).float() * d ** -0.5
+    if padding is not None:
+        logits[..., n - padding.shape[0]:].masked_fill_(padding, float("-inf"))
     return torch.nn.functional.pad(logits.softmax(-1).sum(1), (0, -n % 16))
 
 
@@ -121,13 +125,8 @@ def seed_scores(q: torch.Tensor, keys: torch.Tensor, real_keys: torch.Tensor | N
     the group-summed softmax over the real keys, 0 past them. real_keys (int32 [1], device) and
     padding (bool [P], True where one of the last P keys pads a prompt) say which are real, on
     the device; None: all n."""
-    hkv, n, d = keys.shape
+    hkv, n, _ = keys.shape
     if FUSED_SEED:
         real = real_keys if real_keys is not None else torch.full((1,), n, dtype=torch.int32, device=keys.device)
         return seed_probs(q, keys, real, torch.empty(hkv, n + -n % 16, device=keys.device))
-    # the logits in the keys' dtype (a bf16 GEMM accumulates in fp32): group_probabilities
-    # copies the keys to fp32 first, 134 MB a layer at 32K and Llama-3.1-8B's shapes
-    logits = torch.matmul(q.view(hkv, -1, d).to(keys.dtype), keys.transpose(1, 2)).float() * d ** -0.5
-    if padding is not None:
-        logits[..., n - padding.shape[0]:].masked_fill_(padding, float("-inf"))
-    return torch.nn.functional.pad(logits.softmax(-1).sum(1), (0, -n % 16))
+    return seed_probs_ref(q, keys, padding)

@@ -60,14 +60,16 @@ def _tail(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> tuple
     return torch.matmul((logits - lse[..., None]).exp(), v.float()), lse
 
 
-def packed_appended_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def packed_appended_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              spans: int | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] at the last T of the S positions of k, v [B, Hkv, S, D] (in q's dtype):
-    what appended_attention computes, each KV head's keys read once. Needs `packs(q, k)`."""
+    what appended_attention computes, each KV head's keys read once. Needs `packs(q, k)`.
+    spans: how many the context's keys are cut into (None: spans_for's choice)."""
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     g = hq // hkv
     rows = q.reshape(b, hkv, g * t, d)  # query head h is KV head h // g's rows h % g
-    spans = spans_for(b * hkv * -(-g * t // 128), s - t)
+    spans = spans or spans_for(b * hkv * -(-g * t // 128), s - t)
     span = (s - t) // spans
     main = spans * span
 

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ctxcache.models import packed_attention
 from ctxcache.models.packed_attention import packed_appended_attention, packs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,11 +35,10 @@ def test_packed_equals_sdpa(hq, hkv, t, s, dtype):
 
 
 @pytest.mark.parametrize("spans", [1, 2, 7])
-def test_every_span_count_merges_alike(spans, monkeypatch):
+def test_every_span_count_merges_alike(spans):
     q = torch.randn(1, 8, 4, 32, device=DEVICE)
     k, v = torch.randn(2, 1, 2, 2000, 32, device=DEVICE)
-    monkeypatch.setattr(packed_attention, "spans_for", lambda programs, ctx: spans)
-    torch.testing.assert_close(packed_appended_attention(q, k, v), _sdpa(q, k, v), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed_appended_attention(q, k, v, spans), _sdpa(q, k, v), rtol=1e-5, atol=1e-5)
 
 
 def test_short_contexts_and_long_prompts_are_not_packed():

@@ -19,7 +19,7 @@ def test_seed_probs_equal_the_reference(hq, hkv, n, n_real, dtype):
     keys = torch.randn(hkv, n + 9, 64, generator=g).to(DEVICE, dtype)[:, :n]  # a slot's first n keys
     out = torch.full((hkv, n + -n % 16), 7.0, device=DEVICE)
     got = seed_probs(q, keys, torch.tensor([n_real], dtype=torch.int32, device=DEVICE), out)
-    want = seed_probs_ref(q, keys, n_real)
+    want = seed_probs_ref(q.float(), keys.float(), torch.arange(n, device=DEVICE) >= n_real)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * 1e-2)
     assert torch.all(got[:, n_real:] == 0)
