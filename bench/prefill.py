@@ -88,7 +88,7 @@ def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentio
 
 
 def _fused_seed(last: torch.Tensor, keys: torch.Tensor, padding: SeedPadding, prev: torch.Tensor):
-    """The seed through kernels/seed_probs.py (two launches for the probabilities), then the
+    """The seed through kernels/seed_probs.py (three launches for the probabilities), then the
     same radix Top-K as seed_follow."""
     hkv, n, _ = keys.shape
     probs = torch.empty(hkv, n + -n % 16, device=keys.device)

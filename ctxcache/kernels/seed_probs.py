@@ -1,11 +1,11 @@
-"""Follow's seed scores in two launches: each key's attention probability from the prompt's last
+"""Follow's seed scores in three launches: each key's attention probability from the prompt's last
 query, summed over its GQA group, for the radix Top-K.
 
 GpuDenseTables.seed_follow computes them in torch as a chain (seed_probs_ref) (the logits' GEMM, an fp32 copy,
 the scale, the padding's mask, softmax, the group sum, a pad to 16 keys: seven kernels a layer).
 Here one launch per (KV head, block of keys) reads the block's keys once for the whole group,
-keeps the fp32 logits and writes the block's softmax partial (max, sum of exponentials); a
-second merges the partials into each head's normalizer and writes the group-summed
+keeps the fp32 logits and writes the block's softmax partial (max, sum of exponentials); one
+program per head merges those into its normalizer; a third writes the group-summed
 probabilities, zero past the real keys and up to the next multiple of 16.
 Off until measured (FUSED_SEED): `ctxcache bench
 prefill` times it against the chain on a GPU.
@@ -20,7 +20,7 @@ import triton.language as tl
 from ctxcache.kernels.split_k_attention import INTERPRET, group_queries, padded_group
 
 BLOCK = 128  # keys per program
-# follow's seed probabilities by the two launches here, else by the torch chain (seed_scores);
+# follow's seed probabilities by the three launches here, else by the torch chain (seed_scores);
 # on once `ctxcache bench prefill` shows the launches faster on a GPU
 FUSED_SEED = False
 
@@ -62,15 +62,16 @@ def _logits_kernel(q_ptr, k_ptr, n_ptr, logit_ptr, part_ptr, n, G, sk_h, sk_n, n
     tl.store(part_ptr + (row * n_blocks + blk) * 2 + 1, total)
 
 
-@triton.jit(do_not_specialize=["n", "n_pad", "n_blocks"])
-def _probs_kernel(logit_ptr, part_ptr, n_ptr, out_ptr, n, n_pad, G, n_blocks,
-                  G_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    h, blk = tl.program_id(0), tl.program_id(1)
+@triton.jit(do_not_specialize=["n_blocks"])
+def _norm_kernel(part_ptr, norm_ptr, G, n_blocks, G_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per KV head merges its blocks' partials online into each row's (max, sum):
+    once, not in every probs program (that was quadratic in the context: 1.3 ms at 128K)."""
+    h = tl.program_id(0)
     g = tl.arange(0, G_PAD)
     row = h * G_PAD + g
     top = tl.full((G_PAD,), float("-inf"), tl.float32)
     norm = tl.zeros((G_PAD,), tl.float32)
-    for start in range(0, n_blocks, CHUNK):  # the blocks' partials, merged online
+    for start in range(0, n_blocks, CHUNK):
         b = start + tl.arange(0, CHUNK)
         live = (g < G)[:, None] & (b < n_blocks)[None, :]
         at = (row[:, None] * n_blocks + b[None, :]) * 2
@@ -80,20 +81,29 @@ def _probs_kernel(logit_ptr, part_ptr, n_ptr, out_ptr, n, n_pad, G, n_blocks,
         safe = tl.where(new_top == float("-inf"), 0.0, new_top)
         norm = norm * tl.exp(top - safe) + tl.sum(total * tl.exp(m - safe[:, None]), axis=1)
         top = new_top
-    top = tl.where(top == float("-inf"), 0.0, top)
+    tl.store(norm_ptr + row * 2, tl.where(top == float("-inf"), 0.0, top))
+    tl.store(norm_ptr + row * 2 + 1, tl.where(norm > 0, norm, 1.0))
+
+
+@triton.jit(do_not_specialize=["n", "n_pad"])
+def _probs_kernel(logit_ptr, norm_ptr, n_ptr, out_ptr, n, n_pad, G, G_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    h, blk = tl.program_id(0), tl.program_id(1)
+    g = tl.arange(0, G_PAD)
+    row = h * G_PAD + g
+    top, norm = tl.load(norm_ptr + row * 2), tl.load(norm_ptr + row * 2 + 1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     valid = (cols < tl.load(n_ptr))[None, :] & (g < G)[:, None]
     s = tl.load(logit_ptr + row[:, None] * n + cols[None, :], mask=valid, other=float("-inf"))
-    p = tl.where(valid, tl.exp(s - top[:, None]) / tl.where(norm > 0, norm, 1.0)[:, None], 0.0)
+    p = tl.where(valid, tl.exp(s - top[:, None]) / norm[:, None], 0.0)
     tl.store(out_ptr + h * n_pad + cols, tl.sum(p, axis=0), mask=cols < n_pad)
 
 
 def seed_workspace(hkv: int, g: int, n: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits [Hkv x G_PAD, n] and the blocks' (max, sum) partials, fp32 (static inside a
-    captured graph)."""
+    """The logits [Hkv x G_PAD, n], then the blocks' (max, sum) partials and each row's merged
+    (max, sum), fp32 (static inside a captured graph)."""
     rows = hkv * padded_group(g)
     return (torch.empty(rows, n, dtype=torch.float32, device=device),
-            torch.empty(rows * triton.cdiv(n, BLOCK) * 2, dtype=torch.float32, device=device))
+            torch.empty(rows * (triton.cdiv(n, BLOCK) + 1) * 2, dtype=torch.float32, device=device))
 
 
 def seed_probs(q: torch.Tensor, keys: torch.Tensor, n_real: torch.Tensor, out: torch.Tensor,
@@ -114,8 +124,9 @@ def seed_probs(q: torch.Tensor, keys: torch.Tensor, n_real: torch.Tensor, out: t
     _logits_kernel[(hkv, n_blocks)](q.contiguous(), keys, n_real, logits, parts, n, g, keys.stride(0),
                                     keys.stride(1), n_blocks, d ** -0.5, G_PAD=g_pad, D=d, BLOCK=BLOCK,
                                     IEEE=q.dtype == torch.float32 or INTERPRET)
-    _probs_kernel[(hkv, triton.cdiv(n_pad, BLOCK))](logits, parts, n_real, out, n, n_pad, g, n_blocks, G_PAD=g_pad,
-                                                   CHUNK=128, BLOCK=BLOCK)
+    norm = parts[-hkv * g_pad * 2:]  # the rows' (max, sum): after the blocks' partials
+    _norm_kernel[(hkv,)](parts, norm, g, n_blocks, G_PAD=g_pad, CHUNK=128)
+    _probs_kernel[(hkv, triton.cdiv(n_pad, BLOCK))](logits, norm, n_real, out, n, n_pad, g, G_PAD=g_pad, BLOCK=BLOCK)
     return out
 
 

@@ -5,7 +5,8 @@ question's prefill on a 32K context reads K/V once per query head. Here the grou
 and the prompt's tokens are the rows of their KV head (as the split-K decode kernel packs them),
 the context's keys are cut into spans that run side by side (flash attention with its
 log-sum-exp, one program per span and KV head), and the spans' partial outputs merge by their
-log-sum-exps with the last keys' (the context's few left over and the prompt's own, causal).
+log-sum-exps with the last keys' (the context's few left over and the prompt's own, causal), in
+one launch on a GPU (kernels/span_merge.py).
 
 Not yet on the serving path: `ctxcache bench prefill` times it against SDPA on a GPU, and
 slot_prefill's attention takes it only once that shows it faster.
@@ -14,6 +15,8 @@ slot_prefill's attention takes it only once that shows it faster.
 from __future__ import annotations
 
 import torch
+
+from ctxcache.kernels import span_merge
 
 # packed rows per KV head (group x prompt tokens) up to which the packed path runs: past it the
 # tail's [rows x (leftover + prompt)] scores grow with the prompt, and SDPA's per-head pass
@@ -25,9 +28,9 @@ MIN_SPAN = 256  # keys per span at least: shorter spans cost more in partials th
 
 
 def packs(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the packed path takes q [B, Hq, T, D] over k [B, Hkv, S, D]."""
+    """Whether the packed path takes q [B, Hq, T, D] over k [B, Hkv, S, D] (one prompt: B = 1)."""
     g, t = q.shape[1] // k.shape[1], q.shape[2]
-    return g * t <= MAX_ROWS and k.shape[2] - t >= MIN_SPAN
+    return q.shape[0] == 1 and g * t <= MAX_ROWS and k.shape[2] - t >= MIN_SPAN
 
 
 def spans_for(programs_per_span: int, ctx: int) -> int:
@@ -48,39 +51,24 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     return torch.matmul((logits - lse[..., None]).exp(), v.float()).to(q.dtype), lse
 
 
-def _tail(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [B, Hkv, G*T, D] over the last keys k, v [B, Hkv, L, D] (L - T of the context's, then
-    the prompt's T): row (g, i) sees those up to prompt token i. fp32 math: L and G*T are small."""
-    n = k.shape[2]
-    logits = torch.matmul(rows.float(), k.float().transpose(-1, -2)) * rows.shape[-1] ** -0.5
-    token = torch.arange(rows.shape[2], device=rows.device) % t  # each row's prompt token
-    hidden = torch.arange(n, device=rows.device)[None, :] > (n - t + token)[:, None]
-    logits = logits.masked_fill(hidden, float("-inf"))
-    lse = logits.logsumexp(-1)
-    return torch.matmul((logits - lse[..., None]).exp(), v.float()), lse
-
-
 def packed_appended_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               spans: int | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] at the last T of the S positions of k, v [B, Hkv, S, D] (in q's dtype):
     what appended_attention computes, each KV head's keys read once. Needs `packs(q, k)`.
     spans: how many the context's keys are cut into (None: spans_for's choice)."""
-    b, hq, t, d = q.shape
+    _, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     g = hq // hkv
-    rows = q.reshape(b, hkv, g * t, d)  # query head h is KV head h // g's rows h % g
-    spans = spans or spans_for(b * hkv * -(-g * t // 128), s - t)
+    rows = q[0].reshape(hkv, g * t, d)  # query head h is KV head h // g's rows h % g
+    spans = spans or spans_for(hkv * -(-g * t // 128), s - t)
     span = (s - t) // spans
-    main = spans * span
+    main = spans * span  # the context's keys left after the spans: fewer than the spans
 
-    def cut(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, main, D] -> [B * spans, Hkv, span, D]
-        return x[:, :, :main].unflatten(2, (spans, span)).transpose(1, 2).flatten(0, 1)
+    def cut(x: torch.Tensor) -> torch.Tensor:  # [Hkv, main, D] -> [spans, Hkv, span, D], a view
+        return x[:, :main].unflatten(1, (spans, span)).transpose(0, 1)
 
-    q_spans = rows[:, None].expand(b, spans, hkv, g * t, d).flatten(0, 1)
-    out, lse = attend_with_lse(q_spans, cut(k), cut(v))
-    tail_out, tail_lse = _tail(rows, k[:, :, main:], v[:, :, main:], t)
-    outs = torch.cat([out.unflatten(0, (b, spans)).float(), tail_out[:, None]], 1)  # [B, P, Hkv, R, D]
-    lses = torch.cat([lse.unflatten(0, (b, spans)), tail_lse[:, None]], 1)  # [B, P, Hkv, R]
-    weights = (lses - lses.amax(1, keepdim=True)).exp()
-    merged = (outs * weights[..., None]).sum(1) / weights.sum(1)[..., None]
-    return merged.to(q.dtype).view(b, hq, t, d)
+    q_spans = rows[None].expand(spans, hkv, g * t, d)
+    outs, lses = attend_with_lse(q_spans, cut(k[0]), cut(v[0]))
+    last = (rows, k[0, :, main:], v[0, :, main:], t, outs, lses)
+    merged = span_merge.merge(*last) if q.is_cuda else span_merge.merge_ref(*last)
+    return merged.view(1, hq, t, d)

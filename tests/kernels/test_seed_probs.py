@@ -1,4 +1,4 @@
-"""Follow's seed scores by the two-launch kernel equal the torch reference: the group-summed
+"""Follow's seed scores by the three-launch kernel equal the torch reference: the group-summed
 softmax of the last query over the real keys, 0 for the padding and up to 16 keys; on the CPU
 through TRITON_INTERPRET."""
 

@@ -50,7 +50,7 @@ def test_a_padded_prompt_prefills_as_its_unpadded_self(setup, tokens, monkeypatc
 
 def test_packed_attention_and_fused_seed_prefill_as_the_default(setup, monkeypatch):
     """The two levers `ctxcache bench prefill` measures (off by default): the packed prefill
-    attention (spans shortened so a 130-token context packs) and the two-launch seed give the
+    attention (spans shortened so a 130-token context packs) and the three-launch seed give the
     default path's first logits, indexed counts and follow seeds."""
     from ctxcache.kernels import seed_probs
     from ctxcache.models import packed_attention
