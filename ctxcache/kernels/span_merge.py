@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ctxcache.kernels.split_k_attention import INTERPRET
 
-ROWS = 64  # packed rows a program
+ROWS = 16  # packed rows a program: 8 KV heads x 128 rows are 64 programs, each folding every span in
 KEYS = 32  # last keys a step
 
 

@@ -8,8 +8,8 @@ log-sum-exp, one program per span and KV head), and the spans' partial outputs m
 log-sum-exps with the last keys' (the context's few left over and the prompt's own, causal), in
 one launch on a GPU (kernels/span_merge.py).
 
-Not yet on the serving path: `ctxcache bench prefill` times it against SDPA on a GPU, and
-slot_prefill's attention takes it only once that shows it faster.
+slot_prefill's attention takes it where it packs (slot_prefill.PACKED_ATTENTION); `ctxcache
+bench prefill` times it against SDPA on a GPU.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from ctxcache.kernels import span_merge
 # tail's [rows x (leftover + prompt)] scores grow with the prompt, and SDPA's per-head pass
 # carries enough queries to be bound by compute anyway
 MAX_ROWS = 512
-# programs the spans aim for (span x KV head x 128-row block): two waves of an H100's 132 SMs
-TARGET_PROGRAMS = 264
+# flash programs the spans aim for (span x KV head x 128-row block): at Llama-3.1-8B's shapes 8
+# spans of a 32K or 128K context measured fastest on an H100 (bench prefill: fewer, longer
+# spans; each span more is one more partial for span_merge to fold in)
+TARGET_PROGRAMS = 64
 MIN_SPAN = 256  # keys per span at least: shorter spans cost more in partials than they save
 
 
