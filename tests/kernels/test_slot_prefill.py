@@ -48,14 +48,16 @@ def test_a_padded_prompt_prefills_as_its_unpadded_self(setup, tokens, monkeypatc
     assert padded[3:] == plain[3:] == (130 + tokens, 130 + tokens)
 
 
-def test_packed_attention_and_fused_seed_prefill_as_the_default(setup, monkeypatch):
-    """The two levers `ctxcache bench prefill` measures (off by default): the packed prefill
+def test_packed_attention_and_fused_seed_prefill_as_the_torch_path(setup, monkeypatch):
+    """The two levers `ctxcache bench prefill` measures (on by default): the packed prefill
     attention (spans shortened so a 130-token context packs) and the three-launch seed give the
-    default path's first logits, indexed counts and follow seeds."""
+    first logits, indexed counts and follow seeds of SDPA and the torch seed chain."""
     from ctxcache.kernels import seed_probs
     from ctxcache.models import packed_attention
     lm, method, art = setup
     prompt = list(range(40, 57))
+    monkeypatch.setattr(slot_prefill, "PACKED_ATTENTION", False)
+    monkeypatch.setattr(seed_probs, "FUSED_SEED", False)
     want = _prefill(lm, method, art, prompt)
     monkeypatch.setattr(slot_prefill, "PACKED_ATTENTION", True)
     monkeypatch.setattr(packed_attention, "MIN_SPAN", 32)
