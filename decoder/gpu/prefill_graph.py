@@ -10,18 +10,18 @@ key's second use (a one-off question never pays for a capture) or on its first w
 admission loaded the slot (its stream waits for that load anyway), and replayed after copying
 the new input into the graph's. On the H100 the eager prefill of a 20-token question on a 32K
 context took ~40 ms of host time for 12-17 ms of GPU time: host-bound, and on the engine thread
-it delays the decode steps it joins. Capture only records (no kernel runs), so it may happen
-inside the admission it serves, but one took 354 ms of host time on the H100 at 8 x 32K
-(sparse, a new memory pool per graph beside nearly full HBM) and 82 ms with one pool: once a
-capture is slow, only an admission alone on the runner or one that loaded its slot captures,
-and the engine captures the keys seen once while it has no stream (idle_work).
+it delays the decode steps it joins. A capture costs that host time too (one pool for every
+graph: 82 ms at 8 x 32K, 354 ms with a pool per graph), so the admission that captures records
+each layer's graph just before replaying it, a group of layers beside each decode step as an
+eager prefill runs (Capturing): at 32K x 7 decoding on the H100 a capture of all 32 layers at
+once was the one joiner in 16 at 80 ms and doubled the others' inter-token p99. The engine
+also captures the keys seen once while it has no stream (idle_work).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,9 +31,6 @@ import torch
 from ctxcache.generation import LayeredPrefill
 
 _log = logging.getLogger(__name__)
-# captures this fast may run while other streams decode (a step's worth of host time); once
-# one took longer, only an admission alone on the runner captures
-FAST_CAPTURE_S = 0.02
 Key = tuple[int, int, int]  # (slot row, context length, prompt tokens)
 
 
@@ -53,7 +50,6 @@ class PrefillGraphs:
         self.keep = keep
         self._seen: OrderedDict[Key, _Captured | None] = OrderedDict()
         self.broken = False  # a capture failed once: eager from then on (logged)
-        self.capture_seconds = 0.0  # the slowest capture (host time)
         self._eager_threads: set[int] = set()  # threads that ran an eager prefill
         self._side: torch.cuda.Stream | None = None  # the capture stream (one: its cuBLAS workspace once)
         # one memory pool for every prefill graph (replayed one prefill at a time, as the decode
@@ -61,24 +57,21 @@ class PrefillGraphs:
         self._pool: tuple | None = None
 
     def prefill(self, key: Key, ids: torch.Tensor, n_layers: int, make: Callable[[torch.Tensor], LayeredPrefill],
-                may_capture: bool, first_use: bool = False) -> "Replay | None":
-        """-> the key's graphs replaying a prefill with `ids` as input, capturing them
-        (`make(input)` builds the prefill to record) on the key's second use (or its first,
-        with `first_use`) where `may_capture`; None: run this prefill eagerly."""
+                first_use: bool = False) -> "Replay | Capturing | None":
+        """-> the key's graphs replaying a prefill with `ids` as input, or capturing them as it
+        runs (`make(input)` builds the prefill to record) on the key's second use (or its
+        first, with `first_use`); None: run this prefill eagerly."""
         if self.broken or ids.device.type != "cuda":
             return None
         cap = self._seen.get(key)
         if cap is None:
             thread = threading.get_ident()
-            if (not (first_use or key in self._seen) or thread not in self._eager_threads
-                    or not (may_capture or self.capture_seconds < FAST_CAPTURE_S)):
+            if not (first_use or key in self._seen) or thread not in self._eager_threads:
                 # a thread's first prefill creates its cuBLAS handles, which a capture cannot
                 self._eager_threads.add(thread)
-                self._remember(key, None)
+                self.remember(key, None)
                 return None
-            cap = self._capture(key, ids, n_layers, make)
-            if cap is None:
-                return None
+            return Capturing(self, key, ids, n_layers, make)
         self._seen.move_to_end(key)
         return Replay(cap, ids)
 
@@ -92,20 +85,21 @@ class PrefillGraphs:
         if key is None:
             return False
         # the padded prompt and its real length (slot_prefill.prompt_input); a capture reads no values
-        ids = torch.zeros(1, key[2] + 1, dtype=torch.long, device=device)
-        return self._capture(key, ids, n_layers, make_for(key)) is not None
+        cap = _Captured(torch.zeros(1, key[2] + 1, dtype=torch.long, device=device))
+        if not self.record(key, cap, n_layers, make_for(key)):
+            return False
+        self.remember(key, cap)
+        return True
 
-    def _capture(self, key: Key, ids: torch.Tensor, n_layers: int,
-                 make: Callable[[torch.Tensor], LayeredPrefill]) -> _Captured | None:
-        """Record a graph per layer (nothing runs); None, and eager from now on, if it fails."""
-        t0 = time.perf_counter()
-        cap = _Captured(torch.empty_like(ids))
+    def record(self, key: Key, cap: _Captured, layers: int, make: Callable[[torch.Tensor], LayeredPrefill]) -> bool:
+        """Record the next `layers` layers' graphs into cap (nothing runs); False, and eager
+        from now on, if that fails."""
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         side = self._side = self._side or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(side):
-                for _ in range(n_layers):
+                for _ in range(layers):
                     graph = torch.cuda.CUDAGraph()
                     # thread-local: a build on another thread may use the GPU meanwhile
                     graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
@@ -120,14 +114,12 @@ class PrefillGraphs:
             self.broken = True
             self._seen.pop(key, None)  # (and capture_seen never picks it again)
             _log.exception("capturing a prefill graph failed: question prefills run eagerly from now on")
-            return None
+            return False
         finally:
             torch.cuda.current_stream().wait_stream(side)
-        self.capture_seconds = max(self.capture_seconds, time.perf_counter() - t0)
-        self._remember(key, cap)
-        return cap
+        return True
 
-    def _remember(self, key: Key, cap: _Captured | None) -> None:
+    def remember(self, key: Key, cap: _Captured | None) -> None:
         self._seen[key] = cap
         self._seen.move_to_end(key)
         while len(self._seen) > self.keep:
@@ -151,3 +143,36 @@ class Replay:
             graph.replay()
         self.layer = end
         return self.cap.logits.clone() if end == len(graphs) else None
+
+
+class Capturing:
+    """A key's prefill that records each group of layers' graphs, then replays them, as
+    LayeredPrefill.run runs a group: the capture's host time is spread over the decode steps the
+    admission joins. Once the last layer ran, the key's later prompts replay its graphs. If a
+    capture fails, this prefill runs eagerly from its first layer (rewriting what the replayed
+    layers wrote: the same positions and index columns)."""
+
+    def __init__(self, graphs: PrefillGraphs, key: Key, ids: torch.Tensor, n_layers: int,
+                 make: Callable[[torch.Tensor], LayeredPrefill]) -> None:
+        self.graphs, self.key, self.n_layers, self.make = graphs, key, n_layers, make
+        self.cap = _Captured(ids.clone())
+        self.layer = 0
+        self._eager: LayeredPrefill | None = None
+
+    def run(self, layers: int) -> torch.Tensor | None:
+        """Capture and replay up to `layers` more layers: -> the last token's logits [1, V]
+        after the last."""
+        if self._eager is None:
+            end = min(self.layer + max(1, layers), self.n_layers)
+            if self.graphs.record(self.key, self.cap, end - self.layer, self.make):
+                for graph in self.cap.graphs[self.layer:end]:
+                    graph.replay()
+                self.layer = end
+                if end < self.n_layers:
+                    return None
+                self.graphs.remember(self.key, self.cap)
+                return self.cap.logits.clone()
+            self._eager = self.make(self.cap.ids)
+        logits = self._eager.run(layers)
+        self.layer = self._eager.layer
+        return logits

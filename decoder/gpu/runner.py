@@ -204,9 +204,7 @@ class GpuRunner:
                     if run is None:
                         inputs = prompt_input(prompt, padded, self.device)
                         key = (slot.index, slot.n_ctx, padded)
-                        alone = not any(s.busy for s in self.slots if s is not slot)
-                        run = (self.prefill_graphs.prefill(key, inputs, self.lm.args.n_layers, make,
-                                                           may_capture=alone or loaded, first_use=loaded)
+                        run = (self.prefill_graphs.prefill(key, inputs, self.lm.args.n_layers, make, first_use=loaded)
                                or make(inputs))
                     replayed = isinstance(run, Replay)
                     layers = self._chunk_layers(kind, padded, run.layer) if replayed else self._per_chunk(padded)

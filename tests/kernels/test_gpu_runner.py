@@ -96,3 +96,37 @@ def test_runner_refuses_what_it_cannot_serve(lm, method, artifacts):
     assert not runner.accepts(artifacts[0], SparseConfig(Budget(0.2, 2, 8)), 20)  # another budget
     other = make_method("quest")
     assert not other.gpu_decodable(artifacts[0].layers[0].tables)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="prefill graphs are captured on a CUDA GPU")
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+def test_a_prefill_captured_as_it_runs_gives_the_eager_logits(lm, cpu_lm, sparse, monkeypatch):
+    """A question's prefill, a layer a chunk, beside another stream: captured a layer at a time
+    as it runs where its admission loaded the slot (Capturing), then replayed; the logits are an
+    eager prefill's bit for bit."""
+    from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs
+    recorded = []
+    record = PrefillGraphs.record
+    monkeypatch.setattr(PrefillGraphs, "record", lambda self, key, cap, layers, make: (
+        recorded.append(layers), record(self, key, cap, layers, make))[1])
+    method = _method(1.0, 4, 16, 8)
+    arts = _artifacts(cpu_lm, method)
+    cfg = CONFIG if sparse else SparseConfig(CONFIG.budget, dense_layers=tuple(range(lm.args.n_layers)))
+
+    def runner(graphs: bool) -> GpuRunner:
+        made = GpuRunner(lm, method.params if sparse else None, CONFIG, slots=2, max_len=384, max_new=32,
+                         prefill_token_layers=1)
+        made.prefill_graphs.broken = not graphs
+        made.admit("other", arts[1], [4], cfg, 8)  # a stream beside it (the thread's first prefill: eager)
+        return made
+    eager = runner(False).admit("ctx", arts[0], [5, 6, 7, 8], cfg, 8)[1]
+    graphs, logits, records = runner(True), [], []
+    for _ in range(2):
+        before = len(recorded)
+        slot, first = graphs.admit("ctx", arts[0], [5, 6, 7, 8], cfg, 8)
+        logits.append(first)
+        records.append(recorded[before:])
+        graphs.release(slot)
+    assert records == [[1] * lm.args.n_layers, []]  # each layer captured just before it ran, then replayed
+    assert torch.equal(logits[0], eager) and torch.equal(logits[1], eager)
