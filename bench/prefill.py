@@ -5,9 +5,10 @@ prompt padded to `--tokens` (slot_prefill.PAD_TO) over random K/V: the prefill a
 SDPA (lower-right causal, GQA: each query head reads its KV head's keys) and through the packed
 path (models/packed_attention.py: each KV head's keys read once, the context cut into spans;
 swept over span counts), then what a sparse prefill adds per layer: CSAttention's follow seed
-(the last real query's exact Top-`follow` in the budget's region; as seed_follow runs it, and
-with its probabilities from kernels/seed_probs.py) and the index insert of the prompt's keys. Each is captured in a CUDA graph and timed by replay (median, L2 emptied); the
-floor is the layer's K/V bytes at the card's measured copy bandwidth.
+(the last real query's exact Top-`follow` in the budget's region, its probabilities by the torch
+chain and by kernels/seed_probs.py, whatever FUSED_SEED says) and the index insert of the prompt's
+keys. Each is captured in a CUDA graph and timed by replay (median, L2 emptied); the floor is the
+layer's K/V bytes at the card's measured copy bandwidth.
 `ctxcache bench prefill [--contexts 32768,...] [--tokens 32] [--profile] [--out DIR]`."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ctxcache.bench.common.report import print_table, write_result
 from ctxcache.bench.common.serve_limits import copy_bandwidth
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.gpu.slot_prefill import SeedPadding
-from ctxcache.kernels.seed_probs import seed_probs, seed_workspace
+from ctxcache.kernels.seed_probs import seed_probs, seed_probs_ref, seed_workspace
 from ctxcache.kernels.topk import radix_topk, workspace
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
@@ -73,37 +74,34 @@ def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentio
     real_t = torch.tensor([real], dtype=torch.int32, device=dev)
     padding = SeedPadding.of(n, real_t, tokens, budget, params.follow)
     last = q[0, :, real - 1]
-    row["seed_us"] = _timed(lambda: tables.seed_follow(0, last, k[0], budget, padding))
-    fused = _fused_seed(last, k[0], padding, tables.follow_prev[0])
-    row["seed_fused_us"] = _timed(fused)
-    row["seed_fused_overlap"] = _overlap(lambda: tables.seed_follow(0, last, k[0], budget, padding), fused,
-                                         tables.follow_prev[0])
+    chain, fused = (_seed(last, k[0], padding, tables.follow_prev[0], f) for f in (False, True))
+    row["seed_chain_us"], row["seed_fused_us"] = _timed(chain), _timed(fused)
+    row["seed_fused_overlap"] = _overlap(chain, fused, tables.follow_prev[0])
     row["insert_us"] = _timed(lambda: tables.insert_span(0, k[0, :, n:], 0, None, real_t))
     row["speedup"] = row["sdpa_us"] / row["packed_us"]
     if profile:
-        _kernel_table({"seed": lambda: tables.seed_follow(0, last, k[0], budget, padding),
-                       "seed_fused": fused, "insert": lambda: tables.insert_span(0, k[0, :, n:], 0, None, real_t),
+        _kernel_table({"seed": chain, "seed_fused": fused, "insert": lambda: tables.insert_span(0, k[0, :, n:], 0, None, real_t),
                        "packed": lambda: packed_attention.packed_appended_attention(q, k, v), "sdpa": lambda: _sdpa(q, k, v)}, n)
     return row
 
 
-def _fused_seed(last: torch.Tensor, keys: torch.Tensor, padding: SeedPadding, prev: torch.Tensor):
-    """The seed through kernels/seed_probs.py (three launches for the probabilities), then the
-    same radix Top-K as seed_follow."""
+def _seed(last: torch.Tensor, keys: torch.Tensor, padding: SeedPadding, prev: torch.Tensor, fused: bool):
+    """seed_follow's seed with its probabilities by the torch chain (seed_probs_ref) or the three
+    launches (seed_probs), whatever FUSED_SEED says, then the radix Top-K."""
     hkv, n, _ = keys.shape
     probs = torch.empty(hkv, n + -n % 16, device=keys.device)
     ws, radix_ws = seed_workspace(hkv, last.shape[0] // hkv, n, keys.device), workspace(hkv, keys.device)
     b = padding.bounds
 
     def run() -> None:
-        seed_probs(last, keys, padding.keys, probs, ws)
-        radix_topk(probs[None], b[0:1], b[1:2], b[2:3], prev[None], radix_ws)
+        p = seed_probs(last, keys, padding.keys, probs, ws) if fused else seed_probs_ref(last, keys, padding.mask)
+        radix_topk(p[None], b[0:1], b[1:2], b[2:3], prev[None], radix_ws)
     return run
 
 
 def _overlap(seed, fused, prev: torch.Tensor) -> float:
-    """Of the keys seed_follow seeds, the share the fused seed also seeds (its logits stay fp32,
-    seed_follow's are rounded to the keys' dtype: near-ties may go either way)."""
+    """Of the keys the torch chain seeds, the share the fused seed also seeds (its logits stay
+    fp32, the chain's are rounded to the keys' dtype: near-ties may go either way)."""
     seed()
     want = prev.clone()
     fused()
@@ -141,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.contexts:
         rows.append(bench_one(n, args.tokens, args.real, budget, params, bandwidth, args.profile))
         torch.cuda.empty_cache()
-    cols = ["context", "tokens", "floor_us", "sdpa_us", "packed_us", "spans", "speedup", "seed_us", "seed_fused_us",
+    cols = ["context", "tokens", "floor_us", "sdpa_us", "packed_us", "spans", "speedup", "seed_chain_us", "seed_fused_us",
             "insert_us"]
     print_table(rows, cols)
     print_table(rows, ["context"] + [f"packed{s}_us" for s in SPANS] + ["packed_err", "seed_fused_overlap"])

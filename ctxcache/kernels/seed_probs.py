@@ -19,8 +19,9 @@ import triton.language as tl
 from ctxcache.kernels.split_k_attention import INTERPRET, group_queries, padded_group
 
 BLOCK = 128  # keys per program
-# follow's seed probabilities by the three launches here, else by the torch chain (seed_scores):
-# on an H100 (bench prefill, with the radix Top-K) 98 vs 100 us a layer at 32K, 197 vs 198 at 128K
+# follow's seed probabilities by the three launches here, else by the torch chain (seed_scores).
+# Not yet compared in one run since the normalizer fix: on H100s (bench prefill, with the radix
+# Top-K) these took 98 / 197 us a layer at 32K / 128K, the chain 115 / 239 on an earlier machine
 FUSED_SEED = True
 
 
