@@ -67,7 +67,7 @@ class ReferenceRow:
 class _RowCaches:
     """Looks like one KVCache to `Transformer.forward` but writes each row to its own cache."""
 
-    fused_decode_write = False  # rows live in separate tensors: no one-launch RoPE + write
+    fused_decode_write = fused_prompt_write = False  # rows live in separate tensors: no one-launch RoPE + write
 
     def __init__(self, caches: list[KVCache]) -> None:
         self.caches = caches

@@ -1,4 +1,5 @@
-"""One decode token's RoPE and KV-cache write in one launch (the model's per-layer glue).
+"""One decode token's RoPE and KV-cache write in one launch (the model's per-layer glue); also a
+one-row prompt's, its tokens as the rows (llama.Attention.rope_and_write).
 
 For a single new token per row, the torch path (rope.apply_rope twice + KVCache.write) is ~25
 small launches per layer (gather the angles, cast, six products, two concatenations, two index
@@ -61,8 +62,9 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, t_ptr, pos_ptr, qo_ptr, kc_ptr, vc_p
 
 
 def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Launcher (shapes as in the module docstring); returns the rotated queries."""
+               k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher (shapes as in the module docstring); returns the rotated queries (into `out`,
+    [B, Hq, D] of any strides, where given)."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     if (k.shape != (b, hkv, d) or v.shape != k.shape or k_cache.shape[:2] != (b, hkv) or k_cache.shape[3] != d
@@ -73,9 +75,28 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.T
         raise ValueError("q, k, v and the caches need a contiguous last dimension, the table a contiguous layout")
     if pos.shape != (b,):
         raise ValueError(f"pos {tuple(pos.shape)} must be [{b}]")
-    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must be q's shape {tuple(q.shape)} with a contiguous last dimension")
     _rope_write_kernel[(b, hq + hkv)](q, k, v, table, pos, out, k_cache, v_cache, hq,
                                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                       table.stride(0), out.stride(0), out.stride(1), *k_cache.stride()[:3],
                                       *v_cache.stride()[:3], HALF=d // 2, num_warps=1)
+    return out
+
+
+def rope_write_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """One row's prompt: q [1, Hq, T, D], k/v [1, Hkv, T, D], pos [T], caches [1, Hkv, S, D] ->
+    rotated q [1, Hq, T, D]. Its tokens are the launcher's rows, each writing its own position
+    of the one cache row (the cache seen through a stride-0 batch dimension)."""
+    t = q.shape[2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [T, H, D], a view
+        return x[0].transpose(0, 1)
+
+    rope_write(rows(q), rows(k), rows(v), table, pos, k_cache.expand(t, -1, -1, -1), v_cache.expand(t, -1, -1, -1),
+               out=rows(out))
     return out

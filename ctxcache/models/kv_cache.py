@@ -11,6 +11,7 @@ class KVCache:
     """Keys and values [B, Hkv, S_max, D] per layer plus the filled length of each row."""
 
     fused_decode_write = True  # one tensor per layer: a decode step may write it in one launch
+    fused_prompt_write = True  # and so may a one-row prompt (llama.Attention.rope_and_write)
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", uninitialized: bool = False) -> None:

@@ -43,9 +43,12 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         d, hd = args.dim, args.head_dim
-        self.q_proj = nn.Linear(d, args.n_heads * hd, bias=args.attention_bias)
-        self.k_proj = nn.Linear(d, args.n_kv_heads * hd, bias=args.attention_bias)
-        self.v_proj = nn.Linear(d, args.n_kv_heads * hd, bias=args.attention_bias)
+        # q, k and v in one weight: one GEMM reads it (H100, Llama-3.1-8B, 8 or 32 rows: 24 vs 36
+        # us a layer as three). Checkpoints keep their q/k/v_proj names (the two hooks).
+        self.qkv_split = [args.n_heads * hd, args.n_kv_heads * hd, args.n_kv_heads * hd]
+        self.qkv_proj = nn.Linear(d, sum(self.qkv_split), bias=args.attention_bias)
+        self.register_load_state_dict_pre_hook(_fuse_qkv_keys)
+        self.register_state_dict_post_hook(_split_qkv_keys)
         self.o_proj = nn.Linear(args.n_heads * hd, d, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(hd, args.norm_eps)
@@ -55,21 +58,57 @@ class Attention(nn.Module):
                 rope: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         b, t, _ = x.shape
         a = self.args
-        q = self.q_proj(x).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
+        q = q.view(b, t, a.n_heads, a.head_dim).transpose(1, 2)
+        k = k.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        v = v.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if t == 1 and x.is_cuda and cache.fused_decode_write:  # a decode step: RoPE + cache write in one launch
-            # imported here: CPU-only use of the model never loads Triton
-            from ctxcache.kernels.rope_write import rope_write
-            q = rope_write(q[:, :, 0], k[:, :, 0], v[:, :, 0], rope, pos[:, 0], cache.k[layer],
-                           cache.v[layer])[:, :, None]
-        else:
-            q, k = apply_rope(q, rope, pos), apply_rope(k, rope, pos)
-            cache.write(layer, k, v, pos)
+        q = self.rope_and_write(q, k, v, layer, pos, cache, rope)
         out = attn(layer, q, cache, pos)  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    @staticmethod
+    def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pos: torch.Tensor,
+                       cache: KVCache, rope: torch.Tensor) -> torch.Tensor:
+        """Rotated queries; the rotated keys and the values stored in the cache. On the GPU a
+        decode step (one token a row) or a one-row prompt (its tokens taken as rows, each
+        writing its own position of the one cache row) in one launch: the torch path is ~25
+        launches a layer, each costing more than its work. With the one qkv GEMM, a 20-token
+        question's admission on a resident 32K slot (H100, Llama-3.1-8B) takes 9.8 ms dense,
+        14.3 sparse, against 11.7 and 15.8 before."""
+        b, _, t, _ = q.shape
+        fused = cache.fused_decode_write if t == 1 else b == 1 and cache.fused_prompt_write
+        if not q.is_cuda or not fused:
+            q, k = apply_rope(q, rope, pos), apply_rope(k, rope, pos)
+            cache.write(layer, k, v, pos)
+            return q
+        # imported here: CPU-only use of the model never loads Triton
+        from ctxcache.kernels.rope_write import rope_write, rope_write_prompt
+        if t == 1:
+            return rope_write(q[:, :, 0], k[:, :, 0], v[:, :, 0], rope, pos[:, 0], cache.k[layer],
+                              cache.v[layer])[:, :, None]
+        return rope_write_prompt(q, k, v, rope, pos[0], cache.k[layer], cache.v[layer])
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _fuse_qkv_keys(module: nn.Module, state: dict, prefix: str, *_) -> None:
+    """A checkpoint's q/k/v_proj tensors, loaded as the one qkv_proj."""
+    for kind in ("weight", "bias"):
+        names = [f"{prefix}{n}.{kind}" for n in _QKV]
+        if all(n in state for n in names):
+            state[f"{prefix}qkv_proj.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+
+def _split_qkv_keys(module: nn.Module, state: dict, prefix: str, _meta) -> None:
+    """qkv_proj saved under the checkpoint's q/k/v_proj names (views: a saver makes them contiguous)."""
+    for kind in ("weight", "bias"):
+        fused = state.pop(f"{prefix}qkv_proj.{kind}", None)
+        if fused is not None:
+            for name, part in zip(_QKV, fused.split(module.qkv_split)):
+                state[f"{prefix}{name}.{kind}"] = part
 
 
 class MLP(nn.Module):

@@ -43,6 +43,7 @@ class HostKVCache(KVCache):
     kernels (RoPE + write, index insert, re-rank, attention) address in place."""
 
     fused_decode_write = True
+    fused_prompt_write = False  # a prompt's keys go in by `write`, a copy into host memory
 
     def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:

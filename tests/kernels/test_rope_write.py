@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from ctxcache.kernels.rope_write import rope_write, rope_write_ref
+from ctxcache.kernels.rope_write import rope_write, rope_write_prompt, rope_write_ref
 from ctxcache.models.config import NAMED_CONFIGS
-from ctxcache.models.rope import rope_table
+from ctxcache.models.kv_cache import KVCache
+from ctxcache.models.rope import apply_rope, rope_table
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -37,3 +38,27 @@ def test_rope_write_refuses_bad_shapes(device):
     with pytest.raises(ValueError, match="power of two"):
         rope_write(q, k, v, torch.zeros(8, 2, 6, device=device), torch.zeros(2, dtype=torch.long, device=device),
                    cache, cache.clone())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_one_row_prompt_goes_in_as_rows(device, dtype):
+    """A prefill's RoPE + write (llama.Attention on the GPU): the prompt's tokens as the launcher's
+    rows, all writing the one cache row, equal apply_rope + KVCache.write."""
+    hq, hkv, d, s, t = 8, 2, 64, 40, 5
+    args = NAMED_CONFIGS["llama-3.1-8b"]
+    table = rope_table(args.__class__(**{**args.__dict__, "max_seq_len": s, "head_dim": d}), device).to(dtype)
+    proj = torch.randn(1, t, (hq + 2 * hkv) * d, device=device).to(dtype)  # as the model's one qkv_proj
+    q, k, v = (x.view(1, t, -1, d).transpose(1, 2) for x in proj.split([hq * d, hkv * d, hkv * d], dim=-1))
+    pos = torch.arange(30, 30 + t, device=device)
+    got_cache, want_cache = (KVCache(1, 1, hkv, s, d, dtype, torch.device(device)) for _ in range(2))
+    for c in (got_cache, want_cache):
+        c.k[0].fill_(float("nan"))
+    got = rope_write_prompt(q, k, v, table, pos, got_cache.k[0], got_cache.v[0])
+    want = apply_rope(q, table, pos[None])
+    want_cache.write(0, apply_rope(k, table, pos[None]), v, pos[None])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for got_c, want_c in ((got_cache.k[0], want_cache.k[0]), (got_cache.v[0], want_cache.v[0])):
+        torch.testing.assert_close(got_c.float(), want_c.float(), rtol=tol, atol=tol, equal_nan=True)
+    assert got_cache.k[0].isnan().sum() == hkv * (s - t) * d  # the other positions untouched
