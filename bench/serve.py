@@ -60,6 +60,7 @@ class Point:
     reprefill: list[float]  # seconds, one per repeat
     build: dict  # prefill and index seconds
     runner_ms: dict[str, dict[int, float]]  # per mode and stream count: GpuRunner.step alone
+    prefill_ms: dict[str, float]  # per mode: GpuRunner.admit of a question on a resident slot alone
     weights: int  # bytes every step reads once
     bandwidth: float  # the card's measured copy bandwidth, bytes/s
     row_bytes: dict[str, int]  # per mode: K/V-side bytes one step reads per row
@@ -128,7 +129,7 @@ def run_point(args, mode: str, point: Point, data: Path) -> tuple[list[dict], di
         try:
             got = measure(client, args, mode, point)
             slow = [line for line in log.read_text().splitlines()
-                    if any(what in line for what in ("slow admission", "after warm-up", "slow gc"))]
+                    if any(what in line for what in ("slow admission", "after warm-up", "slow gc", "prefill graph"))]
             print(f"--- the {mode} server's slow admissions ({len(slow)}):\n" + "\n".join(slow[-12:]), flush=True)
             return got
         except Exception:
@@ -166,7 +167,7 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
                      "ttft_p99_s": {k: pctl(v, 0.99) for k, v in tiers.items()}})
         print(rows[-1], flush=True)
     if len(cids) >= 8:
-        rows[-1]["admission"] = admission(client, cids[:8], args.tokens)
+        rows[-1]["admission"] = {**admission(client, cids[:8], args.tokens), "runner_prefill_ms": point.prefill_ms.get(mode)}
         print(rows[-1]["admission"], flush=True)
     return rows, build
 
@@ -210,9 +211,10 @@ def points_on_the_model(args, contexts: list[int], streams: list[int]) -> list[P
         params = {"sparse": make_method("csattention", json.loads(args.method_params)).params, "dense": None}
         config = SparseConfig.from_schedule("0.05-step-1")
         elem = lm.model.lm_head.weight.element_size()
-        runner_ms = ({mode: runner_steps_ms(lm, art, params[mode], config, fit[mode], slot_tokens(n, args))
-                      for mode in fit} if args.device == "cuda" else {})
-        points.append(Point(n, fit, texts, reprefill, build, runner_ms, weight_bytes(lm), bandwidth,
+        alone = ({mode: runner_steps_ms(lm, art, params[mode], config, fit[mode], slot_tokens(n, args))
+                  for mode in fit} if args.device == "cuda" else {})
+        runner_ms, prefill_ms = {m: a[0] for m, a in alone.items()}, {m: a[1] for m, a in alone.items()}
+        points.append(Point(n, fit, texts, reprefill, build, runner_ms, prefill_ms, weight_bytes(lm), bandwidth,
                             {mode: row_bytes(lm.args, params[mode], config, n, elem) for mode in params}))
         del art
     return points
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                        "floor_ms", "floor_fraction", "itl_p50_ms", "itl_p99_ms"])
     print_table([{"context": r["context"], "mode": r["mode"], **r["admission"]} for r in rows if "admission" in r],
                 ["context", "mode", "joiner_ttft_p50_ms", "joiner_ttft_p99_ms", "others_itl_p50_ms",
-                 "others_itl_p99_during_ms", "others_itl_p99_during_over_p50"])
+                 "others_itl_p99_during_ms", "others_itl_p99_during_over_p50", "runner_prefill_ms"])
     print_table(builds, ["context", "prefill_seconds", "index_seconds", "put_seconds"])
     print_table(capacity, ["context", "hbm_gib", "index", "mode", "slots", "slot_gib", "best_streams", "best_aggregate_tokens_per_s",
                            "over_dense"])

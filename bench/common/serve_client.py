@@ -58,6 +58,7 @@ def admission(client: Client, cids: list[str], tokens: int, joins: int = 16) -> 
     joiners' TTFT and the seven's inter-token gaps while they join, against the seven's median."""
     arrivals: list[list[float]] = [[] for _ in cids[:7]]
     ttfts: list[float] = []
+    firsts: list[float] = []  # when each joiner's first token arrived
     served: list[float] = []
     window: list[float] = []
 
@@ -68,20 +69,30 @@ def admission(client: Client, cids: list[str], tokens: int, joins: int = 16) -> 
             t0, first = time.perf_counter(), []
             final = generate(client, cids[7], 1, first)
             ttfts.append(first[0] - t0 if first else final.timings.ttft_seconds)
+            firsts.extend(first[:1])
             served.append(final.timings.ttft_seconds)  # inside the server: the rest is gRPC and this client
             time.sleep(0.05)
         window.append(time.perf_counter())
 
     run_together([lambda i=i: generate(client, cids[i], tokens * 3, arrivals[i]) for i in range(7)] + [joiner])
-    during, all_gaps = [], []
+    during, all_gaps, ends = [], [], []
     for a in arrivals:
         for t0, t1 in zip(a, a[1:]):
             all_gaps.append(1e3 * (t1 - t0))
             if window and window[0] <= t1 <= window[-1]:
                 during.append(1e3 * (t1 - t0))
+                ends.append(t1)
     p99 = pctl(during, 0.99) if during else None  # None: the seven had ended before anyone joined
     return {"joiner_ttft_p50_ms": 1e3 * statistics.median(ttfts), "joiner_ttft_p99_ms": 1e3 * pctl(ttfts, 0.99),
             "joiner_ttfts_ms": [round(1e3 * t, 1) for t in ttfts],  # in order: p99 of 16 is their maximum
             "joiner_server_ttfts_ms": [round(1e3 * t, 1) for t in served],
             "others_itl_p50_ms": statistics.median(all_gaps), "others_itl_p99_during_ms": p99,
+            "others_longest_during": _longest(during, ends, firsts),
             "others_itl_p99_during_over_p50": p99 / statistics.median(all_gaps) if p99 else None}
+
+
+def _longest(gaps: list[float], ends: list[float], firsts: list[float], n: int = 8) -> list[list[float]]:
+    """The n longest gaps (ms) during the joins, each with its end's offset (ms) from the nearest
+    joiner's first token: a gap a joiner's prefill chunk lengthened ends about a step after it."""
+    top = sorted(zip(gaps, ends), reverse=True)[:n]
+    return [[round(g, 1), round(1e3 * min((e - f for f in firsts), key=abs), 1) if firsts else None] for g, e in top]

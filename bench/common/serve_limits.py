@@ -63,12 +63,14 @@ def floor_ms(weights: int, per_row: int, rows: int, bandwidth: float) -> float:
 
 
 def runner_steps_ms(lm: LoadedModel, art, params: CSAttentionParams | None, config: SparseConfig,
-                    streams: list[int], max_len: int, repeats: int = 20) -> dict[int, float]:
-    """Median GpuRunner.step time per batch size, each row a slot holding `art`."""
+                    streams: list[int], max_len: int, repeats: int = 20) -> tuple[dict[int, float], float]:
+    """Median GpuRunner.step time per batch size, each row a slot holding `art`, and the median
+    admission of a 20-token question on a resident slot (its prefill, replayed), ms."""
     runner = GpuRunner(lm, params, config, max(streams), max_len)
     out = {}
     try:
         rows = [runner.admit(f"c{i}", art, [5] * 20, config, 64)[0] for i in range(max(streams))]
+        prefill = 1e3 * statistics.median(_timed_admission(runner, rows[0], art, config) for _ in range(repeats))
         for s in streams:
             batch, toks = rows[:s], [7] * s
             for _ in range(3):
@@ -88,7 +90,16 @@ def runner_steps_ms(lm: LoadedModel, art, params: CSAttentionParams | None, conf
         del runner
         gc.collect()
         torch.cuda.empty_cache()
-    return out
+    return out, prefill
+
+
+def _timed_admission(runner: GpuRunner, row, art, config: SparseConfig) -> float:
+    runner.release(row)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    runner.admit(row.context_id, art, [5] * 20, config, 64)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def gaps_ms(arrivals: list[float]) -> list[float]:
