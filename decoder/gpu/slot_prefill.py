@@ -22,9 +22,9 @@ PREFILL_TOKEN_LAYERS = 512
 # a replayed prefill's chunk takes at most this share of a decode step's device time (both
 # measured), in as few even chunks as that allows: each chunk after the first costs the joiner a
 # step. H100, 32K x 7 decoding, through gRPC: the sparse prefill (14.4 ms: it also seeds follow)
-# goes in 2 chunks beside 13 ms steps, the joiner's TTFT 50 ms, the others' ITL p99 1.61x their
-# median; dense (9.9 ms) in one beside 19 ms steps, 32 ms, 1.59x. At 0.7 the sparse prefill
-# (21 ms then) took 3 chunks and the joiner 61 ms
+# goes in 2 chunks beside 13 ms steps, the joiner's TTFT 37-51 ms (by its arrival's phase), the
+# others' ITL p99 1.57-1.61x their median; dense (9.9 ms) in one beside 19 ms steps, 31-37 ms,
+# 1.59x (three runs). At 0.7 the sparse prefill (21 ms then) took 3 chunks and the joiner 61 ms
 PREFILL_SHARE = 0.85
 
 
