@@ -65,6 +65,9 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
                    help="PutContext's default K/V codec (README: bytes per token of each)")
     p.add_argument("--schedule", default="0.05-step-1", help="default sparse schedule")
     p.add_argument("--dram-cache-gb", type=float, default=2.0, help="loaded artifacts kept in memory (LRU)")
+    p.add_argument("--host-pool-gb", type=float, default=None,
+                   help="GPU: page-locked host memory registered at start that loads land in (default: the DRAM "
+                        "cache + 4 GB); 0: each load locks its own, slower")
     p.add_argument("--max-streams", type=int, default=16, help="concurrent Generate streams; more are refused")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--max-batch", type=int, default=32,

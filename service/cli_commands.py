@@ -43,7 +43,8 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                             http_port=getattr(args, "http_port", None)),
         model=ModelConfig(args.model, args.device, args.dtype),
         store=StoreSettings(args.data, int(args.store_budget_gb * GiB),
-                            object_store_uri=getattr(args, "object_store", None)),
+                            object_store_uri=getattr(args, "object_store", None),
+                            host_pool_bytes=_gib_or_none(getattr(args, "host_pool_gb", None))),
         registry=RegistrySettings(args.redis),
         indexer=IndexerSettings(method=args.method, store_queries=args.store_queries, kv_codec=args.kv_codec,
                                 max_build_work=getattr(args, "max_build_work", 3e10),
@@ -167,3 +168,7 @@ def generate_local(args) -> int:
     from ctxcache.service.local import generate_local as run_local
 
     return run_local(args)
+
+
+def _gib_or_none(gib: float | None) -> int | None:
+    return None if gib is None else int(gib * (1 << 30))

@@ -78,6 +78,10 @@ class StoreSettings:
     # loads into page-locked memory (async copies of the coded K/V to HBM); None: when the
     # model is on a GPU
     pin_memory: bool | None = None
+    # the page-locked host pool those loads land in, registered once at start (ctxcache/host_pool.py);
+    # None: the DRAM cache plus POOL_SLACK (artifacts of loads in flight and of evicted ones that
+    # streams still read)
+    host_pool_bytes: int | None = None
     # the shared artifact tier (s3://bucket/prefix?endpoint_override=host:port&scheme=http or
     # file:///path): the copy of record, with the LMDB at `path` as this machine's cache of it
     # (budget_bytes is then the cache's budget). None: the LMDB alone, as on a single node
@@ -87,6 +91,8 @@ class StoreSettings:
     def __post_init__(self) -> None:
         if self.budget_bytes < MiB:
             raise ValueError(f"budget_bytes={self.budget_bytes} must be >= 1 MiB")
+        if self.host_pool_bytes is not None and self.host_pool_bytes < 0:
+            raise ValueError(f"host_pool_bytes={self.host_pool_bytes} must be None or >= 0")
         if self.object_store_uri is not None:
             from ctxcache.store.tiers import tier_class
 

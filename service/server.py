@@ -13,6 +13,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ctxcache import host_pool
 from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.runner import ReferenceRunner, Runner
 from ctxcache.kernels.compiles import CompileCounter
@@ -257,6 +258,8 @@ def _open_store_and_registry(config: ServiceConfig):
     pin = config.store.pin_memory
     pin = config.model.device.startswith("cuda") if pin is None else pin
     st = config.store
+    if pin:
+        _install_host_pool(st.host_pool_bytes, config.decoder.dram_cache_bytes)
     store = open_store(st.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20), budget_bytes=budget,
                                             pin_memory=pin),
                        st.object_store_uri, ObjectStoreConfig(budget_bytes=st.object_budget_bytes))
@@ -267,6 +270,18 @@ def _open_store_and_registry(config: ServiceConfig):
         return store, EmbeddedRegistry(), "embedded"
     from ctxcache.store import RedisRegistry
     return store, RedisRegistry(config.registry.redis_config()), "redis"
+
+
+POOL_SLACK = 4 << 30  # beyond the DRAM cache: loads in flight, evicted artifacts streams still read
+
+
+def _install_host_pool(pool_bytes: int | None, dram_cache_bytes: int) -> None:
+    size = dram_cache_bytes + POOL_SLACK if pool_bytes is None else pool_bytes
+    if size <= 0:
+        return
+    t0 = time.perf_counter()
+    if host_pool.install(size) is not None:
+        log.info("page-locked host pool: %.1f GiB in %.1f s", size / (1 << 30), time.perf_counter() - t0)
 
 
 def _reconcile(backend: Backend) -> None:
