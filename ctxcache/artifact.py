@@ -78,9 +78,7 @@ class LayerArtifact:
             k_out.copy_(self._k, non_blocking=True)
             v_out.copy_(self._v, non_blocking=True)
             return
-        k, v = self.coded.decode(k_out.device)
-        k_out.copy_(k)
-        v_out.copy_(v)
+        self.coded.decode_into(k_out, v_out)
 
     def kv_bytes(self) -> int:
         """Bytes of the decoded k and v (what a decoder holds), coded or not."""

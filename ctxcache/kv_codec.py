@@ -56,6 +56,23 @@ class CodedKV:
         parts = self.parts if device is None else {n: t.to(device, non_blocking=True) for n, t in self.parts.items()}
         return decode_kv(parts, self.codec, self.dtype)
 
+    def decode_into(self, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Decode into k_out, v_out [Hkv, N, D] (any dtype and device). On a GPU, int8 codes of
+        the cache's dtype go through one kernel per tensor that reads them where they are (pinned
+        host memory over PCIe, zero-copy) and writes the cache once (kernels/load_kernels.py: the
+        torch decode was ~8 passes over fp32 temporaries); the same bits as `decode`."""
+        if k_out.is_cuda and self.codec == "int8" and k_out.dtype == v_out.dtype == self.dtype:
+            from ctxcache.kernels.load_kernels import dequant_into, dequant_ok
+
+            if dequant_ok(self.parts["k"]):
+                p = {n: t if t.is_cuda or t.is_pinned() else t.to(k_out.device) for n, t in self.parts.items()}
+                dequant_into(p["k"], p["k" + SCALE_SUFFIX], k_out, KEY_GROUP)
+                dequant_into(p["v"], p["v" + SCALE_SUFFIX], v_out, 1)
+                return
+        k, v = self.decode(k_out.device)
+        k_out.copy_(k)
+        v_out.copy_(v)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts.values())
 
