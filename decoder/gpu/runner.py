@@ -31,6 +31,7 @@ from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.warm_up import warm_up_runner
 from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs, Replay
+from ctxcache.decoder.gpu.slot_load import SlotLoader
 from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
                                                layers_per_chunk, padded_length, prompt_input)
 from ctxcache.decoder.inflight import LaunchedStep, StepIO
@@ -92,6 +93,7 @@ class GpuRunner:
         self.prefill_graphs = PrefillGraphs()
         self.times = DeviceTimes(self.device)
         self._last_bucket = 0  # the batch size of the last launched step
+        self.loader = SlotLoader(self.device)
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
@@ -250,21 +252,22 @@ class GpuRunner:
     def _load(self, slot: Slot, context_id: str, art: ContextArtifact) -> None:
         n, row = art.n_tokens, slot.index
         slot.context_id = None
-        for layer, la in enumerate(art.layers):
-            # coded K/V (the default int8) cross PCIe as codes and are decoded here, in HBM:
-            # decoding on the host was most of a 32K cold load (kv_into)
-            la.kv_into(self.cache.k[layer][row, :, :n], self.cache.v[layer][row, :, :n])
+        # coded K/V (the default int8) cross PCIe as codes and are decoded in HBM, on a side
+        # stream (decoding on the host was most of a 32K cold load)
+        landed = self.loader.copy_kv(self.cache, row, art)
         if self.params is not None:
             method = CSAttention(self.params)
             for layer, la in enumerate(art.layers):
                 # the rows are derived here, on the GPU, from the centroids and the keys just
-                # copied (one matmul per layer); format-1 artifacts bring them stored
+                # copied (kernels/load_kernels.int8_rows); format-1 artifacts bring them stored
+                self.loader.wait(landed[layer])
                 stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
                 tables = method.restore(stored, self.cache.k[layer][row, :, :n])
                 if self.tables is None:
                     self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len, self.max_new,
                                                         self.device, self.params.follows) for _ in art.layers]
                 self.tables[layer].load_row(row, tables, n)
+        self.loader.finish(art)
         slot.context_id, slot.n_ctx, slot.head = context_id, n, ResidentHead.of(art)
         self.loads += 1
 
