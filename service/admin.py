@@ -25,14 +25,18 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     @unary
     async def Evict(self, request, context):
-        if request.memory_only and request.device_only:
-            raise InvalidArgument("device_only", "set at most one of memory_only and device_only")
+        if request.memory_only + request.device_only + request.local_only > 1:
+            raise InvalidArgument("device_only", "set at most one of memory_only, device_only and local_only")
         return await in_thread(self.pool, self._evict, convert.context_id(request.context_id), request.memory_only,
-                               request.device_only)
+                               request.device_only, request.local_only)
 
-    def _evict(self, cid: str, memory_only: bool, device_only: bool) -> apb.EvictResponse:
+    def _evict(self, cid: str, memory_only: bool, device_only: bool, local_only: bool = False) -> apb.EvictResponse:
         if device_only:
             return apb.EvictResponse(evicted=self.decoder.evict_device(cid))
+        if local_only:  # the object store's copy stays: the next Generate loads from it
+            freed = self.decoder.evict(cid)
+            dropped = hasattr(self.backend.store, "drop_local") and self.backend.store.drop_local(cid)
+            return apb.EvictResponse(evicted=bool(dropped) or freed > 0, bytes_freed=freed)
         if memory_only:
             freed = self.decoder.evict(cid)
             return apb.EvictResponse(evicted=freed > 0, bytes_freed=freed)

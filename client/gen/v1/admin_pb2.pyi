@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EvictRequest(_message.Message):
-    __slots__ = ("context_id", "memory_only", "device_only")
+    __slots__ = ("context_id", "memory_only", "device_only", "local_only")
     CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     context_id: str
     memory_only: bool
     device_only: bool
-    def __init__(self, context_id: _Optional[str] = ..., memory_only: _Optional[bool] = ..., device_only: _Optional[bool] = ...) -> None: ...
+    local_only: bool
+    def __init__(self, context_id: _Optional[str] = ..., memory_only: _Optional[bool] = ..., device_only: _Optional[bool] = ..., local_only: _Optional[bool] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("evicted", "bytes_freed")
