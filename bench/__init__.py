@@ -25,6 +25,7 @@ BENCHMARKS = {
     "offload": ("GPU", "decode attention over KV in pinned host memory vs dense on GPU and host"),
     "serve": ("any", "the product path: a real server + gRPC client, sparse vs dense mode, TTFT tiers, tok/s"),
     "http": ("CPU", "the OpenAI-compatible HTTP front vs gRPC on one server: TTFT and tok/s, by reference and automatic"),
+    "tiers": ("any", "a context's TTFT from HBM, DRAM, the local store (page cache, dropped), the object store vs re-prefill"),
     "fleet": ("any", "indexer + decoders on Redis and S3: cold load from the object store vs re-prefill; tok/s of 1 vs N decoders"),
 }
 

@@ -1,0 +1,167 @@
+"""Where a first token comes from: a context's TTFT from each tier against re-prefilling it.
+
+    ctxcache bench tiers --model random:llama-3.1-8b --device cuda --dtype bfloat16 --contexts 32000,124000
+
+One `ctxcache serve` process with a local LMDB and an object store (a private SeaweedFS where
+`weed` is installed, else a folder), read through its gRPC API alone. Per context length: the
+PutContext until READY; then per repeat a 20-token question's TTFT with the context resident in
+HBM, in DRAM (admin Evict device_only), in the local store with its file in the page cache (Evict
+memory_only), in the local store after the page cache was dropped (root only; said when skipped),
+and in the object store alone (Evict local_only: this worker's copies gone). Beside them, on
+this process's own copy of the model before the server starts: the dense prefill of the same
+token count in one pass and in the indexer's 4K chunks (the faster is the baseline), and the
+card's pinned host -> device copy rate; each tier's effective GB/s is the artifact's stored bytes
+over its TTFT. Prints a table, writes tiers_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from ctxcache.bench.common.fleet_servers import binary, private_s3
+from ctxcache.bench.common.reprefill import reprefill_seconds
+from ctxcache.bench.common.report import add_out, commit, machine_info, print_table, write_result
+from ctxcache.bench.common.serve_client import generate
+from ctxcache.bench.common.server import running_server
+from ctxcache.bench.serve import context_text, put_all
+from ctxcache.client import Client
+from ctxcache.client.gen.v1 import admin_pb2 as apb
+from ctxcache.models.loader import load_model
+
+GiB = 1 << 30
+TIERS = ("hbm", "dram", "local", "local_cold", "object")
+
+
+def h2d_gb_per_s(gib: int = 2) -> float:
+    """Pinned host -> device copy rate (median of 5 after 2 warm-ups)."""
+    src = torch.empty(gib << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    times = []
+    for _ in range(7):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return (gib << 30) / statistics.median(times[2:]) / 1e9
+
+
+def on_the_model(args, contexts: list[int]) -> tuple[dict[int, dict], list[str], float]:
+    """Prefill baselines per length, one context text per length, and the link's copy rate."""
+    lm = load_model(args.model, getattr(torch, args.dtype), args.device)
+    rate = h2d_gb_per_s() if args.device == "cuda" else 0.0
+    base, texts = {}, []
+    for n in contexts:
+        one = min(reprefill_seconds(lm, n + 20, n + 20) for _ in range(args.repeats))
+        chunked = min(reprefill_seconds(lm, n + 20, 4096) for _ in range(args.repeats))
+        base[n] = {"prefill_one_pass_s": one, "prefill_4k_chunks_s": chunked, "reprefill_s": min(one, chunked)}
+        texts.append(context_text(lm.tokenizer, n, 7000 + n))
+    del lm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return base, texts, rate
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def tier_ttfts(client: Client, cid: str, repeats: int) -> dict[str, list[float]]:
+    """TTFT samples per tier; each sample puts the context where its tier says, then asks."""
+    evict = client.admin.Evict
+    moves: dict[str, Callable[[], bool]] = {
+        "object": lambda: evict(apb.EvictRequest(context_id=cid, local_only=True)) is not None,
+        "local_cold": lambda: evict(apb.EvictRequest(context_id=cid, memory_only=True)) is not None and drop_page_cache(),
+        "local": lambda: evict(apb.EvictRequest(context_id=cid, memory_only=True)) is not None,
+        "hbm": lambda: True,
+        "dram": lambda: evict(apb.EvictRequest(context_id=cid, device_only=True)) is not None,
+    }
+    out: dict[str, list[float]] = {t: [] for t in TIERS}
+    for _ in range(repeats):
+        for tier in ("object", "local_cold", "local", "hbm", "dram"):  # each leaves what the next needs
+            if moves[tier]():
+                out[tier].append(generate(client, cid, 1).timings.ttft_seconds)
+    return out
+
+
+def server_flags(args, data: Path, uri: str, longest: int) -> list[str]:
+    return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
+            "--object-store", uri, "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb),
+            "--gpu-slots", "1", "--gpu-slot-tokens", str(longest + 64 + 256 + 64), "--max-streams", "16"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ctxcache bench tiers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--contexts", default="4000", help="context lengths in tokens, comma separated")
+    ap.add_argument("--repeats", type=int, default=3, help="TTFT samples per tier (medians reported)")
+    ap.add_argument("--store-gb", type=float, default=40.0)
+    ap.add_argument("--dram-gb", type=float, default=12.0, help="the server's DRAM cache (a 124K int8 artifact is 8 GB)")
+    add_out(ap)
+    args = ap.parse_args(argv)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    base, texts, rate = on_the_model(args, contexts)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ctxcache-bench-tiers-") as tmp, ExitStack() as stack:
+        uri = (stack.enter_context(private_s3(Path(tmp) / "s3")) if _has_weed()
+               else f"file://{Path(tmp) / 'objects'}")
+        log = Path(tmp) / "serve.log"
+        address = stack.enter_context(running_server(server_flags(args, Path(tmp) / "data", uri, max(contexts)), log))
+        client = Client(address)
+        for n, text in zip(contexts, texts):
+            cids, puts = put_all(client, [text])
+            parts = client.admin.Describe(apb.DescribeRequest(context_id=cids[0])).stored_bytes_by_part
+            stored = sum(b for part, b in parts.items() if part != "queries")  # what a load reads
+            ttfts = tier_ttfts(client, cids[0], args.repeats)
+            row = {"context": n, "object_store": uri.split("?")[0].split(":")[0], "stored_bytes": stored,
+                   "h2d_gb_per_s": rate, "put_s": puts[0], "prefill_s": base[n]["prefill_4k_chunks_s"], **base[n]}
+            for tier, xs in ttfts.items():
+                row[f"ttft_{tier}_s"] = statistics.median(xs) if xs else None
+                row[f"ttft_{tier}_runs"] = xs
+                row[f"{tier}_gb_per_s"] = stored / statistics.median(xs) / 1e9 if xs else None
+                row[f"{tier}_over_reprefill"] = statistics.median(xs) / row["reprefill_s"] if xs else None
+            row["put_over_prefill"] = row["put_s"] / row["prefill_s"]
+            print(row, flush=True)
+            rows.append(row)
+        client.close()
+    info = machine_info()
+    stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
+    out = write_result("tiers", {"device": (info.get("gpu") or {}).get("name") or info["cpu"], "model": args.model,
+                                 "dtype": args.dtype, "rows": [{**r, **stamp} for r in rows]}, args.out)
+    print_table(rows, ["context", "stored_bytes", *(f"ttft_{t}_s" for t in TIERS), "reprefill_s",
+                       "prefill_one_pass_s"])
+    print_table(rows, ["context", "h2d_gb_per_s", *(f"{t}_gb_per_s" for t in TIERS[1:]),
+                       "local_over_reprefill", "object_over_reprefill", "put_s", "prefill_s", "put_over_prefill"])
+    print(f"wrote {out}")
+    return 0
+
+
+def _has_weed() -> bool:
+    try:
+        return bool(binary("weed"))
+    except FileNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
