@@ -61,13 +61,13 @@ class CodedKV:
         the cache's dtype go through one kernel per tensor that reads them where they are (pinned
         host memory over PCIe, zero-copy) and writes the cache once (kernels/load_kernels.py: the
         torch decode was ~8 passes over fp32 temporaries); the same bits as `decode`."""
-        if k_out.is_cuda and self.codec == "int8" and k_out.dtype == v_out.dtype == self.dtype:
+        if k_out.is_cuda and self.codec == "int8" and k_out.dtype == v_out.dtype:
             from ctxcache.kernels.load_kernels import dequant_into, dequant_ok
 
-            if dequant_ok(self.parts["k"]):
+            if dequant_ok(self.parts["k"], self.dtype, k_out.dtype):
                 p = {n: t if t.is_cuda or t.is_pinned() else t.to(k_out.device) for n, t in self.parts.items()}
-                dequant_into(p["k"], p["k" + SCALE_SUFFIX], k_out, KEY_GROUP)
-                dequant_into(p["v"], p["v" + SCALE_SUFFIX], v_out, 1)
+                dequant_into(p["k"], p["k" + SCALE_SUFFIX], k_out, KEY_GROUP, self.dtype)
+                dequant_into(p["v"], p["v" + SCALE_SUFFIX], v_out, 1, self.dtype)
                 return
         k, v = self.decode(k_out.device)
         k_out.copy_(k)

@@ -23,16 +23,21 @@ import triton.language as tl
 _RNE = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + _RNE) - _RNE rounds |x| < 2^22 to the nearest even integer
 
 
+_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
 # ---- K/V codes -> cache ---------------------------------------------------------------------------
 
-@triton.jit
+# lengths and the strides that follow them are not specialized: each context's length would
+# otherwise pick its own compilation (divisibility by 16) while serving
+@triton.jit(do_not_specialize=["N", "sc_h", "ss_h", "ss_n"])
 def _dequant_kernel(code_ptr, scale_ptr, out_ptr, N, GROUP,
                     sc_h, sc_n, ss_h, ss_n, ss_d, so_h, so_n,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr):
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, MID: tl.constexpr, OUT: tl.constexpr):
     h = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
@@ -40,20 +45,30 @@ def _dequant_kernel(code_ptr, scale_ptr, out_ptr, N, GROUP,
     t64 = t.to(tl.int64)[:, None]
     code = tl.load(code_ptr + h * sc_h + t64 * sc_n + d[None, :], mask=ok, other=0)
     scale = tl.load(scale_ptr + h * ss_h + (t64 // GROUP) * ss_n + d[None, :] * ss_d, mask=ok, other=0.0)
-    value = code.to(tl.float32) * scale.to(tl.float32)
-    if BF16:  # round to nearest even by hand: Triton's CPU interpreter truncates fp32 -> bf16
-        bits = value.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        out = value.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + h * so_h + t64 * so_n + d[None, :], out, mask=ok)
+    value = _round_to(_round_to(code.to(tl.float32) * scale.to(tl.float32), MID), OUT)
+    tl.store(out_ptr + h * so_h + t64 * so_n + d[None, :], value.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def dequant_into(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, group: int) -> None:
+@triton.jit
+def _round_to(x, KIND: tl.constexpr):
+    """fp32 x rounded (to nearest even) to KIND's precision, kept in fp32: 0 fp32, 1 fp16, 2 bf16
+    (by hand: Triton's CPU interpreter truncates fp32 -> bf16)."""
+    if KIND == 1:
+        x = x.to(tl.float16).to(tl.float32)
+    elif KIND == 2:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x
+
+
+def dequant_into(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, group: int,
+                 decoded: torch.dtype | None = None) -> None:
     """out [Hkv, N, D] = codes [Hkv, N, D] int8 * the scale of each element, which is
     scales[h, n // group, d] (keys: scales [Hkv, ceil(N/group), D]) or, for scales [Hkv, N]
-    (values, group 1), scales[h, n]. codes and scales may be pinned host memory (read over PCIe)."""
+    (values, group 1), scales[h, n]; rounded to `decoded` (the artifact's K/V dtype, default
+    out's) first, then to out's, as decoding then copying does. codes and scales may be pinned
+    host memory (read over PCIe)."""
+    decoded = out.dtype if decoded is None else decoded
     hkv, n, d = codes.shape
     if codes.dtype != torch.int8 or out.shape != codes.shape or codes.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError(f"codes {codes.dtype} {tuple(codes.shape)} and out {tuple(out.shape)} must be int8 "
@@ -63,12 +78,12 @@ def dequant_into(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, g
     block = 64 if d >= 128 else 128
     _dequant_kernel[(hkv, triton.cdiv(n, block))](codes, scales, out, n, 1 if per_token else group,
                                                   codes.stride(0), codes.stride(1), *ss, out.stride(0), out.stride(1),
-                                                  D=d, BLOCK_N=block, BF16=out.dtype == torch.bfloat16)
+                                                  D=d, BLOCK_N=block, MID=_KIND[decoded], OUT=_KIND[out.dtype])
 
 
-def dequant_ok(codes: torch.Tensor) -> bool:
-    """The kernel takes this layer (a power-of-two head_dim; anything else decodes in torch)."""
-    return _pow2(codes.shape[-1]) and codes.shape[-1] >= 16
+def dequant_ok(codes: torch.Tensor, decoded: torch.dtype, out: torch.dtype) -> bool:
+    """The kernel takes this layer (a power-of-two head_dim, float dtypes; else torch decodes)."""
+    return _pow2(codes.shape[-1]) and codes.shape[-1] >= 16 and decoded in _KIND and out in _KIND
 
 
 # ---- centroids + keys -> int8 rows ----------------------------------------------------------------
@@ -87,7 +102,7 @@ def _fp16_scores(cent_ptr, cent_base, c, C, k_ptr, k_base, t, ok, sk_n, DB: tl.c
     return acc.to(tl.float32).to(tl.float16).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "sk_h"])
 def _peak_kernel(cent_ptr, k_ptr, peak_ptr, N, C, M, sc_h, sc_m, sk_h, sk_m, sk_n,
                  C_PAD: tl.constexpr, DB: tl.constexpr, BLOCK_N: tl.constexpr):
     """Each row's largest |fp16 score| over one block of keys, folded in by an atomic max of
@@ -101,7 +116,7 @@ def _peak_kernel(cent_ptr, k_ptr, peak_ptr, N, C, M, sc_h, sc_m, sk_h, sk_m, sk_
     tl.atomic_max(peak_ptr + hm * C + c, peak.to(tl.int32, bitcast=True), mask=c < C)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "sk_h", "sr_h", "sr_m", "sr_c"])
 def _rows_kernel(cent_ptr, k_ptr, peak_ptr, row_ptr, scale_ptr, N, C, M,
                  sc_h, sc_m, sk_h, sk_m, sk_n, sr_h, sr_m, sr_c,
                  C_PAD: tl.constexpr, DB: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -10,9 +10,10 @@ from ctxcache.kv_codec import decode_kv, encode_kv
 from ctxcache.methods.csattention_rows import dense_rows
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                               (torch.float16, torch.bfloat16)])  # the service's: fp16 K/V, bf16 model
 @pytest.mark.parametrize("d", [64, 128])
-def test_dequant_into_a_cache_view_equals_decode_kv(device, dtype, d):
+def test_dequant_into_a_cache_view_equals_decode_kv(device, dtype, cache_dtype, d):
     hkv, n, max_len = 3, 301, 340  # n: not a multiple of the 128-token key group
     k, v = (torch.randn(hkv, n, d) * 3).to(dtype), torch.randn(hkv, n, d).to(dtype)
     k[0, 5, 7] = 40.0  # an outlier channel value: its group's scale differs
@@ -21,10 +22,10 @@ def test_dequant_into_a_cache_view_equals_decode_kv(device, dtype, d):
     for name, t in parts.items():  # pinned where a GPU reads it over PCIe, as a load does
         host[name] = pinned_exact(tuple(t.shape), t.dtype)
         host[name].copy_(t)
-    want_k, want_v = decode_kv(parts, "int8", dtype)
-    cache = torch.full((2, hkv, max_len, d), float("nan"), dtype=dtype, device=device)
-    dequant_into(host["k"], host["k_scale"], cache[1, :, :n], 128)
-    dequant_into(host["v"], host["v_scale"], cache[0, :, :n], 1)
+    want_k, want_v = (t.to(cache_dtype) for t in decode_kv(parts, "int8", dtype))  # decoded, then copied
+    cache = torch.full((2, hkv, max_len, d), float("nan"), dtype=cache_dtype, device=device)
+    dequant_into(host["k"], host["k_scale"], cache[1, :, :n], 128, dtype)
+    dequant_into(host["v"], host["v_scale"], cache[0, :, :n], 1, dtype)
     assert torch.equal(cache[1, :, :n].cpu(), want_k) and torch.equal(cache[0, :, :n].cpu(), want_v)
     assert cache[:, :, n:].isnan().all() and cache[1, :, :n].isfinite().all()  # nothing past n written
 
