@@ -252,22 +252,24 @@ class GpuRunner:
     def _load(self, slot: Slot, context_id: str, art: ContextArtifact) -> None:
         n, row = art.n_tokens, slot.index
         slot.context_id = None
-        # coded K/V (the default int8) cross PCIe as codes and are decoded in HBM, on a side
-        # stream (decoding on the host was most of a 32K cold load)
-        landed = self.loader.copy_kv(self.cache, row, art)
-        if self.params is not None:
-            method = CSAttention(self.params)
-            for layer, la in enumerate(art.layers):
-                # the rows are derived here, on the GPU, from the centroids and the keys just
-                # copied (kernels/load_kernels.int8_rows); format-1 artifacts bring them stored
-                self.loader.wait(landed[layer])
-                stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
-                tables = method.restore(stored, self.cache.k[layer][row, :, :n])
-                if self.tables is None:
-                    self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len, self.max_new,
-                                                        self.device, self.params.follows) for _ in art.layers]
-                self.tables[layer].load_row(row, tables, n)
-        self.loader.finish(art)
+        method = None if self.params is None else CSAttention(self.params)
+
+        def index_rows(layer: int) -> None:
+            # the rows are derived on the GPU from the centroids and the keys just decoded
+            # (kernels/load_kernels.int8_rows); format-1 artifacts bring them stored
+            if method is None:
+                return
+            la = art.layers[layer]
+            stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
+            tables = method.restore(stored, self.cache.k[layer][row, :, :n])
+            if self.tables is None:
+                self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len, self.max_new,
+                                                    self.device, self.params.follows) for _ in art.layers]
+            self.tables[layer].load_row(row, tables, n)
+
+        # coded K/V (the default int8) cross PCIe as codes and are decoded in HBM, a layer at a
+        # time as they land (decoding on the host was most of a 32K cold load)
+        self.loader.load(self.cache, row, art, index_rows)
         slot.context_id, slot.n_ctx, slot.head = context_id, n, ResidentHead.of(art)
         self.loads += 1
 

@@ -1,58 +1,87 @@
-"""A context's K/V copied into a slot on a side stream, a layer at a time.
+"""A context copied into a slot: its K/V codes cross PCIe by the copy engine, a layer at a time.
 
-The K/V codes (the bulk of a load: 2.1 GB at 32K tokens of Llama-3.1-8B shapes) are decoded
-from pinned host memory straight into the cache on a side stream (kv_codec.decode_into: one
-kernel per tensor, PCIe-bound), an event after each layer; the compute stream derives that
-layer's index rows as soon as its event fires, so the rows of layer i overlap the copy of
-layers i+1... The side stream starts after the work already queued on the compute stream (an
-idle row of the step in flight still writes a throw-away key into this slot) and the compute
-stream waits for all of it before anything later (no step sees a half-loaded slot). The
-artifact is held until its copies are done: they read its host memory in place, and its host
-pool range is reused once the last tensor viewing it is gone.
+The K/V codes (the bulk of a load: 2.1 GB at 32K tokens of Llama-3.1-8B shapes) are copied from
+pinned host memory into a ring of RING device staging buffers on a side stream (plain async
+copies: the copy engine runs at the link's rate, 55 GB/s on an H200, and takes no SMs from the
+decode steps); the compute stream decodes each layer from its staging buffer into the cache as
+soon as it lands (kv_codec.decode_into, one kernel per tensor) and derives its index rows
+(`per_layer`), while the next layers are still crossing. The side stream starts after the work
+already queued on the compute stream (an idle row of the step in flight still writes a
+throw-away key into this slot), reuses a staging buffer only after the compute stream has read
+it, and the artifact is held until its copies are done (they read its host pool range in place).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ctxcache.artifact import ContextArtifact
+from ctxcache.kv_codec import CodedKV
 from ctxcache.models.kv_cache import KVCache
+
+RING = 3  # layers of codes in flight: one landing, one being decoded, one spare
 
 
 class SlotLoader:
     def __init__(self, device: torch.device) -> None:
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._held: list[tuple[torch.cuda.Event, ContextArtifact]] = []
+        self._ring: list[torch.Tensor] = []  # RING flat staging buffers, grown to the largest layer
 
-    def copy_kv(self, cache: KVCache, row: int, art: ContextArtifact) -> list[torch.cuda.Event | None]:
-        """Queue every layer's K/V into cache row `row`; -> an event per layer (None on a CPU,
-        where the copies are done on return)."""
+    def load(self, cache: KVCache, row: int, art: ContextArtifact, per_layer: Callable[[int], None]) -> None:
+        """Every layer's K/V into cache row `row`, then `per_layer(layer)` on the compute stream
+        (its work ordered after that layer's K/V)."""
         n = art.n_tokens
-        self._held = [(ev, a) for ev, a in self._held if not ev.query()]
         if self.side is None:
             for layer, la in enumerate(art.layers):
                 la.kv_into(cache.k[layer][row, :, :n], cache.v[layer][row, :, :n])
-            return [None] * len(art.layers)
-        self.side.wait_stream(torch.cuda.current_stream())
-        events = []
-        with torch.cuda.stream(self.side):
-            for layer, la in enumerate(art.layers):
-                la.kv_into(cache.k[layer][row, :, :n], cache.v[layer][row, :, :n])
-                events.append(torch.cuda.Event())
-                events[-1].record(self.side)
-        return events
-
-    @staticmethod
-    def wait(event: torch.cuda.Event | None) -> None:
-        """The compute stream's later work waits for this layer's K/V."""
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-    def finish(self, art: ContextArtifact) -> None:
-        """The compute stream waits for every copy; the artifact is held until they are done."""
-        if self.side is None:
+                per_layer(layer)
             return
-        torch.cuda.current_stream().wait_stream(self.side)
+        self._held = [(ev, a) for ev, a in self._held if not ev.query()]
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        read: list[torch.cuda.Event | None] = [None] * RING  # the compute stream is done with slot r
+        for layer, la in enumerate(art.layers):
+            k_out, v_out = cache.k[layer][row, :, :n], cache.v[layer][row, :, :n]
+            if la.coded is None:  # decoded K/V (a CPU-built artifact): copied as they are
+                la.kv_into(k_out, v_out)
+            else:
+                staged = self._stage(la.coded, layer % RING, read[layer % RING], main)
+                staged.decode_into(k_out, v_out)
+                read[layer % RING] = torch.cuda.Event()
+                read[layer % RING].record(main)
+            per_layer(layer)
         done = torch.cuda.Event()
         done.record(self.side)
         self._held.append((done, art))
+
+    def _stage(self, coded: CodedKV, r: int, free: torch.cuda.Event | None, main: torch.cuda.Stream) -> CodedKV:
+        """The layer's codes in ring slot r on the device: copied on the side stream once `free`
+        (the compute stream's last read of the slot) has passed; the compute stream waits."""
+        views = self._views(coded, r, main)
+        with torch.cuda.stream(self.side):
+            if free is not None:
+                self.side.wait_event(free)
+            for name, t in coded.parts.items():
+                views[name].copy_(t, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(self.side)
+        main.wait_event(landed)
+        return CodedKV(coded.codec, views, coded.shape, coded.dtype)
+
+    def _views(self, coded: CodedKV, r: int, main: torch.cuda.Stream) -> dict[str, torch.Tensor]:
+        """Ring slot r carved into the layer's parts (each 256-byte aligned), grown if too small."""
+        sizes = {name: -(-t.numel() * t.element_size() // 256) * 256 for name, t in coded.parts.items()}
+        need = sum(sizes.values())
+        if len(self._ring) < RING or self._ring[r].numel() < need:
+            for old in self._ring:
+                old.record_stream(self.side)  # freed only once the side stream's copies into it are done
+            self._ring = [torch.empty(need, dtype=torch.uint8, device=main.device) for _ in range(RING)]
+        views, offset = {}, 0
+        for name, t in coded.parts.items():
+            nbytes = t.numel() * t.element_size()
+            views[name] = self._ring[r][offset:offset + nbytes].view(t.dtype).view(t.shape)
+            offset += sizes[name]
+        return views
