@@ -31,14 +31,14 @@ class Backend:
         try:
             return self.registry.claim_build(cid, cid, self.location, lease_s)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
+            raise Unavailable("registry unavailable, cannot start a build", detail=exc) from exc
 
     def ready_elsewhere(self, cid: str) -> str | None:
         """The location of cid if the registry has it READY on another worker, else None."""
         try:
             entry = self.registry.get(cid)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
+            raise Unavailable("registry unavailable, cannot start a build", detail=exc) from exc
         if entry is not None and entry.state.value == "READY" and entry.location != self.location:
             return entry.location or "another worker"
         return None
@@ -122,7 +122,7 @@ class Backend:
         try:
             report = reconcile(self.registry, self.store)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable: {exc}") from exc
+            raise Unavailable("registry unavailable", detail=exc) from exc
         return len(report.added), len(report.removed)
 
     def registry_available(self) -> bool:

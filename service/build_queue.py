@@ -32,7 +32,7 @@ from ctxcache.service.build_turns import BuildTurns
 from ctxcache.service.config import IndexerSettings
 from ctxcache.service.convert import PutSpec
 from ctxcache.service.job_spec import Reindex
-from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable
+from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable, failure_text
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
 from ctxcache.store import ContextMeta, context_id_for
@@ -270,10 +270,11 @@ class BuildQueue:
             self.backend.build_failed(job.context_id, job.error)
             log.info("build %s cancelled after %.1fs: %s", job.context_id[:12], time.perf_counter() - t0, exc)
         except Exception as exc:  # noqa: BLE001 - a failed build is a state, not a crash
-            job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
+            # the error is shown to the context's tenant: the failing part, not its address
+            job.state, job.error = "failed", failure_text(exc)
             self.metrics.builds.labels("failed").inc()
             self.backend.build_failed(job.context_id, job.error)
-            log.warning("build %s failed: %s", job.context_id[:12], job.error)
+            log.warning("build %s failed: %s: %s", job.context_id[:12], type(exc).__name__, exc)
         finally:
             self.metrics.build_seconds.observe(time.perf_counter() - t0)
             job.done.set()

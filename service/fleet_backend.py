@@ -105,7 +105,7 @@ class FleetBackend(Backend):
         try:
             prev = self.fleet.delete(cid)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable, cannot delete across the fleet: {exc}") from exc
+            raise Unavailable("registry unavailable, cannot delete across the fleet", detail=exc) from exc
         deleted = self.store.delete(cid)
         return deleted or prev in (FleetState.READY, FleetState.BUILDING)
 
@@ -120,7 +120,7 @@ class FleetBackend(Backend):
         try:
             return reconcile_fleet(self.fleet, self.store, self.artifact_uri)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable: {exc}") from exc
+            raise Unavailable("registry unavailable", detail=exc) from exc
 
     def registry_available(self) -> bool:
         try:

@@ -99,7 +99,7 @@ class RemoteBuilds:
                 raise ResourceExhausted(f"{self.settings.queue_limit} builds queued for the indexers; retry later")
             outcome, _ = self.fleet.enqueue(cid, tokens, job_spec.to_json(spec, source), spec.tenant, self.claim_s)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
+            raise Unavailable("registry unavailable, cannot start a build", detail=exc) from exc
         self.metrics.put_requests.labels("created" if outcome == Enqueued.QUEUED else "joined").inc()
         return cid, self._watch_job(cid, spec, len(tokens)), outcome == Enqueued.QUEUED
 

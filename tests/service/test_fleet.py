@@ -122,6 +122,20 @@ def builds(indexer: Worker, outcome: str) -> int:
     return int(float(m.group(1))) if m else 0
 
 
+def failure(fn) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value
+
+
+def assert_no_address(err: grpc.RpcError, part: str, *addresses: str) -> None:
+    """A tenant reads which part failed, never where it lives (issue 43)."""
+    assert part in err.details(), err.details()
+    for address in addresses:
+        assert address not in err.details(), err.details()
+    assert "127.0.0.1" not in err.details(), err.details()
+
+
 def wait_until(predicate, timeout_s: float, step_s: float = 0.02):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -378,6 +392,12 @@ def test_redis_down_local_tiers_keep_serving_new_builds_unavailable_then_recover
         t0 = time.monotonic()
         assert code_of(lambda: put(fleet.a, TEXT + " during the outage")) == grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - t0 < 2.0
+        tenant = failure(lambda: put(fleet.a, TEXT + " during the outage", token="alpha-token"))
+        assert tenant.code() == grpc.StatusCode.UNAVAILABLE
+        assert_no_address(tenant, "registry unavailable", str(fleet.redis.port))
+        admin = failure(lambda: put(fleet.a, TEXT + " during the outage"))
+        assert str(fleet.redis.port) in admin.details()  # the operator reads where
+        assert str(fleet.redis.port) in fleet.a.log()  # and so does the server log
     finally:
         fleet.redis.start()  # empty: Redis held facts and jobs; the object store keeps the artifacts
     info = put(fleet.a, TEXT + " after the outage").context
@@ -391,6 +411,7 @@ def test_redis_down_local_tiers_keep_serving_new_builds_unavailable_then_recover
 def test_object_store_stopped_local_tiers_serve_cold_loads_unavailable_then_recover(fleet):
     warm = put(fleet.a, TEXT + " warm before the outage").context.context_id
     cold = put(fleet.a, TEXT + " cold before the outage").context.context_id
+    tenants = put(fleet.a, TEXT + " a tenant's, cold", token="alpha-token").context.context_id
     expected = tokens(fleet.b, warm)  # in b's DRAM and its local store
     c = fleet.b.client()
     fleet.s3.stop()
@@ -401,6 +422,9 @@ def test_object_store_stopped_local_tiers_serve_cold_loads_unavailable_then_reco
         t0, seen = time.monotonic(), []
         assert code_of(lambda: tokens(fleet.b, cold, timeout=10, seen=seen)) == grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - t0 < 10 and seen == []  # within the call's deadline, before any token
+        err = failure(lambda: tokens(fleet.b, tenants, token="alpha-token", timeout=10))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert_no_address(err, "object store unavailable", fleet.s3.endpoint, "s3://")
     finally:
         c.close()
         fleet.s3.start()  # the same data: what it acknowledged before the stop is there
