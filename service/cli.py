@@ -90,6 +90,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (a GPU decodes on the fast runner)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="model weights and activations")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="a Jinja chat template for a model whose tokenizer has none (e.g. the family's "
+                        "chat_template.jinja); it replaces the tokenizer's own")
 
 
 def _fleet_flags(p: argparse.ArgumentParser) -> None:

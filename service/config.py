@@ -65,6 +65,8 @@ class ModelConfig:
     model: str = "smollm2"  # ctxcache.models.loader.load_model source
     device: str = "cpu"
     dtype: str = "float32"
+    # a Jinja chat template for a tokenizer that has none (prompting.ensure_chat_template)
+    chat_template: Path | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
