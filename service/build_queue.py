@@ -131,7 +131,7 @@ class BuildQueue:
             if job is not None and job.state == "building":
                 self.metrics.put_requests.labels("joined").inc()
                 return cid, job, False
-            if self.backend.manifest(cid) is not None:
+            if self.backend.existing(cid) is not None:  # a fleet's DAMAGED context is built again
                 self.metrics.put_requests.labels("existing").inc()
                 return cid, None, False
             if len(self._pending) >= self.settings.queue_limit:

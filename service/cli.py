@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--page-size", type=int, default=100)
     for name in ("show", "describe", "verify"):
         asub.add_parser(name).add_argument("context_id", nargs="?" if name == "verify" else None, default="")
+    asub.choices["verify"].add_argument("--repair", action="store_true",
+                                        help="a fleet: mark each damaged context DAMAGED (a Put of its content "
+                                             "then rebuilds it)")
     ep = asub.add_parser("evict")
     ep.add_argument("context_id")
     where = ep.add_mutually_exclusive_group()

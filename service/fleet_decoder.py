@@ -22,7 +22,7 @@ from ctxcache.service.errors import ResourceExhausted, Unavailable
 from ctxcache.service.fleet_backend import FleetBackend
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
-from ctxcache.store import RegistryUnavailable
+from ctxcache.store import CorruptArtifact, RegistryUnavailable
 from ctxcache.store.fleet_registry import Enqueued, Facts, FleetState
 from ctxcache.store.job_stream import JobStream
 
@@ -90,7 +90,7 @@ class RemoteBuilds:
         the job names it and the indexer reads its K/V from the object store."""
         method, tokens = self.admitted(spec, tokens)  # refused here, not FAILED on an indexer
         cid = self.context_id(spec, tokens)
-        if self.backend.manifest(cid) is not None:
+        if self.backend.existing(cid) is not None:  # a DAMAGED one is built again
             self.metrics.put_requests.labels("existing").inc()
             return cid, None, False
         try:
@@ -141,7 +141,10 @@ class RemoteBuilds:
         return RemoteJob.from_facts(f)
 
     def tenant_of(self, cid: str) -> str | None:
-        m = self.backend.manifest(cid)
+        try:
+            m = self.backend.manifest(cid)
+        except CorruptArtifact:  # DAMAGED: the registry's entry names the tenant
+            m = None
         if m is not None:
             return m.tenant
         f = self.backend.facts(cid)

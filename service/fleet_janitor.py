@@ -48,10 +48,11 @@ class Janitor:
             log.info("reconcile at start: another worker is reconciling")
             return
         try:
-            added, removed = reconcile_fleet(self.fleet, self.backend.store, self.backend.artifact_uri)
+            added, removed, damaged = reconcile_fleet(self.fleet, self.backend.store, self.backend.artifact_uri)
         finally:
             self.fleet.step_down("reconcile", self.worker)
-        log.info("reconciled the registry with the object store: %d added, %d stale removed", added, removed)
+        log.info("reconciled the registry with the object store: %d added, %d stale removed, %d damaged (%s)",
+                 added, removed, len(damaged), ", ".join(c[:12] for c in damaged) or "none")
 
     def collect(self) -> None:
         if not self.fleet.due("gc", self.gc_interval_s):

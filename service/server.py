@@ -271,8 +271,8 @@ def _open_store_and_registry(config: ServiceConfig):
 
 def _reconcile(backend: Backend) -> None:
     try:
-        added, removed = backend.reconcile()
-        log.info("reconciled registry: %d added, %d removed", added, removed)
+        added, removed, damaged = backend.reconcile()
+        log.info("reconciled registry: %d added, %d removed, %d damaged", added, removed, len(damaged))
     except Exception as exc:  # noqa: BLE001 - Redis down at start: serve, Reconcile later
         log.warning("registry reconcile at start failed: %s", exc)
 

@@ -377,6 +377,98 @@ def test_a_damaged_object_is_data_loss_before_any_token(fleet, how):
     assert err.value.code() == grpc.StatusCode.DATA_LOSS and seen == []
 
 
+def damage_manifest(s3: S3Server, cid: str) -> None:
+    """Flip one byte in the middle of cid's manifest (its checksum then fails)."""
+    from pyarrow import fs
+
+    s3fs = fs.S3FileSystem(endpoint_override=s3.endpoint, scheme="http", anonymous=True)
+    path = f"ctxcache/fleet/v1/manifests/{cid}"
+    with s3fs.open_input_stream(path) as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0x01
+    with s3fs.open_output_stream(path) as f:
+        f.write(bytes(data))
+
+
+def listed(worker: Worker, token: str | None = None) -> dict[str, pb.ContextInfo]:
+    c = worker.client(token) if token else worker.client()
+    try:
+        page = c.context.ListContexts(pb.ListContextsRequest(page_size=1000), metadata=c.metadata, timeout=10)
+    finally:
+        c.close()
+    return {i.context_id: i for i in page.contexts}
+
+
+def test_a_damaged_manifest_is_damaged_reconcile_skips_it_and_a_put_rebuilds_it(fleet):
+    text = TEXT + " whose manifest is damaged"
+    cid = put(fleet.a, text, token="alpha-token").context.context_id
+    expected = tokens(fleet.one, put(fleet.one, text, token="alpha-token").context.context_id, token="alpha-token")
+    damage_manifest(fleet.s3, cid)
+    info = get(fleet.b, cid, token="alpha-token")  # the tenant sees it, with what failed
+    assert info.state == pb.CONTEXT_STATE_DAMAGED and "manifest" in info.error
+    assert code_of(lambda: get(fleet.b, cid, token="beta-token")) == grpc.StatusCode.NOT_FOUND
+    c = fleet.a.client()
+    try:
+        done = c.admin.Reconcile(apb.ReconcileRequest(), metadata=c.metadata, timeout=30)
+    finally:
+        c.close()
+    assert cid in done.damaged  # skipped and reported, not the whole reconcile failed
+    assert listed(fleet.b)[cid].state == pb.CONTEXT_STATE_DAMAGED  # `admin list`
+    assert listed(fleet.a, "alpha-token")[cid].state == pb.CONTEXT_STATE_DAMAGED
+    assert cid not in listed(fleet.a, "beta-token")
+    again = put(fleet.b, text, token="alpha-token")
+    assert again.created and again.context.state == pb.CONTEXT_STATE_READY, again.context.error
+    assert tokens(fleet.b, cid, token="alpha-token") == expected
+    assert get(fleet.a, cid).state == pb.CONTEXT_STATE_READY
+
+
+@pytest.mark.parametrize("how", ["delete", "evict"])
+def test_a_damaged_manifest_is_deleted_and_evicted_through_the_api(fleet, how):
+    cid = put(fleet.a, TEXT + f" damaged, then {how}d").context.context_id
+    damage_manifest(fleet.s3, cid)
+    c = fleet.b.client()
+    try:
+        if how == "delete":
+            assert c.context.DeleteContext(pb.DeleteContextRequest(context_id=cid), metadata=c.metadata).deleted
+        else:
+            assert c.admin.Evict(apb.EvictRequest(context_id=cid), metadata=c.metadata).evicted
+    finally:
+        c.close()
+    assert code_of(lambda: get(fleet.a, cid)) == grpc.StatusCode.NOT_FOUND
+    assert put(fleet.a, TEXT + f" damaged, then {how}d").created  # built anew
+
+
+def test_a_damaged_chunk_is_damaged_after_a_failed_load_and_a_put_rebuilds_it(fleet):
+    text = TEXT + " whose chunk is damaged"
+    cid = put(fleet.a, text).context.context_id
+    expected = tokens(fleet.one, put(fleet.one, text).context.context_id)
+    damage(fleet.s3, cid, "corrupt")
+    assert code_of(lambda: tokens(fleet.b, cid)) == grpc.StatusCode.DATA_LOSS  # b has no copy: a cold load
+    info = get(fleet.a, cid)
+    assert info.state == pb.CONTEXT_STATE_DAMAGED and "chunk" in info.error
+    again = put(fleet.a, text)
+    assert again.created and again.context.state == pb.CONTEXT_STATE_READY, again.context.error
+    assert tokens(fleet.b, cid) == expected
+
+
+def test_verify_repair_marks_a_damaged_chunk_damaged(fleet):
+    text = TEXT + " verified"
+    cid = put(fleet.a, text).context.context_id
+    damage(fleet.s3, cid, "truncate")
+    c = fleet.b.client()
+    try:
+        plain = c.admin.Verify(apb.VerifyRequest(context_id=cid), metadata=c.metadata, timeout=30).results[0]
+        assert not plain.ok and not plain.marked_damaged
+        assert get(fleet.a, cid).state == pb.CONTEXT_STATE_READY  # nothing read it yet: nobody knows
+        repaired = c.admin.Verify(apb.VerifyRequest(context_id=cid, repair=True), metadata=c.metadata,
+                                  timeout=30).results[0]
+    finally:
+        c.close()
+    assert not repaired.ok and repaired.marked_damaged
+    assert get(fleet.a, cid).state == pb.CONTEXT_STATE_DAMAGED
+    assert put(fleet.b, text).context.state == pb.CONTEXT_STATE_READY and len(tokens(fleet.b, cid)) == 8
+
+
 def test_a_fleet_role_needs_redis_and_an_object_store(capsys):
     assert cli.main(["serve", "--role", "decoder", "--model", "random:tiny"]) == 1
     err = capsys.readouterr().err
