@@ -522,3 +522,20 @@ def test_object_store_stopped_local_tiers_serve_cold_loads_unavailable_then_reco
         fleet.s3.start()  # the same data: what it acknowledged before the stop is there
     assert len(tokens(fleet.b, cold)) == 8
     assert put(fleet.a, TEXT + " after the outage").context.state == pb.CONTEXT_STATE_READY
+
+
+def test_a_hung_object_store_fails_cold_loads_in_seconds_and_the_next_at_once(fleet):
+    cold = [put(fleet.a, TEXT + f" cold {i} before the freeze").context.context_id for i in range(2)]
+    fleet.s3.pause()  # SIGSTOP: the port open, nothing answering
+    try:
+        took = []
+        for cid in cold:
+            t0 = time.monotonic()
+            err = failure(lambda: tokens(fleet.b, cid, timeout=30))
+            took.append(time.monotonic() - t0)
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+    finally:
+        fleet.s3.resume()
+    assert took[0] < 6 and took[1] < 1, took  # the SDK alone took 20 s for each
+    time.sleep(3)  # past the breaker's open_s: a probe finds the store back
+    assert len(tokens(fleet.b, cold[0])) == 8
