@@ -174,7 +174,9 @@ class FleetBackend(Backend):
         is gone removed, builds lost with their job FAILED, contexts whose manifest fails its
         check DAMAGED. -> (added, removed, damaged)."""
         try:
-            return reconcile_fleet(self.fleet, self.store, self.artifact_uri)
+            outcome = reconcile_fleet(self.fleet, self.store, self.artifact_uri)
+            self.fleet.mark_reconciled(self.location)
+            return outcome
         except RegistryUnavailable as exc:
             raise Unavailable("registry unavailable", detail=exc) from exc
 

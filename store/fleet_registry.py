@@ -11,6 +11,7 @@ Keys (typed, versioned; <w> is a worker's host:port):
   ctxcache:v1:events      channel  "deleted <id>": workers drop their local copies
   ctxcache:v1:due:<task>  string   the last run of a periodic fleet task (ms, Redis's clock)
   ctxcache:v1:lead:<task> string   the worker running a one-at-a-time fleet task (PX)
+  ctxcache:v1:reconciled  string   set by a reconcile; missing: Redis came back empty, reconcile again
 
 Every transition is one Lua script keyed by the job id, so a build whose context was deleted
 (or superseded by a newer job of the same id) learns it at its next progress update and never
@@ -215,6 +216,16 @@ class FleetRegistry:
     def lead(self, task: str, worker: str, ttl_s: float) -> bool:
         """Take the fleet's one-at-a-time lock on `task` (it lapses after ttl_s)."""
         return bool(self._r.set(prefix("lead") + task, worker, nx=True, px=_ms(ttl_s)))
+
+    @guard
+    def mark_reconciled(self, worker: str) -> None:
+        """The registry holds the object store's contexts (a reconcile just ran)."""
+        self._r.set(prefix("reconciled").rstrip(":"), worker)
+
+    @guard
+    def reconciled(self) -> bool:
+        """False once Redis has lost its data (restarted empty): the entries need a reconcile."""
+        return bool(self._r.exists(prefix("reconciled").rstrip(":")))
 
     @guard
     def step_down(self, task: str, worker: str) -> None:
