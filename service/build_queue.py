@@ -201,6 +201,11 @@ class BuildQueue:
         with self._lock:
             return self._jobs.get(cid)
 
+    def jobs(self) -> list[Job]:
+        """A snapshot of this worker's builds (building, ready, failed), for listings."""
+        with self._lock:
+            return list(self._jobs.values())
+
     def counts(self) -> tuple[int, int]:
         """-> (building, failed) jobs."""
         with self._lock:

@@ -71,8 +71,7 @@ class RemoteBuilds:
         self.max_tokens_why = f"model maximum {lm.args.max_seq_len}"  # a GPU decoder's slots may lower both
         default = make_method(settings.method, settings.method_params)
         self._default = (default.name, default.params)
-        self._jobs: dict[str, RemoteJob] = {}  # the builds this decoder's callers wait for (BuildQueue's name:
-        # servicer.unstored_jobs lists them under self._lock)
+        self._jobs: dict[str, RemoteJob] = {}  # the builds this decoder's callers wait for (jobs() lists them)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="ctxcache-fleet-jobs", daemon=True)
@@ -139,6 +138,10 @@ class RemoteBuilds:
         if f is None or f.state not in (FleetState.BUILDING, FleetState.FAILED):
             return None
         return RemoteJob.from_facts(f)
+
+    def jobs(self) -> list[RemoteJob]:
+        with self._lock:
+            return list(self._jobs.values())
 
     def tenant_of(self, cid: str) -> str | None:
         try:

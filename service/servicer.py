@@ -75,8 +75,7 @@ def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
 
 def unstored_jobs(indexer: BuildQueue) -> list[Job]:
     """Builds still building, or failed, that have no stored artifact (a READY job is in the store)."""
-    with indexer._lock:  # BuildQueue keeps its jobs private; a snapshot under its lock
-        jobs = list(indexer._jobs.values())
+    jobs = indexer.jobs()
     return [j for j in jobs if j.state != "ready" and not _stored(indexer, j.context_id)]
 
 
