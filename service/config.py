@@ -238,3 +238,6 @@ class ServiceConfig:
             raise ValueError(f"--role {role} needs --redis (the registry and job stream) and --object-store "
                              f"(the artifacts every worker shares); got redis={self.registry.redis_url!r}, "
                              f"object_store={self.store.object_store_uri!r}")
+        if role == "indexer" and self.server.http_port is not None:
+            # an indexer serves no PutContext or Generate: an HTTP front there would only fail
+            raise ValueError("--role indexer serves no requests: --http-port belongs on a decoder (or --role all)")

@@ -475,6 +475,19 @@ def test_a_fleet_role_needs_redis_and_an_object_store(capsys):
     assert err.count("\n") == 1 and "--role decoder needs --redis" in err
 
 
+def test_an_indexer_with_an_http_port_is_refused(tmp_path):
+    from ctxcache.service.config import (FleetSettings, RegistrySettings, ServerConfig, ServiceConfig,
+                                         StoreSettings)
+
+    def config(role: str) -> ServiceConfig:  # checked before anything starts (cli: one line)
+        return ServiceConfig(server=ServerConfig(http_port=0), registry=RegistrySettings("redis://127.0.0.1:1/0"),
+                             store=StoreSettings(tmp_path, object_store_uri=f"file://{tmp_path}/objects"),
+                             fleet=FleetSettings(role))
+    assert config("decoder").server.http_port == 0
+    with pytest.raises(ValueError, match="--http-port belongs on a decoder"):
+        config("indexer")
+
+
 def test_redis_down_local_tiers_keep_serving_new_builds_unavailable_then_recover(fleet):
     cid = put(fleet.a, TEXT + " before the outage").context.context_id
     expected = tokens(fleet.b, cid)  # hot on b
