@@ -58,7 +58,8 @@ def fleet(tmp_path_factory):
     store = s3.uri(prefix="fleet")
     indexers = [Worker(f"ix{i}", root, "indexer", redis.url, store, "--metrics-port", str(free_port()))
                 for i in (1, 2)]
-    a, b = (Worker(n, root, "decoder", redis.url, store) for n in ("decA", "decB"))
+    a = Worker("decA", root, "decoder", redis.url, store, "--http-port", "0")  # the HTTP front on a fleet decoder
+    b = Worker("decB", root, "decoder", redis.url, store)
     one = Worker("one", root, "all", None, None)
     workers = start_all([*indexers, a, b, one], meanwhile=s3.start)  # no worker touches S3 before a Put
     try:
@@ -375,6 +376,26 @@ def test_a_damaged_object_is_data_loss_before_any_token(fleet, how):
     with pytest.raises(grpc.RpcError) as err:
         tokens(fleet.b, cid, seen=seen)  # b has no copy: a cold load from the object store
     assert err.value.code() == grpc.StatusCode.DATA_LOSS and seen == []
+
+
+def test_the_http_front_on_a_fleet_decoder_builds_on_an_indexer_and_answers_as_grpc(fleet):
+    import httpx
+
+    base, auth = f"http://127.0.0.1:{fleet.a.http_port}", {"Authorization": "Bearer alpha-token"}
+    assert fleet.a.http_port
+    with httpx.Client(base_url=base, headers=auth, timeout=120) as http:
+        made = http.post("/v1/cached_contents", json={"text": TEXT + " over HTTP", "wait": True}).json()
+        assert made["state"] == "READY", made
+        facts = fleet.registry().facts(made["id"])
+        assert facts.indexer in {ix.address for ix in fleet.indexers}  # an indexer built it
+        body = {"model": "random:tiny", "cached_content": made["id"], "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "user", "content": "Where is the lighthouse?"}], "return_token_ids": True}
+        answer = http.post("/v1/chat/completions", json=body).json()
+        assert answer["choices"][0]["token_ids"] == tokens(fleet.b, made["id"], token="alpha-token")
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == facts.n_tokens
+        assert http.get(f"/v1/cached_contents/{made['id']}").json()["state"] == "READY"
+        assert http.delete(f"/v1/cached_contents/{made['id']}").status_code == 200
+    assert code_of(lambda: get(fleet.b, made["id"])) == grpc.StatusCode.NOT_FOUND  # deleted fleet-wide
 
 
 def damage_manifest(s3: S3Server, cid: str) -> None:
