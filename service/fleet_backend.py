@@ -117,10 +117,14 @@ class FleetBackend(Backend):
     def existing(self, cid: str) -> Manifest | None:
         """The manifest of an intact stored context; for a damaged one None, after removing its
         objects (this worker's copy too), so the build that follows writes it whole."""
-        try:
-            m = self.manifest(cid)
-            damaged = m is not None and bool(self.damage(cid))
-        except CorruptArtifact:
+        f = self.facts(cid)
+        if f is not None and f.state == FleetState.DELETED:
+            return None
+        try:  # the copy of record, not a local copy (trusted for a second after its last check)
+            m = self.store.shared.manifest(cid)
+            damaged = m is not None and f is not None and f.state == FleetState.DAMAGED
+        except CorruptArtifact as exc:
+            self.mark_damaged(cid, str(exc))
             m, damaged = None, True
         if damaged:
             log.warning("context %s is DAMAGED: its objects go, a new build replaces them", cid[:12])
