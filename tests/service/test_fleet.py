@@ -386,7 +386,9 @@ def test_the_http_front_on_a_fleet_decoder_builds_on_an_indexer_and_answers_as_g
     with httpx.Client(base_url=base, headers=auth, timeout=120) as http:
         made = http.post("/v1/cached_contents", json={"text": TEXT + " over HTTP", "wait": True}).json()
         assert made["state"] == "READY", made
-        facts = fleet.registry().facts(made["id"])
+        registry = fleet.registry()
+        facts = registry.facts(made["id"])
+        registry.close()
         assert facts.indexer in {ix.address for ix in fleet.indexers}  # an indexer built it
         body = {"model": "random:tiny", "cached_content": made["id"], "max_tokens": 8, "temperature": 0,
                 "messages": [{"role": "user", "content": "Where is the lighthouse?"}], "return_token_ids": True}
