@@ -16,6 +16,7 @@ from ctxcache.service.backend import ROLES_LABEL
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.servicer import context_info, wait_for
 from ctxcache.service.footprint import codec_footprint, stored_bytes_by_part
+from ctxcache.store import CorruptArtifact
 from ctxcache.store.layout import QUERY_CHUNK
 
 
@@ -41,7 +42,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             freed = self.decoder.evict(cid)
             return apb.EvictResponse(evicted=freed > 0, bytes_freed=freed)
         cancelled = self.indexer.cancel(cid, "evicted")  # a BUILDING id stops building
-        m = self.backend.manifest(cid)
+        try:
+            m = self.backend.manifest(cid)
+        except CorruptArtifact:  # a damaged context is evicted as any other (its bytes unknown)
+            m = None
         deleted = self.backend.delete(cid)  # store first: a load racing this is then not cached
         freed = self.decoder.evict(cid)
         return apb.EvictResponse(evicted=deleted or cancelled or freed > 0,
@@ -95,7 +99,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             if request.context_id and not report.found:
                 raise NotFound(f"context {cid} not found")
             problems = [f"{b.chunk}: {b.reason}" for b in report.bad]
-            results.append(apb.VerifyResult(context_id=cid, ok=report.ok, problems=problems))
+            # repair: the fleet's registry knows it DAMAGED, so a Put of its content rebuilds it
+            marked = request.repair and not report.ok and self.backend.mark_damaged(cid, "; ".join(problems)[:500])
+            results.append(apb.VerifyResult(context_id=cid, ok=report.ok, problems=problems, marked_damaged=marked))
         return apb.VerifyResponse(results=results)
 
     @unary
@@ -130,5 +136,5 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     @unary
     async def Reconcile(self, request, context):
-        registered, removed = await in_thread(self.pool, self.backend.reconcile)
-        return apb.ReconcileResponse(registered=registered, removed=removed)
+        registered, removed, damaged = await in_thread(self.pool, self.backend.reconcile)
+        return apb.ReconcileResponse(registered=registered, removed=removed, damaged=damaged)

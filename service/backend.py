@@ -16,6 +16,7 @@ from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.errors import NotFound, Unavailable
 from ctxcache.store import ArtifactStore, ContextMeta, Manifest, Registry, RegistryUnavailable, reconcile
 from ctxcache.store.config import StoreStats, VerifyReport
+from ctxcache.store.fleet_registry import Facts
 
 log = logging.getLogger("ctxcache.service.backend")
 ROLES_LABEL = "ctxcache/roles"
@@ -31,14 +32,14 @@ class Backend:
         try:
             return self.registry.claim_build(cid, cid, self.location, lease_s)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
+            raise Unavailable("registry unavailable, cannot start a build", detail=exc) from exc
 
     def ready_elsewhere(self, cid: str) -> str | None:
         """The location of cid if the registry has it READY on another worker, else None."""
         try:
             entry = self.registry.get(cid)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
+            raise Unavailable("registry unavailable, cannot start a build", detail=exc) from exc
         if entry is not None and entry.state.value == "READY" and entry.location != self.location:
             return entry.location or "another worker"
         return None
@@ -68,6 +69,20 @@ class Backend:
     # ---- reads --------------------------------------------------------------------------------
     def manifest(self, cid: str) -> Manifest | None:
         return self.store.manifest(cid)
+
+    def existing(self, cid: str) -> Manifest | None:
+        """The manifest of a stored context a Put need not build again (a fleet's: not damaged)."""
+        return self.manifest(cid)
+
+    def damage(self, cid: str) -> str:
+        """Why cid is DAMAGED ("" if it is not); only a fleet's registry keeps this state."""
+        return ""
+
+    def damaged(self) -> list[Facts]:
+        return []
+
+    def mark_damaged(self, cid: str, why: str) -> bool:
+        return False
 
     def get(self, cid: str, with_queries: bool = False) -> ContextArtifact | None:
         return self.store.get(cid, with_queries)
@@ -118,12 +133,13 @@ class Backend:
         """TTL counted from now (None: no expiry); None if cid is not stored here."""
         return self.store.update_meta(cid, ttl_s=ttl_s)
 
-    def reconcile(self) -> tuple[int, int]:
+    def reconcile(self) -> tuple[int, int, list[str]]:
+        """-> (entries added, removed, damaged contexts skipped: a fleet's only)."""
         try:
             report = reconcile(self.registry, self.store)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable: {exc}") from exc
-        return len(report.added), len(report.removed)
+            raise Unavailable("registry unavailable", detail=exc) from exc
+        return len(report.added), len(report.removed), []
 
     def registry_available(self) -> bool:
         try:

@@ -32,7 +32,7 @@ from ctxcache.service.build_turns import BuildTurns
 from ctxcache.service.config import IndexerSettings
 from ctxcache.service.convert import PutSpec
 from ctxcache.service.job_spec import Reindex
-from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable
+from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable, failure_text
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
 from ctxcache.store import ContextMeta, context_id_for
@@ -131,7 +131,7 @@ class BuildQueue:
             if job is not None and job.state == "building":
                 self.metrics.put_requests.labels("joined").inc()
                 return cid, job, False
-            if self.backend.manifest(cid) is not None:
+            if self.backend.existing(cid) is not None:  # a fleet's DAMAGED context is built again
                 self.metrics.put_requests.labels("existing").inc()
                 return cid, None, False
             if len(self._pending) >= self.settings.queue_limit:
@@ -200,6 +200,11 @@ class BuildQueue:
     def job(self, cid: str) -> Job | None:
         with self._lock:
             return self._jobs.get(cid)
+
+    def jobs(self) -> list[Job]:
+        """A snapshot of this worker's builds (building, ready, failed), for listings."""
+        with self._lock:
+            return list(self._jobs.values())
 
     def counts(self) -> tuple[int, int]:
         """-> (building, failed) jobs."""
@@ -270,10 +275,11 @@ class BuildQueue:
             self.backend.build_failed(job.context_id, job.error)
             log.info("build %s cancelled after %.1fs: %s", job.context_id[:12], time.perf_counter() - t0, exc)
         except Exception as exc:  # noqa: BLE001 - a failed build is a state, not a crash
-            job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
+            # the error is shown to the context's tenant: the failing part, not its address
+            job.state, job.error = "failed", failure_text(exc)
             self.metrics.builds.labels("failed").inc()
             self.backend.build_failed(job.context_id, job.error)
-            log.warning("build %s failed: %s", job.context_id[:12], job.error)
+            log.warning("build %s failed: %s: %s", job.context_id[:12], type(exc).__name__, exc)
         finally:
             self.metrics.build_seconds.observe(time.perf_counter() - t0)
             job.done.set()

@@ -93,6 +93,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (a GPU decodes on the fast runner)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="model weights and activations")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="a Jinja chat template for a model whose tokenizer has none (e.g. the family's "
+                        "chat_template.jinja); it replaces the tokenizer's own")
 
 
 def _fleet_flags(p: argparse.ArgumentParser) -> None:
@@ -174,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--page-size", type=int, default=100)
     for name in ("show", "describe", "verify"):
         asub.add_parser(name).add_argument("context_id", nargs="?" if name == "verify" else None, default="")
+    asub.choices["verify"].add_argument("--repair", action="store_true",
+                                        help="a fleet: mark each damaged context DAMAGED (a Put of its content "
+                                             "then rebuilds it)")
     ep = asub.add_parser("evict")
     ep.add_argument("context_id")
     where = ep.add_mutually_exclusive_group()

@@ -10,7 +10,8 @@ from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.service.cli_client import method_params
 from ctxcache.service.cli_records import print_record as _print
 
-_STATE = {pb.CONTEXT_STATE_BUILDING: "BUILDING", pb.CONTEXT_STATE_READY: "READY", pb.CONTEXT_STATE_FAILED: "FAILED"}
+_STATE = {pb.CONTEXT_STATE_BUILDING: "BUILDING", pb.CONTEXT_STATE_READY: "READY", pb.CONTEXT_STATE_FAILED: "FAILED",
+          pb.CONTEXT_STATE_DAMAGED: "DAMAGED"}
 HEADER = f"{'CONTEXT ID':<64}  {'STATE':<13} {'TOKENS':>7}  {'STORED MB':>9}  {'METHOD':<12} {'CODEC':<8} LABELS"
 
 
@@ -65,7 +66,8 @@ def run_admin(client: Client, args) -> int:
     elif cmd == "rebuild":
         _rebuild(client, args)
     elif cmd == "verify":
-        resp = client.admin.Verify(apb.VerifyRequest(context_id=args.context_id or ""), metadata=md)
+        req = apb.VerifyRequest(context_id=args.context_id or "", repair=args.repair)
+        resp = client.admin.Verify(req, metadata=md)
         _print(resp)
         return 0 if all(r.ok for r in resp.results) else 1
     elif cmd == "stats":

@@ -41,7 +41,7 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                             tenant_tokens=tenant_tokens, tls_cert=tls[0], tls_key=tls[1],
                             grace_seconds=getattr(args, "grace", 5.0), advertise=getattr(args, "advertise", ""),
                             http_port=getattr(args, "http_port", None)),
-        model=ModelConfig(args.model, args.device, args.dtype),
+        model=ModelConfig(args.model, args.device, args.dtype, getattr(args, "chat_template", None)),
         store=StoreSettings(args.data, int(args.store_budget_gb * GiB),
                             object_store_uri=getattr(args, "object_store", None),
                             host_pool_bytes=_gib_or_none(getattr(args, "host_pool_gb", None))),

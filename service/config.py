@@ -65,6 +65,8 @@ class ModelConfig:
     model: str = "smollm2"  # ctxcache.models.loader.load_model source
     device: str = "cpu"
     dtype: str = "float32"
+    # a Jinja chat template for a tokenizer that has none (prompting.ensure_chat_template)
+    chat_template: Path | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
@@ -242,3 +244,6 @@ class ServiceConfig:
             raise ValueError(f"--role {role} needs --redis (the registry and job stream) and --object-store "
                              f"(the artifacts every worker shares); got redis={self.registry.redis_url!r}, "
                              f"object_store={self.store.object_store_uri!r}")
+        if role == "indexer" and self.server.http_port is not None:
+            # an indexer serves no PutContext or Generate: an HTTP front there would only fail
+            raise ValueError("--role indexer serves no requests: --http-port belongs on a decoder (or --role all)")

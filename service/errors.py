@@ -16,7 +16,14 @@ log = logging.getLogger("ctxcache.service")
 
 
 class ServiceError(Exception):
+    """`detail` (the cause: an address, a URI) joins the message for admin callers and the
+    server log; `public`, what a tenant reads, is the message alone."""
+
     code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str = "", *, detail: object = None) -> None:
+        super().__init__(message if detail is None else f"{message}: {detail}")
+        self.public = message
 
 
 class InvalidArgument(ServiceError):
@@ -96,12 +103,26 @@ def _log_device_memory(exc: BaseException) -> None:
                 torch.cuda.memory_reserved() / 2**30, free / 2**30, total / 2**30, exc_info=exc)
 
 
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+def public_text(exc: BaseException) -> str:
+    """What a tenant may read of exc: the failing part ("object store unavailable", "registry
+    unavailable") without the address the full message names."""
+    return exc.public if isinstance(exc, ServiceError) else failure_text(exc)
+
+
+def failure_text(exc: BaseException) -> str:
+    """A failed build's error as its tenant reads it (GetContext): the type and public text."""
+    public = getattr(exc, "public", None)
+    return f"{type(exc).__name__}: {public if isinstance(public, str) else exc}"
+
+
+def status_for(exc: BaseException, admin: bool = False) -> tuple[grpc.StatusCode, str]:
+    """(code, message); `admin` callers read the whole message, others `public_text`, and the
+    server log keeps what a tenant was not told."""
     if isinstance(exc, ServiceError):
-        return exc.code, str(exc)
+        return exc.code, _told(exc, str(exc), admin)
     for cls, code in _foreign_codes().items():
         if isinstance(exc, cls):
-            return code, f"{type(exc).__name__}: {exc}"
+            return code, _told(exc, f"{type(exc).__name__}: {exc}", admin)
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory"
     if isinstance(exc, torch.OutOfMemoryError):  # a context or build that does not fit on the GPU
@@ -114,3 +135,12 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of GPU memory: {str(exc).splitlines()[0]}"
     log.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _told(exc: BaseException, full: str, admin: bool) -> str:
+    if admin:
+        return full
+    public = public_text(exc)
+    if public != full:
+        log.warning("%s (the caller was told: %s)", full, public)
+    return public

@@ -8,7 +8,10 @@ What changes against the single-node Backend:
 - a context is readable unless the registry says DELETED: every lookup asks Redis first, so a
   DeleteContext on one decoder is NOT_FOUND on all of them at once; with Redis down the local
   tiers and the object store answer alone (a delete then needs Redis: UNAVAILABLE);
-- Reconcile rebuilds the registry from the object store's listing.
+- Reconcile rebuilds the registry from the object store's listing;
+- a stored object that fails its check marks the context DAMAGED in the registry (GetContext and
+  ListContexts show it, reconcile skips it); a Put of its content removes the damaged objects
+  and builds it again, and Delete / Evict remove it as any other.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 
 from ctxcache.service.backend import Backend
 from ctxcache.service.errors import Unavailable
-from ctxcache.store import Manifest, RegistryUnavailable, TieredStore
+from ctxcache.service.cached_context import CachedContext
+from ctxcache.store import CorruptArtifact, FormatMismatch, Manifest, RegistryUnavailable, TieredStore
 from ctxcache.store.fleet_registry import Facts, FleetRegistry, FleetState
 
 log = logging.getLogger("ctxcache.service.fleet")
@@ -33,6 +37,7 @@ class FleetFacts:
 
     artifact_uri: str = ""
     hot_workers: tuple[str, ...] = ()
+    damage: str = ""  # DAMAGED: which object failed its check
 
 
 class FleetBackend(Backend):
@@ -64,6 +69,8 @@ class FleetBackend(Backend):
 
     def fleet_facts(self, cid: str) -> FleetFacts:
         f = self.facts(cid)
+        if f is not None and f.state == FleetState.DAMAGED:
+            return FleetFacts(damage=f.error or "damaged")
         if f is None or f.state != FleetState.READY:
             return FleetFacts()
         try:
@@ -93,7 +100,59 @@ class FleetBackend(Backend):
         f = self.facts(cid)
         if f is not None and f.state == FleetState.DELETED:
             return None
-        return self.store.manifest(cid)
+        try:
+            return self.store.manifest(cid)
+        except CorruptArtifact as exc:
+            self.mark_damaged(cid, str(exc))
+            raise
+
+    def load(self, cid: str) -> CachedContext:
+        try:
+            return super().load(cid)
+        except CorruptArtifact as exc:  # a chunk (or the manifest) of the copy of record
+            self.mark_damaged(cid, str(exc))
+            raise
+
+    # ---- damage ---------------------------------------------------------------------------------
+    def existing(self, cid: str) -> Manifest | None:
+        """The manifest of an intact stored context; for a damaged one None, after removing its
+        objects (this worker's copy too), so the build that follows writes it whole."""
+        f = self.facts(cid)
+        if f is not None and f.state == FleetState.DELETED:
+            return None
+        try:  # the copy of record, not a local copy (trusted for a second after its last check)
+            m = self.store.shared.manifest(cid)
+            damaged = m is not None and f is not None and f.state == FleetState.DAMAGED
+        except CorruptArtifact as exc:
+            self.mark_damaged(cid, str(exc))
+            m, damaged = None, True
+        if damaged:
+            log.warning("context %s is DAMAGED: its objects go, a new build replaces them", cid[:12])
+            self.store.delete(cid)
+            return None
+        return m
+
+    def damage(self, cid: str) -> str:
+        f = self.facts(cid)
+        return (f.error or "damaged") if f is not None and f.state == FleetState.DAMAGED else ""
+
+    def damaged(self) -> list[Facts]:
+        try:
+            return self.fleet.damaged()
+        except RegistryUnavailable as exc:
+            log.warning("registry unavailable: damaged contexts not listed: %s", exc)
+            return []
+
+    def mark_damaged(self, cid: str, why: str, tenant: str = "") -> bool:
+        """Best effort (Redis down: the next check marks it); -> whether this call marked it."""
+        try:
+            marked = self.fleet.mark_damaged(cid, why, tenant)
+        except RegistryUnavailable as exc:
+            log.warning("context %s is damaged (%s) but the registry is unavailable: %s", cid[:12], why, exc)
+            return False
+        if marked:
+            log.warning("context %s marked DAMAGED: %s", cid[:12], why)
+        return marked
 
     def missing(self, cid: str) -> str:
         return f"context {cid} not found"
@@ -105,7 +164,7 @@ class FleetBackend(Backend):
         try:
             prev = self.fleet.delete(cid)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable, cannot delete across the fleet: {exc}") from exc
+            raise Unavailable("registry unavailable, cannot delete across the fleet", detail=exc) from exc
         deleted = self.store.delete(cid)
         return deleted or prev in (FleetState.READY, FleetState.BUILDING)
 
@@ -113,14 +172,17 @@ class FleetBackend(Backend):
         """Another worker deleted cid: forget this worker's local copy (the object is gone)."""
         self.store.drop_local(cid)
 
-    def reconcile(self) -> tuple[int, int]:
+    def reconcile(self) -> tuple[int, int, list[str]]:
         """The registry from the object store: every stored artifact READY (unless a tombstone
         says it was deleted: then the object is garbage and goes), READY entries whose object
-        is gone removed, builds lost with their job FAILED. -> (added, removed)."""
+        is gone removed, builds lost with their job FAILED, contexts whose manifest fails its
+        check DAMAGED. -> (added, removed, damaged)."""
         try:
-            return reconcile_fleet(self.fleet, self.store, self.artifact_uri)
+            outcome = reconcile_fleet(self.fleet, self.store, self.artifact_uri)
+            self.fleet.mark_reconciled(self.location)
+            return outcome
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable: {exc}") from exc
+            raise Unavailable("registry unavailable", detail=exc) from exc
 
     def registry_available(self) -> bool:
         try:
@@ -129,10 +191,11 @@ class FleetBackend(Backend):
             return False
 
 
-def reconcile_fleet(fleet: FleetRegistry, store: TieredStore, uri_of: Callable[[str], str]) -> tuple[int, int]:
-    """-> (entries added, stale entries removed or failed). Safe beside running workers: every
-    change is a conditional script, and an entry is dropped only after a second look at the
-    object store (a build may have finished since the listing)."""
+def reconcile_fleet(fleet: FleetRegistry, store: TieredStore, uri_of: Callable[[str], str]
+                    ) -> tuple[int, int, list[str]]:
+    """-> (entries added, stale entries removed or failed, damaged contexts marked and skipped).
+    Safe beside running workers: every change is a conditional script, and an entry is dropped
+    only after a second look at the object store (a build may have finished since the listing)."""
     queued = fleet.queued_jobs()  # before the entries: a job enqueued later holds its claim
     stored: dict[str, Manifest] = {}
     after = None
@@ -145,10 +208,31 @@ def reconcile_fleet(fleet: FleetRegistry, store: TieredStore, uri_of: Callable[[
         if outcome == "DELETED":
             store.delete(cid)  # its delete reached Redis but not the object store
         added += outcome == "ADDED"
+    damaged: list[str] = []
+    unlisted = [cid for cid in store.shared.context_ids() if cid not in stored]  # expired, or unreadable
     for f in fleet.entries():
-        if f.state == FleetState.READY and f.context_id not in stored and store.shared.manifest(f.context_id) is None:
-            removed += fleet.drop_ready(f)
+        if f.state == FleetState.READY and f.context_id not in stored:
+            if not _present(fleet, store, f.context_id, damaged):
+                removed += fleet.drop_ready(f)
         elif f.state == FleetState.BUILDING and f.job_id not in queued:
             removed += fleet.fail_lost(f, "lost: no indexer holds this build and its job is not on the stream; "
                                           "PutContext builds it again")
-    return added, removed
+    for cid in unlisted:
+        if cid not in damaged:
+            _present(fleet, store, cid, damaged)
+    return added, removed, damaged
+
+
+def _present(fleet: FleetRegistry, store: TieredStore, cid: str, damaged: list[str]) -> bool:
+    """Whether the object store holds a live manifest of cid. One that fails its check marks cid
+    DAMAGED (appended to `damaged`) instead of failing the whole reconcile; one of a format this
+    server does not read is left alone (another version's)."""
+    try:
+        return store.shared.manifest(cid) is not None
+    except CorruptArtifact as exc:
+        fleet.mark_damaged(cid, str(exc))
+        damaged.append(cid)
+        log.warning("reconcile: context %s is DAMAGED (skipped): %s", cid[:12], exc)
+    except FormatMismatch as exc:
+        log.warning("reconcile: context %s skipped: %s", cid[:12], exc)
+    return True

@@ -22,7 +22,7 @@ from ctxcache.service.errors import ResourceExhausted, Unavailable
 from ctxcache.service.fleet_backend import FleetBackend
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
-from ctxcache.store import RegistryUnavailable
+from ctxcache.store import CorruptArtifact, RegistryUnavailable
 from ctxcache.store.fleet_registry import Enqueued, Facts, FleetState
 from ctxcache.store.job_stream import JobStream
 
@@ -71,8 +71,7 @@ class RemoteBuilds:
         self.max_tokens_why = f"model maximum {lm.args.max_seq_len}"  # a GPU decoder's slots may lower both
         default = make_method(settings.method, settings.method_params)
         self._default = (default.name, default.params)
-        self._jobs: dict[str, RemoteJob] = {}  # the builds this decoder's callers wait for (BuildQueue's name:
-        # servicer.unstored_jobs lists them under self._lock)
+        self._jobs: dict[str, RemoteJob] = {}  # the builds this decoder's callers wait for (jobs() lists them)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="ctxcache-fleet-jobs", daemon=True)
@@ -90,7 +89,7 @@ class RemoteBuilds:
         the job names it and the indexer reads its K/V from the object store."""
         method, tokens = self.admitted(spec, tokens)  # refused here, not FAILED on an indexer
         cid = self.context_id(spec, tokens)
-        if self.backend.manifest(cid) is not None:
+        if self.backend.existing(cid) is not None:  # a DAMAGED one is built again
             self.metrics.put_requests.labels("existing").inc()
             return cid, None, False
         try:
@@ -99,7 +98,7 @@ class RemoteBuilds:
                 raise ResourceExhausted(f"{self.settings.queue_limit} builds queued for the indexers; retry later")
             outcome, _ = self.fleet.enqueue(cid, tokens, job_spec.to_json(spec, source), spec.tenant, self.claim_s)
         except RegistryUnavailable as exc:
-            raise Unavailable(f"registry unavailable, cannot start a build: {exc}") from exc
+            raise Unavailable("registry unavailable, cannot start a build", detail=exc) from exc
         self.metrics.put_requests.labels("created" if outcome == Enqueued.QUEUED else "joined").inc()
         return cid, self._watch_job(cid, spec, len(tokens)), outcome == Enqueued.QUEUED
 
@@ -140,8 +139,15 @@ class RemoteBuilds:
             return None
         return RemoteJob.from_facts(f)
 
+    def jobs(self) -> list[RemoteJob]:
+        with self._lock:
+            return list(self._jobs.values())
+
     def tenant_of(self, cid: str) -> str | None:
-        m = self.backend.manifest(cid)
+        try:
+            m = self.backend.manifest(cid)
+        except CorruptArtifact:  # DAMAGED: the registry's entry names the tenant
+            m = None
         if m is not None:
             return m.tenant
         f = self.backend.facts(cid)

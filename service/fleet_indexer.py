@@ -20,7 +20,7 @@ from dataclasses import replace
 from ctxcache.service import job_spec
 from ctxcache.service.build_queue import BuildQueue, Job
 from ctxcache.service.fleet_backend import FleetBackend
-from ctxcache.service.errors import ServiceError
+from ctxcache.service.errors import ServiceError, failure_text
 from ctxcache.store import RegistryUnavailable
 from ctxcache.store.fleet_registry import FleetRegistry
 from ctxcache.store.job_stream import JobStream, TakenJob
@@ -80,7 +80,7 @@ class FleetIndexer:
                                  "tokenizer or format differs from the decoder's")
             _, job, _ = self.builds.submit(spec, t.tokens, self._source(facts.spec))
         except (ValueError, ServiceError) as exc:
-            self.fleet.fail(cid, t.job_id, f"{type(exc).__name__}: {exc}")
+            self.fleet.fail(cid, t.job_id, failure_text(exc))
             return True
         log.info("job %s: building (attempt %d)", cid[:12], attempts)
         if job is not None and not self._follow(t, job):

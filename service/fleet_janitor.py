@@ -1,5 +1,6 @@
-"""An indexer's upkeep of the shared tier: reconcile the registry at start, then collect the
-object store's garbage every `gc_interval_s`.
+"""An indexer's upkeep of the shared tier: reconcile the registry at start and whenever Redis
+comes back empty (its `reconciled` mark gone: checked every `check_s`), and collect the object
+store's garbage every `gc_interval_s`.
 
 Indexers do it because they write the object store and the builds' states; decoders only
 read (their deletes are tombstoned first). Several indexers are safe together: the start's
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from ctxcache.service.fleet_backend import FleetBackend, reconcile_fleet
 from ctxcache.store import RegistryUnavailable, StoreError
@@ -22,17 +24,33 @@ RECONCILE_LOCK_S = 600.0  # a reconcile that dies holding the lock frees it afte
 
 
 class Janitor:
-    def __init__(self, backend: FleetBackend, worker: str, gc_interval_s: float, gc_grace_s: float) -> None:
+    def __init__(self, backend: FleetBackend, worker: str, gc_interval_s: float, gc_grace_s: float,
+                 check_s: float = 2.0) -> None:
         self.backend, self.fleet, self.worker = backend, backend.fleet, worker
-        self.gc_interval_s, self.gc_grace_s = gc_interval_s, gc_grace_s
+        self.gc_interval_s, self.gc_grace_s, self.check_s = gc_interval_s, gc_grace_s, check_s
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ctxcache-fleet-janitor", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         self._quietly("reconcile at start", self.reconcile)
-        while self.gc_interval_s > 0 and not self._closed.wait(self.gc_interval_s):
-            self._quietly("object store GC", self.collect)
+        next_gc = time.monotonic() + self.gc_interval_s
+        while not self._closed.wait(self.check_s):
+            self._quietly("reconcile after Redis came back empty", self.reconcile_if_lost)
+            if self.gc_interval_s > 0 and time.monotonic() >= next_gc:
+                next_gc = time.monotonic() + self.gc_interval_s
+                self._quietly("object store GC", self.collect)
+
+    def reconcile_if_lost(self) -> None:
+        """Redis restarted without its data: the entries of every stored context are gone until
+        a reconcile writes them again, so one indexer does it now (no worker restart)."""
+        try:
+            lost = not self.fleet.reconciled()
+        except RegistryUnavailable:
+            return  # Redis down: checked again when it answers (the outage itself is logged elsewhere)
+        if lost:
+            log.warning("the registry has lost its entries (Redis came back empty): reconciling")
+            self.reconcile()
 
     def _quietly(self, what: str, call) -> None:  # noqa: ANN001
         """A failure is logged and tried again at the next turn: the worker serves on."""
@@ -45,13 +63,15 @@ class Janitor:
 
     def reconcile(self) -> None:
         if not self.fleet.lead("reconcile", self.worker, RECONCILE_LOCK_S):
-            log.info("reconcile at start: another worker is reconciling")
+            log.info("reconcile: another worker is reconciling")
             return
         try:
-            added, removed = reconcile_fleet(self.fleet, self.backend.store, self.backend.artifact_uri)
+            added, removed, damaged = reconcile_fleet(self.fleet, self.backend.store, self.backend.artifact_uri)
+            self.fleet.mark_reconciled(self.worker)
         finally:
             self.fleet.step_down("reconcile", self.worker)
-        log.info("reconciled the registry with the object store: %d added, %d stale removed", added, removed)
+        log.info("reconciled the registry with the object store: %d added, %d stale removed, %d damaged (%s)",
+                 added, removed, len(damaged), ", ".join(c[:12] for c in damaged) or "none")
 
     def collect(self) -> None:
         if not self.fleet.due("gc", self.gc_interval_s):

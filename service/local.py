@@ -19,7 +19,7 @@ from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.config import DecoderSettings, IndexerSettings, ModelConfig, ServiceConfig
 from ctxcache.service.generate_streams import Chunk, GenerateSpec, GenerateStreams
 from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import ByteTokenizer, Prompter, text_messages
+from ctxcache.service.prompting import ByteTokenizer, Prompter, ensure_chat_template, text_messages
 from ctxcache.service.server import decode_runners
 
 LOCAL_ID = "local"
@@ -31,6 +31,8 @@ def generate_local(args) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA GPU")
     lm = load_model(model.model, getattr(torch, model.dtype), model.device)
+    if lm.tokenizer is not None:
+        ensure_chat_template(lm.tokenizer, args.chat_template, model.model)
     prompter = Prompter(lm.tokenizer if lm.tokenizer is not None else ByteTokenizer())
     context = text_messages(args.text.read_text(encoding="utf-8"))
     tokens = prompter.context_tokens(context)

@@ -18,6 +18,7 @@ import json
 import re
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 Messages = list[dict[str, str]]
@@ -53,6 +54,20 @@ class ByteTokenizer:
                             add_generation_prompt: bool = False) -> str:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant: " if add_generation_prompt else "")
+
+
+def ensure_chat_template(tokenizer: Any, template: Path | None, model: str) -> None:
+    """Give the tokenizer `template`'s text as its chat template, or check that it has one.
+    Why at start: every context is rendered with it (module doc), and transformers only finds
+    it missing inside apply_chat_template, with a traceback on every PutContext."""
+    if template is not None:
+        try:
+            tokenizer.chat_template = template.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {template}: cannot be read ({exc})") from None
+    elif not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of model {model} has no chat template: pass --chat-template FILE "
+                         "(a Jinja template such as the model family's chat_template.jinja)")
 
 
 def tokenizer_content(t: Any) -> str:

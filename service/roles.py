@@ -65,7 +65,7 @@ class FleetRuntime:
             stream = JobStream(self.config.registry.redis_config(), worker, f.build_lease_s)
             self.indexer = FleetIndexer(self.builds, self.backend, stream, worker, f.build_lease_s,
                                         claim_s(self.config))
-            self.janitor = Janitor(self.backend, worker, f.gc_interval_s, f.gc_grace_s)
+            self.janitor = Janitor(self.backend, worker, f.gc_interval_s, f.gc_grace_s, f.heartbeat_s)
         elif f.role == "decoder":
             cache: ArtifactCache = self.decoder.cache
             self.presence = Presence(self.backend, worker, cache.keys, self.decoder.evict, f.heartbeat_s)

@@ -51,9 +51,19 @@ def cut(message: str) -> str:
     return message if len(message) <= MAX_DETAILS else message[:MAX_DETAILS] + "... (cut)"
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    code, message = status_for(exc)
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException, admin: bool = False) -> None:
+    code, message = status_for(exc, admin)
     await context.abort(code, cut(message))
+
+
+def _admin(servicer: Any, context: grpc.aio.ServicerContext) -> bool:
+    """Whether the caller may read addresses in errors: an admin credential (or an open server).
+    A servicer without `auth` is AdminService, which the interceptor opens to admins only."""
+    auth = getattr(servicer, "auth", None)
+    if auth is None:
+        return True
+    caller = auth.caller(context.invocation_metadata())
+    return caller is not None and caller.admin
 
 
 def unary(fn: Callable) -> Callable:
@@ -68,7 +78,7 @@ def unary(fn: Callable) -> Callable:
             if isinstance(exc, grpc.RpcError) or _aborted(exc):
                 raise
             failure = exc
-        await abort(context, failure)
+        await abort(context, failure, _admin(self, context))
     return wrapper
 
 
@@ -85,7 +95,7 @@ def streaming(fn: Callable) -> Callable:
             if isinstance(exc, grpc.RpcError) or _aborted(exc):
                 raise
             failure = exc
-        await abort(context, failure)
+        await abort(context, failure, _admin(self, context))
     return wrapper
 
 

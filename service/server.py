@@ -32,7 +32,7 @@ from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import ByteTokenizer, Prompter
+from ctxcache.service.prompting import ByteTokenizer, Prompter, ensure_chat_template
 from ctxcache.service.servicer import ContextServicer
 from ctxcache.service.warmup import warm_up
 from ctxcache.service.gc_watch import freeze_and_watch, thaw
@@ -286,8 +286,8 @@ def _install_host_pool(pool_bytes: int | None, dram_cache_bytes: int) -> None:
 
 def _reconcile(backend: Backend) -> None:
     try:
-        added, removed = backend.reconcile()
-        log.info("reconciled registry: %d added, %d removed", added, removed)
+        added, removed, damaged = backend.reconcile()
+        log.info("reconciled registry: %d added, %d removed, %d damaged", added, removed, len(damaged))
     except Exception as exc:  # noqa: BLE001 - Redis down at start: serve, Reconcile later
         log.warning("registry reconcile at start failed: %s", exc)
 
@@ -308,6 +308,8 @@ def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple
         lm = load_model(m.model, _DTYPES[m.dtype], m.device)
         if lm.model.lm_head.weight.is_cuda:  # a random model's fp32 draft stays reserved otherwise (an
             torch.cuda.empty_cache()  # 8B: 16 GB that an indexer beside a decoder on one GPU needs)
+    if lm.tokenizer is not None:
+        ensure_chat_template(lm.tokenizer, config.model.chat_template, config.model.model)
     server = CtxcacheServer(config, lm)
     try:
         return server, server.start()

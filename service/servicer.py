@@ -15,7 +15,8 @@ from ctxcache.service.errors import NotFound, Unauthenticated, Unavailable
 from ctxcache.service.rpc import in_thread, iterate_in_thread, streaming, unary
 from ctxcache.client.gen.v1 import context_pb2 as pb, context_pb2_grpc
 from ctxcache.service.build_queue import BuildQueue, Job
-from ctxcache.store import Manifest
+from ctxcache.store import CorruptArtifact, Manifest
+from ctxcache.store.fleet_registry import Facts
 
 _STATE = {"building": pb.CONTEXT_STATE_BUILDING, "ready": pb.CONTEXT_STATE_READY,
           "failed": pb.CONTEXT_STATE_FAILED}
@@ -41,15 +42,30 @@ def info_from_job(job: Job, model_id: str) -> pb.ContextInfo:
         labels=s.labels, pin=s.pin, ttl_seconds=int(s.ttl_s or 0), model_id=model_id, kv_codec=s.kv_codec)
 
 
+def info_from_damage(f: Facts) -> pb.ContextInfo:
+    """A context whose manifest fails its check: what the fleet's registry knows of it."""
+    return pb.ContextInfo(context_id=f.context_id, state=pb.CONTEXT_STATE_DAMAGED, error=f.error or "damaged",
+                          n_tokens=f.n_tokens)
+
+
 def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
-    """A stored manifest wins over a job record (a job may lag its own completion)."""
-    m = indexer.backend.manifest(cid)
+    """A stored manifest wins over a job record (a job may lag its own completion); DAMAGED (a
+    fleet's registry) over a stored manifest."""
+    try:
+        m = indexer.backend.manifest(cid)
+    except CorruptArtifact:
+        damage = indexer.backend.damage(cid)
+        if not damage:
+            raise  # not marked (one node, or the registry unavailable): DATA_LOSS
+        return pb.ContextInfo(context_id=cid, state=pb.CONTEXT_STATE_DAMAGED, error=damage)
     if m is not None:
         info = info_from_manifest(m)
         facts = indexer.backend.fleet_facts(cid)  # a fleet's: the object's URI, the workers holding it hot
         if facts is not None:
             info.artifact_uri = facts.artifact_uri
             info.hot_workers.extend(facts.hot_workers)
+            if facts.damage:  # a chunk failed its check
+                info.state, info.error, info.progress = pb.CONTEXT_STATE_DAMAGED, facts.damage, 0.0
         return info
     job = indexer.job(cid)
     if job is None:
@@ -59,9 +75,15 @@ def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
 
 def unstored_jobs(indexer: BuildQueue) -> list[Job]:
     """Builds still building, or failed, that have no stored artifact (a READY job is in the store)."""
-    with indexer._lock:  # BuildQueue keeps its jobs private; a snapshot under its lock
-        jobs = list(indexer._jobs.values())
-    return [j for j in jobs if j.state != "ready" and indexer.backend.manifest(j.context_id) is None]
+    jobs = indexer.jobs()
+    return [j for j in jobs if j.state != "ready" and not _stored(indexer, j.context_id)]
+
+
+def _stored(indexer: BuildQueue, cid: str) -> bool:
+    try:
+        return indexer.backend.manifest(cid) is not None
+    except CorruptArtifact:
+        return True  # listed as DAMAGED, not as a build
 
 
 async def wait_for(job: Job | None) -> None:
@@ -122,8 +144,13 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
         stored = {m.context_id for m in ms}
         jobs = [j for j in unstored_jobs(self.indexer) if j.context_id > after and j.context_id not in stored
                 and caller.sees(j.spec.tenant)]
-        infos = [info_from_manifest(m) for m in ms] + [info_from_job(j, self.indexer.lm.model_id) for j in jobs]
-        return sorted(infos, key=lambda i: i.context_id)[:size + 1]
+        infos = {m.context_id: info_from_manifest(m) for m in ms}
+        infos.update((j.context_id, info_from_job(j, self.indexer.lm.model_id)) for j in jobs)
+        for f in self.indexer.backend.damaged():  # a fleet's DAMAGED contexts, readable manifest or not
+            if f.context_id > after and caller.sees(f.tenant):
+                info = infos.setdefault(f.context_id, info_from_damage(f))
+                info.state, info.error, info.progress = pb.CONTEXT_STATE_DAMAGED, f.error or "damaged", 0.0
+        return sorted(infos.values(), key=lambda i: i.context_id)[:size + 1]
 
     @unary
     async def DeleteContext(self, request, context):

@@ -35,4 +35,8 @@ class FormatMismatch(StoreError):
 
 class StoreUnavailable(StoreError):
     """The shared object store did not answer, or not within its deadline (service: UNAVAILABLE).
-    Contexts in local tiers keep serving; a load that needs the object store fails fast."""
+    Contexts in local tiers keep serving; a load that needs the object store fails fast.
+    The message names the URI (for the server log and admin callers); `public` is what a
+    tenant reads: the failing part, no address."""
+
+    public = "object store unavailable"

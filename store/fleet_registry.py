@@ -2,14 +2,16 @@
 the job building it and the workers holding it hot; the build claim; delete events.
 
 Keys (typed, versioned; <w> is a worker's host:port):
-  ctxcache:v1:ctx:<id>    hash     state (BUILDING | READY | FAILED | DELETED), job_id, uri,
+  ctxcache:v1:ctx:<id>    hash     state (BUILDING | READY | FAILED | DAMAGED | DELETED), job_id, uri,
                                    tenant, spec, n_tokens, progress, error, indexer, attempts
   ctxcache:v1:claim:<id>  string   the one build of <id> (SET NX PX, value: its job id)
   ctxcache:v1:hot:<id>    set      workers holding <id> in memory (routing: the documented key)
   ctxcache:v1:worker:<w>  string   a worker's heartbeat (PX); a hot member without one is gone
+  ctxcache:v1:damaged     set      ids marked DAMAGED (a member whose entry moved on is dropped when read)
   ctxcache:v1:events      channel  "deleted <id>": workers drop their local copies
   ctxcache:v1:due:<task>  string   the last run of a periodic fleet task (ms, Redis's clock)
   ctxcache:v1:lead:<task> string   the worker running a one-at-a-time fleet task (PX)
+  ctxcache:v1:reconciled  string   set by a reconcile; missing: Redis came back empty, reconcile again
 
 Every transition is one Lua script keyed by the job id, so a build whose context was deleted
 (or superseded by a newer job of the same id) learns it at its next progress update and never
@@ -31,12 +33,13 @@ import redis
 
 from ctxcache.store.keys import check_id, prefix
 from ctxcache.store.redis_registry import RedisConfig, client_for, guard
-from ctxcache.store.fleet_scripts import (DELETE, DROP_READY, DUE, ENQUEUE, FINISH, JOB_IDS, LOST, PROGRESS,
-                                          RECORD, START)
+from ctxcache.store.fleet_scripts import (DAMAGE, DELETE, DROP_READY, DUE, ENQUEUE, FINISH, JOB_IDS, LOST,
+                                          PROGRESS, RECORD, START)
 from ctxcache.store.job_stream import STREAM, pack_tokens
 
 log = logging.getLogger("ctxcache.store.fleet")
 EVENTS = prefix("events").rstrip(":")  # ctxcache:v1:events
+DAMAGED = prefix("damaged").rstrip(":")  # ctxcache:v1:damaged
 _WORKER = re.compile(r"[A-Za-z0-9_.\-:\[\]]{1,200}")
 
 
@@ -44,6 +47,7 @@ class FleetState(str, Enum):
     BUILDING = "BUILDING"
     READY = "READY"
     FAILED = "FAILED"
+    DAMAGED = "DAMAGED"  # a stored object failed its check: a Put of its text rebuilds it
     DELETED = "DELETED"
 
 
@@ -96,7 +100,7 @@ class FleetRegistry:
         self._scripts = {name: self._r.register_script(src) for name, src in (
             ("enqueue", ENQUEUE), ("start", START), ("progress", PROGRESS), ("finish", FINISH),
             ("delete", DELETE), ("record", RECORD), ("lost", LOST), ("drop_ready", DROP_READY), ("due", DUE),
-            ("job_ids", JOB_IDS))}
+            ("job_ids", JOB_IDS), ("damage", DAMAGE))}
         self._closed = threading.Event()
 
     @guard
@@ -153,6 +157,27 @@ class FleetRegistry:
                                        args=[self.tombstone_ms, self.clock(), EVENTS, cid])
         return FleetState(prev) if prev else None
 
+    # ---- damage ----------------------------------------------------------------------------------
+    @guard
+    def mark_damaged(self, cid: str, error: str, tenant: str = "") -> bool:
+        """DAMAGED with error, unless cid is being built again or was deleted; -> whether marked.
+        tenant: recorded where the registry had no entry (Redis came back empty)."""
+        return bool(self._scripts["damage"](keys=[ctx_key(cid), DAMAGED],
+                                            args=[error[:500], self.clock(), tenant, cid]))
+
+    @guard
+    def damaged(self) -> list[Facts]:
+        """Every DAMAGED entry, in id order (set members whose entry moved on are dropped)."""
+        ids = sorted(self._r.smembers(DAMAGED))
+        pipe = self._r.pipeline(transaction=False)
+        for cid in ids:
+            pipe.hgetall(ctx_key(cid))
+        found = [_facts(cid, h) for cid, h in zip(ids, pipe.execute())]
+        stale = [cid for cid, f in zip(ids, found) if f is None or f.state != FleetState.DAMAGED]
+        if stale:
+            self._r.srem(DAMAGED, *stale)
+        return [f for f in found if f is not None and f.state == FleetState.DAMAGED]
+
     # ---- reconcile -------------------------------------------------------------------------------
     @guard
     def record_ready(self, cid: str, uri: str, tenant: str, n_tokens: int) -> str:
@@ -191,6 +216,16 @@ class FleetRegistry:
     def lead(self, task: str, worker: str, ttl_s: float) -> bool:
         """Take the fleet's one-at-a-time lock on `task` (it lapses after ttl_s)."""
         return bool(self._r.set(prefix("lead") + task, worker, nx=True, px=_ms(ttl_s)))
+
+    @guard
+    def mark_reconciled(self, worker: str) -> None:
+        """The registry holds the object store's contexts (a reconcile just ran)."""
+        self._r.set(prefix("reconciled").rstrip(":"), worker)
+
+    @guard
+    def reconciled(self) -> bool:
+        """False once Redis has lost its data (restarted empty): the entries need a reconcile."""
+        return bool(self._r.exists(prefix("reconciled").rstrip(":")))
 
     @guard
     def step_down(self, task: str, worker: str) -> None:

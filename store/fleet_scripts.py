@@ -45,11 +45,22 @@ return prev or ''
 RECORD = """
 local state = redis.call('hget', KEYS[1], 'state')
 if state == 'DELETED' then return 'DELETED' end
+if state == 'DAMAGED' then return 'DAMAGED' end
 if state == 'READY' or (state == 'BUILDING' and redis.call('exists', KEYS[2]) == 1) then return 'KEPT' end
 redis.call('del', KEYS[1])
 redis.call('hset', KEYS[1], 'state', 'READY', 'uri', ARGV[1], 'tenant', ARGV[2], 'n_tokens', ARGV[3],
            'progress', '1', 'updated_at', ARGV[4])
 return 'ADDED'
+"""
+# a stored object failed its check: DAMAGED (kept until a Put rebuilds it or a delete), unless a
+# build is replacing it or it was deleted; the set lists the damaged ids for ListContexts
+DAMAGE = """
+local state = redis.call('hget', KEYS[1], 'state')
+if state == 'DELETED' or state == 'BUILDING' then return 0 end
+redis.call('hset', KEYS[1], 'state', 'DAMAGED', 'error', ARGV[1], 'updated_at', ARGV[2], 'progress', '0')
+if state == false and ARGV[3] ~= '' then redis.call('hset', KEYS[1], 'tenant', ARGV[3]) end
+redis.call('sadd', KEYS[2], ARGV[4])
+return 1
 """
 # reconcile: a build nobody holds (its claim lapsed) whose job left the stream is lost: FAILED,
 # so its waiters stop and the next Put builds it again (a new job takes the claim first)

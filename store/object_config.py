@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ctxcache.store.tiers.base import TierConfig
+from ctxcache.store.tiers.guard import GuardConfig
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,7 @@ class ObjectStoreConfig:
     gc_grace_s: float = 3600.0  # objects nothing references are deleted only once this old
     access_granularity_s: float = 60.0  # a process records a context's use at most this often
     tier: TierConfig = field(default_factory=TierConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)  # a hung store fails fast (tiers/guard.py)
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and self.budget_bytes <= 0:

@@ -31,6 +31,7 @@ from ctxcache.store.manifest import READABLE_STORE_FORMATS, ChunkInfo, ContextMe
 from ctxcache.store.object_config import ObjectStoreConfig
 from ctxcache.store.object_gc import GcReport, collect_garbage, make_room, summaries, victims_to_budget
 from ctxcache.store.tiers import ObjectTier, open_tier
+from ctxcache.store.tiers.guard import GuardedTier
 from ctxcache.store import txn_ops
 
 
@@ -52,7 +53,8 @@ class ObjectArtifactStore:
                  codec: StoreConfig = StoreConfig(), clock: Callable[[], float] = time.time) -> None:
         """tier: an ObjectTier or its URI; codec: how put() encodes chunks (StoreConfig's codec
         fields and threads); clock: TTL and access times (tests pass a fake one)."""
-        self.tier = open_tier(tier, config.tier) if isinstance(tier, str) else tier
+        # every call behind a deadline and a circuit breaker (tiers/guard.py: a hung store fails fast)
+        self.tier = GuardedTier(open_tier(tier, config.tier) if isinstance(tier, str) else tier, config.guard)
         self.config, self.codec, self._clock = config, codec, clock
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(codec.threads, "ctxobj")
         self._touched: dict[str, float] = {}

@@ -26,7 +26,10 @@ CLAIM_LEASE_S = 30.0
 
 
 class RegistryUnavailable(Exception):
-    """The registry backend cannot be reached (service: UNAVAILABLE). Raised fast."""
+    """The registry backend cannot be reached (service: UNAVAILABLE). Raised fast. The message
+    names the address (server log, admin callers); `public` is what a tenant reads."""
+
+    public = "registry unavailable"
 
 
 class BuildState(str, Enum):

@@ -98,6 +98,11 @@ class S3Server:
         """SIGSTOP: the ports stay open and nothing answers (a hung server)."""
         assert self.proc is not None
         os.killpg(self.proc.pid, signal.SIGSTOP)
+        # the signal is delivered asynchronously: until every thread has stopped, a request sent
+        # now may still be answered (the guard's hung-store test saw one on a loaded box)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not _stopped(self.proc.pid):
+            time.sleep(0.01)
 
     def resume(self) -> None:
         assert self.proc is not None
@@ -110,3 +115,15 @@ class S3Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
         self.proc = None
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of pid is stopped (Linux /proc; elsewhere: assume so)."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return True
+    try:
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+    except OSError:
+        return False
+    return all(state in ("T", "t") for state in states)

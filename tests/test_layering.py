@@ -55,3 +55,15 @@ def test_the_scan_sees_every_form_of_import():
            "importlib.import_module('ctxcache.service.server')\nimport ctxcache.client\n")
     names = [name for _, name in imported(ast.parse(src))]
     assert sum(n.startswith("ctxcache.service") for n in names) == 4 and "ctxcache.client" in names
+
+
+def test_no_service_module_reaches_into_another_objects_jobs_or_lock():
+    """Issue 43: the servicer and the fleet read builds through BuildQueue.jobs() / job(), never
+    through its private `_jobs` under its `_lock` (a change there would break them silently)."""
+    found = []
+    for f in sorted((ROOT / "service").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Attribute) and node.attr in ("_jobs", "_lock") and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{f.relative_to(ROOT)}:{node.lineno} reads .{node.attr}")
+    assert found == []

@@ -14,7 +14,8 @@ from ctxcache.service import convert
 from ctxcache.service.generate_streams import Final
 
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "context_limit": "length"}
-_STATE = {pb.CONTEXT_STATE_BUILDING: "BUILDING", pb.CONTEXT_STATE_READY: "READY", pb.CONTEXT_STATE_FAILED: "FAILED"}
+_STATE = {pb.CONTEXT_STATE_BUILDING: "BUILDING", pb.CONTEXT_STATE_READY: "READY", pb.CONTEXT_STATE_FAILED: "FAILED",
+          pb.CONTEXT_STATE_DAMAGED: "DAMAGED"}
 
 
 def usage(final: Final) -> dict[str, Any]:

@@ -19,6 +19,7 @@ TENANT_TOKENS = "alpha-token=alpha,beta-token=beta"
 # random weights (seeded: every process has the same model) and a fast index
 MODEL = ["--model", "random:tiny", "--method", "key-kmeans", "--store-budget-gb", "1", "--dram-cache-gb", "0.25"]
 _SERVING = re.compile(r"serving on [^:]+:(\d+)")
+_HTTP = re.compile(r", http (\d+)\)")
 
 
 class Worker:
@@ -33,7 +34,7 @@ class Worker:
         if object_store:
             self.args += ["--object-store", object_store]
         self.proc: subprocess.Popen | None = None
-        self.port = 0
+        self.port = self.http_port = 0  # http_port: with --http-port
 
     @property
     def address(self) -> str:
@@ -56,6 +57,8 @@ class Worker:
             self.kill()
             raise RuntimeError(f"{self.name} did not start: {line!r}; log: {self.log()[-1500:]}")
         self.port = int(m.group(1))
+        if (h := _HTTP.search(line)) is not None:
+            self.http_port = int(h.group(1))
         return self
 
     def log(self) -> str:

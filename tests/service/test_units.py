@@ -110,3 +110,20 @@ def test_out_of_gpu_memory_is_resource_exhausted_in_one_line():
                 RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")):
         code, text = status_for(exc)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and text.startswith("out of GPU memory: CUDA error")
+
+
+def test_a_tenant_reads_the_failing_part_an_admin_its_address():
+    import grpc
+
+    from ctxcache.service.errors import Unavailable, failure_text, status_for
+    from ctxcache.store import RegistryUnavailable, StoreUnavailable
+
+    store = StoreUnavailable("object store s3://b/p?endpoint_override=10.1.2.3:8333: get v1/manifests/x: refused")
+    registry = RegistryUnavailable("redis at 10.1.2.4:6379 is unavailable: Connection refused")
+    wrapped = Unavailable("registry unavailable, cannot start a build", detail=registry)
+    for exc, part in ((store, "object store unavailable"), (registry, "registry unavailable"),
+                      (wrapped, "registry unavailable, cannot start a build")):
+        code, tenant = status_for(exc)
+        assert code == grpc.StatusCode.UNAVAILABLE and part in tenant and "10.1.2." not in tenant
+        assert "10.1.2." in status_for(exc, admin=True)[1]
+        assert "10.1.2." not in failure_text(exc)  # a failed build's error, shown by GetContext

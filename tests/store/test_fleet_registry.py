@@ -168,3 +168,18 @@ def test_the_fleet_registry_and_job_stream_import_no_torch():
     code = ("import sys, ctxcache.store.fleet_registry, ctxcache.store.job_stream; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_damaged_is_kept_by_reconcile_and_left_by_a_new_build_or_a_delete(fleet):
+    assert fleet.mark_damaged(CID, "chunk k0: checksum mismatch", tenant="t")  # no entry (Redis came back empty)
+    f = fleet.facts(CID)
+    assert (f.state, f.error, f.tenant) == (FleetState.DAMAGED, "chunk k0: checksum mismatch", "t")
+    assert fleet.record_ready(CID, "s3://b/x", "t", 9) == "DAMAGED"  # reconcile does not call it READY
+    assert [d.context_id for d in fleet.damaged()] == [CID]
+    out, job = fleet.enqueue(CID, [1], "{}", "t", 30)  # a Put of its content builds it again
+    assert out == Enqueued.QUEUED and fleet.facts(CID).state == FleetState.BUILDING
+    assert not fleet.mark_damaged(CID, "late news of the old write")  # the build replaces it
+    assert fleet.damaged() == []
+    assert fleet.finish(CID, job, "s3://b/x") and fleet.mark_damaged(CID, "again")
+    fleet.delete(CID)
+    assert not fleet.mark_damaged(CID, "after the delete") and fleet.damaged() == []

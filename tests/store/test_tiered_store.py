@@ -15,10 +15,12 @@ from ctxcache.store import object_layout as lay
 from ctxcache.store.object_config import ObjectStoreConfig
 from ctxcache.store.tiered_store import TieredConfig, TieredStore, open_store
 from ctxcache.store.tiers import TierConfig
+from ctxcache.store.tiers.guard import GuardConfig
 from store_helpers import assert_same, make_artifact
 
 SMALL = StoreConfig(map_size_bytes=64 << 20, budget_bytes=32 << 20)
-FAST = ObjectStoreConfig(tier=TierConfig(deadline_s=4, connect_timeout_s=1, request_timeout_s=2, max_attempts=1))
+FAST = ObjectStoreConfig(tier=TierConfig(deadline_s=4, connect_timeout_s=1, request_timeout_s=2, max_attempts=1),
+                         guard=GuardConfig(open_s=0.5))
 
 
 def worker(tmp_path: Path, name: str, uri: str, **kw) -> TieredStore:
@@ -196,4 +198,5 @@ def test_a_hung_object_store_costs_a_local_hit_at_most_its_check_timeout(s3_serv
             assert time.monotonic() - t0 < 5.0  # the tier's 4 s deadline, not a hang
         finally:
             s3_server.resume()
+        time.sleep(0.6)  # past the breaker's open_s (tiers/guard.py)
         assert_same(b.get("cold"), make_artifact(10))  # answered again once it runs

@@ -48,20 +48,24 @@ class RebuildResponse(_message.Message):
     def __init__(self, context: _Optional[_Union[_context_pb2.ContextInfo, _Mapping]] = ..., reprefilled: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("context_id",)
+    __slots__ = ("context_id", "repair")
     CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_FIELD_NUMBER: _ClassVar[int]
     context_id: str
-    def __init__(self, context_id: _Optional[str] = ...) -> None: ...
+    repair: bool
+    def __init__(self, context_id: _Optional[str] = ..., repair: _Optional[bool] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("context_id", "ok", "problems")
+    __slots__ = ("context_id", "ok", "problems", "marked_damaged")
     CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    MARKED_DAMAGED_FIELD_NUMBER: _ClassVar[int]
     context_id: str
     ok: bool
     problems: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, context_id: _Optional[str] = ..., ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
+    marked_damaged: bool
+    def __init__(self, context_id: _Optional[str] = ..., ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., marked_damaged: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results",)
@@ -159,9 +163,11 @@ class ReconcileRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReconcileResponse(_message.Message):
-    __slots__ = ("registered", "removed")
+    __slots__ = ("registered", "removed", "damaged")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FIELD_NUMBER: _ClassVar[int]
     registered: int
     removed: int
-    def __init__(self, registered: _Optional[int] = ..., removed: _Optional[int] = ...) -> None: ...
+    damaged: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, registered: _Optional[int] = ..., removed: _Optional[int] = ..., damaged: _Optional[_Iterable[str]] = ...) -> None: ...

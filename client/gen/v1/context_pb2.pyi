@@ -14,6 +14,7 @@ class ContextState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTEXT_STATE_BUILDING: _ClassVar[ContextState]
     CONTEXT_STATE_READY: _ClassVar[ContextState]
     CONTEXT_STATE_FAILED: _ClassVar[ContextState]
+    CONTEXT_STATE_DAMAGED: _ClassVar[ContextState]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,6 +27,7 @@ CONTEXT_STATE_UNSPECIFIED: ContextState
 CONTEXT_STATE_BUILDING: ContextState
 CONTEXT_STATE_READY: ContextState
 CONTEXT_STATE_FAILED: ContextState
+CONTEXT_STATE_DAMAGED: ContextState
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
