@@ -73,8 +73,9 @@ def _http(http: httpx.Client, body: dict) -> dict:
     return _timed(events())
 
 
-def _ways(client: Client, http: httpx.Client, cid: str, text: str, max_tokens: int) -> dict[str, Callable[[], dict]]:
-    ask = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "stream": True, "return_token_ids": True}
+def _ways(client: Client, http: httpx.Client, cid: str, text: str, max_tokens: int,
+          model: str) -> dict[str, Callable[[], dict]]:
+    ask = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True, "return_token_ids": True}
     return {"grpc": lambda: _grpc(client, cid, max_tokens),
             "http_reference": lambda: _http(http, {**ask, "cached_content": cid,
                                                    "messages": [{"role": "user", "content": QUESTION}]}),
@@ -87,7 +88,7 @@ def measure(client: Client, http: httpx.Client, text: str, args) -> dict:
     info = client.put(pb.PutContextRequest(text=text, wait=True), timeout=3600).context
     if info.state != pb.CONTEXT_STATE_READY:
         raise RuntimeError(f"PutContext failed: {info.error}")
-    ways = _ways(client, http, info.context_id, text, args.max_tokens)
+    ways = _ways(client, http, info.context_id, text, args.max_tokens, args.model)
     for run in ways.values():
         run()  # warm: the artifact in DRAM, first-call costs paid
     runs: dict[str, list[dict]] = {name: [] for name in ways}

@@ -44,6 +44,9 @@ class GenerateSpec:
     schedule: str = ""
     # raw tokens that follow the context instead of the rendered turn (a text completion)
     prompt_tokens: tuple[int, ...] = ()
+    # True: a max_tokens past the model's window is refused before decoding (OpenAI's answer),
+    # not cut to the room left (gRPC's, which then finishes with context_limit)
+    strict_window: bool = False
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,10 @@ class GenerateStreams:
         if room < 1:
             raise InvalidArgument("question", f"{len(prompt)} new tokens after {art.n_tokens} cached "
                                   f"exceed the model's maximum length {self.lm.args.max_seq_len}")
+        if spec.strict_window and spec.sampling.max_tokens > room:
+            raise InvalidArgument("sampling.max_tokens", f"{spec.sampling.max_tokens} new tokens after a prompt of "
+                                  f"{art.n_tokens + len(prompt)} tokens exceed the model's maximum length "
+                                  f"{self.lm.args.max_seq_len}: at most {room} fit")
         room = min(room, self._slot_room(art, config, len(prompt)))
         sampling = replace(spec.sampling, max_tokens=min(spec.sampling.max_tokens, room),
                            stop_token_ids=self.prompter.stop_token_ids)

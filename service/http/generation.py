@@ -25,6 +25,7 @@ from ctxcache.service.errors import InvalidArgument
 from ctxcache.service.generate_streams import Chunk, Final, GenerateSpec, GenerateStreams
 from ctxcache.service.http.prefix import PrefixLookup
 from ctxcache.service.http.errors import error_body
+from ctxcache.service.http.models import ServedModels
 from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
 from ctxcache.service.http.shapes import Completion
 from ctxcache.service.rpc import in_thread, iterate_in_thread
@@ -48,7 +49,13 @@ def _refuse(req: SamplingBody, chat: bool) -> None:
            "logprobs": req.logprobs not in (None, False, 0) and "log probabilities are not supported",
            "presence_penalty": req.presence_penalty not in (None, 0) and "penalties are not supported",
            "frequency_penalty": req.frequency_penalty not in (None, 0) and "penalties are not supported",
-           "logit_bias": bool(req.logit_bias) and "logit_bias is not supported"}
+           "logit_bias": bool(req.logit_bias) and "logit_bias is not supported",
+           # vLLM's extras: the sampler has temperature and top_p only, so any other value is refused
+           "top_k": req.top_k not in (None, 0, -1) and "top_k is not supported (top_p is)",
+           "min_p": req.min_p not in (None, 0) and "min_p is not supported (top_p is)",
+           "repetition_penalty": req.repetition_penalty not in (None, 1) and "penalties are not supported",
+           "min_tokens": req.min_tokens not in (None, 0) and "min_tokens is not supported",
+           "ignore_eos": bool(req.ignore_eos) and "ignore_eos is not supported"}
     if chat:
         assert isinstance(req, ChatCompletionRequest)
         bad |= {"tools": bool(req.tools) and "tool calling is not supported",
@@ -66,9 +73,9 @@ def _refuse(req: SamplingBody, chat: bool) -> None:
             raise InvalidArgument(name, why)
 
 
-def _proto(req: SamplingBody, cid: str, max_tokens: int | None, **turn: Any) -> pb.GenerateRequest:
+def _proto(req: SamplingBody, cid: str, max_tokens: int, **turn: Any) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                 top_p=req.top_p or 0.0, max_tokens=max_tokens or 0)
+                                 top_p=req.top_p or 0.0, max_tokens=max_tokens)
     if req.seed is not None:
         sampling.seed = req.seed
     return pb.GenerateRequest(context_id=cid, sampling=sampling, stop=req.stops(), schedule=req.schedule or "", **turn)
@@ -76,21 +83,26 @@ def _proto(req: SamplingBody, cid: str, max_tokens: int | None, **turn: Any) -> 
 
 class Generation:
     def __init__(self, indexer: BuildQueue, decoder: GenerateStreams, pool: ThreadPoolExecutor,
-                 default_max_tokens: int, max_tokens_limit: int, model: str) -> None:
-        self.indexer, self.decoder, self.pool, self.model = indexer, decoder, pool, model
-        self.default_max, self.limit = default_max_tokens, max_tokens_limit
+                 max_tokens_limit: int, models: ServedModels) -> None:
+        self.indexer, self.decoder, self.pool, self.models = indexer, decoder, pool, models
+        self.limit = max_tokens_limit
         self.prefixes = PrefixLookup(indexer)
 
-    def _spec(self, request: pb.GenerateRequest) -> GenerateSpec:
-        return convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len)
+    def _spec(self, req: SamplingBody, max_tokens: int | None, cid: str = _ANY_ID, **turn: Any) -> GenerateSpec:
+        """max_tokens None: the room the window leaves (up to --max-tokens-limit), as vLLM; given,
+        a prompt plus max_tokens past the window is refused up front, as OpenAI."""
+        request = _proto(req, cid, max_tokens or self.limit, **turn)
+        spec = convert.generate_spec(request, self.limit, self.limit, self.indexer.lm.args.max_seq_len)
+        return replace(spec, strict_window=max_tokens is not None)
 
     async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         t0 = time.perf_counter()
+        model = self.models.check(req.model)
         _refuse(req, chat=True)
         chat = pb.ChatMessages(messages=[pb.ChatMessage(**m.plain()) for m in req.messages])
-        spec = self._spec(_proto(req, _ANY_ID, req.max_completion_tokens or req.max_tokens, chat=chat))
+        spec = self._spec(req, req.max_completion_tokens or req.max_tokens, chat=chat)
         spec = await in_thread(self.pool, self._resolve_chat, caller, req.cached_content, spec)
-        return await self._answer(spec, Completion(req.model or self.model, spec.context_id, True), req, t0)
+        return await self._answer(spec, Completion(model, spec.context_id, True), req, t0)
 
     def _resolve_chat(self, caller: Caller, reference: str | None, spec: GenerateSpec) -> GenerateSpec:
         if reference is not None:
@@ -104,17 +116,19 @@ class Generation:
         """A text completion: the prompt's tokens follow the cached context as they are, with no
         chat template (control tokens in it are the template's own, as in any raw completion)."""
         t0 = time.perf_counter()
+        model = self.models.check(req.model)
         _refuse(req, chat=False)
         if req.cached_content is None:
             raise InvalidArgument("cached_content", "a text completion continues a cached context: name it "
                                   "(automatic reuse is for chat messages, /v1/chat/completions)")
         cid = context_reference(req.cached_content)
         assert isinstance(req.prompt, str)  # the validator took the one prompt of a list
-        spec = self._spec(_proto(req, cid, req.max_tokens or 16, question=req.prompt))  # OpenAI's default 16
+        spec = replace(self._spec(req, req.max_tokens or 16, cid, question=req.prompt),  # OpenAI's default 16
+                       strict_window=req.max_tokens is not None)
         await in_thread(self.pool, contexts.check_readable, self.indexer, caller, cid)
         tokens = await in_thread(self.pool, self.indexer.prompter.encode, req.prompt)
         spec = replace(spec, prompt_tokens=tuple(tokens))
-        return await self._answer(spec, Completion(req.model or self.model, cid, False), req, t0)
+        return await self._answer(spec, Completion(model, cid, False), req, t0)
 
     async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody, t0: float
                       ) -> dict | AsyncIterator[str]:

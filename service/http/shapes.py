@@ -98,7 +98,3 @@ def cached_content(info: pb.ContextInfo) -> dict[str, Any]:
             "expire_time": expires, "labels": dict(info.labels),
             "method": {"name": info.method, "params": convert.struct_to_dict(info.method_params)},
             "codec": info.kv_codec, "pinned": info.pin, "stored_bytes": info.artifact_bytes}
-
-
-def model_card(model_id: str, created: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "ctxcache"}
