@@ -30,6 +30,7 @@ from ctxcache.service.errors import (Cancelled, DeadlineExceeded, FailedPrecondi
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Messages, Prompter
 from ctxcache.service.textstream import TextStream
+from ctxcache.service.uncached import MISS, empty_context
 
 
 _ROLES_KEPT = 4096  # contexts whose roles are remembered for a Generate that skips the DRAM tier
@@ -86,6 +87,7 @@ class GenerateStreams:
         self.active = 0
         self._lock = threading.Lock()
         self._roles: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # context id -> its roles
+        self._empty = Loaded(empty_context(lm), False, 0.0)  # what a miss (MISS) decodes after
 
     def stream(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
                t_request: float) -> Iterator[Chunk | Final]:
@@ -183,6 +185,8 @@ class GenerateStreams:
     def _run(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
              t0: float) -> Iterator[Chunk | Final]:
         config = self._config(spec.schedule)
+        if spec.context_id == MISS:  # no cached context: all dense, as any server decodes
+            config = replace(config, dense_layers=tuple(range(self.lm.args.n_layers)))
         head = self._resident(spec.context_id)
         try:
             seq, art, prompt, sampling, loaded = self._start(spec, config, head, alive, deadline)
@@ -240,7 +244,8 @@ class GenerateStreams:
                alive: Callable[[], bool], deadline: float | None) -> tuple:
         """-> (sequence, artifact, prompt tokens, sampling, loaded) of a started stream; from
         the resident head if given (ContextNotResident when that runner no longer holds it)."""
-        loaded = head or self._acquire(spec.context_id)
+        miss = spec.context_id == MISS
+        loaded = head or (self._empty if miss else self._acquire(spec.context_id))
         ctx, art = loaded.value, loaded.value.artifact
         placeholder = [{"role": r, "content": "x"} for r in ctx.roles]
         prompt = list(spec.prompt_tokens) or self.prompter.turn_tokens(placeholder, spec.turn)
@@ -256,7 +261,8 @@ class GenerateStreams:
         sampling = replace(spec.sampling, max_tokens=min(spec.sampling.max_tokens, room),
                            stop_token_ids=self.prompter.stop_token_ids)
         _check(alive, deadline)
-        engine = self._engine(art, config, len(prompt) + sampling.max_tokens)
+        # a miss has no context to keep in a slot: the reference runner (last) takes every prompt
+        engine = self.engines[-1] if miss else self._engine(art, config, len(prompt) + sampling.max_tokens)
         if head is not None and not hasattr(engine.runner, "resident_head"):
             raise ContextNotResident(spec.context_id)  # only a slot runner takes a head
         seq = engine.start(spec.context_id, art, prompt, config, sampling, lambda: _check(alive, deadline))

@@ -33,7 +33,8 @@ class HttpFront:
         s, d = server.config.server, server.config.decoder
         lm = server.lm
         models = ServedModels(lm.model_id, (server.config.model.model,), int(time.time()))
-        generation = Generation(server.indexer, server.decoder, server.pool, d.max_tokens_limit, models)
+        generation = Generation(server.indexer, server.decoder, server.pool, d.max_tokens_limit, models,
+                                s.auto_cache_min_tokens)
         tokens = Tokens(server.indexer.prompter, server.pool, models, lm.args.max_seq_len, lm.args.vocab_size)
         app = build_app(generation, CachedContents(server.indexer, server.decoder, server.pool), tokens, server.auth,
                         server.draining.is_set, server.ready.is_set, server.metrics, s.max_message_bytes)

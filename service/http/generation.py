@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ctxcache.client.gen.v1 import context_pb2 as pb
@@ -23,12 +24,14 @@ from ctxcache.service.auth import Caller
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.errors import InvalidArgument
 from ctxcache.service.generate_streams import Chunk, Final, GenerateSpec, GenerateStreams
+from ctxcache.service.http.autocache import AutoCache
 from ctxcache.service.http.prefix import PrefixLookup
 from ctxcache.service.http.errors import error_body
 from ctxcache.service.http.models import ServedModels
 from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
 from ctxcache.service.http.shapes import Completion
 from ctxcache.service.rpc import in_thread, iterate_in_thread
+from ctxcache.service.uncached import MISS
 
 _NAME = re.compile(r"(?:cachedContents/)?([0-9a-f]{64})")
 _ANY_ID = "0" * 64  # validates a request before its context is known
@@ -83,15 +86,17 @@ def _proto(req: SamplingBody, cid: str, max_tokens: int, **turn: Any) -> pb.Gene
 
 class Generation:
     def __init__(self, indexer: BuildQueue, decoder: GenerateStreams, pool: ThreadPoolExecutor,
-                 max_tokens_limit: int, models: ServedModels) -> None:
+                 max_tokens_limit: int, models: ServedModels, auto_cache_min_tokens: int = 0) -> None:
         self.indexer, self.decoder, self.pool, self.models = indexer, decoder, pool, models
         self.limit = max_tokens_limit
         self.prefixes = PrefixLookup(indexer)
+        self.auto = AutoCache(indexer, self.prefixes, auto_cache_min_tokens)
 
-    def _spec(self, req: SamplingBody, max_tokens: int | None, cid: str = _ANY_ID, **turn: Any) -> GenerateSpec:
-        """max_tokens None: the room the window leaves (up to --max-tokens-limit), as vLLM; given,
-        a prompt plus max_tokens past the window is refused up front, as OpenAI."""
-        request = _proto(req, cid, max_tokens or self.limit, **turn)
+    def _spec(self, req: SamplingBody, max_tokens: int | None, cid: str = _ANY_ID, default: int | None = None,
+              **turn: Any) -> GenerateSpec:
+        """max_tokens None: `default`, else the room the window leaves (up to --max-tokens-limit),
+        as vLLM; given, a prompt plus max_tokens past the window is refused up front, as OpenAI."""
+        request = _proto(req, cid, max_tokens or default or self.limit, **turn)
         spec = convert.generate_spec(request, self.limit, self.limit, self.indexer.lm.args.max_seq_len)
         return replace(spec, strict_window=max_tokens is not None)
 
@@ -102,7 +107,10 @@ class Generation:
         chat = pb.ChatMessages(messages=[pb.ChatMessage(**m.plain()) for m in req.messages])
         spec = self._spec(req, req.max_completion_tokens or req.max_tokens, chat=chat)
         spec = await in_thread(self.pool, self._resolve_chat, caller, req.cached_content, spec)
-        return await self._answer(spec, Completion(model, spec.context_id, True), req, t0)
+        after = None
+        if spec.context_id == MISS:  # once answered, its leading messages may become a context
+            after = partial(self.pool.submit, self.auto.register_quietly, spec.turn, caller.tenant or "")
+        return await self._answer(spec, Completion(model, spec.context_id, True), req, t0, after)
 
     def _resolve_chat(self, caller: Caller, reference: str | None, spec: GenerateSpec) -> GenerateSpec:
         if reference is not None:
@@ -110,42 +118,46 @@ class Generation:
             contexts.check_readable(self.indexer, caller, cid)
             return replace(spec, context_id=cid)
         match = self.prefixes.find(spec.turn, caller.tenant or "")
-        return replace(spec, context_id=match.context_id, turn=spec.turn[match.n_messages:])
+        if match is not None:
+            return replace(spec, context_id=match.context_id, turn=spec.turn[match.n_messages:])
+        return replace(spec, context_id=MISS, prompt_tokens=tuple(self.indexer.prompter.prompt_tokens(spec.turn)))
 
     async def completion(self, caller: Caller, req: CompletionRequest) -> dict | AsyncIterator[str]:
         """A text completion: the prompt's tokens follow the cached context as they are, with no
-        chat template (control tokens in it are the template's own, as in any raw completion)."""
+        chat template (control tokens in it are the template's own, as in any raw completion).
+        Without `cached_content` the prompt alone is decoded (a miss; contexts are chat messages,
+        so no raw prefix is registered)."""
         t0 = time.perf_counter()
         model = self.models.check(req.model)
         _refuse(req, chat=False)
-        if req.cached_content is None:
-            raise InvalidArgument("cached_content", "a text completion continues a cached context: name it "
-                                  "(automatic reuse is for chat messages, /v1/chat/completions)")
-        cid = context_reference(req.cached_content)
         assert isinstance(req.prompt, str)  # the validator took the one prompt of a list
-        spec = replace(self._spec(req, req.max_tokens or 16, cid, question=req.prompt),  # OpenAI's default 16
-                       strict_window=req.max_tokens is not None)
-        await in_thread(self.pool, contexts.check_readable, self.indexer, caller, cid)
+        cid = MISS if req.cached_content is None else context_reference(req.cached_content)
+        spec = self._spec(req, req.max_tokens, cid or _ANY_ID, default=16, question=req.prompt)  # OpenAI's 16
+        if cid != MISS:
+            await in_thread(self.pool, contexts.check_readable, self.indexer, caller, cid)
         tokens = await in_thread(self.pool, self.indexer.prompter.encode, req.prompt)
-        spec = replace(spec, prompt_tokens=tuple(tokens))
+        spec = replace(spec, context_id=cid, prompt_tokens=tuple(tokens))
         return await self._answer(spec, Completion(model, cid, False), req, t0)
 
-    async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody, t0: float
-                      ) -> dict | AsyncIterator[str]:
+    async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody, t0: float,
+                      after: Callable[[], Any] | None = None) -> dict | AsyncIterator[str]:
+        """after: called once the answer is complete (its Final), not when it fails."""
         events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, None, t0))
         if not req.stream:
             ids: list[int] = []
             async for event in events:
                 if isinstance(event, Final):
+                    if after is not None:
+                        after()
                     return shape.whole(event, ids if req.return_token_ids else None)
                 ids += event.token_ids
             raise AssertionError("a stream ends with its Final")  # pragma: no cover
         first = await anext(events)  # errors before the first token raise here, before any byte is sent
-        return _sse(first, events, shape, req.include_usage(), req.return_token_ids)
+        return _sse(first, events, shape, req.include_usage(), req.return_token_ids, after)
 
 
 async def _sse(first: Chunk | Final, events: AsyncIterator[Chunk | Final], shape: Completion,
-               include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
+               include_usage: bool, token_ids: bool, after: Callable[[], Any] | None) -> AsyncIterator[str]:
     """`data: <json>` per delta, the finish chunk (with usage unless a usage chunk follows),
     then `data: [DONE]`. A failure after the first byte is an error event (the status is sent);
     a client that goes away closes this generator, which stops the decode (rpc.iterate_in_thread)."""
@@ -157,6 +169,8 @@ async def _sse(first: Chunk | Final, events: AsyncIterator[Chunk | Final], shape
                 yield json.dumps(shape.finish(event, with_usage=not include_usage))
                 if include_usage:
                     yield json.dumps(shape.usage_chunk(event))
+                if after is not None:
+                    after()
                 break
             if event.text or (token_ids and event.token_ids):
                 yield json.dumps(shape.text(event.text, event.token_ids if token_ids else None))

@@ -38,7 +38,7 @@ class Completion:
     def _head(self, obj: str) -> dict[str, Any]:
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model,
-                "cached_content": self.context_id}  # ctxcache's own: the context the prompt continued
+                "cached_content": self.context_id or None}  # ctxcache's own: the context the prompt continued
 
     def whole(self, final: Final, token_ids: list[int] | None = None) -> dict[str, Any]:
         reason = _FINISH[final.finish_reason]
