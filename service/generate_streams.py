@@ -257,7 +257,8 @@ class GenerateStreams:
             raise InvalidArgument("sampling.max_tokens", f"{spec.sampling.max_tokens} new tokens after a prompt of "
                                   f"{art.n_tokens + len(prompt)} tokens exceed the model's maximum length "
                                   f"{self.lm.args.max_seq_len}: at most {room} fit")
-        room = min(room, self._slot_room(art, config, len(prompt)))
+        if not miss:  # a GPU slot's room binds what decodes in the slot; a miss decodes outside
+            room = min(room, self._slot_room(art, config, len(prompt)))
         sampling = replace(spec.sampling, max_tokens=min(spec.sampling.max_tokens, room),
                            stop_token_ids=self.prompter.stop_token_ids)
         _check(alive, deadline)
