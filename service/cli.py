@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP (on --host)")
     p.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API "
                    "here (on --host; 0: a free port): /v1/chat/completions, /v1/cached_contents, ...")
+    p.add_argument("--auto-cache-min-tokens", type=int, default=1024, help="HTTP: a missed chat's longest "
+                   "leading messages of at least this many tokens become a context in the background")
+    p.add_argument("--no-auto-cache", action="store_true", help="HTTP: never register missed prompts")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM: seconds live streams get to finish")
     p.add_argument("--advertise", default="", help="host:port the registry records for this worker "
                    "(default: --host, or the hostname when binding all interfaces)")

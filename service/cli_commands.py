@@ -40,7 +40,9 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                             threads=max(64, args.max_streams + 16), auth_token=token,
                             tenant_tokens=tenant_tokens, tls_cert=tls[0], tls_key=tls[1],
                             grace_seconds=getattr(args, "grace", 5.0), advertise=getattr(args, "advertise", ""),
-                            http_port=getattr(args, "http_port", None)),
+                            http_port=getattr(args, "http_port", None),
+                            auto_cache_min_tokens=0 if getattr(args, "no_auto_cache", False)
+                            else getattr(args, "auto_cache_min_tokens", 1024)),
         model=ModelConfig(args.model, args.device, args.dtype, getattr(args, "chat_template", None)),
         store=StoreSettings(args.data, int(args.store_budget_gb * GiB),
                             object_store_uri=getattr(args, "object_store", None),

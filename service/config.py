@@ -21,6 +21,9 @@ class ServerConfig:
     port: int = 50051  # 0: pick a free port
     admin_port: int | None = None  # None: admin + reflection on the main port; 0: free port
     http_port: int | None = None  # the OpenAI-compatible HTTP front (service/http/); None: off; 0: free port
+    # the HTTP front registers a missed chat's longest leading messages of at least this many
+    # tokens as a context (OpenAI's automatic caching starts at 1,024); 0: never
+    auto_cache_min_tokens: int = 1024
     max_message_bytes: int = 64 * MiB
     max_streams: int = 16  # concurrent Generate streams; more -> RESOURCE_EXHAUSTED
     threads: int = 64  # gRPC handler threads (streams + unary calls)
@@ -39,6 +42,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name}={value} must be in [0, 65535]")
+        if self.auto_cache_min_tokens < 0:
+            raise ValueError(f"auto_cache_min_tokens={self.auto_cache_min_tokens} must be >= 0 (0: off)")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be >= 1024")
         if self.max_streams < 1 or self.threads <= self.max_streams:

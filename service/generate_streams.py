@@ -30,6 +30,7 @@ from ctxcache.service.errors import (Cancelled, DeadlineExceeded, FailedPrecondi
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Messages, Prompter
 from ctxcache.service.textstream import TextStream
+from ctxcache.service.uncached import MISS, empty_context
 
 
 _ROLES_KEPT = 4096  # contexts whose roles are remembered for a Generate that skips the DRAM tier
@@ -44,6 +45,9 @@ class GenerateSpec:
     schedule: str = ""
     # raw tokens that follow the context instead of the rendered turn (a text completion)
     prompt_tokens: tuple[int, ...] = ()
+    # True: a max_tokens past the model's window is refused before decoding (OpenAI's answer),
+    # not cut to the room left (gRPC's, which then finishes with context_limit)
+    strict_window: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class GenerateStreams:
         self.active = 0
         self._lock = threading.Lock()
         self._roles: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # context id -> its roles
+        self._empty = Loaded(empty_context(lm), False, 0.0)  # what a miss (MISS) decodes after
 
     def stream(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
                t_request: float) -> Iterator[Chunk | Final]:
@@ -180,6 +185,8 @@ class GenerateStreams:
     def _run(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
              t0: float) -> Iterator[Chunk | Final]:
         config = self._config(spec.schedule)
+        if spec.context_id == MISS:  # no cached context: all dense, as any server decodes
+            config = replace(config, dense_layers=tuple(range(self.lm.args.n_layers)))
         head = self._resident(spec.context_id)
         try:
             seq, art, prompt, sampling, loaded = self._start(spec, config, head, alive, deadline)
@@ -237,7 +244,8 @@ class GenerateStreams:
                alive: Callable[[], bool], deadline: float | None) -> tuple:
         """-> (sequence, artifact, prompt tokens, sampling, loaded) of a started stream; from
         the resident head if given (ContextNotResident when that runner no longer holds it)."""
-        loaded = head or self._acquire(spec.context_id)
+        miss = spec.context_id == MISS
+        loaded = head or (self._empty if miss else self._acquire(spec.context_id))
         ctx, art = loaded.value, loaded.value.artifact
         placeholder = [{"role": r, "content": "x"} for r in ctx.roles]
         prompt = list(spec.prompt_tokens) or self.prompter.turn_tokens(placeholder, spec.turn)
@@ -245,11 +253,17 @@ class GenerateStreams:
         if room < 1:
             raise InvalidArgument("question", f"{len(prompt)} new tokens after {art.n_tokens} cached "
                                   f"exceed the model's maximum length {self.lm.args.max_seq_len}")
-        room = min(room, self._slot_room(art, config, len(prompt)))
+        if spec.strict_window and spec.sampling.max_tokens > room:
+            raise InvalidArgument("sampling.max_tokens", f"{spec.sampling.max_tokens} new tokens after a prompt of "
+                                  f"{art.n_tokens + len(prompt)} tokens exceed the model's maximum length "
+                                  f"{self.lm.args.max_seq_len}: at most {room} fit")
+        if not miss:  # a GPU slot's room binds what decodes in the slot; a miss decodes outside
+            room = min(room, self._slot_room(art, config, len(prompt)))
         sampling = replace(spec.sampling, max_tokens=min(spec.sampling.max_tokens, room),
                            stop_token_ids=self.prompter.stop_token_ids)
         _check(alive, deadline)
-        engine = self._engine(art, config, len(prompt) + sampling.max_tokens)
+        # a miss has no context to keep in a slot: the reference runner (last) takes every prompt
+        engine = self.engines[-1] if miss else self._engine(art, config, len(prompt) + sampling.max_tokens)
         if head is not None and not hasattr(engine.runner, "resident_head"):
             raise ContextNotResident(spec.context_id)  # only a slot runner takes a head
         seq = engine.start(spec.context_id, art, prompt, config, sampling, lambda: _check(alive, deadline))

@@ -184,8 +184,12 @@ class Prompter:
         return out
 
     def context_tokens(self, messages: Messages) -> list[int]:
+        return self.prompt_tokens(messages, add_generation_prompt=False)
+
+    def prompt_tokens(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+        """A whole conversation's tokens, as a server with no cache prefills them."""
         marked, contents = _mark(messages)
-        return self._encode_rendered(self.render(marked, add_generation_prompt=False), contents)
+        return self._encode_rendered(self.render(marked, add_generation_prompt=add_generation_prompt), contents)
 
     def turn_tokens(self, context: Messages, turn: Messages) -> list[int]:
         """Tokens to append after the cached context for a new turn (ends with the assistant prompt)."""

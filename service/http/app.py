@@ -5,7 +5,6 @@ before any routing or parsing; every failure leaves in the one error shape (erro
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -22,8 +21,8 @@ from ctxcache.service.http.errors import error_response, http_response, validati
 from ctxcache.service.http.generation import Generation
 from ctxcache.service.http.middleware import Guard, HttpMetrics, HttpMetricSet, caller_of
 from ctxcache.service.http.protocol import (CachedContentCreate, CachedContentUpdate, ChatCompletionRequest,
-                                            CompletionRequest)
-from ctxcache.service.http.shapes import model_card
+                                            CompletionRequest, DetokenizeRequest, TokenizeRequest)
+from ctxcache.service.http.tokens import Tokens
 
 PING_S = 15  # SSE keep-alive comments for proxies that close idle connections
 
@@ -58,7 +57,11 @@ async def _answer(work: Callable[[], Awaitable[Any]], request: Request | None = 
     return JSONResponse(result)
 
 
-def build_app(generation: Generation, cached: CachedContents, auth, draining: Callable[[], bool],
+async def _now(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def build_app(generation: Generation, cached: CachedContents, tokens: Tokens, auth, draining: Callable[[], bool],
               ready: Callable[[], bool], metrics, max_body_bytes: int) -> FastAPI:
     """auth: service.auth.Auth (the gRPC front's tokens); ready: warm and serving (gRPC health
     SERVING); metrics: the server's Metrics."""
@@ -66,7 +69,7 @@ def build_app(generation: Generation, cached: CachedContents, auth, draining: Ca
     app.add_middleware(Guard, auth=auth, draining=draining, max_body_bytes=max_body_bytes)
     app.add_middleware(HttpMetrics, metrics=HttpMetricSet(metrics.registry))
     _errors(app)
-    started = int(time.time())
+    models = generation.models
 
     @app.get("/health")
     async def health() -> Response:
@@ -81,14 +84,24 @@ def build_app(generation: Generation, cached: CachedContents, auth, draining: Ca
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return JSONResponse({"object": "list", "data": [model_card(generation.model, started)]})
+    async def list_models() -> Response:
+        return JSONResponse(models.cards())
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
-        if model != generation.model:
-            return http_response(404, f"model {model[:80]!r} not found; this server serves {generation.model!r}")
-        return JSONResponse(model_card(generation.model, started))
+        return await _answer(lambda: _now(models.card, model))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse(Tokens.version())
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await _answer(lambda: tokens.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await _answer(lambda: tokens.detokenize(body))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -126,7 +139,7 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
-        return validation_response(list(exc.errors()))
+        return validation_response(list(exc.errors()), exc.body)
 
     @app.exception_handler(HTTPException)
     async def http(request: Request, exc: HTTPException) -> Response:

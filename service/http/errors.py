@@ -11,6 +11,7 @@ import grpc
 from starlette.responses import JSONResponse
 
 from ctxcache.service.errors import InvalidArgument, status_for
+from ctxcache.service.http.models import ModelNotFound
 from ctxcache.service.rpc import cut
 
 S = grpc.StatusCode
@@ -62,6 +63,8 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     code, message = status_for(exc)
     status, type_ = _HTTP.get(code, (500, "server_error"))
     param = None
+    if isinstance(exc, ModelNotFound):
+        return status, envelope(status, message, "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, InvalidArgument):
         param = _param(exc.field)
         message = message.replace(exc.field, param, 1)
@@ -82,14 +85,29 @@ def error_response(exc: BaseException, headers: dict[str, str] | None = None) ->
     return ErrorResponse(body, status, headers=headers)
 
 
-def validation_response(errors: list[dict[str, Any]]) -> ErrorResponse:
-    """FastAPI's 422 (and pydantic's errors) as a 400 naming the first bad field."""
+def validation_response(errors: list[dict[str, Any]], body: Any = None) -> ErrorResponse:
+    """FastAPI's 422 (and pydantic's errors) as a 400 naming the first bad field; a body that is
+    not JSON names no field and says where it broke (FastAPI's loc is a character offset)."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return ErrorResponse(envelope(400, _json_error(first, body), code="invalid_json"), 400)
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param or 'body'}: {first.get('msg')}"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return ErrorResponse(envelope(400, message + more, param=param, code="invalid_argument"), 400)
+
+
+def _json_error(error: dict[str, Any], body: Any) -> str:
+    loc = error.get("loc", ())
+    pos = loc[-1] if loc and isinstance(loc[-1], int) else None
+    why = (error.get("ctx") or {}).get("error", "invalid JSON")
+    if pos is None or not isinstance(body, (str, bytes)):
+        return f"the request body is not valid JSON: {why}"
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    line = text.count("\n", 0, pos) + 1
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    return f"the request body is not valid JSON: {why} at line {line}, column {column} (character {pos + 1})"
 
 
 def http_response(status: int, detail: Any, headers: dict[str, str] | None = None) -> ErrorResponse:

@@ -19,6 +19,8 @@ import uvicorn
 from ctxcache.service.http.app import build_app
 from ctxcache.service.http.cached import CachedContents
 from ctxcache.service.http.generation import Generation
+from ctxcache.service.http.models import ServedModels
+from ctxcache.service.http.tokens import Tokens
 
 if TYPE_CHECKING:
     from ctxcache.service.server import CtxcacheServer
@@ -29,9 +31,12 @@ log = logging.getLogger("ctxcache.service.http")
 class HttpFront:
     def __init__(self, server: CtxcacheServer) -> None:
         s, d = server.config.server, server.config.decoder
-        generation = Generation(server.indexer, server.decoder, server.pool, d.default_max_tokens,
-                                d.max_tokens_limit, server.lm.model_id)
-        app = build_app(generation, CachedContents(server.indexer, server.decoder, server.pool), server.auth,
+        lm = server.lm
+        models = ServedModels(lm.model_id, (server.config.model.model,), int(time.time()))
+        generation = Generation(server.indexer, server.decoder, server.pool, d.max_tokens_limit, models,
+                                s.auto_cache_min_tokens)
+        tokens = Tokens(server.indexer.prompter, server.pool, models, lm.args.max_seq_len, lm.args.vocab_size)
+        app = build_app(generation, CachedContents(server.indexer, server.decoder, server.pool), tokens, server.auth,
                         server.draining.is_set, server.ready.is_set, server.metrics, s.max_message_bytes)
         tls = {} if s.tls_cert is None else {"ssl_certfile": str(s.tls_cert), "ssl_keyfile": str(s.tls_key)}
         self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none",

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ctxcache.client.gen.v1 import context_pb2 as pb
@@ -23,11 +24,14 @@ from ctxcache.service.auth import Caller
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.errors import InvalidArgument
 from ctxcache.service.generate_streams import Chunk, Final, GenerateSpec, GenerateStreams
+from ctxcache.service.http.autocache import AutoCache
 from ctxcache.service.http.prefix import PrefixLookup
 from ctxcache.service.http.errors import error_body
+from ctxcache.service.http.models import ServedModels
 from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
 from ctxcache.service.http.shapes import Completion
 from ctxcache.service.rpc import in_thread, iterate_in_thread
+from ctxcache.service.uncached import MISS
 
 _NAME = re.compile(r"(?:cachedContents/)?([0-9a-f]{64})")
 _ANY_ID = "0" * 64  # validates a request before its context is known
@@ -48,7 +52,13 @@ def _refuse(req: SamplingBody, chat: bool) -> None:
            "logprobs": req.logprobs not in (None, False, 0) and "log probabilities are not supported",
            "presence_penalty": req.presence_penalty not in (None, 0) and "penalties are not supported",
            "frequency_penalty": req.frequency_penalty not in (None, 0) and "penalties are not supported",
-           "logit_bias": bool(req.logit_bias) and "logit_bias is not supported"}
+           "logit_bias": bool(req.logit_bias) and "logit_bias is not supported",
+           # vLLM's extras: the sampler has temperature and top_p only, so any other value is refused
+           "top_k": req.top_k not in (None, 0, -1) and "top_k is not supported (top_p is)",
+           "min_p": req.min_p not in (None, 0) and "min_p is not supported (top_p is)",
+           "repetition_penalty": req.repetition_penalty not in (None, 1) and "penalties are not supported",
+           "min_tokens": req.min_tokens not in (None, 0) and "min_tokens is not supported",
+           "ignore_eos": bool(req.ignore_eos) and "ignore_eos is not supported"}
     if chat:
         assert isinstance(req, ChatCompletionRequest)
         bad |= {"tools": bool(req.tools) and "tool calling is not supported",
@@ -66,9 +76,9 @@ def _refuse(req: SamplingBody, chat: bool) -> None:
             raise InvalidArgument(name, why)
 
 
-def _proto(req: SamplingBody, cid: str, max_tokens: int | None, **turn: Any) -> pb.GenerateRequest:
+def _proto(req: SamplingBody, cid: str, max_tokens: int, **turn: Any) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                 top_p=req.top_p or 0.0, max_tokens=max_tokens or 0)
+                                 top_p=req.top_p or 0.0, max_tokens=max_tokens)
     if req.seed is not None:
         sampling.seed = req.seed
     return pb.GenerateRequest(context_id=cid, sampling=sampling, stop=req.stops(), schedule=req.schedule or "", **turn)
@@ -76,21 +86,31 @@ def _proto(req: SamplingBody, cid: str, max_tokens: int | None, **turn: Any) -> 
 
 class Generation:
     def __init__(self, indexer: BuildQueue, decoder: GenerateStreams, pool: ThreadPoolExecutor,
-                 default_max_tokens: int, max_tokens_limit: int, model: str) -> None:
-        self.indexer, self.decoder, self.pool, self.model = indexer, decoder, pool, model
-        self.default_max, self.limit = default_max_tokens, max_tokens_limit
+                 max_tokens_limit: int, models: ServedModels, auto_cache_min_tokens: int = 0) -> None:
+        self.indexer, self.decoder, self.pool, self.models = indexer, decoder, pool, models
+        self.limit = max_tokens_limit
         self.prefixes = PrefixLookup(indexer)
+        self.auto = AutoCache(indexer, self.prefixes, auto_cache_min_tokens)
 
-    def _spec(self, request: pb.GenerateRequest) -> GenerateSpec:
-        return convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len)
+    def _spec(self, req: SamplingBody, max_tokens: int | None, cid: str = _ANY_ID, default: int | None = None,
+              **turn: Any) -> GenerateSpec:
+        """max_tokens None: `default`, else the room the window leaves (up to --max-tokens-limit),
+        as vLLM; given, a prompt plus max_tokens past the window is refused up front, as OpenAI."""
+        request = _proto(req, cid, max_tokens or default or self.limit, **turn)
+        spec = convert.generate_spec(request, self.limit, self.limit, self.indexer.lm.args.max_seq_len)
+        return replace(spec, strict_window=max_tokens is not None)
 
     async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         t0 = time.perf_counter()
+        model = self.models.check(req.model)
         _refuse(req, chat=True)
         chat = pb.ChatMessages(messages=[pb.ChatMessage(**m.plain()) for m in req.messages])
-        spec = self._spec(_proto(req, _ANY_ID, req.max_completion_tokens or req.max_tokens, chat=chat))
+        spec = self._spec(req, req.max_completion_tokens or req.max_tokens, chat=chat)
         spec = await in_thread(self.pool, self._resolve_chat, caller, req.cached_content, spec)
-        return await self._answer(spec, Completion(req.model or self.model, spec.context_id, True), req, t0)
+        after = None
+        if spec.context_id == MISS:  # once answered, its leading messages may become a context
+            after = partial(self.pool.submit, self.auto.register_quietly, spec.turn, caller.tenant or "")
+        return await self._answer(spec, Completion(model, spec.context_id, True), req, t0, after)
 
     def _resolve_chat(self, caller: Caller, reference: str | None, spec: GenerateSpec) -> GenerateSpec:
         if reference is not None:
@@ -98,40 +118,46 @@ class Generation:
             contexts.check_readable(self.indexer, caller, cid)
             return replace(spec, context_id=cid)
         match = self.prefixes.find(spec.turn, caller.tenant or "")
-        return replace(spec, context_id=match.context_id, turn=spec.turn[match.n_messages:])
+        if match is not None:
+            return replace(spec, context_id=match.context_id, turn=spec.turn[match.n_messages:])
+        return replace(spec, context_id=MISS, prompt_tokens=tuple(self.indexer.prompter.prompt_tokens(spec.turn)))
 
     async def completion(self, caller: Caller, req: CompletionRequest) -> dict | AsyncIterator[str]:
         """A text completion: the prompt's tokens follow the cached context as they are, with no
-        chat template (control tokens in it are the template's own, as in any raw completion)."""
+        chat template (control tokens in it are the template's own, as in any raw completion).
+        Without `cached_content` the prompt alone is decoded (a miss; contexts are chat messages,
+        so no raw prefix is registered)."""
         t0 = time.perf_counter()
+        model = self.models.check(req.model)
         _refuse(req, chat=False)
-        if req.cached_content is None:
-            raise InvalidArgument("cached_content", "a text completion continues a cached context: name it "
-                                  "(automatic reuse is for chat messages, /v1/chat/completions)")
-        cid = context_reference(req.cached_content)
         assert isinstance(req.prompt, str)  # the validator took the one prompt of a list
-        spec = self._spec(_proto(req, cid, req.max_tokens or 16, question=req.prompt))  # OpenAI's default 16
-        await in_thread(self.pool, contexts.check_readable, self.indexer, caller, cid)
+        cid = MISS if req.cached_content is None else context_reference(req.cached_content)
+        spec = self._spec(req, req.max_tokens, cid or _ANY_ID, default=16, question=req.prompt)  # OpenAI's 16
+        if cid != MISS:
+            await in_thread(self.pool, contexts.check_readable, self.indexer, caller, cid)
         tokens = await in_thread(self.pool, self.indexer.prompter.encode, req.prompt)
-        spec = replace(spec, prompt_tokens=tuple(tokens))
-        return await self._answer(spec, Completion(req.model or self.model, cid, False), req, t0)
+        spec = replace(spec, context_id=cid, prompt_tokens=tuple(tokens))
+        return await self._answer(spec, Completion(model, cid, False), req, t0)
 
-    async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody, t0: float
-                      ) -> dict | AsyncIterator[str]:
+    async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody, t0: float,
+                      after: Callable[[], Any] | None = None) -> dict | AsyncIterator[str]:
+        """after: called once the answer is complete (its Final), not when it fails."""
         events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, None, t0))
         if not req.stream:
             ids: list[int] = []
             async for event in events:
                 if isinstance(event, Final):
+                    if after is not None:
+                        after()
                     return shape.whole(event, ids if req.return_token_ids else None)
                 ids += event.token_ids
             raise AssertionError("a stream ends with its Final")  # pragma: no cover
         first = await anext(events)  # errors before the first token raise here, before any byte is sent
-        return _sse(first, events, shape, req.include_usage(), req.return_token_ids)
+        return _sse(first, events, shape, req.include_usage(), req.return_token_ids, after)
 
 
 async def _sse(first: Chunk | Final, events: AsyncIterator[Chunk | Final], shape: Completion,
-               include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
+               include_usage: bool, token_ids: bool, after: Callable[[], Any] | None) -> AsyncIterator[str]:
     """`data: <json>` per delta, the finish chunk (with usage unless a usage chunk follows),
     then `data: [DONE]`. A failure after the first byte is an error event (the status is sent);
     a client that goes away closes this generator, which stops the decode (rpc.iterate_in_thread)."""
@@ -143,6 +169,8 @@ async def _sse(first: Chunk | Final, events: AsyncIterator[Chunk | Final], shape
                 yield json.dumps(shape.finish(event, with_usage=not include_usage))
                 if include_usage:
                     yield json.dumps(shape.usage_chunk(event))
+                if after is not None:
+                    after()
                 break
             if event.text or (token_ids and event.token_ids):
                 yield json.dumps(shape.text(event.text, event.token_ids if token_ids else None))

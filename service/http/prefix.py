@@ -1,5 +1,5 @@
 """Automatic reuse: the cached context whose tokens are exactly those of a request's leading
-messages, found without the client naming it.
+messages, found without the client naming it (autocache.py registers them after a miss).
 
 A context id is content-addressed (store/ids.py: model, tokenizer, template, method and its
 parameters, tenant, K/V codec and the token ids), so no index is needed: for each split of the
@@ -28,7 +28,6 @@ from ctxcache.artifact import KV_CODECS
 from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.convert import PutSpec, method_spec
-from ctxcache.service.errors import FailedPrecondition, NotFound
 from ctxcache.service.prompting import Messages
 
 
@@ -81,20 +80,21 @@ class PrefixLookup:
                 self._memo.popitem(last=False)
         return ids
 
-    def find(self, messages: Messages, tenant: str) -> Match:
-        """The READY context of `tenant` holding the longest leading messages; NotFound if none,
-        FailedPrecondition if the only match is still BUILDING."""
-        building = None
+    def find(self, messages: Messages, tenant: str) -> Match | None:
+        """The READY context of `tenant` holding the longest leading messages; None if there is
+        none (a match still BUILDING is none yet: the prompt is answered as a miss meanwhile)."""
         for k in self.splits(messages):
             ids = self._ids(messages[:k], tenant)
             for cid in ids.context_ids if ids is not None else ():
                 if self.indexer.backend.manifest(cid) is not None:
                     return Match(cid, k, ids.n_tokens)
-                job = self.indexer.job(cid)
-                if building is None and job is not None and job.state == "building":
-                    building = job
-        if building is not None:
-            raise FailedPrecondition(f"the cached context {building.context_id} for these leading messages is "
-                                     f"still BUILDING ({building.progress:.0%}); retry when it is READY")
-        raise NotFound("no cached context matches the leading messages of this request: create one with "
-                       "POST /v1/cached_contents from those messages, or name one in `cached_content`")
+        return None
+
+    def longest(self, messages: Messages, tenant: str) -> tuple[int, int] | None:
+        """(k, tokens) of the longest leading messages messages[:k] that could be cached (a
+        split as above, within the token limit); None if there is none."""
+        for k in self.splits(messages):
+            ids = self._ids(messages[:k], tenant)
+            if ids is not None:
+                return k, ids.n_tokens
+        return None

@@ -78,9 +78,9 @@ Stop = Text | list[Text] | None
 
 class SamplingBody(_Body):
     """What chat and text completions share."""
-    model: Text = ""  # one model is served; the name is echoed, not checked
+    model: Text = ""  # checked against the served names (models.py)
     max_tokens: Annotated[int, Field(ge=1, le=MAX_U32)] | None = None
-    temperature: float | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: Stop = None
@@ -91,6 +91,12 @@ class SamplingBody(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    # vLLM's sampling extras: refused unless neutral (the sampler has temperature and top_p only)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
     # ctxcache's own: the cached context to continue (an id, or "cachedContents/<id>"), a sparse
     # schedule for this request, and the answer's token ids in each choice (as vLLM's option)
     cached_content: Text | None = None
@@ -159,3 +165,18 @@ class CachedContentCreate(_Body):
 
 class CachedContentUpdate(_Body):
     ttl: Duration = None  # "0s" or null: no expiry
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt (tokenized as /v1/completions takes it) or chat messages
+    (rendered with the chat template, as /v1/chat/completions prefills them)."""
+    model: Text = ""
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: Text = ""
+    tokens: list[Annotated[int, Field(ge=0)]]

@@ -39,7 +39,7 @@ class Completion:
     def _head(self, obj: str) -> dict[str, Any]:
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model,
-                "cached_content": self.context_id}  # ctxcache's own: the context the prompt continued
+                "cached_content": self.context_id or None}  # ctxcache's own: the context the prompt continued
 
     def whole(self, final: Final, token_ids: list[int] | None = None) -> dict[str, Any]:
         reason = _FINISH[final.finish_reason]
@@ -99,7 +99,3 @@ def cached_content(info: pb.ContextInfo) -> dict[str, Any]:
             "expire_time": expires, "labels": dict(info.labels),
             "method": {"name": info.method, "params": convert.struct_to_dict(info.method_params)},
             "codec": info.kv_codec, "pinned": info.pin, "stored_bytes": info.artifact_bytes}
-
-
-def model_card(model_id: str, created: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "ctxcache"}

@@ -60,7 +60,6 @@ def test_bad_values_name_their_field(server):
                                                                                  "content": "x"}]}), 400, "messages")
     refused(http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}),
             400)
-    refused(http.post("/v1/completions", json={"prompt": "x"}), 400, "cached_content")
     refused(http.post("/v1/completions", json={"prompt": ["a", "b"], "cached_content": cid}), 400, "prompt")
     refused(http.post("/v1/cached_contents", json={"text": "x", "documents": [{"text": "y"}]}), 400, "content")
     refused(http.post("/v1/cached_contents", json={"text": "x", "codec": "int3"}), 400, "codec")
@@ -122,7 +121,7 @@ def test_a_client_that_leaves_stops_its_decode(server, stream, monkeypatch):
         steps.append(time.sleep(0.005))
         return step(rows, tokens)
     monkeypatch.setattr(engine.runner, "step", slow_step)
-    ask = {"cached_content": cid, "messages": USER, "max_tokens": 600, "stream": stream, "temperature": 0}
+    ask = {"cached_content": cid, "messages": USER, "stream": stream, "temperature": 0}  # max_tokens: the room left
     if stream:
         with http.stream("POST", "/v1/chat/completions", json=ask) as r:
             assert r.status_code == 200
@@ -143,15 +142,17 @@ def test_a_client_that_leaves_stops_its_decode(server, stream, monkeypatch):
 
 
 
-def test_automatic_match_still_building_is_409(server, monkeypatch):
+def test_automatic_match_still_building_is_answered_as_a_miss(server, monkeypatch):
     """The tiny model builds in milliseconds, so the store is made to say "not yet" while the
-    build queue says BUILDING for every id the lookup asks about."""
+    build queue says BUILDING for every id the lookup asks about: the prompt is decoded whole."""
     srv, http, _ = server
     ix = srv.indexer
     monkeypatch.setattr(ix.backend, "manifest", lambda cid: None)
     monkeypatch.setattr(ix, "job", lambda cid: Job(cid, None, [], stage=0.5))
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": TEXT}, *USER]})
-    assert "still BUILDING (50%)" in refused(r, 409)["message"]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": TEXT}, *USER],
+                                                "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, r.text
+    assert r.json()["cached_content"] is None
 
 
 def test_automatic_lookup_tokenizes_a_message_list_once(server, monkeypatch):
@@ -164,5 +165,6 @@ def test_automatic_lookup_tokenizes_a_message_list_once(server, monkeypatch):
     again = http.post("/v1/chat/completions", json=ask).json()
     assert first["cached_content"] == again["cached_content"] == cid and len(calls) == seen <= 1
     other = {**ask, "messages": [{"role": "system", "content": TEXT + " Other."}, *USER]}
-    assert [http.post("/v1/chat/completions", json=other).status_code for _ in range(2)] == [404, 404]
-    assert len(calls) == seen + 1  # one split, tokenized once
+    answers = [http.post("/v1/chat/completions", json=other).json() for _ in range(2)]
+    assert [a["cached_content"] for a in answers] == [None, None]  # misses (too short to be registered)
+    assert len(calls) == seen + 1  # one split, tokenized once (the lookup's and the registration's)

@@ -96,11 +96,12 @@ def test_automatic_prefix_reuse_is_grpc_generate_greedy(oai, grpc_answer, contex
                                               stream=True))
     assert final.text.startswith("".join(c.choices[0].delta.content or "" for c in chunks))
     assert chunks[-1].choices[0].finish_reason and chunks[-1].usage.prompt_tokens_details.cached_tokens == n
-    # one character off in the leading messages: no cached context matches, and the answer says so
-    with pytest.raises(openai.NotFoundError) as err:
-        oai.chat.completions.create(model="smollm2", messages=[{"role": "system", "content": TEXT + "."},
-                                                                messages[1]], max_tokens=2)
-    assert "no cached context matches" in err.value.message
+    # one character off in the leading messages: no cached context matches, and the prompt is
+    # answered whole (a miss; under --auto-cache-min-tokens, so not registered)
+    miss = oai.chat.completions.create(model="smollm2", messages=[{"role": "system", "content": TEXT + "."},
+                                                                   messages[1]], max_tokens=2)
+    assert miss.model_extra["cached_content"] is None and miss.usage.prompt_tokens_details.cached_tokens == 0
+    assert miss.usage.prompt_tokens == auto.usage.prompt_tokens + 1  # the "." (a token of its own here)
 
 
 def test_cached_content_lifecycle_with_states(oai):
@@ -132,7 +133,7 @@ def test_cached_content_lifecycle_with_states(oai):
 
 
 def test_raw_sse_framing_done_and_usage_in_the_last_chunk(server, context):
-    body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 6, "temperature": 0,
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 6, "temperature": 0,
             "stream": True, "cached_content": context["id"]}
     for include_usage in (True, False):
         with httpx.stream("POST", f"{server[1]}/v1/chat/completions", timeout=300,
@@ -160,4 +161,4 @@ def test_text_completion_continues_the_context(oai, grpc_answer, context):
     assert done.choices[0].text == grpc_answer[1].text  # the raw prompt is the rendered turn
     assert done.usage.prompt_tokens_details.cached_tokens == context["usage_metadata"]["total_token_count"]
     models = oai.models.list().data
-    assert [m.id for m in models] == ["smollm2-135m-instruct-q4_1"]
+    assert [m.id for m in models] == ["smollm2-135m-instruct-q4_1", "smollm2"]  # the id, then serve's --model
