@@ -200,3 +200,16 @@ def test_a_hung_object_store_costs_a_local_hit_at_most_its_check_timeout(s3_serv
             s3_server.resume()
         time.sleep(0.6)  # past the breaker's open_s (tiers/guard.py)
         assert_same(b.get("cold"), make_artifact(10))  # answered again once it runs
+
+
+def test_a_put_whose_upload_fails_keeps_no_local_copy(tier_uri: str, tmp_path: Path) -> None:
+    """The local copy is written while the object store takes the upload; if the upload fails
+    the copy of record has nothing, so the local copy goes too."""
+    with worker(tmp_path, "a", tier_uri) as a:
+        def refuse(*args, **kw):  # noqa: ANN002, ANN003
+            time.sleep(0.2)  # the local write runs meanwhile
+            raise StoreUnavailable("object store unavailable")
+        a.shared.put_encoded = refuse  # type: ignore[method-assign]
+        with pytest.raises(StoreUnavailable):
+            a.put("c1", make_artifact(12))
+        assert a.local.manifest("c1") is None and a.get("c1") is None
