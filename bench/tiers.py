@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             for tier, xs in ttfts.items():
                 row[f"ttft_{tier}_s"] = statistics.median(xs) if xs else None
                 row[f"ttft_{tier}_runs"] = xs
-                row[f"{tier}_gb_per_s"] = stored / statistics.median(xs) / 1e9 if xs else None
+                if tier != "hbm":  # a resident context moves no bytes
+                    row[f"{tier}_gb_per_s"] = stored / statistics.median(xs) / 1e9 if xs else None
                 row[f"{tier}_over_reprefill"] = statistics.median(xs) / row["reprefill_s"] if xs else None
             row["put_over_prefill"] = row["put_s"] / row["prefill_s"]
             print(row, flush=True)

@@ -79,3 +79,21 @@ def test_object_store_down_generate_from_local_copies_cold_contexts_unavailable(
     s3_server.start()
     assert ask(ca, other)[1].usage.cached_tokens > 0
     assert put_text(ca, TEXT + " after").state == pb.CONTEXT_STATE_READY
+
+
+def test_evict_local_only_keeps_the_object_store_copy_and_the_next_generate_loads_it(start, tmp_path: Path) -> None:
+    from ctxcache.client.gen.v1 import admin_pb2 as apb
+
+    a, ca = start(shared_config(tmp_path / "a", f"file://{tmp_path / 'shared'}"))
+    cid = put_text(ca).context_id
+    tokens = [t for e in ask(ca, cid)[0][:-1] for t in e.chunk.token_ids]
+    assert ca.admin.Evict(apb.EvictRequest(context_id=cid, local_only=True)).evicted
+    store = a.backend.store
+    assert store.local.manifest(cid) is None and store.shared.manifest(cid) is not None
+    before = store.load_stats().tiers["object"].hits
+    events, final = ask(ca, cid)
+    assert [t for e in events[:-1] for t in e.chunk.token_ids] == tokens and final.usage.cached_tokens > 0
+    assert store.load_stats().tiers["object"].hits == before + 1  # from the object store, not a rebuild
+    with pytest.raises(grpc.RpcError) as err:
+        ca.admin.Evict(apb.EvictRequest(context_id=cid, local_only=True, memory_only=True))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
