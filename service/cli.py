@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     where = ep.add_mutually_exclusive_group()
     where.add_argument("--memory-only", action="store_true", help="from DRAM and the device; the store keeps it")
     where.add_argument("--device-only", action="store_true", help="release its device slots; DRAM keeps it")
+    where.add_argument("--local-only", action="store_true",
+                       help="this worker's copies (device, DRAM, local store); the object store keeps it")
     rp = asub.add_parser("rebuild", help="re-index a stored context; without --method or --params it converts "
                          "the artifact to the current format (service/README.md)")
     rp.add_argument("context_id")

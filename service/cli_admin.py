@@ -56,7 +56,8 @@ def run_admin(client: Client, args) -> int:
     elif cmd == "describe":
         _print(client.admin.Describe(apb.DescribeRequest(context_id=args.context_id), metadata=md))
     elif cmd == "evict":
-        req = apb.EvictRequest(context_id=args.context_id, memory_only=args.memory_only, device_only=args.device_only)
+        req = apb.EvictRequest(context_id=args.context_id, memory_only=args.memory_only, device_only=args.device_only,
+                               local_only=args.local_only)
         resp = client.admin.Evict(req, metadata=md)
         _print(resp)
         if not resp.evicted:
