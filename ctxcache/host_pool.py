@@ -111,12 +111,12 @@ _pool: HostPool | None = None
 
 def install(capacity: int) -> HostPool | None:
     """Page-lock the process's pool (once, at start); -> it, or None with one logged line when
-    the memory cannot be locked (loads then lock a mapping of their own each time)."""
+    the memory cannot be locked."""
     global _pool
     try:
         _pool = HostPool(capacity)
     except MemoryError as exc:
-        log.warning("no page-locked host pool (%s): each load locks its own memory, slower", exc)
+        log.warning("no page-locked host pool (%s): loads run unpinned, their copies to the GPU slower", exc)
         _pool = None
     return _pool
 

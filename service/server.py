@@ -259,7 +259,7 @@ def _open_store_and_registry(config: ServiceConfig):
     pin = config.model.device.startswith("cuda") if pin is None else pin
     st = config.store
     if pin:
-        _install_host_pool(st.host_pool_bytes, config.decoder.dram_cache_bytes)
+        pin = _install_host_pool(st.host_pool_bytes, config.decoder.dram_cache_bytes)
     store = open_store(st.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20), budget_bytes=budget,
                                             pin_memory=pin),
                        st.object_store_uri, ObjectStoreConfig(budget_bytes=st.object_budget_bytes))
@@ -275,13 +275,17 @@ def _open_store_and_registry(config: ServiceConfig):
 POOL_SLACK = 4 << 30  # beyond the DRAM cache: loads in flight, evicted artifacts streams still read
 
 
-def _install_host_pool(pool_bytes: int | None, dram_cache_bytes: int) -> None:
+def _install_host_pool(pool_bytes: int | None, dram_cache_bytes: int) -> bool:
+    """-> whether loads go to page-locked memory: the pool's (or, with a pool of 0 bytes, a
+    mapping locked per load); False when the pool could not be locked (loads run unpinned)."""
     size = dram_cache_bytes + POOL_SLACK if pool_bytes is None else pool_bytes
     if size <= 0:
-        return
+        return True
     t0 = time.perf_counter()
-    if host_pool.install(size) is not None:
-        log.info("page-locked host pool: %.1f GiB in %.1f s", size / (1 << 30), time.perf_counter() - t0)
+    if host_pool.install(size) is None:
+        return False
+    log.info("page-locked host pool: %.1f GiB in %.1f s", size / (1 << 30), time.perf_counter() - t0)
+    return True
 
 
 def _reconcile(backend: Backend) -> None:

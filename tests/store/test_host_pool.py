@@ -70,3 +70,22 @@ def test_pinned_arenas_come_from_the_pool_and_go_back_when_their_tensors_die() -
         assert pool.used == 0
     finally:
         host_pool.uninstall()
+
+
+def test_a_pool_that_cannot_be_locked_is_one_line_and_loads_run_unpinned(monkeypatch, caplog) -> None:
+    from ctxcache.service import server
+
+    def refuse(buf):  # noqa: ANN001, ANN202
+        raise MemoryError("cannot page-lock 6.00 GiB of host memory (cudaHostRegister: out of memory)")
+
+    monkeypatch.setattr(host_pool, "page_lock", refuse)
+    try:
+        with caplog.at_level("WARNING", logger="ctxcache.host_pool"):
+            assert server._install_host_pool(None, 2 << 30) is False  # the store then loads unpinned
+        assert [r.getMessage() for r in caplog.records] == [
+            "no page-locked host pool (cannot page-lock 6.00 GiB of host memory (cudaHostRegister: out of memory)): "
+            "loads run unpinned, their copies to the GPU slower"]
+        assert host_pool.installed() is None
+        assert server._install_host_pool(0, 2 << 30) is True  # no pool asked for: each load locks its own
+    finally:
+        host_pool.uninstall()
