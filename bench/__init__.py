@@ -17,7 +17,6 @@ BENCHMARKS = {
     "footprint": ("CPU", "CSAttention's resident index: mass recall vs index bytes over C, m, row bits (+ plot)"),
     "storage": ("CPU", "per K/V codec through the store: bytes vs fp16 K/V, cold TTFT, mass recall, NLL, passkey"),
     "store_io": ("CPU", "the LMDB store: bytes per chunk kind, compression, put and load times"),
-    "tier_load": ("CPU", "a cold load from the shared object store (file://, s3://) vs the local LMDB"),
     "check": ("GPU", "correctness of the GPU path vs the torch reference (selection overlap, greedy tokens)"),
     "attention": ("GPU", "per-layer decode attention: dense SDPA vs CSAttention selection + sparse attention"),
     "prefill": ("GPU", "per-layer question prefill on a resident context: SDPA vs packed attention, follow seed, index insert"),

@@ -51,7 +51,7 @@ class TieredStore:
         self._presence = Presence(shared.tier, config, clock)
         self._lock = threading.Lock()
         # local copies of downloads are written after the load returns (LMDB + fsync took longer
-        # than the download from a local folder: bench tier_load); until then a load decodes
+        # than the download from a local folder: bench tiers); until then a load decodes
         # from the downloaded bytes held here
         self._filler = ThreadPoolExecutor(1, "ctxfill")
         self._filling: dict[str, Fetched] = {}
