@@ -13,25 +13,16 @@ def dense_attention(layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tens
     """Causal attention of q [B, Hq, T, D] over every cached key at or before its position."""
     span = int(pos.max()) + 1
     k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
-    if q.shape[2] == 1 and q.device.type == "cpu":
-        return one_query_attention(q, k, v, pos)
+    if q.shape[2] == 1 and q.shape[0] == 1 and q.device.type == "cpu":  # GPUs: as measured there
+        return one_query_attention(q, k, v)
     return causal_attention(q, k, v, pos)
 
 
-def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """causal_attention for one query a row (a decode step) as two batched matmuls and a
-    softmax over each KV head's group of queries. Why: on the 2-core CPU box SDPA's flash
-    kernel took 0.3-3.7 ms a SmolLM2 layer at 4K keys (its threads wait on each other when the
-    box is loaded), the matmuls 0.3 ms; the same math up to rounding order."""
-    b, hq, _, d = q.shape
-    hkv, span = k.shape[1], k.shape[2]
-    qg = q.reshape(b * hkv, hq // hkv, d)
-    scores = torch.bmm(qg, k.to(q.dtype).reshape(b * hkv, span, d).transpose(1, 2)).mul_(d ** -0.5)
-    if b > 1:  # rows of other lengths: keys past a row's position are not its own
-        late = torch.arange(span, device=q.device)[None, :] > pos[:, :1]  # [B, S]
-        scores = scores.view(b, hkv, -1, span).masked_fill_(late[:, None, None], float("-inf")).view(b * hkv, -1, span)
-    out = torch.bmm(scores.softmax(-1), v.to(q.dtype).reshape(b * hkv, span, d))
-    return out.view(b, hq, 1, d)
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """causal_attention for one row's one query (a decode step), which sees every key of the
+    span: no mask tensor to build and read. Why: a boolean [1, 1, 1, S] mask per layer and
+    step cost the CPU step its arange, compare and the mask's read (30 layers at 4K tokens)."""
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), enable_gqa=True)
 
 
 def appended_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ parameter a transposed view of it, so every caller and the state dict see [out, 
 as scaled column adds over contiguous outputs. On this project's 2-core AMD EPYC box (Zen 4)
 150 SmolLM2-shaped (1536 x 576) fp32 products took 52 ms as [out, in] and 31-34 ms as
 [in, out]: the weights are most of a 4K-token decode step in both modes. The sums are taken in
-another order, so logits may differ in the last bits (greedy tokens did not, tests/models/
-test_cpu_layout.py).
+another order, so logits may differ in the last bits (greedy tokens did not: tests/core/
+test_cpu_decode_step.py).
 """
 
 from __future__ import annotations
