@@ -35,10 +35,12 @@ def input_major(model: nn.Module) -> nn.Module:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity: a container's or taskset's share), the
-    torch thread count a server takes by default. torch's own default counts the machine's
-    cores, and more threads than cores make every parallel op wait on the slowest."""
+    """torch threads for a server by default: torch's own count (the machine's physical cores),
+    capped by the cores this process may run on (its affinity: a container's or taskset's
+    share): more threads than cores make every parallel op wait on a descheduled thread (on
+    this box a 2-thread 4K dense step took 0.09 s alone, 0.83 s with the cores busy elsewhere)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        allowed = len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this OS
-        return max(1, os.cpu_count() or 1)
+        allowed = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), allowed))
