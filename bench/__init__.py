@@ -13,6 +13,7 @@ import sys
 BENCHMARKS = {
     "fidelity": ("CPU", "sparse decode vs full attention on the real model: recall, top-1 agreement, NLL, passkey"),
     "compare": ("CPU", "every sparse method side by side: fidelity, RULER-style tasks, selection cost (+ plots)"),
+    "decode_modes": ("CPU", "the reference decode step sparse vs dense per context length: what --decode-mode auto picks"),
     "service": ("CPU", "the service through gRPC: TTFT cached/cold/re-prefill, artifact size, tokens/s"),
     "footprint": ("CPU", "CSAttention's resident index: mass recall vs index bytes over C, m, row bits (+ plot)"),
     "storage": ("CPU", "per K/V codec through the store: bytes vs fp16 K/V, cold TTFT, mass recall, NLL, passkey"),

@@ -5,7 +5,9 @@ only: TTFT for a cached ~4K-token context (artifact already in DRAM, and cold fr
 vs re-prefilling a prompt of the same length with dense attention (the model in this process);
 artifact load time; artifact bytes / raw KV bytes and the stored bytes by part (admin
 Describe); Generate throughput and mean decode batch (admin Stats) with 1, 4 and 16 concurrent
-streams. Prints a table, writes <out>/service_<device>.json.
+streams, and llama.cpp's one-stream tok/s on the same GGUF and context where llama-cpp-python
+or llama-bench is installed (the table says so where not). Prints a table, writes
+<out>/service_<device>.json.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from pathlib import Path
 
 import torch
 
+from ctxcache.bench.common.llama_cpp import LlamaCpp, bundled_gguf, measure
 from ctxcache.bench.common.report import add_out, run_together, write_result
 from ctxcache.bench.common.reprefill import reprefill_seconds
 from ctxcache.bench.common.server import running_server
 from ctxcache.bench.common.texts import builtin_text, text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
+from ctxcache.models.cpu_layout import usable_cores
 
 QUESTION = "In one sentence, what does this license say about distributing modified versions?"
 
@@ -100,7 +104,16 @@ def _measure(client: Client, lm, args, text: str) -> dict:
     out["stored_bytes_by_part"] = dict(parts)
     out["throughput"] = [_throughput(client, info.context_id, n, args.max_tokens) for n in (1, 4, 16)]
     out["stats"] = str(client.admin.Stats(apb.StatsRequest())).replace("\n", "; ")
+    llama = _llama_cpp(args, info.n_tokens)
+    out["llama_cpp"] = {"tokens_per_s": llama.tokens_per_s, "via": llama.via}
     return out
+
+
+def _llama_cpp(args, context_tokens: int) -> LlamaCpp:
+    """llama.cpp on the same GGUF at the same context, one stream (the bundled model only)."""
+    if args.model != "smollm2":
+        return LlamaCpp(None, f"only for the bundled smollm2 GGUF, not {args.model}")
+    return measure(bundled_gguf(), context_tokens, args.max_tokens, args.threads or usable_cores())
 
 
 def table(r: dict) -> str:
@@ -118,6 +131,8 @@ def table(r: dict) -> str:
               f"{t['tokens_per_s']:.1f} tok/s total, mean TTFT {t['mean_ttft_s']:.2f} s, "
               f"mean decode batch {t['mean_decode_batch']:.1f}"
               + (f", {len(t['errors'])} errors" if t["errors"] else "")) for t in r["throughput"]]
+    llama = r["llama_cpp"]
+    rows.append(("llama.cpp, 1 stream, same GGUF and context", LlamaCpp(llama["tokens_per_s"], llama["via"]).line()))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"| {k:<{width}} | {v} |" for k, v in rows)
 

@@ -68,9 +68,11 @@ class ReferenceSparseAttention:
             return self._attend(layer, q, cache, pos)
 
     def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
-        for b in range(q.shape[0]):
+        dense_layer = layer in self.config.dense_layers
+        # a dense layer never searches: its index state need not follow the new keys
+        for b in range(q.shape[0] if not dense_layer else 0):
             self.method.append(self.states[b][layer], cache.k[layer][b, :, pos[b]], int(pos[b, 0]))
-        if q.shape[2] > 1 or layer in self.config.dense_layers:
+        if q.shape[2] > 1 or dense_layer:
             if q.shape[2] > 1 and layer not in self.config.dense_layers:
                 self._observe(layer, q, cache, pos)
             return dense_attention(layer, q, cache, pos)

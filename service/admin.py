@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from ctxcache.decoder.decode_mode import describe
 from ctxcache.methods import make_method
 from ctxcache.service import convert
 from ctxcache.service.convert import PutSpec
@@ -123,7 +124,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             model_id=self.indexer.lm.model_id,
             footprint=codec_footprint(self.backend.store.list_manifests(limit=1 << 31)),
             decode_steps=steps, decode_rows=rows, device_slots=slots, device_slot_bytes=slot_bytes,
-            offload_cache_hits=hits, offload_selected_keys=selected)
+            offload_cache_hits=hits, offload_selected_keys=selected,
+            decode_mode=describe(self.decoder.decode_mode, self.decoder.device_type),
+            streams_by_decode_path=self.decoder.decode_streams())
 
     @unary
     async def Describe(self, request, context):

@@ -72,8 +72,7 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--max-batch", type=int, default=32,
                    help="concurrent streams decoded together per step (continuous batching)")
-    p.add_argument("--decode-mode", default="sparse", choices=["sparse", "dense"],
-                   help="dense: attend to every cached key (the baseline the sparse mode is measured against)")
+    _decode_mode_flag(p)
     p.add_argument("--gpu-slots", type=int, default=None,
                    help="GPU: contexts resident in HBM and decoded together (each takes a slot of "
                         "--gpu-slot-tokens; default 4, or as many as --gpu-memory-gb holds)")
@@ -220,12 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-codec", default="int8", choices=["lossless", "int8", "int4"],
                    help="K/V codec the context is held in, as the server stores it")
     p.add_argument("--schedule", default="0.05-step-1")
+    _decode_mode_flag(p)
     _sampling_flags(p)
 
     p = sub.add_parser("bench", help="run a benchmark (bench --help lists them)")
     p.add_argument("name")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return ap
+
+
+def _decode_mode_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--decode-mode", default="auto", choices=["auto", "sparse", "dense"],
+                   help="auto: sparse where it decodes faster, dense where not (per device and context length; "
+                        "Final.decode_path and `admin stats` say which); dense: attend to every cached key")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ctxcache.decoder.decode_mode import MODES
 from ctxcache.store.registry import CLAIM_LEASE_S
 
 MiB = 1 << 20
@@ -182,7 +183,9 @@ class DecoderSettings:
     max_tokens_limit: int = 4096
     torch_threads: int = 0  # 0: leave torch's default
     max_batch: int = 32  # live streams stepped together per decode step (continuous batching)
-    decode_mode: str = "sparse"  # "dense": the same engine attending to every cached key (baseline)
+    # "auto": sparse where it decodes faster, dense where not (decoder/decode_mode.py: per device
+    # and context length); "sparse"; "dense": the same engine attending to every cached key
+    decode_mode: str = "auto"
     gpu_slots: int = 4  # GPU runner: contexts resident in HBM (and decoded together) at once
     gpu_slot_tokens: int = 33792  # GPU runner: tokens per slot (context + question + answer)
     # > 0: the slots are as many as this much HBM holds in the decode mode (decoder/gpu/capacity.py),
@@ -193,8 +196,8 @@ class DecoderSettings:
     offload: bool = False
 
     def __post_init__(self) -> None:
-        if self.decode_mode not in ("sparse", "dense"):
-            raise ValueError(f"decoder.decode_mode={self.decode_mode!r} must be 'sparse' or 'dense'")
+        if self.decode_mode not in MODES:
+            raise ValueError(f"decoder.decode_mode={self.decode_mode!r} must be one of {MODES}")
         if self.gpu_memory_bytes < 0:
             raise ValueError(f"decoder.gpu_memory_bytes={self.gpu_memory_bytes} must be >= 0")
         if self.gpu_slots < 1 or self.gpu_slot_tokens < 2:

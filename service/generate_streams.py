@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder import SparseConfig
+from ctxcache.decoder.decode_mode import check_mode, decode_path, resolve
 from ctxcache.decoder.engine import Engine
 from ctxcache.decoder.runner import ContextNotResident, Runner
 from ctxcache.generation import SamplingParams
@@ -74,13 +75,16 @@ class Final:
 class GenerateStreams:
     def __init__(self, lm: LoadedModel, prompter: Prompter, cache: ArtifactCache[CachedContext],
                  max_streams: int, default_schedule: str, metrics: Metrics, runners: list[Runner],
-                 max_batch: int = 32, dense: bool = False) -> None:
+                 max_batch: int = 32, decode_mode: str = "auto") -> None:
         """runners: in order of preference; a stream goes to the first that accepts it (the
         last should be the reference runner, which accepts every method and schedule).
-        dense: every layer attends to every key (the baseline mode)."""
+        decode_mode: sparse; dense (every layer attends to every key, the baseline); auto:
+        either, per stream, by the model's device and the context's length (decoder/decode_mode)."""
         self.lm, self.prompter, self.cache, self.metrics = lm, prompter, cache, metrics
         self.engines = [Engine(r, max_batch) for r in runners]
-        self.default_schedule, self.dense = default_schedule, dense
+        self.default_schedule, self.decode_mode = default_schedule, check_mode(decode_mode)
+        self.device_type = lm.model.lm_head.weight.device.type
+        self.streams_by_path: Counter[str] = Counter()  # Generate streams by Final.decode_path, since start
         self._slots = threading.BoundedSemaphore(max_streams)
         self._closing = threading.Event()
         self._closing_reason = ""
@@ -126,6 +130,11 @@ class GenerateStreams:
         """(batched steps run, stream rows stepped) since start, over every engine."""
         return sum(e.steps for e in self.engines), sum(e.rows_stepped for e in self.engines)
 
+    def decode_streams(self) -> dict[str, int]:
+        """Generate streams since start by the path that decoded them (Final.decode_path)."""
+        with self._lock:
+            return dict(self.streams_by_path)
+
     def device_slots(self) -> tuple[int, int]:
         """(contexts the runners hold resident at once, resident bytes of each slot) summed over runners."""
         caps = [e.runner.capacity() for e in self.engines]
@@ -151,10 +160,15 @@ class GenerateStreams:
 
     def _config(self, schedule: str) -> SparseConfig:
         try:
-            config = SparseConfig.from_schedule(schedule or self.default_schedule)
+            return SparseConfig.from_schedule(schedule or self.default_schedule)
         except ValueError as exc:
             raise InvalidArgument("schedule", str(exc)) from exc
-        return replace(config, dense_layers=tuple(range(self.lm.args.n_layers))) if self.dense else config
+
+    def _moded(self, config: SparseConfig, art: ContextArtifact) -> SparseConfig:
+        """The stream's config in the decode mode (auto: picked for this device and context)."""
+        if resolve(self.decode_mode, self.device_type, art.n_tokens) == "sparse":
+            return config
+        return replace(config, dense_layers=tuple(range(self.lm.args.n_layers)))
 
     def _slot_room(self, art: ContextArtifact, config: SparseConfig, prompt: int) -> int:
         """Tokens a stream may generate in the fast GPU runner that serves this context (a
@@ -193,6 +207,8 @@ class GenerateStreams:
         except ContextNotResident:  # its slot went to another context since: load it as any other
             seq, art, prompt, sampling, loaded = self._start(spec, config, None, alive, deadline)
         self.metrics.decode_paths.labels(seq.path).inc()
+        with self._lock:
+            self.streams_by_path[seq.path] += 1
         text, n, reason, t_first = TextStream(self.prompter.tokenizer, spec.stop), 0, "length", 0.0
         for tid, cache_full in seq.tokens(lambda: _check(alive, deadline)):
             n += 1
@@ -247,6 +263,7 @@ class GenerateStreams:
         miss = spec.context_id == MISS
         loaded = head or (self._empty if miss else self._acquire(spec.context_id))
         ctx, art = loaded.value, loaded.value.artifact
+        config = self._moded(config, art)
         placeholder = [{"role": r, "content": "x"} for r in ctx.roles]
         prompt = list(spec.prompt_tokens) or self.prompter.turn_tokens(placeholder, spec.turn)
         room = self.lm.args.max_seq_len - art.n_tokens - len(prompt)
@@ -267,6 +284,7 @@ class GenerateStreams:
         if head is not None and not hasattr(engine.runner, "resident_head"):
             raise ContextNotResident(spec.context_id)  # only a slot runner takes a head
         seq = engine.start(spec.context_id, art, prompt, config, sampling, lambda: _check(alive, deadline))
+        seq.path = decode_path(seq.path, len(config.dense_layers) == self.lm.args.n_layers)
         if head is not None:
             self.metrics.cache_lookups.labels("hit").inc()
         return seq, art, prompt, sampling, loaded

@@ -13,6 +13,7 @@ import torch
 from ctxcache.generation import SamplingParams
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
+from ctxcache.models.cpu_layout import usable_cores
 from ctxcache.models.loader import load_model
 from ctxcache.service.artifact_cache import ArtifactCache
 from ctxcache.service.cached_context import CachedContext
@@ -30,6 +31,7 @@ def generate_local(args) -> int:
     model = ModelConfig(args.model, args.device, args.dtype)  # validates the dtype
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA GPU")
+    torch.set_num_threads(usable_cores())  # as serve does
     lm = load_model(model.model, getattr(torch, model.dtype), model.device)
     if lm.tokenizer is not None:
         ensure_chat_template(lm.tokenizer, args.chat_template, model.model)
@@ -64,7 +66,9 @@ def _streams(lm, prompter: Prompter, art, args, model: ModelConfig, slot: int) -
     """The server's GenerateStreams over the one in-memory artifact: one stream, one GPU slot
     of `slot` tokens (context, question and answer)."""
     cfg = ServiceConfig(model=model, indexer=IndexerSettings(method=args.method),
-                        decoder=DecoderSettings(schedule=args.schedule, gpu_slots=1, gpu_slot_tokens=slot))
+                        decoder=DecoderSettings(schedule=args.schedule, gpu_slots=1, gpu_slot_tokens=slot,
+                                                decode_mode=args.decode_mode))
     roles = tuple(m["role"] for m in text_messages(""))
     cache = ArtifactCache[CachedContext](1 << 62, lambda _: CachedContext(art, roles, 0), CachedContext.nbytes)
-    return GenerateStreams(lm, prompter, cache, 1, args.schedule, Metrics(), decode_runners(lm, cfg))
+    return GenerateStreams(lm, prompter, cache, 1, args.schedule, Metrics(), decode_runners(lm, cfg),
+                           decode_mode=args.decode_mode)

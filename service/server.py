@@ -15,9 +15,11 @@ from grpc_reflection.v1alpha import reflection
 
 from ctxcache import host_pool
 from ctxcache.decoder import SparseConfig
+from ctxcache.decoder.decode_mode import resolve
 from ctxcache.decoder.runner import ReferenceRunner, Runner
 from ctxcache.kernels.compiles import CompileCounter
 from ctxcache.methods import make_method
+from ctxcache.models.cpu_layout import usable_cores
 from ctxcache.models.loader import LoadedModel, load_model
 from ctxcache.service import roles
 from ctxcache.service.access_log import AccessLogInterceptor
@@ -61,7 +63,7 @@ class CtxcacheServer:
         self.indexer = roles.make_builds(config, lm, prompter, self.backend, self.metrics, "float16")
         runners = [ReferenceRunner(lm)] if role == "indexer" else decode_runners(lm, config)  # an indexer decodes nothing
         self.decoder = GenerateStreams(lm, prompter, cache, s.max_streams, d.schedule, self.metrics,
-                                       runners, d.max_batch, d.decode_mode == "dense")
+                                       runners, d.max_batch, d.decode_mode)
         self.fleet = roles.FleetRuntime(config, self.backend, self.indexer, self.decoder)
         self.metrics.offload_hit_rate.set_function(self.decoder.offload_hit_rate)
         self.metrics.track_store_loads(self.backend.store)
@@ -216,9 +218,10 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
     from ctxcache.decoder.gpu.runner import GpuRunner  # Triton only where a GPU is
     d, ix = config.decoder, config.indexer
     method = make_method(ix.method, ix.method_params)
-    if d.decode_mode == "sparse" and not method.caps.gpu_decode:
+    mode = resolve(d.decode_mode, "cuda", 0)  # one fast runner per server: auto's pick for the GPU
+    if mode == "sparse" and not method.caps.gpu_decode:
         return [reference]
-    params = method.params if d.decode_mode == "sparse" else None
+    params = method.params if mode == "sparse" else None
     slots = d.gpu_slots
     if d.gpu_memory_bytes:
         slots = slots_within(d.gpu_memory_bytes, lm.args, params, d.gpu_slot_tokens, MAX_NEW,
@@ -301,8 +304,7 @@ SWITCH_INTERVAL_S = 0.0005
 
 def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple[CtxcacheServer, int]:
     """Build and start the service; -> (server, bound port). `lm`: reuse an already loaded model."""
-    if config.decoder.torch_threads:
-        torch.set_num_threads(config.decoder.torch_threads)
+    torch.set_num_threads(config.decoder.torch_threads or usable_cores())
     # The decode loop shares the interpreter with the gRPC handlers: after each step's device
     # sync it waits for the interpreter lock, up to the switch interval (5 ms by default, half a
     # GPU decode step). 0.5 ms lets it back within a small fraction of a step.

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ctxcache.models.cpu_layout import input_major
 from ctxcache.models.config import NAMED_CONFIGS, ModelArgs
 from ctxcache.models.llama import Transformer
 
@@ -147,4 +148,7 @@ def load_model(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
         model, tok = _load_hf(source, dtype)
         model_id = source
     model.eval().requires_grad_(False)
-    return LoadedModel(model.to(device), tok, model_id)
+    model = model.to(device)
+    if torch.device(device).type == "cpu":
+        input_major(model)  # the CPU decode's faster matrix-vector layout (models/cpu_layout.py)
+    return LoadedModel(model, tok, model_id)

@@ -29,6 +29,7 @@ def test_bench_service_reads_parts_and_batches_from_the_api(tmp_path):
     assert [t["streams"] for t in got["throughput"]] == [1, 4, 16]
     assert all(not t["errors"] and t["tokens"] > 0 for t in got["throughput"])
     assert got["throughput"][0]["mean_decode_batch"] == 1.0  # one stream: batches of one
+    assert got["llama_cpp"] == {"tokens_per_s": None, "via": "only for the bundled smollm2 GGUF, not random:tiny"}
 
 
 def test_bench_serve_measures_every_tier_in_both_modes_on_one_store(tmp_path):

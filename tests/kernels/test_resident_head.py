@@ -46,7 +46,7 @@ def test_a_resident_context_skips_the_dram_tier(lm):
     cache = ArtifactCache[CachedContext](1 << 30, load, CachedContext.nbytes)
     runner = GpuRunner(lm, None, SparseConfig.from_schedule(SCHEDULE), slots=1, max_len=256, max_new=32)
     streams = GenerateStreams(lm, Prompter(ByteTokenizer()), cache, 4, SCHEDULE, Metrics(),
-                              [runner, ReferenceRunner(lm)], dense=True)
+                              [runner, ReferenceRunner(lm)], decode_mode="dense")
     try:
         first, final = _generate(streams)
         assert loads == ["c"] and final.decode_path == "gpu-dense" and len(first) == 2

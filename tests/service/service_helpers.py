@@ -20,11 +20,13 @@ TEXT = ("The harbour of Port Averel has a lighthouse on a granite spur called th
 
 
 def tiny_config(data: Path, redis_url: str | None = None, **server) -> ServiceConfig:
-    """random:tiny model (byte tokenizer) + key-kmeans: builds take milliseconds."""
+    """random:tiny model (byte tokenizer) + key-kmeans: builds take milliseconds. Sparse decode:
+    the service tests exercise the method's path (auto decodes dense on the CPU, which
+    tests/service/test_decode_mode.py covers)."""
     return ServiceConfig(server=ServerConfig(port=0, grace_seconds=1.0, **server), model=ModelConfig("random:tiny"),
                          store=StoreSettings(data, 1 * GiB), registry=RegistrySettings(redis_url),
                          indexer=IndexerSettings(method="key-kmeans"),
-                         decoder=DecoderSettings(dram_cache_bytes=256 << 20))
+                         decoder=DecoderSettings(dram_cache_bytes=256 << 20, decode_mode="sparse"))
 
 
 @pytest.fixture(scope="session")

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from ctxcache.client.gen.v1 import context_pb2 as ctxcache_dot_v1_dot_context__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63txcache/v1/admin.proto\x12\x0b\x63txcache.v1\x1a\x19\x63txcache/v1/context.proto\"`\n\x0c\x45victRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\t\x12\x13\n\x0bmemory_only\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65vice_only\x18\x03 \x01(\x08\x12\x12\n\nlocal_only\x18\x04 \x01(\x08\"5\n\rEvictResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x13\n\x0b\x62ytes_freed\x18\x02 \x01(\x04\"t\n\x0eRebuildRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\t\x12\'\n\x06method\x18\x02 \x01(\x0b\x32\x17.ctxcache.v1.MethodSpec\x12\x17\n\x0f\x61llow_reprefill\x18\x03 \x01(\x08\x12\x0c\n\x04wait\x18\x04 \x01(\x08\"Q\n\x0fRebuildResponse\x12)\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x18.ctxcache.v1.ContextInfo\x12\x13\n\x0breprefilled\x18\x02 \x01(\x08\"3\n\rVerifyRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\t\x12\x0e\n\x06repair\x18\x02 \x01(\x08\"X\n\x0cVerifyResult\x12\x12\n\ncontext_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x10\n\x08problems\x18\x03 \x03(\t\x12\x16\n\x0emarked_damaged\x18\x04 \x01(\x08\"<\n\x0eVerifyResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.ctxcache.v1.VerifyResult\"\x0e\n\x0cStatsRequest\"\xf6\x03\n\rStatsResponse\x12\x16\n\x0e\x63ontexts_ready\x18\x01 \x01(\r\x12\x19\n\x11\x63ontexts_building\x18\x02 \x01(\r\x12\x17\n\x0f\x63ontexts_failed\x18\x03 \x01(\r\x12\x13\n\x0bstore_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12store_budget_bytes\x18\x05 \x01(\x04\x12\x18\n\x10\x64ram_cache_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12\x64ram_cache_entries\x18\x07 \x01(\r\x12\x16\n\x0e\x61\x63tive_streams\x18\x08 \x01(\r\x12\x13\n\x0b\x62uild_queue\x18\t \x01(\r\x12\x10\n\x08registry\x18\n \x01(\t\x12\x1a\n\x12registry_available\x18\x0b \x01(\x08\x12\x10\n\x08model_id\x18\x0c \x01(\t\x12.\n\tfootprint\x18\r \x03(\x0b\x32\x1b.ctxcache.v1.CodecFootprint\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x0e \x01(\x04\x12\x13\n\x0b\x64\x65\x63ode_rows\x18\x0f \x01(\x04\x12\x14\n\x0c\x64\x65vice_slots\x18\x10 \x01(\r\x12\x19\n\x11\x64\x65vice_slot_bytes\x18\x11 \x01(\x04\x12\x1a\n\x12offload_cache_hits\x18\x12 \x01(\x04\x12\x1d\n\x15offload_selected_keys\x18\x13 \x01(\x04\"%\n\x0f\x44\x65scribeRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\t\"\xcb\x01\n\x10\x44\x65scribeResponse\x12)\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x18.ctxcache.v1.ContextInfo\x12R\n\x14stored_bytes_by_part\x18\x02 \x03(\x0b\x32\x34.ctxcache.v1.DescribeResponse.StoredBytesByPartEntry\x1a\x38\n\x16StoredBytesByPartEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb4\x01\n\x0e\x43odecFootprint\x12\x10\n\x08kv_codec\x18\x01 \x01(\t\x12\x10\n\x08\x63ontexts\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x05 \x01(\x04\x12\x1e\n\x16stored_bytes_per_token\x18\x06 \x01(\x01\x12 \n\x18resident_bytes_per_token\x18\x07 \x01(\x01\"\x12\n\x10ReconcileRequest\"I\n\x11ReconcileResponse\x12\x12\n\nregistered\x18\x01 \x01(\r\x12\x0f\n\x07removed\x18\x02 \x01(\r\x12\x0f\n\x07\x64\x61maged\x18\x03 \x03(\t2\xac\x03\n\x0c\x41\x64minService\x12>\n\x05\x45vict\x12\x19.ctxcache.v1.EvictRequest\x1a\x1a.ctxcache.v1.EvictResponse\x12\x44\n\x07Rebuild\x12\x1b.ctxcache.v1.RebuildRequest\x1a\x1c.ctxcache.v1.RebuildResponse\x12\x41\n\x06Verify\x12\x1a.ctxcache.v1.VerifyRequest\x1a\x1b.ctxcache.v1.VerifyResponse\x12>\n\x05Stats\x12\x19.ctxcache.v1.StatsRequest\x1a\x1a.ctxcache.v1.StatsResponse\x12G\n\x08\x44\x65scribe\x12\x1c.ctxcache.v1.DescribeRequest\x1a\x1d.ctxcache.v1.DescribeResponse\x12J\n\tReconcile\x12\x1d.ctxcache.v1.ReconcileRequest\x1a\x1e.ctxcache.v1.ReconcileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63txcache/v1/admin.proto\x12\x0b\x63txcache.v1\x1a\x19\x63txcache/v1/context.proto\"`\n\x0c\x45victRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\t\x12\x13\n\x0bmemory_only\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65vice_only\x18\x03 \x01(\x08\x12\x12\n\nlocal_only\x18\x04 \x01(\x08\"5\n\rEvictResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x13\n\x0b\x62ytes_freed\x18\x02 \x01(\x04\"t\n\x0eRebuildRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\t\x12\'\n\x06method\x18\x02 \x01(\x0b\x32\x17.ctxcache.v1.MethodSpec\x12\x17\n\x0f\x61llow_reprefill\x18\x03 \x01(\x08\x12\x0c\n\x04wait\x18\x04 \x01(\x08\"Q\n\x0fRebuildResponse\x12)\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x18.ctxcache.v1.ContextInfo\x12\x13\n\x0breprefilled\x18\x02 \x01(\x08\"3\n\rVerifyRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\t\x12\x0e\n\x06repair\x18\x02 \x01(\x08\"X\n\x0cVerifyResult\x12\x12\n\ncontext_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x10\n\x08problems\x18\x03 \x03(\t\x12\x16\n\x0emarked_damaged\x18\x04 \x01(\x08\"<\n\x0eVerifyResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.ctxcache.v1.VerifyResult\"\x0e\n\x0cStatsRequest\"\x9c\x05\n\rStatsResponse\x12\x16\n\x0e\x63ontexts_ready\x18\x01 \x01(\r\x12\x19\n\x11\x63ontexts_building\x18\x02 \x01(\r\x12\x17\n\x0f\x63ontexts_failed\x18\x03 \x01(\r\x12\x13\n\x0bstore_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12store_budget_bytes\x18\x05 \x01(\x04\x12\x18\n\x10\x64ram_cache_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12\x64ram_cache_entries\x18\x07 \x01(\r\x12\x16\n\x0e\x61\x63tive_streams\x18\x08 \x01(\r\x12\x13\n\x0b\x62uild_queue\x18\t \x01(\r\x12\x10\n\x08registry\x18\n \x01(\t\x12\x1a\n\x12registry_available\x18\x0b \x01(\x08\x12\x10\n\x08model_id\x18\x0c \x01(\t\x12.\n\tfootprint\x18\r \x03(\x0b\x32\x1b.ctxcache.v1.CodecFootprint\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x0e \x01(\x04\x12\x13\n\x0b\x64\x65\x63ode_rows\x18\x0f \x01(\x04\x12\x14\n\x0c\x64\x65vice_slots\x18\x10 \x01(\r\x12\x19\n\x11\x64\x65vice_slot_bytes\x18\x11 \x01(\x04\x12\x1a\n\x12offload_cache_hits\x18\x12 \x01(\x04\x12\x1d\n\x15offload_selected_keys\x18\x13 \x01(\x04\x12\x13\n\x0b\x64\x65\x63ode_mode\x18\x14 \x01(\t\x12S\n\x16streams_by_decode_path\x18\x15 \x03(\x0b\x32\x33.ctxcache.v1.StatsResponse.StreamsByDecodePathEntry\x1a:\n\x18StreamsByDecodePathEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"%\n\x0f\x44\x65scribeRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\t\"\xcb\x01\n\x10\x44\x65scribeResponse\x12)\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x18.ctxcache.v1.ContextInfo\x12R\n\x14stored_bytes_by_part\x18\x02 \x03(\x0b\x32\x34.ctxcache.v1.DescribeResponse.StoredBytesByPartEntry\x1a\x38\n\x16StoredBytesByPartEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb4\x01\n\x0e\x43odecFootprint\x12\x10\n\x08kv_codec\x18\x01 \x01(\t\x12\x10\n\x08\x63ontexts\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x05 \x01(\x04\x12\x1e\n\x16stored_bytes_per_token\x18\x06 \x01(\x01\x12 \n\x18resident_bytes_per_token\x18\x07 \x01(\x01\"\x12\n\x10ReconcileRequest\"I\n\x11ReconcileResponse\x12\x12\n\nregistered\x18\x01 \x01(\r\x12\x0f\n\x07removed\x18\x02 \x01(\r\x12\x0f\n\x07\x64\x61maged\x18\x03 \x03(\t2\xac\x03\n\x0c\x41\x64minService\x12>\n\x05\x45vict\x12\x19.ctxcache.v1.EvictRequest\x1a\x1a.ctxcache.v1.EvictResponse\x12\x44\n\x07Rebuild\x12\x1b.ctxcache.v1.RebuildRequest\x1a\x1c.ctxcache.v1.RebuildResponse\x12\x41\n\x06Verify\x12\x1a.ctxcache.v1.VerifyRequest\x1a\x1b.ctxcache.v1.VerifyResponse\x12>\n\x05Stats\x12\x19.ctxcache.v1.StatsRequest\x1a\x1a.ctxcache.v1.StatsResponse\x12G\n\x08\x44\x65scribe\x12\x1c.ctxcache.v1.DescribeRequest\x1a\x1d.ctxcache.v1.DescribeResponse\x12J\n\tReconcile\x12\x1d.ctxcache.v1.ReconcileRequest\x1a\x1e.ctxcache.v1.ReconcileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ctxcache.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STATSRESPONSE_STREAMSBYDECODEPATHENTRY']._loaded_options = None
+  _globals['_STATSRESPONSE_STREAMSBYDECODEPATHENTRY']._serialized_options = b'8\001'
   _globals['_DESCRIBERESPONSE_STOREDBYTESBYPARTENTRY']._loaded_options = None
   _globals['_DESCRIBERESPONSE_STOREDBYTESBYPARTENTRY']._serialized_options = b'8\001'
   _globals['_EVICTREQUEST']._serialized_start=67
@@ -51,19 +53,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=626
   _globals['_STATSREQUEST']._serialized_end=640
   _globals['_STATSRESPONSE']._serialized_start=643
-  _globals['_STATSRESPONSE']._serialized_end=1145
-  _globals['_DESCRIBEREQUEST']._serialized_start=1147
-  _globals['_DESCRIBEREQUEST']._serialized_end=1184
-  _globals['_DESCRIBERESPONSE']._serialized_start=1187
-  _globals['_DESCRIBERESPONSE']._serialized_end=1390
-  _globals['_DESCRIBERESPONSE_STOREDBYTESBYPARTENTRY']._serialized_start=1334
-  _globals['_DESCRIBERESPONSE_STOREDBYTESBYPARTENTRY']._serialized_end=1390
-  _globals['_CODECFOOTPRINT']._serialized_start=1393
-  _globals['_CODECFOOTPRINT']._serialized_end=1573
-  _globals['_RECONCILEREQUEST']._serialized_start=1575
-  _globals['_RECONCILEREQUEST']._serialized_end=1593
-  _globals['_RECONCILERESPONSE']._serialized_start=1595
-  _globals['_RECONCILERESPONSE']._serialized_end=1668
-  _globals['_ADMINSERVICE']._serialized_start=1671
-  _globals['_ADMINSERVICE']._serialized_end=2099
+  _globals['_STATSRESPONSE']._serialized_end=1311
+  _globals['_STATSRESPONSE_STREAMSBYDECODEPATHENTRY']._serialized_start=1253
+  _globals['_STATSRESPONSE_STREAMSBYDECODEPATHENTRY']._serialized_end=1311
+  _globals['_DESCRIBEREQUEST']._serialized_start=1313
+  _globals['_DESCRIBEREQUEST']._serialized_end=1350
+  _globals['_DESCRIBERESPONSE']._serialized_start=1353
+  _globals['_DESCRIBERESPONSE']._serialized_end=1556
+  _globals['_DESCRIBERESPONSE_STOREDBYTESBYPARTENTRY']._serialized_start=1500
+  _globals['_DESCRIBERESPONSE_STOREDBYTESBYPARTENTRY']._serialized_end=1556
+  _globals['_CODECFOOTPRINT']._serialized_start=1559
+  _globals['_CODECFOOTPRINT']._serialized_end=1739
+  _globals['_RECONCILEREQUEST']._serialized_start=1741
+  _globals['_RECONCILEREQUEST']._serialized_end=1759
+  _globals['_RECONCILERESPONSE']._serialized_start=1761
+  _globals['_RECONCILERESPONSE']._serialized_end=1834
+  _globals['_ADMINSERVICE']._serialized_start=1837
+  _globals['_ADMINSERVICE']._serialized_end=2265
 # @@protoc_insertion_point(module_scope)

@@ -78,7 +78,14 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint", "decode_steps", "decode_rows", "device_slots", "device_slot_bytes", "offload_cache_hits", "offload_selected_keys")
+    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint", "decode_steps", "decode_rows", "device_slots", "device_slot_bytes", "offload_cache_hits", "offload_selected_keys", "decode_mode", "streams_by_decode_path")
+    class StreamsByDecodePathEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     CONTEXTS_READY_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_BUILDING_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +105,8 @@ class StatsResponse(_message.Message):
     DEVICE_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_SELECTED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MODE_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_BY_DECODE_PATH_FIELD_NUMBER: _ClassVar[int]
     contexts_ready: int
     contexts_building: int
     contexts_failed: int
@@ -117,7 +126,9 @@ class StatsResponse(_message.Message):
     device_slot_bytes: int
     offload_cache_hits: int
     offload_selected_keys: int
-    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ..., decode_steps: _Optional[int] = ..., decode_rows: _Optional[int] = ..., device_slots: _Optional[int] = ..., device_slot_bytes: _Optional[int] = ..., offload_cache_hits: _Optional[int] = ..., offload_selected_keys: _Optional[int] = ...) -> None: ...
+    decode_mode: str
+    streams_by_decode_path: _containers.ScalarMap[str, int]
+    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ..., decode_steps: _Optional[int] = ..., decode_rows: _Optional[int] = ..., device_slots: _Optional[int] = ..., device_slot_bytes: _Optional[int] = ..., offload_cache_hits: _Optional[int] = ..., offload_selected_keys: _Optional[int] = ..., decode_mode: _Optional[str] = ..., streams_by_decode_path: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("context_id",)
