@@ -27,6 +27,8 @@ town museum. The light has been automatic since 1987, but a volunteer still visi
 month to clean the lens and check the batteries.
 """
 
-# one fact, stated once in the text: SmolLM2-135M answers it right from the cached context
-# (asked two facts at once it answered "every 15 seconds" and named no keeper)
-QUESTION = "Who was the longest-serving keeper of the Averel Light?"
+# one fact, stated once in the text: SmolLM2-135M names Ada from the cached context in both decode
+# modes (asked "Who was the longest-serving keeper of the Averel Light?", full attention, the
+# CPU's default since --decode-mode auto, answered "the keeper of the Light of the North"; asked
+# two facts at once it answered "every 15 seconds" and named no keeper)
+QUESTION = "Which keeper had a cat named Biscuit?"
