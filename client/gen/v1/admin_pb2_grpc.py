@@ -70,8 +70,8 @@ class AdminServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Evict(self, request, context):
-        """Drop a context from DRAM (memory_only), from the accelerator only (device_only), or from
-        the store and registry.
+        """Drop a context from DRAM (memory_only), from the accelerator only (device_only), from this
+        worker's copies with the object store's kept (local_only), or from the store and registry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
