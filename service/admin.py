@@ -37,8 +37,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             return apb.EvictResponse(evicted=self.decoder.evict_device(cid))
         if local_only:  # the object store's copy stays: the next Generate loads from it
             freed = self.decoder.evict(cid)
-            dropped = hasattr(self.backend.store, "drop_local") and self.backend.store.drop_local(cid)
-            return apb.EvictResponse(evicted=bool(dropped) or freed > 0, bytes_freed=freed)
+            return apb.EvictResponse(evicted=self.backend.drop_local(cid) or freed > 0, bytes_freed=freed)
         if memory_only:
             freed = self.decoder.evict(cid)
             return apb.EvictResponse(evicted=freed > 0, bytes_freed=freed)

@@ -16,6 +16,7 @@ from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.errors import NotFound, Unavailable
 from ctxcache.store import ArtifactStore, ContextMeta, Manifest, Registry, RegistryUnavailable, reconcile
 from ctxcache.store.config import StoreStats, VerifyReport
+from ctxcache.store.tiered_store import TieredStore
 from ctxcache.store.fleet_registry import Facts
 
 log = logging.getLogger("ctxcache.service.backend")
@@ -124,6 +125,11 @@ class Backend:
         return self.store.stats()
 
     # ---- admin --------------------------------------------------------------------------------
+    def drop_local(self, cid: str) -> bool:
+        """Forget this worker's copy of cid (its local store's), the object store's kept; False
+        where there is no object store (the local copy is then the only one)."""
+        return isinstance(self.store, TieredStore) and self.store.drop_local(cid)
+
     def delete(self, cid: str) -> bool:
         deleted = self.store.delete(cid)
         self._best_effort("delete", cid)

@@ -168,10 +168,6 @@ class FleetBackend(Backend):
         deleted = self.store.delete(cid)
         return deleted or prev in (FleetState.READY, FleetState.BUILDING)
 
-    def drop_local(self, cid: str) -> None:
-        """Another worker deleted cid: forget this worker's local copy (the object is gone)."""
-        self.store.drop_local(cid)
-
     def reconcile(self) -> tuple[int, int, list[str]]:
         """The registry from the object store: every stored artifact READY (unless a tombstone
         says it was deleted: then the object is garbage and goes), READY entries whose object
