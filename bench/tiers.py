@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="TTFT samples per tier (medians reported)")
     ap.add_argument("--store-gb", type=float, default=40.0)
     ap.add_argument("--dram-gb", type=float, default=12.0, help="the server's DRAM cache (a 124K int8 artifact is 8 GB)")
+    ap.add_argument("--log", help="keep the server's log in this file (default: a temporary folder's)")
     add_out(ap)
     args = ap.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ctxcache-bench-tiers-") as tmp, ExitStack() as stack:
         uri = (stack.enter_context(private_s3(Path(tmp) / "s3")) if _has_weed()
                else f"file://{Path(tmp) / 'objects'}")
-        log = Path(tmp) / "serve.log"
+        log = Path(args.log) if args.log else Path(tmp) / "serve.log"
         address = stack.enter_context(running_server(server_flags(args, Path(tmp) / "data", uri, max(contexts)), log))
         client = Client(address)
         for n, text in zip(contexts, texts):

@@ -30,8 +30,8 @@ from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.warm_up import warm_up_runner
 from ctxcache.decoder.gpu.device_times import DeviceTimes
-from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs, Replay
-from ctxcache.decoder.gpu.slot_load import SlotLoader
+from ctxcache.decoder.gpu.prefill_graph import Capturing, PrefillGraphs, Replay
+from ctxcache.decoder.gpu.slot_load import OverlappedPrefill, SlotLoader
 from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
                                                layers_per_chunk, padded_length, prompt_input)
 from ctxcache.decoder.inflight import LaunchedStep, StepIO
@@ -135,15 +135,27 @@ class GpuRunner:
                 raise ContextNotResident(context_id)
             try:
                 loaded = slot.context_id != context_id
+                overlap = None
                 if loaded:
-                    self._load(slot, context_id, art)
-                self._reset(slot)
+                    # a prompt's layer i runs as soon as layer i of the context has landed, so a
+                    # cold admission takes about the load, not the load plus the prefill
+                    overlap = OverlappedPrefill(self._prompt_run, slot.index, art.n_tokens, prompt) \
+                        if len(prompt) > 1 else None
+                    self._load(slot, context_id, art, overlap)
+                if overlap is None:
+                    self._reset(slot)
+                else:  # the load reset the row's index stream, which the prompt then filled
+                    slot.length = slot.n_ctx
                 if len(prompt) > 1:
                     # the row's device length points past the prompt at once: a decode step that
                     # runs between chunks computes this idle row's throw-away token there, never
                     # over the prompt's keys
                     self.cache.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx + len(prompt))
-                    chunks = self._prefill_chunks(slot, prompt, loaded)
+                    if overlap is not None:
+                        slot.length += len(prompt)
+                        chunks = iter([overlap.logits[0]])
+                    else:
+                        chunks = self._prefill_chunks(slot, prompt)
                 elif prompt:  # one new token is a decode step, as on the reference path
                     chunks = iter([self._step_rows([slot], prompt)[0]])
                 else:
@@ -191,23 +203,31 @@ class GpuRunner:
             return self.prefill_graphs.capture_seen(lambda key: self._maker(key[0], key[1]),
                                                     self.lm.args.n_layers, self.device)
 
-    def _prefill_chunks(self, slot: Slot, prompt: list[int], loaded: bool) -> Iterator[torch.Tensor | None]:
-        """loaded: the slot was loaded for this prompt, whose stream already waits for that; its
-        prefill graph is captured now (host time a replay saves on every later question of its
-        padded length), not on the length's second use."""
-        room = min(self.cache.max_len, self.lm.args.max_seq_len) - slot.n_ctx
-        padded = padded_length(len(prompt), min(room, self.max_new - 1))
-        make = self._maker(slot.index, slot.n_ctx)
+    def _padded(self, n_ctx: int, tokens: int) -> int:
+        room = min(self.cache.max_len, self.lm.args.max_seq_len) - n_ctx
+        return padded_length(tokens, min(room, self.max_new - 1))
+
+    def _prompt_run(self, row: int, n_ctx: int, prompt: list[int], first_use: bool
+                    ) -> Replay | Capturing | LayeredPrefill:
+        """The prompt's prefill into `row` after n_ctx tokens: its graphs replayed, captured as
+        they run (on the key's second use, or its first with first_use: an admission that loads
+        the slot waits for that load anyway, so the capture's host time hides under it), or eager."""
+        padded = self._padded(n_ctx, len(prompt))
+        make = self._maker(row, n_ctx)
+        inputs = prompt_input(prompt, padded, self.device)
+        return (self.prefill_graphs.prefill((row, n_ctx, padded), inputs, self.lm.args.n_layers, make,
+                                            first_use=first_use) or make(inputs))
+
+    def _prefill_chunks(self, slot: Slot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
+        """The prompt's prefill of a resident slot, a group of layers per decode step."""
+        padded = self._padded(slot.n_ctx, len(prompt))
         kind = f"prefill layer {slot.n_ctx} {padded}"
         run = None
         while True:
             with self.lock, torch.inference_mode():
                 try:
                     if run is None:
-                        inputs = prompt_input(prompt, padded, self.device)
-                        key = (slot.index, slot.n_ctx, padded)
-                        run = (self.prefill_graphs.prefill(key, inputs, self.lm.args.n_layers, make, first_use=loaded)
-                               or make(inputs))
+                        run = self._prompt_run(slot.index, slot.n_ctx, prompt, first_use=False)
                     replayed = isinstance(run, Replay)
                     layers = self._chunk_layers(kind, padded, run.layer) if replayed else self._per_chunk(padded)
                     started, before = self.times.start() if replayed else None, run.layer
@@ -249,27 +269,27 @@ class GpuRunner:
             check()
             self.lock.wait(timeout=0.05)
 
-    def _load(self, slot: Slot, context_id: str, art: ContextArtifact) -> None:
+    def _load(self, slot: Slot, context_id: str, art: ContextArtifact,
+              then: Callable[[int], None] | None = None) -> None:
+        """The context into the slot's row, layer by layer; `then(layer)` (the prompt's prefill)
+        runs after each layer's K/V and index rows."""
         n, row = art.n_tokens, slot.index
         slot.context_id = None
         method = None if self.params is None else CSAttention(self.params)
 
-        def index_rows(layer: int) -> None:
-            # the rows are derived on the GPU from the centroids and the keys just decoded
-            # (kernels/load_kernels.int8_rows); format-1 artifacts bring them stored
-            if method is None:
-                return
-            la = art.layers[layer]
-            stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
-            tables = method.restore(stored, self.cache.k[layer][row, :, :n])
-            if self.tables is None:
-                self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len, self.max_new,
-                                                    self.device, self.params.follows) for _ in art.layers]
-            self.tables[layer].load_row(row, tables, n)
+        def per_layer(layer: int, stored: dict[str, torch.Tensor]) -> None:
+            # the rows are derived on the GPU from the centroids (copied by the loader beside the
+            # layer's codes) and the keys just decoded (kernels/load_kernels.int8_rows)
+            if method is not None:
+                tables = method.restore(stored, self.cache.k[layer][row, :, :n])
+                if self.tables is None:
+                    self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len, self.max_new,
+                                                        self.device, self.params.follows) for _ in art.layers]
+                self.tables[layer].load_row(row, tables, n)
 
         # coded K/V (the default int8) cross PCIe as codes and are decoded in HBM, a layer at a
         # time as they land (decoding on the host was most of a 32K cold load)
-        self.loader.load(self.cache, row, art, index_rows)
+        self.loader.load(self.cache, row, art, per_layer, tables=method is not None, then=then)
         slot.context_id, slot.n_ctx, slot.head = context_id, n, ResidentHead.of(art)
         self.loads += 1
 

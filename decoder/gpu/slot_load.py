@@ -14,6 +14,7 @@ it, and the artifact is held until its copies are done (they read its host pool 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,14 +31,20 @@ class SlotLoader:
         self._held: list[tuple[torch.cuda.Event, ContextArtifact]] = []
         self._ring: list[torch.Tensor] = []  # RING flat staging buffers, grown to the largest layer
 
-    def load(self, cache: KVCache, row: int, art: ContextArtifact, per_layer: Callable[[int], None]) -> None:
-        """Every layer's K/V into cache row `row`, then `per_layer(layer)` on the compute stream
-        (its work ordered after that layer's K/V)."""
+    def load(self, cache: KVCache, row: int, art: ContextArtifact,
+             per_layer: Callable[[int, dict[str, torch.Tensor]], None], tables: bool = True,
+             then: Callable[[int], None] | None = None) -> None:
+        """Every layer's K/V into cache row `row`, then `per_layer(layer, its tables on the
+        device)` on the compute stream (its work ordered after that layer's K/V; the staged
+        tables are read only there), then `then(layer)`; tables False: the tables stay on the
+        host (an empty dict is passed)."""
+        then = then or (lambda layer: None)
         n = art.n_tokens
         if self.side is None:
             for layer, la in enumerate(art.layers):
                 la.kv_into(cache.k[layer][row, :, :n], cache.v[layer][row, :, :n])
-                per_layer(layer)
+                per_layer(layer, dict(la.tables) if tables else {})
+                then(layer)
             return
         self._held = [(ev, a) for ev, a in self._held if not ev.query()]
         main = torch.cuda.current_stream()
@@ -45,43 +52,74 @@ class SlotLoader:
         read: list[torch.cuda.Event | None] = [None] * RING  # the compute stream is done with slot r
         for layer, la in enumerate(art.layers):
             k_out, v_out = cache.k[layer][row, :, :n], cache.v[layer][row, :, :n]
+            host_tables = la.tables if tables else {}
             if la.coded is None:  # decoded K/V (a CPU-built artifact): copied as they are
                 la.kv_into(k_out, v_out)
+                staged = {name: t.to(main.device, non_blocking=True) for name, t in host_tables.items()}
             else:
-                staged = self._stage(la.coded, layer % RING, read[layer % RING], main)
-                staged.decode_into(k_out, v_out)
+                parts = {**{f"kv.{k}": t for k, t in la.coded.parts.items()},
+                         **{f"table.{k}": t for k, t in host_tables.items()}}
+                views = self._stage(parts, layer % RING, read[layer % RING], main)
+                coded = la.coded
+                CodedKV(coded.codec, {k: views[f"kv.{k}"] for k in coded.parts}, coded.shape,
+                        coded.dtype).decode_into(k_out, v_out)
+                staged = {k: views[f"table.{k}"] for k in host_tables}
+            per_layer(layer, staged)
+            if la.coded is not None:  # the ring slot is free once this layer's work has read it
                 read[layer % RING] = torch.cuda.Event()
                 read[layer % RING].record(main)
-            per_layer(layer)
+            then(layer)
         done = torch.cuda.Event()
         done.record(self.side)
         self._held.append((done, art))
 
-    def _stage(self, coded: CodedKV, r: int, free: torch.cuda.Event | None, main: torch.cuda.Stream) -> CodedKV:
-        """The layer's codes in ring slot r on the device: copied on the side stream once `free`
-        (the compute stream's last read of the slot) has passed; the compute stream waits."""
-        views = self._views(coded, r, main)
+    def _stage(self, parts: dict[str, torch.Tensor], r: int, free: torch.cuda.Event | None,
+               main: torch.cuda.Stream) -> dict[str, torch.Tensor]:
+        """The layer's host tensors in ring slot r on the device: copied on the side stream
+        once `free` (the compute stream's last read of the slot) has passed; the compute
+        stream waits."""
+        views = self._views(parts, r, main)
         with torch.cuda.stream(self.side):
             if free is not None:
                 self.side.wait_event(free)
-            for name, t in coded.parts.items():
+            for name, t in parts.items():
                 views[name].copy_(t, non_blocking=True)
             landed = torch.cuda.Event()
             landed.record(self.side)
         main.wait_event(landed)
-        return CodedKV(coded.codec, views, coded.shape, coded.dtype)
+        return views
 
-    def _views(self, coded: CodedKV, r: int, main: torch.cuda.Stream) -> dict[str, torch.Tensor]:
+    def _views(self, parts: dict[str, torch.Tensor], r: int, main: torch.cuda.Stream) -> dict[str, torch.Tensor]:
         """Ring slot r carved into the layer's parts (each 256-byte aligned), grown if too small."""
-        sizes = {name: -(-t.numel() * t.element_size() // 256) * 256 for name, t in coded.parts.items()}
+        sizes = {name: -(-t.numel() * t.element_size() // 256) * 256 for name, t in parts.items()}
         need = sum(sizes.values())
         if len(self._ring) < RING or self._ring[r].numel() < need:
             for old in self._ring:
                 old.record_stream(self.side)  # freed only once the side stream's copies into it are done
             self._ring = [torch.empty(need, dtype=torch.uint8, device=main.device) for _ in range(RING)]
         views, offset = {}, 0
-        for name, t in coded.parts.items():
+        for name, t in parts.items():
             nbytes = t.numel() * t.element_size()
             views[name] = self._ring[r][offset:offset + nbytes].view(t.dtype).view(t.shape)
             offset += sizes[name]
         return views
+
+
+class OverlappedPrefill:
+    """A prompt's prefill run one layer at a time as a load lands each layer (SlotLoader.load's
+    per_layer): its layer i needs only layer i's K/V and rows, so a cold admission takes about
+    the load rather than the load plus the prefill. `start(row, n_ctx, prompt, first_use=True)`
+    makes the run (a replay, a capture or an eager LayeredPrefill) at the first layer, once the
+    index tables it reads exist; `logits` [1, V] holds the prompt's after the last layer."""
+
+    def __init__(self, start: Callable[..., Any], row: int, n_ctx: int, prompt: list[int]) -> None:
+        self._start = lambda: start(row, n_ctx, prompt, first_use=True)
+        self._run: Any = None
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self, layer: int) -> None:
+        if self._run is None:
+            self._run = self._start()
+        out = self._run.run(1)
+        if out is not None:
+            self.logits = out

@@ -78,3 +78,26 @@ def test_packed_attention_and_fused_seed_prefill_as_the_torch_path(setup, monkey
     for g, w in zip(got[2], want[2]):
         assert torch.equal(g, w)
     assert got[3:] == want[3:]
+
+
+def test_a_cold_admission_prefills_as_it_loads_and_answers_as_a_resident_one(setup):
+    """A slot's first prompt runs a layer at a time as the context's layers land (the load and
+    the prefill overlap); the same prompt on the now resident context (its own prefill after
+    the reset) gives the same first logits, index counts and follow seeds."""
+    lm, method, art = setup
+    runner = GpuRunner(lm, method.params, CONFIG, slots=1, max_len=256, max_new=64, use_graph=False)
+    prompt = list(range(40, 57))
+
+    def ask():
+        slot, logits = runner.admit("c", art, prompt, CONFIG, 8)
+        state = ([int(t.stream_count[0]) for t in runner.tables],
+                 [t.follow_prev[0].sort(-1).values.cpu() for t in runner.tables], int(runner.cache.lengths[0]))
+        slot.busy = False
+        return logits.cpu(), state
+
+    cold, warm = ask(), ask()
+    assert runner.loads == 1
+    torch.testing.assert_close(cold[0], warm[0], rtol=0, atol=0)
+    assert cold[1][0] == warm[1][0] == [len(prompt)] * lm.args.n_layers
+    assert all(torch.equal(a, b) for a, b in zip(cold[1][1], warm[1][1]))
+    assert cold[1][2] == warm[1][2] == 130 + len(prompt)

@@ -72,6 +72,27 @@ def test_pinned_arenas_come_from_the_pool_and_go_back_when_their_tensors_die() -
         host_pool.uninstall()
 
 
+@pytest.mark.gpu
+def test_a_builds_host_copies_land_in_the_pool_else_pinned_memory() -> None:
+    from ctxcache.host_copy import to_host, wait_for_host_copies
+
+    src = torch.arange(1 << 20, dtype=torch.int32, device="cuda")
+    pool = host_pool.install(8 << 20)
+    try:
+        assert pool is not None
+        out = to_host(src)
+        wait_for_host_copies(src.device)
+        assert pool.used >= src.numel() * 4 and out.is_pinned() and torch.equal(out, src.cpu())
+        spill = to_host(src.repeat(2))  # 8 MB: no room left, pinned by torch instead
+        wait_for_host_copies(src.device)
+        assert spill.is_pinned() and torch.equal(spill[: src.numel()], src.cpu())
+        del out
+        gc.collect()
+        assert pool.used == 0
+    finally:
+        host_pool.uninstall()
+
+
 def test_a_pool_that_cannot_be_locked_is_one_line_and_loads_run_unpinned(monkeypatch, caplog) -> None:
     from ctxcache.service import server
 
