@@ -39,6 +39,7 @@ def test_a_context_put_on_one_worker_loads_on_another_then_from_its_local_copy(t
     art = make_artifact(1, n=512, layers=3, d=32)
     with worker(tmp_path, "a", tier_uri) as a, worker(tmp_path, "b", tier_uri) as b:
         m = a.put("c1", art, ContextMeta(tenant="t"))
+        a.flush()  # the putter's local copy is written after the upload returned
         assert a.local.manifest("c1") is not None and b.local.manifest("c1") is None
         assert_same(b.get("c1"), art)  # from the object store ...
         b.flush()
@@ -49,6 +50,22 @@ def test_a_context_put_on_one_worker_loads_on_another_then_from_its_local_copy(t
         assert loads.tiers["object"].bytes == m.stored_bytes and loads.tiers["object"].bytes_per_s > 0
         assert b.manifest("c1").context_id == "c1" and b.list_manifests()[0].tenant == "t"
         assert b.get("absent") is None and b.load_stats().misses == 1
+
+
+def test_a_put_is_done_at_its_upload_and_loads_from_its_own_bytes_until_the_local_copy_lands(
+        tier_uri: str, tmp_path: Path) -> None:
+    art = make_artifact(3, n=256, layers=2, d=32)
+    with worker(tmp_path, "a", tier_uri) as a:
+        gate = threading.Event()
+        a._filler.submit(gate.wait)  # the local write queues behind this
+        a.put("c1", art)
+        a.shared.fetch = lambda *_, **__: pytest.fail("fetched what the put holds")
+        assert a.local.manifest("c1") is None
+        assert_same(a.get("c1"), art)  # decoded from the put's encoded bytes
+        gate.set()
+        a.flush()
+        assert a.local.manifest("c1") is not None
+        assert_same(a.get("c1"), art)
 
 
 def test_concurrent_loads_of_one_context_share_one_download(tier_uri: str, tmp_path: Path) -> None:
