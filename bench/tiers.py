@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import statistics
 import tempfile
@@ -31,7 +32,7 @@ import torch
 
 from ctxcache.bench.common.fleet_servers import binary, private_s3
 from ctxcache.bench.common.reprefill import reprefill_seconds
-from ctxcache.bench.common.report import add_out, commit, machine_info, print_table, write_result
+from ctxcache.bench.common.report import add_out, commit, device_tag, machine_info, print_table, write_result
 from ctxcache.bench.common.serve_client import generate
 from ctxcache.bench.common.server import running_server
 from ctxcache.bench.serve import context_text, put_all
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="TTFT samples per tier (medians reported)")
     ap.add_argument("--store-gb", type=float, default=40.0)
     ap.add_argument("--dram-gb", type=float, default=12.0, help="the server's DRAM cache (a 124K int8 artifact is 8 GB)")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of other context lengths already in "
+                    "the output's tiers_<device>.json (each row carries its own commit, date and baselines)")
     ap.add_argument("--log", help="keep the server's log in this file (default: a temporary folder's)")
     add_out(ap)
     args = ap.parse_args(argv)
@@ -148,14 +151,25 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
     info = machine_info()
     stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
+    rows = [{**r, **stamp} for r in rows]
+    if args.merge:
+        rows = sorted(kept_rows(Path(args.out) / f"tiers_{device_tag(info)}.json", contexts) + rows,
+                      key=lambda r: r["context"])
     out = write_result("tiers", {"device": (info.get("gpu") or {}).get("name") or info["cpu"], "model": args.model,
-                                 "dtype": args.dtype, "rows": [{**r, **stamp} for r in rows]}, args.out)
+                                 "dtype": args.dtype, "rows": rows}, args.out)
     print_table(rows, ["context", "stored_bytes", *(f"ttft_{t}_s" for t in TIERS), "reprefill_s",
                        "prefill_one_pass_s"])
     print_table(rows, ["context", "h2d_gb_per_s", *(f"{t}_gb_per_s" for t in TIERS[1:]),
                        "local_over_reprefill", "object_over_reprefill", "put_s", "prefill_s", "put_over_prefill"])
     print(f"wrote {out}")
     return 0
+
+
+def kept_rows(path: Path, contexts: list[int]) -> list[dict]:
+    """The rows of an earlier result at `path` for context lengths this run did not measure."""
+    if not path.exists():
+        return []
+    return [r for r in json.loads(path.read_text()).get("rows", []) if r.get("context") not in contexts]
 
 
 def _has_weed() -> bool:
