@@ -49,14 +49,14 @@ def info_from_damage(f: Facts) -> pb.ContextInfo:
 
 
 def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
-    """A stored manifest wins over a job record (a job may lag its own completion); DAMAGED (a
-    fleet's registry) over a stored manifest."""
+    """A stored manifest wins over a job record (a job may lag its own completion); DAMAGED (the
+    registry's mark) over a stored manifest."""
     try:
         m = indexer.backend.manifest(cid)
     except CorruptArtifact:
         damage = indexer.backend.damage(cid)
         if not damage:
-            raise  # not marked (one node, or the registry unavailable): DATA_LOSS
+            raise  # not marked (the registry unavailable): DATA_LOSS
         return pb.ContextInfo(context_id=cid, state=pb.CONTEXT_STATE_DAMAGED, error=damage)
     if m is not None:
         info = info_from_manifest(m)
@@ -64,8 +64,9 @@ def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
         if facts is not None:
             info.artifact_uri = facts.artifact_uri
             info.hot_workers.extend(facts.hot_workers)
-            if facts.damage:  # a chunk failed its check
-                info.state, info.error, info.progress = pb.CONTEXT_STATE_DAMAGED, facts.damage, 0.0
+        damage = facts.damage if facts is not None else indexer.backend.damage(cid)
+        if damage:  # a chunk failed its check
+            info.state, info.error, info.progress = pb.CONTEXT_STATE_DAMAGED, damage, 0.0
         return info
     job = indexer.job(cid)
     if job is None:
