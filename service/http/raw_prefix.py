@@ -30,6 +30,7 @@ from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.convert import PutSpec
 from ctxcache.service.errors import ServiceError
 from ctxcache.service.prompting import text_messages
+from ctxcache.store import CorruptArtifact
 
 log = logging.getLogger("ctxcache.service.http")
 BLOCK = 128  # tokens: OpenAI reports cached prompt tokens in 128-token increments
@@ -73,7 +74,11 @@ class RawPrefixes:
         ids = np.asarray(tokens, dtype=np.int64)
         for n in [top, *known][:MAX_PROBES]:
             cid = self._id(ids[:n], tenant)
-            if self.indexer.backend.manifest(cid) is not None:
+            try:
+                found = self.indexer.backend.manifest(cid) is not None
+            except CorruptArtifact:  # marked DAMAGED by the read: a miss, whose registration rebuilds it
+                continue
+            if found:
                 self._learn(n)
                 return RawMatch(cid, n)
         return None
