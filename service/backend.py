@@ -4,6 +4,13 @@ The store (LMDB, this machine) is the source of truth; the registry is an index 
 `reconcile` rebuilds. Registry failures therefore fail only what needs the registry: a new
 build's claim (PutContext -> UNAVAILABLE, fast); bookkeeping after a stored build is best
 effort (logged, repaired by Reconcile), and Generate never touches the registry.
+
+Damage is a state here as in a fleet (fleet_backend.py keeps it in Redis through the same
+methods): a chunk or manifest that fails its check on a read marks the context DAMAGED in the
+registry (GetContext and ListContexts show it; the read itself still answers DATA_LOSS), a Put
+of its content removes its objects and builds it again (`existing`), Delete and Evict remove
+it, and `admin verify --repair` marks what Verify finds. With the embedded registry the mark
+lives as long as the process; the next failing read marks it again.
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ from dataclasses import replace
 from ctxcache.artifact import ContextArtifact
 from ctxcache.service.cached_context import CachedContext
 from ctxcache.service.errors import NotFound, Unavailable
-from ctxcache.store import ArtifactStore, ContextMeta, Manifest, Registry, RegistryUnavailable, reconcile
+from ctxcache.store import (ArtifactStore, ContextMeta, CorruptArtifact, Manifest, Registry, RegistryUnavailable,
+                            reconcile)
 from ctxcache.store.config import StoreStats, VerifyReport
+from ctxcache.store.registry import BuildState
 from ctxcache.store.tiered_store import TieredStore
-from ctxcache.store.fleet_registry import Facts
+from ctxcache.store.fleet_registry import Facts, FleetState
 
 log = logging.getLogger("ctxcache.service.backend")
 ROLES_LABEL = "ctxcache/roles"
@@ -55,7 +64,7 @@ class Backend:
 
     def put(self, cid: str, art: ContextArtifact, meta: ContextMeta) -> Manifest:
         manifest = self.store.put(cid, art, meta)
-        self._best_effort("mark_ready", cid, cid, self.location)
+        self._best_effort("mark_ready", cid, cid, self.location, meta.tenant)
         return manifest
 
     def build_failed(self, cid: str, error: str) -> None:
@@ -67,35 +76,98 @@ class Backend:
         except RegistryUnavailable as exc:
             log.warning("registry %s(%s) skipped (Reconcile repairs it): %s", op, args[0][:12], exc)
 
-    # ---- reads --------------------------------------------------------------------------------
+    # ---- reads: a stored object failing its check marks the context DAMAGED, then raises ----
     def manifest(self, cid: str) -> Manifest | None:
-        return self.store.manifest(cid)
-
-    def existing(self, cid: str) -> Manifest | None:
-        """The manifest of a stored context a Put need not build again (a fleet's: not damaged)."""
-        return self.manifest(cid)
-
-    def damage(self, cid: str) -> str:
-        """Why cid is DAMAGED ("" if it is not); only a fleet's registry keeps this state."""
-        return ""
-
-    def damaged(self) -> list[Facts]:
-        return []
-
-    def mark_damaged(self, cid: str, why: str) -> bool:
-        return False
-
-    def get(self, cid: str, with_queries: bool = False) -> ContextArtifact | None:
-        return self.store.get(cid, with_queries)
+        try:
+            return self.store.manifest(cid)
+        except CorruptArtifact as exc:
+            self.mark_damaged(cid, str(exc))
+            raise
 
     def load(self, cid: str) -> CachedContext:
-        """Store -> DRAM for the decoder; NOT_FOUND if absent, CorruptArtifact -> DATA_LOSS."""
-        m = self.store.manifest(cid)
-        art = self.store.get(cid) if m is not None else None
+        """Store -> DRAM for the decoder; NOT_FOUND if absent, CorruptArtifact -> DATA_LOSS
+        (the context marked DAMAGED first)."""
+        try:
+            m = self.store.manifest(cid)
+            art = self.store.get(cid) if m is not None else None
+        except CorruptArtifact as exc:  # a chunk, or the manifest
+            self.mark_damaged(cid, str(exc))
+            raise
         if m is None or art is None:
             raise NotFound(f"context {cid} not found")
         roles = tuple(m.labels.get(ROLES_LABEL, "system").split(","))
         return CachedContext(art, roles, m.stored_bytes)
+
+    def get(self, cid: str, with_queries: bool = False) -> ContextArtifact | None:
+        return self.store.get(cid, with_queries)
+
+    # ---- damage ---------------------------------------------------------------------------------
+    def record_manifest(self, cid: str) -> Manifest | None:
+        """The manifest of the copy of record (a fleet's: the object store's)."""
+        return self.store.manifest(cid)
+
+    def existing(self, cid: str) -> Manifest | None:
+        """The manifest of an intact stored context a Put need not build again; for a damaged one
+        None, after removing its objects, so the build that follows writes it whole."""
+        try:
+            m = self.record_manifest(cid)
+            damaged = m is not None and self.damaged_facts(cid) is not None
+        except CorruptArtifact as exc:
+            self.mark_damaged(cid, str(exc))
+            m, damaged = None, True
+        if damaged:
+            log.warning("context %s is DAMAGED: its objects go, a new build replaces them", cid[:12])
+            self.store.delete(cid)
+            return None
+        return m
+
+    def damaged_facts(self, cid: str) -> Facts | None:
+        """What the registry knows of cid if it is DAMAGED (why, whose), else None (also with
+        the registry unavailable: the read's DATA_LOSS then speaks alone)."""
+        try:
+            entry = self.registry.get(cid)
+        except RegistryUnavailable:
+            return None
+        return _damage(entry) if entry is not None and entry.state == BuildState.DAMAGED else None
+
+    def damage(self, cid: str) -> str:
+        """Why cid is DAMAGED ("" if it is not)."""
+        f = self.damaged_facts(cid)
+        return "" if f is None else f.error or "damaged"
+
+    def damaged(self) -> list[Facts]:
+        try:
+            return self._damaged()
+        except RegistryUnavailable as exc:
+            log.warning("registry unavailable: damaged contexts not listed: %s", exc)
+            return []
+
+    def _damaged(self) -> list[Facts]:
+        return [_damage(e) for e in self.registry.entries() if e.state == BuildState.DAMAGED]
+
+    def mark_damaged(self, cid: str, why: str, tenant: str = "") -> bool:
+        """Best effort (registry down: the next check marks it); -> whether this call marked it."""
+        try:
+            marked = self._mark_damaged(cid, why[:500], tenant)
+        except RegistryUnavailable as exc:
+            log.warning("context %s is damaged (%s) but the registry is unavailable: %s", cid[:12], why, exc)
+            return False
+        if marked:
+            log.warning("context %s marked DAMAGED: %s", cid[:12], why)
+        return marked
+
+    def _mark_damaged(self, cid: str, why: str, tenant: str) -> bool:
+        """The tenant: given, else the registry's (recorded when it was built), else the manifest's."""
+        if not tenant and (e := self.registry.get(cid)) is not None:
+            tenant = e.tenant
+        return self.registry.mark_damaged(cid, cid, why, self.location, tenant or self._tenant(cid))
+
+    def _tenant(self, cid: str) -> str:
+        try:
+            m = self.store.manifest(cid)
+        except CorruptArtifact:  # nobody knows whose: shown to admin callers only
+            return ""
+        return "" if m is None else m.tenant
 
     def list(self, limit: int, after: str | None, tenant: str | None = None) -> list[Manifest]:
         """tenant: only this tenant's contexts (None: every tenant)."""
@@ -140,12 +212,12 @@ class Backend:
         return self.store.update_meta(cid, ttl_s=ttl_s)
 
     def reconcile(self) -> tuple[int, int, list[str]]:
-        """-> (entries added, removed, damaged contexts skipped: a fleet's only)."""
+        """-> (entries added, removed, DAMAGED contexts kept as they are)."""
         try:
             report = reconcile(self.registry, self.store)
         except RegistryUnavailable as exc:
             raise Unavailable("registry unavailable", detail=exc) from exc
-        return len(report.added), len(report.removed), []
+        return len(report.added), len(report.removed), list(report.damaged)
 
     def registry_available(self) -> bool:
         try:
@@ -156,3 +228,9 @@ class Backend:
     def close(self) -> None:
         self.store.close()
         self.registry.close()
+
+
+def _damage(entry) -> Facts:  # noqa: ANN001 - a RegistryEntry
+    """A DAMAGED registry entry as the facts GetContext and ListContexts show (a fleet's shape)."""
+    return Facts(entry.context_id, FleetState.DAMAGED, tenant=entry.tenant, error=entry.error or "damaged",
+                 updated_at=entry.updated_at)

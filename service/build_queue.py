@@ -35,7 +35,7 @@ from ctxcache.service.job_spec import Reindex
 from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable, failure_text
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
-from ctxcache.store import ContextMeta, context_id_for
+from ctxcache.store import ContextMeta, CorruptArtifact, context_id_for
 
 log = logging.getLogger("ctxcache.service.build_queue")
 
@@ -190,8 +190,11 @@ class BuildQueue:
         return True
 
     def tenant_of(self, cid: str) -> str | None:
-        """The tenant of a stored or building context; None if neither."""
-        m = self.backend.manifest(cid)
+        """The tenant of a stored or building context (a damaged manifest: its DAMAGED mark's); None if neither."""
+        try:
+            m = self.backend.manifest(cid)
+        except CorruptArtifact:
+            return None if (f := self.backend.damaged_facts(cid)) is None else f.tenant
         if m is not None:
             return m.tenant
         job = self.job(cid)

@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API "
                    "here (on --host; 0: a free port): /v1/chat/completions, /v1/cached_contents, ...")
     p.add_argument("--auto-cache-min-tokens", type=int, default=1024, help="HTTP: a missed chat's longest "
-                   "leading messages of at least this many tokens become a context in the background")
+                   "leading messages (a completion's longest 128-token-aligned prefix) of at least this many tokens "
+                   "become a context in the background")
     p.add_argument("--no-auto-cache", action="store_true", help="HTTP: never register missed prompts")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM: seconds live streams get to finish")
     p.add_argument("--advertise", default="", help="host:port the registry records for this worker "

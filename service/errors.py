@@ -81,6 +81,7 @@ def _foreign_codes() -> dict[type, grpc.StatusCode]:
                        ("StoreFull", grpc.StatusCode.RESOURCE_EXHAUSTED),
                        ("RegistryUnavailable", grpc.StatusCode.UNAVAILABLE),
                        ("StoreUnavailable", grpc.StatusCode.UNAVAILABLE),
+                       ("StoreDeadline", grpc.StatusCode.DEADLINE_EXCEEDED),
                        ("FormatMismatch", grpc.StatusCode.FAILED_PRECONDITION),
                        ("NotFound", grpc.StatusCode.NOT_FOUND)):
         try:

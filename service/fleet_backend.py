@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from ctxcache.service.backend import Backend
 from ctxcache.service.errors import Unavailable
-from ctxcache.service.cached_context import CachedContext
 from ctxcache.store import CorruptArtifact, FormatMismatch, Manifest, RegistryUnavailable, TieredStore
 from ctxcache.store.fleet_registry import Facts, FleetRegistry, FleetState
 
@@ -95,64 +94,33 @@ class FleetBackend(Backend):
     def build_failed(self, cid: str, error: str) -> None:
         return None
 
-    # ---- reads: DELETED in the registry wins over any copy --------------------------------------
+    # ---- reads: DELETED in the registry wins over any copy; damage as on one node (Backend) ----
     def manifest(self, cid: str) -> Manifest | None:
         f = self.facts(cid)
         if f is not None and f.state == FleetState.DELETED:
             return None
-        try:
-            return self.store.manifest(cid)
-        except CorruptArtifact as exc:
-            self.mark_damaged(cid, str(exc))
-            raise
+        return super().manifest(cid)
 
-    def load(self, cid: str) -> CachedContext:
-        try:
-            return super().load(cid)
-        except CorruptArtifact as exc:  # a chunk (or the manifest) of the copy of record
-            self.mark_damaged(cid, str(exc))
-            raise
+    # ---- damage: the registry's DAMAGED state (Backend.existing / load / manifest mark it) -------
+    def record_manifest(self, cid: str) -> Manifest | None:
+        """The copy of record, not a local copy (trusted for a second after its last check)."""
+        return self.store.shared.manifest(cid)
 
-    # ---- damage ---------------------------------------------------------------------------------
     def existing(self, cid: str) -> Manifest | None:
-        """The manifest of an intact stored context; for a damaged one None, after removing its
-        objects (this worker's copy too), so the build that follows writes it whole."""
         f = self.facts(cid)
         if f is not None and f.state == FleetState.DELETED:
             return None
-        try:  # the copy of record, not a local copy (trusted for a second after its last check)
-            m = self.store.shared.manifest(cid)
-            damaged = m is not None and f is not None and f.state == FleetState.DAMAGED
-        except CorruptArtifact as exc:
-            self.mark_damaged(cid, str(exc))
-            m, damaged = None, True
-        if damaged:
-            log.warning("context %s is DAMAGED: its objects go, a new build replaces them", cid[:12])
-            self.store.delete(cid)
-            return None
-        return m
+        return super().existing(cid)
 
-    def damage(self, cid: str) -> str:
+    def damaged_facts(self, cid: str) -> Facts | None:
         f = self.facts(cid)
-        return (f.error or "damaged") if f is not None and f.state == FleetState.DAMAGED else ""
+        return f if f is not None and f.state == FleetState.DAMAGED else None
 
-    def damaged(self) -> list[Facts]:
-        try:
-            return self.fleet.damaged()
-        except RegistryUnavailable as exc:
-            log.warning("registry unavailable: damaged contexts not listed: %s", exc)
-            return []
+    def _damaged(self) -> list[Facts]:
+        return self.fleet.damaged()
 
-    def mark_damaged(self, cid: str, why: str, tenant: str = "") -> bool:
-        """Best effort (Redis down: the next check marks it); -> whether this call marked it."""
-        try:
-            marked = self.fleet.mark_damaged(cid, why, tenant)
-        except RegistryUnavailable as exc:
-            log.warning("context %s is damaged (%s) but the registry is unavailable: %s", cid[:12], why, exc)
-            return False
-        if marked:
-            log.warning("context %s marked DAMAGED: %s", cid[:12], why)
-        return marked
+    def _mark_damaged(self, cid: str, why: str, tenant: str) -> bool:
+        return self.fleet.mark_damaged(cid, why, tenant)  # the entry keeps its tenant
 
     def missing(self, cid: str) -> str:
         return f"context {cid} not found"

@@ -26,6 +26,7 @@ from ctxcache.generation import SamplingParams
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.artifact_cache import ArtifactCache, Loaded
 from ctxcache.service.cached_context import CachedContext
+from ctxcache.store import request_deadline
 from ctxcache.service.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
                                      ResourceExhausted, Unavailable)
 from ctxcache.service.metrics import Metrics
@@ -108,7 +109,8 @@ class GenerateStreams:
                 raise Unavailable(self._closing_reason)
             return alive()
         try:
-            yield from self._run(spec, alive_unless_closing, deadline, t_request)
+            with request_deadline(deadline):  # a cold load's object-store calls end by it too
+                yield from self._run(spec, alive_unless_closing, deadline, t_request)
         finally:
             self.metrics.streams.dec()
             with self._lock:

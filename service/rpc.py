@@ -11,10 +11,12 @@ thread while it decodes (at most --max-streams of them).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ctxcache.service.errors import status_for
+from ctxcache.store import request_deadline
 
 log = logging.getLogger("ctxcache.service.rpc")
 T = TypeVar("T")
@@ -66,12 +69,20 @@ def _admin(servicer: Any, context: grpc.aio.ServicerContext) -> bool:
     return caller is not None and caller.admin
 
 
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline as time.monotonic(), None if the client set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
 def unary(fn: Callable) -> Callable:
-    """Async unary handler: a domain error becomes its status; never UNKNOWN."""
+    """Async unary handler: a domain error becomes its status; never UNKNOWN. The call's
+    deadline bounds its object-store calls (in_thread carries it to the pool)."""
     @functools.wraps(fn)
     async def wrapper(self, request, context):
         try:
-            return await fn(self, request, context)
+            with request_deadline(deadline_of(context)):
+                return await fn(self, request, context)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped, never leaked as UNKNOWN
@@ -104,7 +115,9 @@ def _aborted(exc: BaseException) -> bool:
 
 
 async def in_thread(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
-    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+    """fn(*args) on the pool, in a copy of this context (the request's store deadline with it)."""
+    run = contextvars.copy_context().run
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(run, fn, *args))
 
 
 _END = object()
@@ -129,7 +142,7 @@ async def iterate_in_thread(pool: ThreadPoolExecutor, make: Callable[[Callable[[
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             loop.call_soon_threadsafe(queue.put_nowait, (_END, exc))
 
-    loop.run_in_executor(pool, produce)
+    loop.run_in_executor(pool, contextvars.copy_context().run, produce)
     try:
         while True:
             item, exc = await queue.get()

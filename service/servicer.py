@@ -12,10 +12,10 @@ from ctxcache.service import contexts, convert
 from ctxcache.service.auth import Auth, Caller
 from ctxcache.service.generate_streams import Chunk, Final, GenerateStreams
 from ctxcache.service.errors import NotFound, Unauthenticated, Unavailable
-from ctxcache.service.rpc import in_thread, iterate_in_thread, streaming, unary
+from ctxcache.service.rpc import deadline_of, in_thread, iterate_in_thread, streaming, unary
 from ctxcache.client.gen.v1 import context_pb2 as pb, context_pb2_grpc
 from ctxcache.service.build_queue import BuildQueue, Job
-from ctxcache.store import CorruptArtifact, Manifest
+from ctxcache.store import CorruptArtifact, Manifest, request_deadline
 from ctxcache.store.fleet_registry import Facts
 
 _STATE = {"building": pb.CONTEXT_STATE_BUILDING, "ready": pb.CONTEXT_STATE_READY,
@@ -49,14 +49,14 @@ def info_from_damage(f: Facts) -> pb.ContextInfo:
 
 
 def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
-    """A stored manifest wins over a job record (a job may lag its own completion); DAMAGED (a
-    fleet's registry) over a stored manifest."""
+    """A stored manifest wins over a job record (a job may lag its own completion); DAMAGED (the
+    registry's mark) over a stored manifest."""
     try:
         m = indexer.backend.manifest(cid)
     except CorruptArtifact:
         damage = indexer.backend.damage(cid)
         if not damage:
-            raise  # not marked (one node, or the registry unavailable): DATA_LOSS
+            raise  # not marked (the registry unavailable): DATA_LOSS
         return pb.ContextInfo(context_id=cid, state=pb.CONTEXT_STATE_DAMAGED, error=damage)
     if m is not None:
         info = info_from_manifest(m)
@@ -64,8 +64,9 @@ def context_info(indexer: BuildQueue, cid: str) -> pb.ContextInfo:
         if facts is not None:
             info.artifact_uri = facts.artifact_uri
             info.hot_workers.extend(facts.hot_workers)
-            if facts.damage:  # a chunk failed its check
-                info.state, info.error, info.progress = pb.CONTEXT_STATE_DAMAGED, facts.damage, 0.0
+        damage = facts.damage if facts is not None else indexer.backend.damage(cid)
+        if damage:  # a chunk failed its check
+            info.state, info.error, info.progress = pb.CONTEXT_STATE_DAMAGED, damage, 0.0
         return info
     job = indexer.job(cid)
     if job is None:
@@ -165,9 +166,9 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
         caller = self._caller(context)
         spec = convert.generate_spec(request, self.default_max, self.limit, self.indexer.lm.args.max_seq_len,
                                      self.indexer.prompter.message_tokens)
-        await in_thread(self.pool, contexts.check_readable, self.indexer, caller, spec.context_id)
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
+        deadline = deadline_of(context)
+        with request_deadline(deadline):  # a cold manifest read ends by it (the stream's load: stream())
+            await in_thread(self.pool, contexts.check_readable, self.indexer, caller, spec.context_id)
         events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, deadline, t0))
         async for event in events:
             yield _response(event)

@@ -16,7 +16,7 @@ _EXPORTS = {
     "ContextMeta": "manifest", "Manifest": "manifest", "ChunkInfo": "manifest",
     "STORE_FORMAT": "manifest",
     "StoreError": "errors", "CorruptArtifact": "errors", "StoreFull": "errors",
-    "StoreClosed": "errors", "StoreUnavailable": "errors", "StoreDamaged": "lmdb_file", "FormatMismatch": "errors",
+    "StoreClosed": "errors", "StoreUnavailable": "errors", "StoreDeadline": "errors", "StoreDamaged": "lmdb_file", "FormatMismatch": "errors",
     "context_id_for": "ids",
     "ManifestKey": "keys", "ChunkKey": "keys", "AccessKey": "keys", "PromptKey": "keys",
     "BuildLockKey": "keys",
@@ -26,7 +26,7 @@ _EXPORTS = {
     "RedisRegistry": "redis_registry", "RedisConfig": "redis_registry",
     "ObjectArtifactStore": "object_store", "ObjectStoreConfig": "object_config",
     "TieredStore": "tiered_store", "TieredConfig": "read_through", "open_store": "tiered_store",
-    "ObjectTier": "tiers", "TierConfig": "tiers", "open_tier": "tiers",
+    "ObjectTier": "tiers", "TierConfig": "tiers", "open_tier": "tiers", "request_deadline": "tiers.guard",
 }
 
 

@@ -40,3 +40,11 @@ class StoreUnavailable(StoreError):
     tenant reads: the failing part, no address."""
 
     public = "object store unavailable"
+
+
+class StoreDeadline(StoreError):
+    """The request's deadline came before the object store answered (service: DEADLINE_EXCEEDED).
+    Not an outage (the client allowed less time than a healthy store may need), so it opens no
+    circuit breaker. The message names the URI; `public` is what a tenant reads."""
+
+    public = "the object store did not answer before the request's deadline"

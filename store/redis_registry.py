@@ -154,11 +154,11 @@ class RedisRegistry(Registry):
 
 def _fields(e: RegistryEntry) -> dict[str, str]:
     return {"context_id": e.context_id, "state": e.state.value, "location": e.location,
-            "error": e.error, "updated_at": repr(e.updated_at)}
+            "error": e.error, "updated_at": repr(e.updated_at), "tenant": e.tenant}
 
 
 def _entry(prompt_hash: str, h: dict[str, str]) -> RegistryEntry | None:
     if not h:
         return None
     return RegistryEntry(prompt_hash, h["context_id"], BuildState(h["state"]), h.get("location", ""),
-                         h.get("error", ""), float(h.get("updated_at", 0.0)))
+                         h.get("error", ""), float(h.get("updated_at", 0.0)), h.get("tenant", ""))

@@ -36,6 +36,7 @@ class BuildState(str, Enum):
     BUILDING = "BUILDING"
     READY = "READY"
     FAILED = "FAILED"
+    DAMAGED = "DAMAGED"  # a stored chunk or manifest failed its check: a Put of its content rebuilds it
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,9 @@ class RegistryEntry:
     context_id: str
     state: BuildState
     location: str = ""  # which store holds (or will hold) the artifact
-    error: str = ""  # why a build FAILED
+    error: str = ""  # why a build FAILED, or what failed its check (DAMAGED)
     updated_at: float = 0.0
+    tenant: str = ""  # whose context (READY, DAMAGED): who may see it once its manifest is unreadable
 
     def __post_init__(self) -> None:
         check_id(self.prompt_hash, "prompt_hash")
@@ -88,12 +90,24 @@ class Registry(ABC):
     def build_claimed(self, prompt_hash: str) -> bool:
         """Whether a live (unexpired) claim exists for prompt_hash, by anyone."""
 
-    def mark_ready(self, prompt_hash: str, context_id: str, location: str = "") -> RegistryEntry:
+    def mark_ready(self, prompt_hash: str, context_id: str, location: str = "", tenant: str = "") -> RegistryEntry:
         entry = RegistryEntry(prompt_hash, context_id, BuildState.READY, location,
-                              updated_at=self.clock())
+                              updated_at=self.clock(), tenant=tenant)
         self.put(entry)
         self.release_build(prompt_hash)
         return entry
+
+    def mark_damaged(self, prompt_hash: str, context_id: str, error: str, location: str = "",
+                     tenant: str = "") -> bool:
+        """DAMAGED with error (the tenant kept from the entry when not given), unless it is being
+        built again; -> whether this call marked it (False: already DAMAGED, or building)."""
+        cur = self.get(prompt_hash)
+        if cur is not None and (cur.state == BuildState.DAMAGED
+                                or (cur.state == BuildState.BUILDING and self.build_claimed(prompt_hash))):
+            return False
+        self.put(RegistryEntry(prompt_hash, context_id, BuildState.DAMAGED, location or (cur.location if cur else ""),
+                               error, self.clock(), tenant or (cur.tenant if cur else "")))
+        return True
 
     def mark_failed(self, prompt_hash: str, context_id: str, error: str,
                     location: str = "") -> RegistryEntry:
@@ -181,6 +195,7 @@ class ReconcileReport:
     removed: tuple[str, ...]  # prompt hashes whose artifact is gone
     kept: int
     foreign: int  # entries at other locations, left alone
+    damaged: tuple[str, ...] = ()  # context ids kept DAMAGED (a Put of their content rebuilds them)
 
 
 def _stored(store: ManifestSource) -> dict[str, object]:
@@ -197,10 +212,10 @@ def reconcile(registry: Registry, store: ManifestSource) -> ReconcileReport:
     READY (or abandoned BUILDING) entries whose artifact is missing are removed; an abandoned
     BUILDING entry whose artifact is stored becomes READY; every stored artifact whose key (its
     prompt_hash, else its context id) has no entry, or a FAILED one for the same context, gets
-    a READY entry. Other FAILED entries and live claims are kept; entries at other locations
-    are not judged."""
+    a READY entry. Other FAILED entries and live claims are kept, DAMAGED ones too while their
+    objects are there (reported); entries at other locations are not judged."""
     stored, where = _stored(store), store.location
-    added, removed, kept, foreign = [], [], 0, 0
+    added, removed, kept, foreign, damaged = [], [], 0, 0, []
     present: dict[str, RegistryEntry] = {}
     for e in registry.entries():
         if e.location not in (where, ""):
@@ -209,7 +224,9 @@ def reconcile(registry: Registry, store: ManifestSource) -> ReconcileReport:
                                               and registry.build_claimed(e.prompt_hash)):
             kept += 1
         elif e.context_id in stored or _present(store, e.context_id):
-            if e.state != BuildState.READY:
+            if e.state == BuildState.DAMAGED:
+                damaged.append(e.context_id)
+            elif e.state != BuildState.READY:
                 e = replace(e, state=BuildState.READY, location=where, updated_at=registry.clock())
                 registry.put(e)
             kept += 1
@@ -222,9 +239,10 @@ def reconcile(registry: Registry, store: ManifestSource) -> ReconcileReport:
         key = getattr(m, "prompt_hash", "") or cid
         e = present.get(key)
         if e is None or (e.state == BuildState.FAILED and e.context_id == cid):
-            registry.put(RegistryEntry(key, cid, BuildState.READY, where, "", registry.clock()))
+            registry.put(RegistryEntry(key, cid, BuildState.READY, where, "", registry.clock(),
+                                       getattr(m, "tenant", "")))
             added.append(key)
-    return ReconcileReport(tuple(added), tuple(removed), kept, foreign)
+    return ReconcileReport(tuple(added), tuple(removed), kept, foreign, tuple(damaged))
 
 
 def _present(store: ManifestSource, context_id: str) -> bool:

@@ -4,6 +4,7 @@ as a context of the caller's tenant (the server's default method and codec, so t
 request with those messages finds it: prefix.py computes the same id), with a TTL; the store's
 LRU bounds them as any other. The build runs on the build queue after the answer, so it never
 slows the miss it comes from; until it is READY, requests with that prefix are misses too.
+Raw-text completions have no messages: their prefix is cut at a token block (raw_prefix.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.errors import InvalidArgument
 from ctxcache.service.generate_streams import Chunk, Final, GenerateSpec, GenerateStreams
 from ctxcache.service.http.autocache import AutoCache
+from ctxcache.service.http.autocache import TTL_S
 from ctxcache.service.http.prefix import PrefixLookup
+from ctxcache.service.http.raw_prefix import RawPrefixes
 from ctxcache.service.http.errors import error_body
 from ctxcache.service.http.models import ServedModels
 from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
@@ -91,6 +93,7 @@ class Generation:
         self.limit = max_tokens_limit
         self.prefixes = PrefixLookup(indexer)
         self.auto = AutoCache(indexer, self.prefixes, auto_cache_min_tokens)
+        self.raw = RawPrefixes(indexer, self.prefixes.method, self.prefixes.params, auto_cache_min_tokens, TTL_S)
 
     def _spec(self, req: SamplingBody, max_tokens: int | None, cid: str = _ANY_ID, default: int | None = None,
               **turn: Any) -> GenerateSpec:
@@ -125,8 +128,9 @@ class Generation:
     async def completion(self, caller: Caller, req: CompletionRequest) -> dict | AsyncIterator[str]:
         """A text completion: the prompt's tokens follow the cached context as they are, with no
         chat template (control tokens in it are the template's own, as in any raw completion).
-        Without `cached_content` the prompt alone is decoded (a miss; contexts are chat messages,
-        so no raw prefix is registered)."""
+        Without `cached_content`, the context holding the prompt's longest block-aligned prefix
+        is used (raw_prefix.py); on a miss the prompt alone is decoded, and its long prefix is
+        registered once the answer is complete."""
         t0 = time.perf_counter()
         model = self.models.check(req.model)
         _refuse(req, chat=False)
@@ -136,8 +140,15 @@ class Generation:
         if cid != MISS:
             await in_thread(self.pool, contexts.check_readable, self.indexer, caller, cid)
         tokens = await in_thread(self.pool, self.indexer.prompter.encode, req.prompt)
-        spec = replace(spec, context_id=cid, prompt_tokens=tuple(tokens))
-        return await self._answer(spec, Completion(model, cid, False), req, t0)
+        tenant, after, cached = caller.tenant or "", None, 0
+        if cid == MISS:
+            match = await in_thread(self.pool, self.raw.find, tokens, tenant)
+            if match is not None:
+                cid, cached = match.context_id, match.n_tokens
+            else:  # once answered, its long prefix may become a context
+                after = partial(self.pool.submit, self.raw.register_quietly, tokens, tenant)
+        spec = replace(spec, context_id=cid, prompt_tokens=tuple(tokens[cached:]))
+        return await self._answer(spec, Completion(model, cid, False), req, t0, after)
 
     async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody, t0: float,
                       after: Callable[[], Any] | None = None) -> dict | AsyncIterator[str]:

@@ -7,20 +7,49 @@ manifest PUT, a delete) gives up after `call_s` (the worker thread is left to th
 timeout; it is a daemon), and the first failure opens the breaker: for `open_s` every call
 raises StoreUnavailable at once; then one call probes, and its success closes the breaker.
 Batches (a load's chunks) keep the tier's own `deadline_s` and pass the breaker only.
+
+A request's deadline (`request_deadline`, set by the service around an RPC's blocking work)
+bounds every call further: see `_budget` for how the two combine.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ctxcache.store.errors import StoreUnavailable
+from ctxcache.store.errors import StoreDeadline, StoreUnavailable
 from ctxcache.store.tiers.base import ObjectInfo, ObjectTier
 
 T = TypeVar("T")
+# the answer must still reach the client: a call bound by the request's deadline ends this much
+# earlier (a tenth of the time left, at most MARGIN_S), so the caller reads why, not a bare timeout
+MARGIN_S = 0.25
+_DEADLINE: ContextVar[float | None] = ContextVar("ctxcache_store_deadline", default=None)
+
+
+@contextmanager
+def request_deadline(deadline: float | None) -> Iterator[None]:
+    """Object-store calls made in this block (this thread, or a context copied from it) end by
+    `deadline` (time.monotonic()), None: no request deadline (the guard's own bounds alone)."""
+    token = _DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def _left() -> float | None:
+    """Seconds the request has left for the store (its margin kept), None without a deadline."""
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    return left - min(MARGIN_S, max(0.0, left) / 10)
 
 
 @dataclass(frozen=True)
@@ -57,6 +86,11 @@ class Breaker:
     def succeeded(self) -> None:
         with self._lock:
             self._open_until, self._probing = None, False
+
+    def released(self) -> None:
+        """A call ended by its request's deadline: no verdict on the store (a probe may go again)."""
+        with self._lock:
+            self._probing = False
 
     def failed(self, why: str) -> None:
         with self._lock:
@@ -128,6 +162,33 @@ class GuardedTier:
 
     # ---- the guard ------------------------------------------------------------------------------
     def _guarded(self, op: str, key: str, call: Callable[[], T]) -> T:
+        """A batch: the breaker, and the request's deadline if it has one (no bound of its own)."""
+        left = _left()
+        return self._admitted(op, call if left is None else lambda: _within(left, call, lambda: self._late(op, key)))
+
+    def _timed(self, op: str, key: str, call: Callable[[], T]) -> T:
+        seconds, ours = self._budget()
+        timeout = (lambda: self.inner.unavailable(op, key, TimeoutError(f"no answer within {seconds:g} s"))) \
+            if ours else (lambda: self._late(op, key))
+        return self._admitted(op, lambda: _within(seconds, call, timeout))
+
+    def _budget(self) -> tuple[float, bool]:
+        """-> (seconds a single-object call may take, whether that is the guard's own call_s).
+
+        min(the request's time left, call_s), not the time left alone: a healthy store answers
+        one small object in milliseconds, so call_s without an answer already means it hangs,
+        and a request allowed a minute must not hold its thread (and the next caller, until the
+        breaker opens) on a hung store for that minute. A request with less time ends its call
+        when nobody waits for the answer any more; that says nothing of the store, so it raises
+        StoreDeadline, which opens no breaker (a client's short deadline cannot shut the store
+        off for everyone). Without a request deadline: call_s."""
+        call_s, left = self.guard_config.call_s, _left()
+        return (call_s, True) if left is None or left >= call_s else (left, False)
+
+    def _late(self, op: str, key: str) -> StoreDeadline:
+        return StoreDeadline(f"object store {self.inner.uri}: {op} {key}: no answer before the request's deadline")
+
+    def _admitted(self, op: str, call: Callable[[], T]) -> T:
         if not self.breaker.admit():
             raise self.breaker.refusal(self.inner.uri, op)
         try:
@@ -135,21 +196,21 @@ class GuardedTier:
         except StoreUnavailable as exc:
             self.breaker.failed(str(exc))
             raise
+        except StoreDeadline:
+            self.breaker.released()
+            raise
         except BaseException:
             self.breaker.succeeded()  # it answered (a bad key, a closed tier): not an outage
             raise
         self.breaker.succeeded()
         return out
 
-    def _timed(self, op: str, key: str, call: Callable[[], T]) -> T:
-        return self._guarded(op, key, lambda: _within(self.guard_config.call_s, call,
-                                                      lambda: self.inner.unavailable(op, key, TimeoutError(
-                                                          f"no answer within {self.guard_config.call_s:g} s"))))
 
-
-def _within(seconds: float, call: Callable[[], T], timeout: Callable[[], StoreUnavailable]) -> T:
+def _within(seconds: float, call: Callable[[], T], timeout: Callable[[], Exception]) -> T:
     """call() on a daemon thread; its result or exception, or timeout() after `seconds` (the
     thread is left to finish on its own: a blocked SDK call cannot be interrupted)."""
+    if seconds <= 0:
+        raise timeout()
     box: dict[str, Any] = {}
     done = threading.Event()
 

@@ -3,6 +3,7 @@ a context built on one generates on the other without a rebuild, with the same t
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -97,3 +98,30 @@ def test_evict_local_only_keeps_the_object_store_copy_and_the_next_generate_load
     with pytest.raises(grpc.RpcError) as err:
         ca.admin.Evict(apb.EvictRequest(context_id=cid, local_only=True, memory_only=True))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.s3
+def test_a_request_deadline_bounds_cold_calls_on_a_hung_object_store(start, tmp_path: Path, s3_server) -> None:
+    """Issue 43: object-store calls carry the request's deadline. With 1 s on a SIGSTOPped store
+    the server answers before it, DEADLINE_EXCEEDED naming the object store (not the client's
+    bare timeout after a 3 s call), and the breaker stays closed: the store, back, answers."""
+    a, ca = start(shared_config(tmp_path / "a", s3_server.uri()))
+    cid = put_text(ca).context_id
+    a.decoder.cache.evict(cid)
+    a.backend.store.local.delete(cid)  # only the object store has it: every read is a cold one
+    s3_server.pause()
+    try:
+        errors, took = [], []
+        for call in (lambda: ask(ca, cid, timeout=1.0),
+                     lambda: ca.context.GetContext(pb.GetContextRequest(context_id=cid), timeout=1.0)):
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            took.append(time.monotonic() - t0)
+            errors.append((err.value.code(), err.value.details()))
+    finally:
+        s3_server.resume()
+    for code, details in errors:
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "object store" in details, errors
+    assert max(took) < 1.2, took
+    assert ask(ca, cid)[1].usage.cached_tokens > 0

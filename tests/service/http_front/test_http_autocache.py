@@ -3,7 +3,8 @@ messages become a context of its tenant in the background, so the next request w
 hit. The official `openai` client against a real `ctxcache serve --http-port` process (the random
 tiny model, a byte tokenizer: TEXT's system message is 565 tokens). The server decodes densely
 with lossless K/V, so a hit must give exactly the miss's greedy tokens (a sparse schedule would
-give its approximation of them)."""
+give its approximation of them). A raw-text completion's prefix is cut at a 128-token block (the
+byte tokenizer: a prompt's tokens are its bytes)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from http_helpers import serve_process
 MIN = 256  # --auto-cache-min-tokens
 SYSTEM_TOKENS = 565  # TEXT as the system message, rendered by the byte tokenizer's template
 FLAGS = ["--model", "random:tiny", "--method", "key-kmeans", "--decode-mode", "dense", "--kv-codec", "lossless",
-         "--auto-cache-min-tokens", str(MIN), "--tenant-tokens", "tokA=acme,tokB=bolt,tokC=cove"]
+         "--auto-cache-min-tokens", str(MIN), "--tenant-tokens",
+         "tokA=acme,tokB=bolt,tokC=cove,tokD=dune,tokE=echo,tokF=fjord"]
 QUESTION = {"role": "user", "content": "Where is the lighthouse?"}
 
 
@@ -120,3 +122,63 @@ def test_auto_cache_off(tmp_path):
             assert ask(oai, messages).usage.prompt_tokens_details.cached_tokens == 0
             time.sleep(0.5)
             assert ask(oai, messages).usage.prompt_tokens_details.cached_tokens == 0 and contexts(oai) == []
+            for _ in range(2):
+                assert complete(oai, TEXT).usage.prompt_tokens_details.cached_tokens == 0
+                time.sleep(0.5)
+            assert contexts(oai) == []
+
+
+BLOCK = 128  # raw_prefix.BLOCK
+PROMPT = TEXT + " Where is the Needle?"
+PREFIX = (len(PROMPT) - 1) // BLOCK * BLOCK  # 512: at least one token follows the cached prefix
+
+
+def complete(oai: openai.OpenAI, prompt: str, **kw):
+    return oai.completions.create(model="random:tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"return_token_ids": True}, **kw)
+
+
+def test_a_completion_prefix_is_registered_at_a_token_block_and_reused(base):
+    assert PREFIX == 512 and len(PROMPT) > PREFIX
+    with client(base, "tokD") as oai:
+        miss = complete(oai, PROMPT)
+        assert miss.usage.prompt_tokens_details.cached_tokens == 0 and miss.model_extra["cached_content"] is None
+        (made,) = wait_ready(oai)
+        assert made["usage_metadata"]["total_token_count"] == PREFIX and made["expire_time"], made
+        hit = complete(oai, PROMPT)
+        assert hit.usage.prompt_tokens_details.cached_tokens == PREFIX and hit.model_extra["cached_content"] == made["id"]
+        assert hit.usage.prompt_tokens == miss.usage.prompt_tokens == len(PROMPT)
+        assert hit.choices[0].model_extra["token_ids"] == miss.choices[0].model_extra["token_ids"]
+        # a longer prompt (its own longest block is 768) sharing the prefix: the 512 are reused, streamed too
+        longer = PROMPT + TEXT[:200]
+        chunks = list(complete(oai, longer, stream=True, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        assert usage.prompt_tokens_details.cached_tokens == PREFIX and usage.prompt_tokens == len(longer)
+        assert [c["id"] for c in contexts(oai)] == [made["id"]]  # a hit registers nothing more
+
+
+def test_a_completion_prefix_shorter_than_the_minimum_is_not_registered(base):
+    under, at = TEXT[1:MIN + 1], TEXT[2:MIN + 3]  # 256 tokens: a 128-token prefix; 257: a 256-token one
+    with client(base, "tokE") as oai:
+        for _ in range(2):
+            assert complete(oai, under).usage.prompt_tokens_details.cached_tokens == 0
+            time.sleep(0.5)  # a registration would be submitted by now and built in milliseconds
+        assert contexts(oai) == []
+        complete(oai, at)
+        (made,) = wait_ready(oai)
+        assert made["usage_metadata"]["total_token_count"] == MIN
+        assert complete(oai, at).usage.prompt_tokens_details.cached_tokens == MIN
+
+
+def test_tenants_never_see_each_others_completion_prefixes(base):
+    prompt = "Tenant F asks: " + PROMPT
+    with client(base, "tokD") as d, client(base, "tokF") as f:
+        seen_d = {c["id"] for c in contexts(d)}
+        complete(d, prompt)
+        mine = {c["id"] for c in wait_ready(d, len(seen_d) + 1)} - seen_d
+        assert len(mine) == 1 and complete(d, prompt).usage.prompt_tokens_details.cached_tokens == PREFIX
+        assert complete(f, prompt).usage.prompt_tokens_details.cached_tokens == 0  # D's context is not F's
+        theirs = {c["id"] for c in wait_ready(f)}  # F's miss made F's own
+        assert len(theirs) == 1 and not theirs & mine
+        again = complete(f, prompt)
+        assert again.model_extra["cached_content"] in theirs and again.usage.prompt_tokens_details.cached_tokens == PREFIX
