@@ -72,23 +72,40 @@ def check_chunk(m: Manifest, info: ChunkInfo, buf: Payload | None, how: str) -> 
         raise CorruptArtifact(m.context_id, info.label(), f"{how} checksum mismatch")
 
 
+class ChunkDecoder:
+    """Some of m's chunks (in order) decoded into one arena as each arrives (`put`, from any
+    thread: each chunk has its own range), then the artifact of them all."""
+
+    def __init__(self, m: Manifest, chunks: Sequence[ChunkInfo], huge_pages: bool = False,
+                 pin_memory: bool = False) -> None:
+        try:
+            specs = [(codec.torch_dtype(c.dtype), tuple(c.shape)) for c in chunks]
+        except ValueError as exc:
+            raise CorruptArtifact(m.context_id, "manifest", str(exc)) from None
+        self.m, self.chunks = m, chunks
+        self.arena = Arena(specs, huge_pages, pin_memory)
+
+    def put(self, i: int, buf: Payload) -> None:
+        """Decode chunk i's stored bytes (checked already) into its tensor."""
+        info = self.chunks[i]
+        try:
+            self.arena.populate(i)
+            codec.decode_into(buf, self.arena.tensors[i], info.codec, info.stored_dtype)
+        except ValueError as exc:
+            raise CorruptArtifact(self.m.context_id, info.label(), str(exc)) from None
+
+    def artifact(self) -> ContextArtifact:
+        return assemble(self.m, self.chunks, self.arena.tensors)
+
+
 def decode_chunks(m: Manifest, chunks: Sequence[ChunkInfo], bufs: Sequence[Payload | None], pool: Executor,
                   how: str, huge_pages: bool = False, pin_memory: bool = False) -> ContextArtifact:
     """Check and decode chunks (some of m's, in order) into one arena -> the artifact."""
-    try:
-        specs = [(codec.torch_dtype(c.dtype), tuple(c.shape)) for c in chunks]
-    except ValueError as exc:
-        raise CorruptArtifact(m.context_id, "manifest", str(exc)) from None
-    arena = Arena(specs, huge_pages, pin_memory)
+    decoder = ChunkDecoder(m, chunks, huge_pages, pin_memory)
 
     def one(i: int) -> None:
-        info, buf = chunks[i], bufs[i]
-        check_chunk(m, info, buf, how)
-        try:
-            arena.populate(i)
-            codec.decode_into(buf, arena.tensors[i], info.codec, info.stored_dtype)
-        except ValueError as exc:
-            raise CorruptArtifact(m.context_id, info.label(), str(exc)) from None
+        check_chunk(m, chunks[i], bufs[i], how)
+        decoder.put(i, bufs[i])
 
     list(pool.map(one, range(len(chunks))))
-    return assemble(m, chunks, arena.tensors)
+    return decoder.artifact()

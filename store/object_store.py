@@ -22,7 +22,7 @@ from typing import Any
 
 from ctxcache.artifact import READABLE_FORMATS, ContextArtifact
 from ctxcache.store import object_layout as lay
-from ctxcache.store.chunk_io import Payload, check_chunk, decode_chunks, encode_artifact
+from ctxcache.store.chunk_io import ChunkDecoder, Payload, check_chunk, decode_chunks, encode_artifact
 from ctxcache.store.config import BadChunk, StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch
 from ctxcache.store.keys import check_id
@@ -33,6 +33,10 @@ from ctxcache.store.object_gc import GcReport, collect_garbage, make_room, summa
 from ctxcache.store.tiers import ObjectTier, open_tier
 from ctxcache.store.tiers.guard import GuardedTier
 from ctxcache.store import txn_ops
+
+
+# given a fetch's manifest and chunks -> what takes each chunk as it arrives (ObjectArtifactStore.fetch)
+Sink = Callable[[Manifest, tuple[ChunkInfo, ...]], Callable[[int, Payload], None]]
 
 
 @dataclass(frozen=True)
@@ -192,25 +196,39 @@ class ObjectArtifactStore:
         self._live()
         return self._read_manifest(context_id)
 
-    def fetch(self, context_id: str, with_queries: bool = True) -> Fetched | None:
+    def fetch(self, context_id: str, with_queries: bool = True, sink: Sink | None = None) -> Fetched | None:
         """The manifest and its chunks' stored bytes, every chunk checked (config.verify_on_load)
-        before it is returned. A write replaced or deleted mid-fetch is read again once / None."""
-        pool = self._live()
+        as it arrives. A write replaced or deleted mid-fetch is read again once / None. sink:
+        sink(manifest, chunks) -> a callable given each checked chunk (index, bytes) on the
+        thread that read it, while the others are still arriving (a load decodes there)."""
+        self._live()
+        how = self.config.verify_on_load
         for attempt in range(2):
             m = self._read_manifest(context_id)
             if m is None:
                 return None
             chunks = tuple(c for c in m.chunks if with_queries or c.name != QUERY_CHUNK)
             wid = lay.write_id(m)
-            bufs = self.tier.get_many([lay.chunk_key(m.context_id, wid, c) for c in chunks])
+            use = sink(m, chunks) if sink is not None else None
+
+            def arrived(i: int, buf: bytes | None, m: Manifest = m, chunks: tuple[ChunkInfo, ...] = chunks,
+                        use: Callable[[int, Payload], None] | None = use) -> None:
+                if buf is None:
+                    return  # absent: replaced or deleted mid-fetch (looked at below)
+                check_chunk(m, chunks[i], buf, how)
+                if use is not None:
+                    use(i, buf)
+
+            bufs = self.tier.get_many([lay.chunk_key(m.context_id, wid, c) for c in chunks], arrived)
             if any(b is None for b in bufs) and attempt == 0:
                 now = self._read_manifest(context_id, allow_expired=True, quiet=True)
                 if now is None:
                     return None  # deleted while we read it
                 if lay.write_id(now) != wid:
                     continue  # replaced while we read it: read the new write
-            how = self.config.verify_on_load
-            list(pool.map(lambda i: check_chunk(m, chunks[i], bufs[i], how), range(len(chunks))))
+            for info, buf in zip(chunks, bufs):
+                if buf is None:
+                    check_chunk(m, info, buf, how)  # raises: the chunk is missing
             return Fetched(m, chunks, tuple(bufs))
         raise AssertionError("unreachable: the second attempt returns or raises")
 
@@ -220,8 +238,25 @@ class ObjectArtifactStore:
                              self.codec.huge_pages, self.codec.pin_memory)
 
     def get(self, context_id: str, with_queries: bool = False) -> ContextArtifact | None:
-        f = self.fetch(context_id, with_queries)
-        return None if f is None else self.decode(f)
+        got = self.fetch_decoded(context_id, with_queries, with_queries)
+        return None if got is None else got[1]
+
+    def fetch_decoded(self, context_id: str, fetch_queries: bool = True, decode_queries: bool = False
+                      ) -> tuple[Fetched, ContextArtifact] | None:
+        """Fetch (the query chunks too with fetch_queries: a local copy is whole) and decode
+        what a load reads, each chunk as it arrives: the decode overlaps the download instead
+        of following it."""
+        box: dict[str, ChunkDecoder] = {}
+
+        def sink(m: Manifest, chunks: tuple[ChunkInfo, ...]) -> Callable[[int, Payload], None]:
+            wanted = [i for i, c in enumerate(chunks) if decode_queries or c.name != QUERY_CHUNK]
+            dec = box["decoder"] = ChunkDecoder(m, [chunks[i] for i in wanted], self.codec.huge_pages,
+                                                self.codec.pin_memory)
+            at = {i: j for j, i in enumerate(wanted)}
+            return lambda i, buf: dec.put(at[i], buf) if i in at else None
+
+        f = self.fetch(context_id, fetch_queries, sink)
+        return None if f is None else (f, box["decoder"].artifact())
 
     def list_manifests(self, offset: int = 0, limit: int = 100, labels: Mapping[str, str] | None = None,
                        tenant: str | None = None, after: str | None = None) -> list[Manifest]:

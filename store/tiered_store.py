@@ -177,20 +177,22 @@ class TieredStore:
         t0 = time.perf_counter()
         with self._lock:
             f = self._filling.get(context_id)
-        if f is None:
-            f = self._fetch(context_id)
-            if f is None:
+        if f is not None:  # a put's or a download's bytes, not yet in the local copy
+            art = self.shared.decode(f if with_queries else _without_queries(f))
+        else:
+            got = self._fetch(context_id, with_queries)
+            if got is None:
                 return None
-            self._fill_later(f)
+            f, art = got
+            self._fill_later(f)  # after the decode, which the LMDB write would slow
         self._presence.confirm(context_id)
-        art = self.shared.decode(f if with_queries else _without_queries(f))
         self.loads.hit("object", f.nbytes, time.perf_counter() - t0)
         self._mark_use(context_id)
         return art
 
-    def _fetch(self, context_id: str) -> Fetched | None:
-        try:
-            f = self.shared.fetch(context_id, with_queries=True)  # all chunks: the local copy is whole
+    def _fetch(self, context_id: str, with_queries: bool) -> tuple[Fetched, ContextArtifact] | None:
+        try:  # all chunks: the local copy is whole; decoded as they arrive
+            got = self.shared.fetch_decoded(context_id, fetch_queries=True, decode_queries=with_queries)
         except StoreUnavailable:
             self.loads.count("unavailable")
             self._presence.mark_down()
@@ -198,9 +200,9 @@ class TieredStore:
         except CorruptArtifact:
             self.loads.count("corrupt")
             raise
-        if f is None:
+        if got is None:
             self.loads.count("misses")
-        return f
+        return got
 
     def _fill_later(self, f: Fetched) -> None:
         with self._lock:

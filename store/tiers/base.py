@@ -102,8 +102,18 @@ class ObjectTier(ABC):
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         self._batch("put", lambda kv: self.put(*kv), items)
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self._batch("get", self.get, keys)
+    def get_many(self, keys: Sequence[str],
+                 then: Callable[[int, bytes | None], None] | None = None) -> list[bytes | None]:
+        """Every key's object (None: absent); then(i, object) runs on the worker that read key i
+        as soon as it has (a load checks and decodes each chunk while the others still arrive)."""
+        if then is None:
+            return self._batch("get", self.get, keys)
+
+        def one(item: tuple[int, str]) -> bytes | None:
+            data = self.get(item[1])
+            then(item[0], data)
+            return data
+        return self._batch("get", one, list(enumerate(keys)))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self._batch("contains", self.contains, keys)

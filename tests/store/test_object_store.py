@@ -201,3 +201,42 @@ def test_listing_filters_by_tenant_and_labels_and_pages(tier_uri: str) -> None:
         assert [m.context_id for m in s.list_manifests(after="c1", limit=2)] == ["c2", "c3"]
         assert [m.context_id for m in s.list_manifests(offset=3)] == ["c3", "c4"]
         assert s.stats().contexts == 5
+
+
+def test_a_load_decodes_each_chunk_as_it_arrives_and_keeps_every_fetched_chunk(tmp_path: Path, monkeypatch) -> None:
+    """fetch_decoded: a chunk is decoded on the thread that read it while a slow chunk is still
+    on its way (the decode overlaps the download); the fetched bytes hold the query chunks too
+    (for the whole local copy), the artifact only what a load reads."""
+    import threading
+    import time
+
+    from ctxcache.store import chunk_io
+
+    art = make_artifact(4, n=256, layers=3, d=32)
+    with ObjectArtifactStore(f"file://{tmp_path}") as s:
+        s.put("c1", art)
+        slow_key = chunk_objects(s, "c1")[-1]
+        inner = s.tier.inner
+        real_get = inner.get
+        decoded_before_slow: list[bool] = []
+        slow_done = threading.Event()
+
+        def get(key: str):  # noqa: ANN202
+            if key == slow_key:
+                time.sleep(0.3)
+                out = real_get(key)
+                slow_done.set()
+                return out
+            return real_get(key)
+
+        real_put = chunk_io.ChunkDecoder.put
+
+        def put(self, i, buf):  # noqa: ANN001, ANN202
+            decoded_before_slow.append(not slow_done.is_set())
+            return real_put(self, i, buf)
+
+        monkeypatch.setattr(inner, "get", get)
+        monkeypatch.setattr(chunk_io.ChunkDecoder, "put", put)
+        f, got = s.fetch_decoded("c1", fetch_queries=True, decode_queries=False)
+        assert any(decoded_before_slow) and len(f.chunks) == len(f.payloads)
+        assert_same(got, art)

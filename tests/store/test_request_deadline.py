@@ -20,7 +20,7 @@ def hung_tier(tmp_path: Path, call_s: float = 3.0) -> tuple[GuardedTier, object]
     tier = GuardedTier(open_tier(f"file://{tmp_path}"), GuardConfig(call_s=call_s, open_s=60))
     real = tier.inner.get
     tier.inner.get = lambda key: time.sleep(5)  # type: ignore[method-assign]
-    tier.inner.get_many = lambda keys: time.sleep(5)  # type: ignore[method-assign]
+    tier.inner.get_many = lambda keys, then=None: time.sleep(5)  # type: ignore[method-assign]
     return tier, real
 
 
