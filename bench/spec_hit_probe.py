@@ -1,4 +1,4 @@
-"""`python -m ctxcache.bench.spec_hit_probe`: how often the threshold bin carried from the previous
+"""`ctxcache bench spec_hit_probe`: how often the threshold bin carried from the previous
 step is the current one (kernels/spec_select's guess), on a real model (CPU reference runner).
 
 Why: the speculated pass 1 saves the pass over every key's score only where the K-th candidate's
@@ -24,7 +24,7 @@ QUESTION = "What does the text say about the keeper of the light?"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ctxcache.bench.spec_hit_probe", description=__doc__,
+    ap = argparse.ArgumentParser(prog="ctxcache bench spec_hit_probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_out(ap)
     ap.add_argument("--model", default="smollm2")
