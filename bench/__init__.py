@@ -20,7 +20,6 @@ BENCHMARKS = {
     "store_io": ("CPU", "the LMDB store: bytes per chunk kind, compression, put and load times"),
     "check": ("GPU", "correctness of the GPU path vs the torch reference (selection overlap, greedy tokens)"),
     "attention": ("GPU", "per-layer decode attention: dense SDPA vs CSAttention selection + sparse attention"),
-    "spec_hit_probe": ("CPU", "how often the threshold bin carried from the last step is this step's (speculated pass 1)"),
     "prefill": ("GPU", "per-layer question prefill on a resident context: SDPA vs packed attention, follow seed, index insert"),
     "decode": ("GPU", "whole-model decode tokens/s dense vs CSAttention; index build time; TTFT"),
     "offload": ("GPU", "decode attention over KV in pinned host memory vs dense on GPU and host"),

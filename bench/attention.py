@@ -5,10 +5,7 @@ K/V/Q and random tables of the shapes CSAttention builds (m=8, C=128): the list 
 (L = alpha * N; rows cs_*, csattention) and the dense full-list layout, the measured default
 (dense_score [B, Hkv, m, C, N], each batch row its own unless --share-tables; rows cs_dense_*, csattention_dense;
 *_g16 for fp16 tables, *_g16_int8 for int8 tables with a per-row scale, CSAttention's default
-table_dtype, scored by integer dot products, through the radix chain score -> pass 1 -> collect;
-*_g16_int8_spec the same with pass 1 speculated in the score kernel on the carried threshold bin,
-kernels/spec_select: its select row replays one input, so the guess hits, and *_miss resets the
-guess inside the graph so every replay misses; the re-rank rows run both, *_radix the old chain).
+table_dtype, scored by integer dot products).
 Each variant is captured in a CUDA graph and timed by replay (median, L2 flushed). The timed
 rows run the decoder's own configs (GpuSelector's score and Top-K shapes, GpuSparseAttention's
 ATTN_CFG). The launch-shape sweeps that chose those configs were deleted with their probe
@@ -24,7 +21,6 @@ import torch
 from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.kernels.rerank import Reranker
 from ctxcache.decoder.gpu.selector import GpuSelector
-from ctxcache.kernels.spec_select import SPEC_FLAG
 from ctxcache.kernels.topk import radix_topk
 from ctxcache.kernels.split_k_attention import choose_splits, region, sparse_decode_attention
 from ctxcache.methods import Budget
@@ -34,15 +30,10 @@ from ctxcache.bench.common.gpu import (D, HKV, HQ, batch_dense_tables, capture_g
                                       gpu_cli, random_tables, sdpa_dense, time_us)
 from ctxcache.bench.common.report import plot_lines, print_table, write_result
 
-# Dense-layout variants, row suffix -> (routing, score keys, table dtype, speculated pass 1). ""
-# is the first layout (a route per query head, fp32 scores, four radix passes); "_g16_int8_spec"
-# the default (issue 46 stage 1), "_g16_int8" the radix chain before it.
-# hits of the carried threshold bin on SmolLM2 at 4K (bench/spec_hit_probe, CPU reference: prose
-# 0.446, code 0.372): the expected speculated select time weighs the hit and miss rows by it
-SPEC_HIT_RATE = 0.41
-DENSE_VARIANTS = {"": ("head", "fp32", "float16", False), "_g": ("group", "fp32", "float16", False),
-                  "_g16": ("group", "fp16", "float16", False), "_g16_int8": ("group", "fp16", "int8", False),
-                  "_g16_int8_spec": ("group", "fp16", "int8", True)}
+# Dense-layout variants, row suffix -> (routing, score keys, table dtype). "" is the first
+# layout (a route per query head, fp32 scores, four radix passes); "_g16_int8" the default.
+DENSE_VARIANTS = {"": ("head", "fp32", "float16"), "_g": ("group", "fp32", "float16"),
+                  "_g16": ("group", "fp16", "float16"), "_g16_int8": ("group", "fp16", "int8")}
 
 
 def step_inputs(n: int, batch: int, budget: Budget, dev: str) -> tuple[torch.Tensor, ...]:
@@ -74,8 +65,7 @@ def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev
     for suffix, variant in DENSE_VARIANTS.items():
         rows += bench_dense(q, k, v, nt, lo, hi, kk, budget, base, suffix, *variant, shared=shared)
     for r in reranks:
-        for spec in (True, False):  # the speculated pass 1 (default) and the radix chain, A/B
-            rows += bench_rerank(q, k, v, nt, lo, hi, kk, budget, base, r, shared, spec)
+        rows += bench_rerank(q, k, v, nt, lo, hi, kk, budget, base, r, shared)
     del k, v
     torch.cuda.empty_cache()
     return rows
@@ -121,13 +111,13 @@ def attend(q, k, v, nt, idx, kk, budget: Budget, splits: int, pdl: bool = False,
 
 
 def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str, routing: str,
-                score_keys: str, score_dtype: str, spec: bool, shared: bool = False) -> list[dict]:
+                score_keys: str, score_dtype: str, shared: bool = False) -> list[dict]:
     """Dense-layout selection (broken down) + sparse attention, one variant; `shared`: one
     table for every batch row (stride 0) instead of one per row."""
     batch, n = q.shape[0], k.shape[2]
     params = CSAttentionParams(routing=routing, rerank=1.0)  # list_fraction = 1: the dense layout
     tables = batch_dense_tables(batch, n, params, q.device, score_dtype, shared=shared)
-    sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys, spec=spec)
+    sel = GpuSelector(params, batch, HQ, HKV, D, n, int(kk[0]), q.device, score_keys=score_keys)
     # the selector's own score and Top-K shapes, as the decoder runs them
     ss = attn_splits(batch, int(kk[0]), budget)
     idx = sel.select(q, tables, lo, hi, kk)
@@ -136,11 +126,6 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     sel.finish(scores, lo, hi, kk)
     routed = HKV if routing == "group" else HQ
     score_bytes = batch * routed * params.subspaces * n * tables.dense_score.element_size()
-    # HBM bytes of the selection, estimated: the routed rows, then 2 B a key written by the score
-    # kernel and read by each pass after it (pass 1 and the collect; a speculated pass 1 that
-    # hits reads none); fp32 scores: 4 B a key written and read by passes 1-3 and the collect
-    key_bytes = batch * HKV * n * (2 if score_keys == "fp16" else 4)
-    select_bytes = score_bytes + key_bytes * ((2 if spec else 3) if score_keys == "fp16" else 5)
 
     def topk_only():  # restore pass 0's histogram (4 KB per row) so replays stay valid
         sel.ws.copy_(ws_after_pass0)
@@ -151,29 +136,15 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
 
     def total():
         attend(q, k, v, nt, sel.select(q, tables, lo, hi, kk), kk, budget, ss, sel.pdl)
-    def select_miss():  # every replay starts from no guess: the repair redoes pass 1
-        tables.spec_bin.fill_(-1)
-        sel.select(q, tables, lo, hi, kk)
     parts = {"cs_dense_score": lambda: sel.route_dense(q, tables, lo, hi, kk), "cs_dense_topk": topk_only,
              "cs_dense_select": lambda: sel.select(q, tables, lo, hi, kk), "csattention_dense": total}
-    if spec:
-        parts["cs_dense_select_miss"] = select_miss
     if suffix == "":
         parts["cs_sparse_attn"] = attn
     rows = []
     for name, fn in parts.items():
         g = capture(fn)
         row = {**base, "method": name + suffix, "time_us": time_us(g.replay), "routing": routing,
-               "score_keys": score_keys, "score_dtype": score_dtype, "spec": spec,
-               "tables_shared_across_batch_rows": shared}
-        if name.startswith("cs_dense_select"):
-            miss = name.endswith("_miss")
-            row["hbm_bytes_est"] = select_bytes + (key_bytes if miss else 0)
-            row["gb_per_s_est"] = row["hbm_bytes_est"] / row["time_us"] / 1e3
-            if spec:
-                row["spec_hit_rows"] = int(sel.ws[:, SPEC_FLAG].sum())  # of the last replay
-                row["note"] = ("every replay misses (guess reset in the graph, +1 fill launch)" if miss
-                               else "one input replayed: the carried guess hits")
+               "score_keys": score_keys, "score_dtype": score_dtype, "tables_shared_across_batch_rows": shared}
         if name == "cs_dense_score":
             row["rows_bytes"] = score_bytes  # routed rows of N per KV head (repeats counted)
             row["gb_per_s"] = score_bytes / row["time_us"] / 1e3
@@ -189,8 +160,7 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     return rows
 
 
-def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: float, shared: bool,
-                 spec: bool = True) -> list[dict]:
+def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: float, shared: bool) -> list[dict]:
     """The default variant (group routing, int8 tables) with CSAttention's exact re-rank, as
     GpuSparseAttention runs it: the selector proposes ceil(rerank * K) candidates (the default
     follow: led by the successors of the last step's best keys, seeded here at random positions),
@@ -207,7 +177,7 @@ def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: fl
         span = int(hi[0] - lo[0]) - 1  # distinct previous keys, as a Top-K's are
         tables.follow_prev = (torch.rand(batch, HKV, span, device=q.device).argsort(-1)[..., :f] + int(lo[0])).int()
     kf = kk.clamp(max=f)
-    sel = GpuSelector(params, batch, HQ, HKV, D, n, kc_max, q.device, score_keys="fp16", spec=spec)
+    sel = GpuSelector(params, batch, HQ, HKV, D, n, kc_max, q.device, score_keys="fp16")
     ss = attn_splits(batch, k_max, budget)
     cand = sel.select(q, tables, lo, hi, kc)
     rr = Reranker(batch, HKV, HQ // HKV, kc_max, k_max, q.device, follow=f)
@@ -219,13 +189,13 @@ def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: fl
         idx = rr(q, k, sel.select(q, tables, lo, hi, kc), kc, kk, lo, hi, nt, budget.sinks, budget.recent,
                  tables.follow_prev, kf)
         attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl)
-    tag = f"_rerank{rerank:g}" + ("" if spec else "_radix")
+    tag = f"_rerank{rerank:g}"
     rows = []
     for name, fn in {"cs_dense_select": lambda: sel.select(q, tables, lo, hi, kc), "cs_rerank_only": rerank_only,
                      "csattention_dense": total}.items():
         g = capture(fn)
         rows.append({**base, "method": name + tag, "time_us": time_us(g.replay), "rerank": rerank, "follow": f,
-                     "candidates": kc_max, "top_k": k_max, "spec": spec, "tables_shared_across_batch_rows": shared})
+                     "candidates": kc_max, "top_k": k_max, "tables_shared_across_batch_rows": shared})
     del tables, sel, cand
     torch.cuda.empty_cache()
     return rows
@@ -281,15 +251,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             row[f"select{tag}_us"] = t.get(f"cs_dense_select{suffix}")
             row[f"cs{tag}_us"] = t.get(f"csattention_dense{suffix}")
             row[f"speedup{tag}"] = dense / row[f"cs{tag}_us"] if row[f"cs{tag}_us"] else None
-        row.update(score_g16_us=t.get("cs_dense_score_g16"), topk_g16_us=t.get("cs_dense_topk_g16"),
-                   select_spec_miss_us=t.get("cs_dense_select_miss_g16_int8_spec"))
-        hit_us, miss_us = row.get("select_g16_int8_spec_us"), row["select_spec_miss_us"]
-        if hit_us and miss_us:  # a served step mixes hits and misses (bench/spec_hit_probe measures the rate)
-            row["select_spec_expected_us"] = SPEC_HIT_RATE * hit_us + (1 - SPEC_HIT_RATE) * miss_us
+        row.update(score_g16_us=t.get("cs_dense_score_g16"), topk_g16_us=t.get("cs_dense_topk_g16"))
         for m, us in t.items():  # the re-rank variants (--rerank)
             if m.startswith("csattention_dense_rerank"):
                 tag = m.removeprefix("csattention_dense_")
-                row[f"select_{tag}_us"] = t.get(f"cs_dense_select_{tag}")
                 row.update({f"cs_{tag}_us": us, f"{tag}_only_us": t.get(f"cs_rerank_only_{tag}"), f"speedup_{tag}": dense / us})
         out.append(row)
     return out
@@ -333,13 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                           "select_g_us", "cs_g_us", "speedup_g"])
     print_table(summary, ["context", "batch", "sdpa_us", "score_g16_us", "topk_g16_us", "select_g16_us", "cs_g16_us",
                           "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
-    print("issue 46 stage 1: int8 select, radix chain vs pass 1 speculated in the score kernel (hit / miss)")
-    print_table(summary, ["context", "batch", "select_g16_int8_us", "select_g16_int8_spec_us", "select_spec_miss_us",
-                          "select_spec_expected_us", "cs_g16_int8_us", "cs_g16_int8_spec_us"])
     for r in args.rerank:
         tag = f"rerank{r:g}"
-        print_table(summary, ["context", "batch", f"select_{tag}_radix_us", f"select_{tag}_us",
-                              f"cs_{tag}_radix_us", f"cs_{tag}_us"])
         print_table(summary, ["context", "batch", "sdpa_us", "cs_g16_int8_us", f"{tag}_only_us", f"cs_{tag}_us",
                               f"speedup_{tag}"])
     png = plot_lines(path.with_suffix(".png"), {

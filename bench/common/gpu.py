@@ -76,8 +76,7 @@ def rows_view(t: GpuDenseTables, batch: int, max_new: int) -> GpuDenseTables:
         n_ctx=torch.full((batch,), n, dtype=torch.int32, device=dev),
         new_scores=torch.zeros(batch, *t.new_scores.shape[1:4], max_new, device=dev),
         stream_start=torch.full((batch,), n, dtype=torch.int32, device=dev),
-        stream_count=torch.zeros(batch, dtype=torch.int32, device=dev),
-        spec_bin=None)  # the selector makes one guess per view row (kernels/spec_select)
+        stream_count=torch.zeros(batch, dtype=torch.int32, device=dev))
 
 
 def dense_table_bytes(batch: int, n: int, params: CSAttentionParams, score_dtype: str) -> int:

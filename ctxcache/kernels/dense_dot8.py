@@ -33,9 +33,7 @@ import triton
 import triton.language as tl
 
 from ctxcache.kernels.dense_select import _routed_chunk, check_routed_inputs, score_program, store_keys16
-from ctxcache.kernels.spec_select import check_guess, spec_pass1_add
 from ctxcache.kernels.sync import compiled, launch_opts, pdl_enter
-from ctxcache.kernels.topk import _BINS, _HEAD, blocks16
 from ctxcache.methods.int8_tables import int_dot_scores
 
 _DOT4_PTX = tl.constexpr("""{
@@ -123,13 +121,13 @@ def _row_words(ds_ptr, c, b, h, R: tl.constexpr, M: tl.constexpr, sd_b, sd_h, sd
 
 @triton.jit
 def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, start_ptr, cnt_ptr,
-                       lo_ptr, hi_ptr, k_ptr, key_ptr, ws_ptr, guess_ptr,
+                       lo_ptr, hi_ptr, k_ptr, key_ptr, ws_ptr,
                        si_b, si_h, sd_b, sd_h, sd_m, sd_c, ss_b, ss_h, ss_m,
-                       sn_b, sn_h, sn_m, sn_c, sa_b, sa_h, sws_r, sg_r, HEAD,
+                       sn_b, sn_h, sn_m, sn_c, sa_b, sa_h, sws_r,
                        HKV: tl.constexpr, G: tl.constexpr, M: tl.constexpr, GM_PAD: tl.constexpr,
                        R_CHUNK: tl.constexpr, BLOCK: tl.constexpr, HIST0: tl.constexpr, ASM: tl.constexpr,
                        SMEM: tl.constexpr, USE_PDL: tl.constexpr, ROW_EVICT: tl.constexpr,
-                       PRE_WAIT: tl.constexpr = True, SPEC: tl.constexpr = False, RBLOCK: tl.constexpr = 1024):
+                       PRE_WAIT: tl.constexpr = True):
     if not PRE_WAIT:
         pdl_enter(USE_PDL)
     row, blk, b, h, nctx, s0, cnt, lo, hi, k = score_program(nctx_ptr, start_ptr, cnt_ptr, lo_ptr, hi_ptr, k_ptr, HKV)
@@ -187,10 +185,7 @@ def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, star
             nbase = b * sn_b + h * sn_h + jr * sn_m + cr * sn_c
             y = tl.load(ns_ptr + nbase[:, None] + t[None, :], mask=okr[:, None] & in_new[None, :], other=0.0)
             acc += tl.sum(y * wr[:, None], axis=0)
-    key = store_keys16(acc, offs, key_ptr + b * sa_b + h * sa_h, ws_ptr + row * sws_r, lo, hi, k, HIST0, SMEM)
-    if SPEC:  # radix pass 1 on the guessed bin (kernels/spec_select); the guess after the wait
-        spec_pass1_add(key, offs, lo, hi, k, tl.load(guess_ptr + row * sg_r), ws_ptr + row * sws_r, HEAD,
-                       BLOCK, RBLOCK, SMEM)
+    store_keys16(acc, offs, key_ptr + b * sa_b + h * sa_h, ws_ptr + row * sws_r, lo, hi, k, HIST0, SMEM)
 
 
 def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: torch.Tensor,
@@ -198,16 +193,13 @@ def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: t
                lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, ws: torch.Tensor,
                block: int = 1024, num_warps: int = 4, hist0: bool = True, maxnreg: int | None = None,
                pdl: bool = False, evict_first: bool = True, asm: bool | None = None,
-               smem_hist: bool | None = None, pre_wait: bool = True, guess: torch.Tensor | None = None,
-               radix_block: int = 0) -> torch.Tensor:
+               smem_hist: bool | None = None, pre_wait: bool = True) -> torch.Tensor:
     """Write 16-bit keys of dense_dot8_ref's scores into keys [B, Hkv, N_max] uint16 (N_max a
     multiple of `block`) and add radix pass 0 into ws (as dense_select.dense_scores). dense:
     int8 [B, Hkv, m, C, N] with N a multiple of 16 and its scale [B, Hkv, m, C] fp32. asm: the
     dp4a PTX, smem_hist: pass 0 by shared-memory atomics (kernels/smem_hist); None: where compiled.
     pre_wait: with pdl, load the row lengths (n_ctx, start, count, lo, hi, k) before waiting for
-    the route (they must come from before the step's first launch, see sync.py).
-    guess [B, Hkv] int32 (kernels/spec_select): also add radix pass 1 for the guessed top byte
-    into ws, for radix blocks of radix_block keys (a multiple of `block`); then spec_finish."""
+    the route (they must come from before the step's first launch, see sync.py)."""
     check_routed_inputs(ids, w, dense, new_scores, n_ctx=n_ctx, start=start, count=count, lo=lo, hi=hi, k=k)
     b, hr, m = ids.shape
     hkv, n = dense.shape[1], dense.shape[4]
@@ -227,21 +219,13 @@ def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: t
     sd = [s // 4 for s in dense.stride()[:4]]
     sn = new_scores.stride()
     on_gpu = compiled(keys)  # inline PTX only in compiled GPU code
-    spec = guess is not None
-    if spec:
-        check_guess(guess, b, hkv)
-        if not hist0 or radix_block < block or radix_block % block:
-            raise ValueError(f"guess needs hist0 and radix_block ({radix_block}) a multiple of block ({block})")
-        if ws.shape[1] < _HEAD + blocks16(keys.shape[2], radix_block) * _BINS:
-            raise ValueError(f"ws {tuple(ws.shape)} lacks the block histograms of radix blocks of {radix_block}")
     _dense_dot8_kernel[(b * hkv, keys.shape[2] // block)](
-        ids, w, words, scale, new_scores, n_ctx, start, count, lo, hi, k, keys, ws, guess if spec else ws,
+        ids, w, words, scale, new_scores, n_ctx, start, count, lo, hi, k, keys, ws,
         ids.stride(0), ids.stride(1), *sd, *scale.stride()[:3], sn[0], sn[1], sn[2], sn[3],
-        keys.stride(0), keys.stride(1), ws.stride(0), guess.stride(1) if spec else 0, _HEAD,
+        keys.stride(0), keys.stride(1), ws.stride(0),
         HKV=hkv, G=g, M=m, GM_PAD=gm_pad, R_CHUNK=1, BLOCK=block, HIST0=hist0, ASM=on_gpu if asm is None else asm,
         SMEM=on_gpu if smem_hist is None else smem_hist,
-        USE_PDL=pdl, ROW_EVICT="evict_first" if evict_first else "", PRE_WAIT=pre_wait, SPEC=spec,
-        RBLOCK=radix_block if spec else block, num_warps=num_warps,
+        USE_PDL=pdl, ROW_EVICT="evict_first" if evict_first else "", PRE_WAIT=pre_wait, num_warps=num_warps,
         **launch_opts(pdl),
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return keys

@@ -149,12 +149,11 @@ def _add_hist0(digit, offs, hist_ptr, lo, hi, k, SMEM: tl.constexpr):
 @triton.jit
 def store_keys16(acc, offs, key_row_ptr, hist_ptr, lo, hi, k, HIST0: tl.constexpr, SMEM: tl.constexpr):
     """Store the 16-bit keys of a block's fp32 scores at key_row_ptr + offs; with HIST0, add
-    their radix pass 0 to the row's histogram at hist_ptr. Returns the keys."""
+    their radix pass 0 to the row's histogram at hist_ptr."""
     key = _keys16(acc)
     tl.store(key_row_ptr + offs, key)
     if HIST0:
         _add_hist0((key >> 8).to(tl.int32), offs, hist_ptr, lo, hi, k, SMEM)
-    return key
 
 
 def check_routed_inputs(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, new_scores: torch.Tensor,

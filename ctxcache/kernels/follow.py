@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.topk import _HEAD, key16_codes
+from ctxcache.kernels.topk import key16_codes
 
 TOP_KEY = 0xFFFF
 _TOP: tl.constexpr = tl.constexpr(TOP_KEY)  # what a jitted kernel may read of a global
@@ -21,8 +21,7 @@ _TOP: tl.constexpr = tl.constexpr(TOP_KEY)  # what a jitted kernel may read of a
 
 @triton.jit
 def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk_r, sws_r, sp_r,
-                    FP: tl.constexpr, guess_ptr=None, sg_r=0, HEAD=0, RBLOCK: tl.constexpr = 1024,
-                    SPEC: tl.constexpr = False):
+                    FP: tl.constexpr):
     r = tl.program_id(0)
     b = r // HKV
     lo = tl.load(lo_ptr + b)
@@ -37,37 +36,20 @@ def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk
     hist = ws_ptr + r * sws_r
     tl.atomic_add(hist + (old >> 8), -1, mask=inside, sem="relaxed")
     tl.atomic_add(hist + 255, tl.sum(inside.to(tl.int32), axis=0), sem="relaxed")
-    if SPEC:  # the score kernel counted the guessed bin's low bytes (kernels/spec_select): move them too
-        g = tl.load(guess_ptr + r * sg_r)
-        blk_hist = hist + HEAD + (succ // RBLOCK) * 256
-        left = inside & ((old >> 8) == g)
-        tl.atomic_add(blk_hist + (old & 255), -1, mask=left, sem="relaxed")
-        tl.atomic_add(hist + 256 + (old & 255), -1, mask=left, sem="relaxed")
-        came = inside & (g == (_TOP >> 8))
-        tl.atomic_add(blk_hist + (_TOP & 255), 1, mask=came, sem="relaxed")
-        tl.atomic_add(hist + 256 + (_TOP & 255), tl.sum(came.to(tl.int32), axis=0), sem="relaxed")
 
 
 def promote_successors(keys: torch.Tensor, ws: torch.Tensor, prev: torch.Tensor, lo: torch.Tensor,
-                       hi: torch.Tensor, k: torch.Tensor, guess: torch.Tensor | None = None,
-                       radix_block: int = 0) -> None:
+                       hi: torch.Tensor, k: torch.Tensor) -> None:
     """keys [B, Hkv, N] uint16 (radix pass 0 of [lo, hi) in ws, topk.workspace), prev [B, Hkv, F]
-    int32 (-1: none), lo, hi, k [B] int32: promote the successors in place (graph-safe).
-    guess [B, Hkv] (the score kernel's, kernels/spec_select): also move the promoted keys in its
-    speculative pass-1 histograms (radix blocks of radix_block keys)."""
+    int32 (-1: none), lo, hi, k [B] int32: promote the successors in place (graph-safe)."""
     b, hkv, _ = keys.shape
     if keys.dtype != torch.uint16 or keys.stride(2) != 1 or keys.stride(0) != hkv * keys.stride(1):
         raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [B, Hkv, N], rows mergeable")
     if prev.shape[:2] != (b, hkv) or prev.dtype != torch.int32 or not prev.is_contiguous():
         raise ValueError(f"prev {tuple(prev.shape)} {prev.dtype} must be contiguous int32 [{b}, {hkv}, F]")
     f = prev.shape[2]
-    spec = {}
-    if guess is not None:
-        if guess.shape != (b, hkv) or guess.dtype != torch.int32 or guess.stride(0) != hkv * guess.stride(1):
-            raise ValueError(f"guess {tuple(guess.shape)} {guess.dtype} must be int32 [{b}, {hkv}], rows mergeable")
-        spec = dict(guess_ptr=guess, sg_r=guess.stride(1), HEAD=_HEAD, RBLOCK=radix_block, SPEC=True)
     _promote_kernel[(b * hkv,)](keys, ws, prev, lo, hi, k, hkv, f, keys.stride(1), ws.stride(0), prev.stride(1),
-                                FP=max(16, triton.next_power_of_2(f)), num_warps=4, **spec)
+                                FP=max(16, triton.next_power_of_2(f)), num_warps=4)
 
 
 def promote_ref(keys: torch.Tensor, prev: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,

@@ -22,46 +22,37 @@ import triton.language as tl
 
 _SLOTS = tl.constexpr(260)  # 256 bins, the total (256) and a bin for masked-out keys (257)
 
+_DECLARE = tl.constexpr(""".shared .align 16 .b32 ctxcache_hist0[260];
+mov.u32 $0, 0;""")
 
-def _ptx(name: str) -> dict[str, tl.constexpr]:
-    """The histogram's PTX over the shared array `name` (one name per histogram a kernel builds:
-    a second `.shared` declaration of the same name in one function does not assemble)."""
-    return {
-        "declare": tl.constexpr(f""".shared .align 16 .b32 {name}[260];
-mov.u32 $0, 0;"""),
-        "zero": tl.constexpr(f"""{{
+_ZERO = tl.constexpr("""{
 .reg .b32 a;
 .reg .pred p;
 setp.lt.u32 p, $1, 260;
-mov.u32 a, {name};
+mov.u32 a, ctxcache_hist0;
 mad.lo.u32 a, $1, 4, a;
 @p st.shared.u32 [a], 0;
 mov.u32 $0, 0;
-}}"""),
-        "add": tl.constexpr(f"""{{
+}""")
+
+_BARRIER = tl.constexpr("""bar.sync 0;
+mov.u32 $0, 0;""")
+
+_ADD = tl.constexpr("""{
 .reg .b32 a, t;
-mov.u32 t, {name};
+mov.u32 t, ctxcache_hist0;
 mad.lo.u32 a, $1, 4, t;
 red.shared.add.u32 [a], 1;
 red.shared.add.u32 [t+1024], 1;
 mov.u32 $0, 0;
-}}"""),
-        "read": tl.constexpr(f"""{{
+}""")
+
+_READ = tl.constexpr("""{
 .reg .b32 a;
-mov.u32 a, {name};
+mov.u32 a, ctxcache_hist0;
 mad.lo.u32 a, $1, 4, a;
 ld.shared.u32 $0, [a];
-}}"""),
-    }
-
-
-_H0 = _ptx("ctxcache_hist0")  # radix pass 0 (dense_select, dense_dot8)
-_H1 = _ptx("ctxcache_hist1")  # the speculative pass 1 beside it (spec_select)
-_DECLARE, _ZERO, _ADD, _READ = _H0["declare"], _H0["zero"], _H0["add"], _H0["read"]
-_DECLARE1, _ZERO1, _ADD1, _READ1 = _H1["declare"], _H1["zero"], _H1["add"], _H1["read"]
-
-_BARRIER = tl.constexpr("""bar.sync 0;
-mov.u32 $0, 0;""")
+}""")
 
 
 @triton.jit
@@ -88,20 +79,3 @@ def smem_hist_add(digit, valid, hist_ptr, BLOCK: tl.constexpr):
     total = _asm(_READ, b1 + 256)
     count = count // (total // BLOCK)  # each element was added once per thread holding it
     tl.atomic_add(hist_ptr + bins, count, mask=count > 0, sem="relaxed")
-
-
-@triton.jit
-def smem_hist_counts1(digit, valid, BLOCK: tl.constexpr):
-    """smem_hist_add's counts [256] over a second shared array (ctxcache_hist1), returned rather
-    than added, so a kernel that already built pass 0 can build another histogram and add it
-    to two places. Compiled GPU code only; every thread of the program must call it."""
-    pid = tl.program_id(0)
-    dec = _asm(_DECLARE1, pid)
-    _asm(_ZERO1, tl.arange(0, 512) + dec)
-    b0 = _asm(_BARRIER, pid)
-    _asm(_ADD1, tl.where(valid, digit, 257) + b0)
-    b1 = _asm(_BARRIER, pid)
-    bins = tl.arange(0, 256)
-    count = _asm(_READ1, bins + b1)
-    total = _asm(_READ1, b1 + 256)
-    return count // (total // BLOCK)

@@ -204,19 +204,11 @@ def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV: tl.constexpr, sx
 def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV: tl.constexpr, sx_r, sws_r, so_r, HEAD,
                       BLOCK: tl.constexpr, NB_PAD: tl.constexpr, USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr = True):
     r, lo, hi, k = _bounds_then_wait(lo_ptr, hi_ptr, k_ptr, HKV, USE_PDL, PRE_WAIT)
-    collect16_block(x_ptr, r, lo, hi, k, ws_ptr, out_ptr, sx_r, sws_r, so_r, HEAD, 0, BLOCK, NB_PAD)
-
-
-@triton.jit
-def collect16_block(x_ptr, r, lo, hi, k, ws_ptr, out_ptr, sx_r, sws_r, so_r, HEAD, H1_SHIFT,
-                    BLOCK: tl.constexpr, NB_PAD: tl.constexpr):
-    """The collect of one block of row r; pass 1's row histogram sits H1_SHIFT columns after its
-    usual place (spec_select's repair writes another one). Returns the row's threshold key."""
     key1, offs, hist_ptr = _block_keys16(x_ptr, r, lo, hi, k, ws_ptr, sx_r, sws_r, BLOCK)
     blk = tl.program_id(1)
     # pass 0's walk as pass 1 stored it, then pass 1's histogram
-    thresh, need = _walk_from(hist_ptr + H1_SHIFT, tl.load(hist_ptr + _WALK0).to(tl.uint32),
-                              tl.load(hist_ptr + _WALK0 + 1), 1, 2, 8)
+    thresh, need = _walk_from(hist_ptr, tl.load(hist_ptr + _WALK0).to(tl.uint32), tl.load(hist_ptr + _WALK0 + 1),
+                              1, 2, 8)
     # in key1's space (k = 0 loads no keys and its empty histograms walk to 0xFFFF: nothing passes)
     gt = key1 > thresh + 1
     eq = key1 == thresh + 1
@@ -236,7 +228,6 @@ def collect16_block(x_ptr, r, lo, hi, k, ws_ptr, out_ptr, sx_r, sws_r, so_r, HEA
                                    other=0), axis=0)
         slot_eq = eq_before + (rank >> 16)
         tl.store(out_ptr + r * so_r + (k - need) + slot_eq, offs, mask=eq & (slot_eq < need))
-    return thresh
 
 
 def topk16_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:

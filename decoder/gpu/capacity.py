@@ -3,7 +3,7 @@
 A slot holds one context for decoding: its K/V in the model's dtype for `max_len` tokens and,
 sparse, CSAttention's int8 dense rows (m x C per key and KV head, the rows padded to 16 keys),
 their per-row scales, the fp16 centroids, the fp32 overlay of `max_new` streamed keys and
-follow's previous best keys and the carried threshold bin (GpuDenseTables.empty allocates exactly these). The budget is HBM for resident contexts only:
+follow's previous best keys (GpuDenseTables.empty allocates exactly these). The budget is HBM for resident contexts only:
 the weights and the step's working buffers (selector, re-rank, graphs) are outside it, so two
 modes given the same budget hold their contexts in the same bytes.
 """
@@ -28,7 +28,6 @@ def slot_bytes(args: ModelArgs, params: CSAttentionParams | None, max_len: int, 
                         + 4 * max(max_new, 1)  # fp32 overlay of streamed keys
                         + 2 * (args.head_dim // m))  # fp16 centroids
     per_head += 4 * params.follows  # int32 previous best keys
-    per_head += 4  # int32 threshold bin carried to the next step (kernels/spec_select)
     return kv + args.n_layers * args.n_kv_heads * per_head
 
 

@@ -33,7 +33,6 @@ from ctxcache.kernels.follow import promote_successors
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
 from ctxcache.kernels.seed_probs import seed_scores
-from ctxcache.kernels.spec_select import guess_state, spec_finish
 from ctxcache.kernels.stream import add_streamed, stream_insert
 from ctxcache.kernels.sync import pdl_available
 from ctxcache.kernels.topk import MAX_ROW, blocks16, radix_topk, workspace
@@ -119,8 +118,7 @@ class GpuDenseTables:
     score_scale [B, Hkv, m, C] fp32; n_ctx [B] keys in the table per row; streamed overlay
     new_scores [B, Hkv, m, C, T] fp32 for keys at stream_start[b] + t (= n_ctx[b] + t);
     follow_prev [B, Hkv, F] int32 (CSAttention's follow = F > 0): the row's previous best
-    re-ranked keys, -1 where none; spec_bin [B, Hkv] int32: each row's last threshold bin, the
-    selector's guess for this layer's next step (kernels/spec_select; made on first use if None)."""
+    re-ranked keys, -1 where none."""
 
     centroids: torch.Tensor
     dense_score: torch.Tensor
@@ -130,7 +128,6 @@ class GpuDenseTables:
     stream_start: torch.Tensor
     stream_count: torch.Tensor
     follow_prev: torch.Tensor | None = None
-    spec_bin: torch.Tensor | None = None
 
     @classmethod
     def stack(cls, per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
@@ -159,7 +156,7 @@ class GpuDenseTables:
         n = torch.tensor(n_ctx, dtype=torch.int32, **dev)
         return cls(torch.stack([t["centroids"] for t in per_row]).to(**dev), dense.contiguous(), scale, n,
                    torch.zeros(len(per_row), hkv, m, c, max(max_new, 1), **dev), n.clone(),
-                   torch.zeros(len(per_row), dtype=torch.int32, **dev), None, guess_state(len(per_row), hkv, device))
+                   torch.zeros(len(per_row), dtype=torch.int32, **dev))
 
     def insert(self, k: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
         """As GpuTables.insert."""
@@ -179,14 +176,13 @@ class GpuDenseTables:
         return cls(torch.zeros(rows, *like["centroids"].shape, dtype=like["centroids"].dtype, **dev),
                    torch.zeros(rows, hkv, m, c, n_pad, dtype=torch.int8, **dev),
                    torch.zeros(rows, hkv, m, c, **dev), n, torch.zeros(rows, hkv, m, c, max(max_new, 1), **dev),
-                   n.clone(), n.clone(), follow_state(rows, hkv, follow, device) if follow else None,
-                   guess_state(rows, hkv, device))
+                   n.clone(), n.clone(), follow_state(rows, hkv, follow, device) if follow else None)
 
     def rows(self, start: int, end: int) -> "GpuDenseTables":
         """A view of rows [start, end) sharing storage with these tables."""
         return GpuDenseTables(*(None if t is None else t[start:end] for t in (
             self.centroids, self.dense_score, self.score_scale, self.n_ctx, self.new_scores,
-            self.stream_start, self.stream_count, self.follow_prev, self.spec_bin)))
+            self.stream_start, self.stream_count, self.follow_prev)))
 
     def load_row(self, row: int, tables: dict[str, torch.Tensor], n: int) -> None:
         """Copy one artifact layer's int8 tables (n keys) into row `row`; no streamed keys yet."""
@@ -270,12 +266,6 @@ def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_n
     return GpuTables.stack(per_row, n_ctx, max_new, device)
 
 
-# issue 46 stage 1 (kernels/spec_select): the int8 score kernel also runs radix pass 1 on the
-# threshold bin carried from the layer's previous step, and pass 1 becomes a repair that only
-# works where that guess missed. Same selections either way; False: the measured radix chain
-# (score -> pass 1 -> collect), kept for the A/B until the GPU says which is faster.
-SPEC_SELECT = True
-
 PAD = 8192  # score rows are padded to a multiple of this (any power-of-two block up to it tiles them)
 
 
@@ -296,12 +286,11 @@ class GpuSelector:
 
     score_keys (dense layout): "fp16" ranks 16-bit keys of the fp16-rounded scores (two radix
     launches after the score kernel; ties are scores equal in fp16), "fp32" the fp32 scores
-    (four launches). spec (int8 tables with 16-bit keys): pass 1 speculated in the score kernel
-    on the tables' carried bin (kernels/spec_select); None: SPEC_SELECT."""
+    (four launches)."""
 
     def __init__(self, params: CSAttentionParams, batch: int, n_heads: int, n_kv: int, head_dim: int,
                  n_max: int, k_max: int, device: torch.device | str, score_keys: str = "fp16",
-                 pdl: bool | None = None, spec: bool | None = None) -> None:
+                 pdl: bool | None = None) -> None:
         check_params(params)
         if score_keys not in ("fp16", "fp32"):
             raise ValueError(f"score_keys={score_keys!r} must be 'fp16' or 'fp32'")
@@ -337,8 +326,6 @@ class GpuSelector:
         # with PDL, each launch reads what the step did not write (centroids, row lengths)
         # before waiting for its predecessor (kernels/sync.py)
         self.pre_wait = True
-        self.spec = SPEC_SELECT if spec is None else spec
-        self._guess: torch.Tensor | None = None  # the tables' guess while route_dense -> finish speculate
 
     def set_topk_block(self, block: int, num_warps: int = 4) -> None:
         """Keys (and warps) per radix program; the workspace holds one histogram per block
@@ -368,15 +355,10 @@ class GpuSelector:
         """Dense layout: scores [B, Hkv, n_max] of q [B, Hq, D] (self.keys: uint16 keys, or
         self.acc: fp32), radix pass 0 into ws."""
         self._route(q, t, zero=self.ws)
-        self._guess = None
         if self.keys is not None and t.score_scale is not None:
-            if self.spec and hist0 and self.topk_block % self.dot8_cfg["block"] == 0:
-                if t.spec_bin is None:  # tables stacked elsewhere (made before any capture: it runs eagerly first)
-                    t.spec_bin = guess_state(t.n_ctx.shape[0], self.n_kv, self.device)
-                self._guess = t.spec_bin
             return dense_dot8(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx, t.stream_start,
                               t.stream_count, lo, hi, k, self.keys, self.ws, **self.dot8_cfg, hist0=hist0, pdl=self.pdl,
-                              pre_wait=self.pre_wait, guess=self._guess, radix_block=self.topk_block)
+                              pre_wait=self.pre_wait)
         out = self.keys if self.keys is not None else self._fp32_scores()
         return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
                             t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg, hist0=hist0,
@@ -395,15 +377,11 @@ class GpuSelector:
         if isinstance(t, GpuDenseTables):
             scores = self.route_dense(q, t, lo, hi, k)
             if t.follow_prev is not None:
-                promote_successors(scores, self.ws, t.follow_prev, lo, hi, k, self._guess, self.topk_block)
+                promote_successors(scores, self.ws, t.follow_prev, lo, hi, k)
             return self.finish(scores, lo, hi, k)
         return radix_topk(self.route_scatter(q, t), lo, hi, k, self.idx, self.ws)
 
     def finish(self, scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """The Top-K after route_dense (which added pass 0 to the workspace, and with a guess
-        pass 1 on the guessed bin: then the repair and the collect of kernels/spec_select)."""
-        if self._guess is not None:
-            return spec_finish(scores, lo, hi, k, self.idx, self.ws, self._guess, self.topk_block,
-                               num_warps=self.topk_warps, pdl=self.pdl, pre_wait=self.pre_wait)
+        """The Top-K after route_dense (which added pass 0 to the workspace)."""
         return radix_topk(scores, lo, hi, k, self.idx, self.ws, block=self.topk_block, hist0_done=True,
                           num_warps=self.topk_warps, pdl=self.pdl, pre_wait=self.pre_wait)

@@ -25,7 +25,7 @@ def _allocated(params: CSAttentionParams | None, max_len: int, max_new: int, dty
                 "dense_scale": torch.zeros(ARGS.n_kv_heads, m, c)}
         for _ in range(ARGS.n_layers):
             t = GpuDenseTables.empty(1, like, max_len, max_new, "cpu", params.follows)
-            parts = (t.centroids, t.dense_score, t.score_scale, t.new_scores, t.follow_prev, t.spec_bin)
+            parts = (t.centroids, t.dense_score, t.score_scale, t.new_scores, t.follow_prev)
             total += sum(x.nbytes for x in parts if x is not None)
     return total
 

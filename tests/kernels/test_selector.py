@@ -101,38 +101,3 @@ def test_selector_refuses_rows_the_radix_walk_cannot_count(device):
 
     with pytest.raises(ValueError, match="fewer than"):
         GpuSelector(CSAttentionParams(rerank=1.0), 1, 4, 2, 16, MAX_ROW, 10, device)
-
-
-@pytest.mark.parametrize("follow", [False, True])
-def test_speculated_pass1_selects_what_the_radix_chain_selects(device, follow):
-    """GpuSelector(spec=True) (pass 1 in the score kernel on the carried bin, kernels/spec_select)
-    against spec=False (the radix chain), on int8 tables of two ragged rows, over steps whose guess
-    misses (the first step; a new query) and hits (the same query again): the same selections."""
-    from ctxcache.kernels.spec_select import SPEC_FLAG
-
-    hq, hkv, d, n = 6, 2, 32, 600
-    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, rerank=1.0, routing="group",
-                               table_dtype="int8")
-    method = CSAttention(params)
-    q_pre, k, v = torch.randn(hq, n, d), torch.randn(hkv, n, d), torch.randn(hkv, n, d)
-    state = method.open(method.build(q_pre, k, v))
-    n_ctx = [n, n - 100]
-    nt = torch.tensor(n_ctx, dtype=torch.int32, device=device)
-    lo, hi = region(nt, 4, 8)
-    kk = torch.tensor([40, 25], dtype=torch.int32, device=device)
-    prev = torch.stack([torch.randperm(500)[:6] for _ in range(2 * hkv)]).int().view(2, hkv, 6).to(device)
-    sels, tabs = [], []
-    for spec in (True, False):
-        sels.append(GpuSelector(params, 2, hq, hkv, d, n, 40, device, spec=spec))
-        tabs.append(stack_tables([state.tables] * 2, n_ctx, max_new=4, device=device))
-        if follow:  # the same previous keys for both
-            tabs[-1].follow_prev = prev
-    qs = [torch.randn(2, hq, d, device=device) for _ in range(2)]
-    hits = []
-    for q in (qs[0], qs[0], qs[1], qs[1]):
-        got = [s.select(q, t, lo, hi, kk).cpu().clone() for s, t in zip(sels, tabs)]
-        hits.append(sels[0].ws[:, SPEC_FLAG].cpu().tolist())
-        for r in range(2):
-            kr = int(kk[r])
-            assert torch.equal(got[0][r, :, :kr].sort(-1).values, got[1][r, :, :kr].sort(-1).values)
-    assert hits[0] == [0] * 4 and hits[1] == [1] * 4 and hits[3] == [1] * 4  # a new stream misses, a repeat hits
