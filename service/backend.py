@@ -24,9 +24,9 @@ from ctxcache.service.errors import NotFound, Unavailable
 from ctxcache.store import (ArtifactStore, ContextMeta, CorruptArtifact, Manifest, Registry, RegistryUnavailable,
                             reconcile)
 from ctxcache.store.config import StoreStats, VerifyReport
-from ctxcache.store.registry import BuildState
+from ctxcache.store.registries.registry import BuildState
 from ctxcache.store.tiered_store import TieredStore
-from ctxcache.store.fleet_registry import Facts, FleetState
+from ctxcache.store.registries.fleet_registry import Facts, FleetState
 
 log = logging.getLogger("ctxcache.service.backend")
 ROLES_LABEL = "ctxcache/roles"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxcache.decoder.decode_mode import MODES
-from ctxcache.store.registry import CLAIM_LEASE_S
+from ctxcache.store.registries.registry import CLAIM_LEASE_S
 
 MiB = 1 << 20
 GiB = 1 << 30

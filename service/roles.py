@@ -28,8 +28,8 @@ from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
 from ctxcache.store import TieredStore
-from ctxcache.store.fleet_registry import FleetRegistry
-from ctxcache.store.job_stream import JobStream
+from ctxcache.store.registries.fleet_registry import FleetRegistry
+from ctxcache.store.registries.job_stream import JobStream
 
 
 def fleet_backend(config: ServiceConfig, store: TieredStore) -> FleetBackend:
