@@ -22,10 +22,10 @@ from ctxcache.methods import make_method
 from ctxcache.models.cpu_layout import usable_cores
 from ctxcache.models.loader import LoadedModel, load_model
 from ctxcache.service import roles
-from ctxcache.service.access_log import AccessLogInterceptor
-from ctxcache.service.admin import AdminServicer
+from ctxcache.service.rpc.access_log import AccessLogInterceptor
+from ctxcache.service.rpc.admin import AdminServicer
 from ctxcache.service.auth import Auth, AuthInterceptor
-from ctxcache.service.rpc import LoopThread, ParseInterceptor
+from ctxcache.service.rpc.calls import LoopThread, ParseInterceptor
 from ctxcache.service.artifact_cache import ArtifactCache
 from ctxcache.service.backend import Backend
 from ctxcache.service.config import ServiceConfig
@@ -35,7 +35,7 @@ from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, conte
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter, ensure_chat_template
-from ctxcache.service.servicer import ContextServicer
+from ctxcache.service.rpc.servicer import ContextServicer
 from ctxcache.service.warmup import warm_up
 from ctxcache.service.gc_watch import freeze_and_watch, thaw
 from ctxcache.store import EmbeddedRegistry, ObjectStoreConfig, StoreConfig, open_store
