@@ -21,7 +21,7 @@ from ctxcache.service.config import DecoderSettings, IndexerSettings, ModelConfi
 from ctxcache.service.generate_streams import Chunk, GenerateSpec, GenerateStreams
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter, ensure_chat_template, text_messages
-from ctxcache.service.server import decode_runners
+from ctxcache.service.assembly import decode_runners
 
 LOCAL_ID = "local"
 KV_DTYPE = "float16"  # what the service's builds hold (BuildQueue)
