@@ -19,7 +19,7 @@ import logging
 from dataclasses import replace
 
 from ctxcache.artifact import ContextArtifact
-from ctxcache.service.cached_context import CachedContext
+from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.service.errors import NotFound, Unavailable
 from ctxcache.store import (ArtifactStore, ContextMeta, CorruptArtifact, Manifest, Registry, RegistryUnavailable,
                             reconcile)

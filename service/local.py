@@ -15,8 +15,8 @@ from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
 from ctxcache.models.cpu_layout import usable_cores
 from ctxcache.models.loader import load_model
-from ctxcache.service.artifact_cache import ArtifactCache
-from ctxcache.service.cached_context import CachedContext
+from ctxcache.decoder.artifact_cache import ArtifactCache
+from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.service.config import DecoderSettings, IndexerSettings, ModelConfig, ServiceConfig
 from ctxcache.service.generate_streams import Chunk, GenerateSpec, GenerateStreams
 from ctxcache.service.metrics import Metrics

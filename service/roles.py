@@ -16,7 +16,7 @@ import grpc
 
 from ctxcache.client.gen.v1 import admin_pb2_grpc, context_pb2_grpc
 from ctxcache.models.loader import LoadedModel
-from ctxcache.service.artifact_cache import ArtifactCache
+from ctxcache.decoder.artifact_cache import ArtifactCache
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.config import ServiceConfig
 from ctxcache.service.fleet_backend import FleetBackend

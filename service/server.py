@@ -23,11 +23,11 @@ from ctxcache.service.rpc.access_log import AccessLogInterceptor
 from ctxcache.service.rpc.admin import AdminServicer
 from ctxcache.service.auth import Auth, AuthInterceptor
 from ctxcache.service.rpc.calls import LoopThread, ParseInterceptor
-from ctxcache.service.artifact_cache import ArtifactCache
+from ctxcache.decoder.artifact_cache import ArtifactCache
 from ctxcache.service.assembly import cap_to_slots, decode_runners, open_store_and_registry, reconcile
 from ctxcache.service.backend import Backend
 from ctxcache.service.config import ServiceConfig
-from ctxcache.service.cached_context import CachedContext
+from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
 from ctxcache.service.metrics import Metrics
