@@ -28,7 +28,7 @@ class BuildCancelled(Exception):
 
 class CancelToken:
     """on_check: called at every check point of a running build (may block: the service hands
-    the build's turn to another build there, service/build_turns.py)."""
+    the build's turn to another build there, indexer/build_turns.py)."""
 
     def __init__(self, timeout_s: float | None = None) -> None:
         self._event = threading.Event()

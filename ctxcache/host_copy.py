@@ -7,16 +7,12 @@ queues every copy and waits once (`wait_for_host_copies`) before the artifact is
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
-import weakref
 
 import torch
 
-# cudaHostRegisterPortable | cudaHostRegisterMapped: every context may copy from it, and kernels
-# may address it (the offload runner's K/V are read and written by kernels in place)
-_REGISTER_FLAGS = 1 | 2
+from ctxcache.page_lock import page_lock
 
 
 def to_host(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -37,7 +33,7 @@ def _pool_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
     None without one or without room. Why: torch's pinned allocator calls cudaHostAlloc for
     every new block size, and a 32K PutContext's 2.1 GB of codes spent 1.6 s there on an H200
     (its build took 3.9 s for a 1.8 s prefill); a pool range is locked already."""
-    from ctxcache import host_pool  # (it imports page_lock from here)
+    from ctxcache import host_pool
 
     pool = host_pool.installed()
     n = math.prod(shape)
@@ -52,25 +48,6 @@ def wait_for_host_copies(device: torch.device) -> None:
     """Every copy `to_host` queued on `device`'s current stream has landed."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-
-
-def page_lock(buf: mmap.mmap) -> ctypes.Array:
-    """The whole mapping as a ctypes array, page-locked for CUDA (cudaHostRegister, exactly its
-    size) until the array, and so every tensor made from it, is gone; the array holds the
-    mapping open, so the unregister runs while the pages are still mapped.
-    Why not `torch.empty(pin_memory=True)`: torch's host caching allocator rounds each pinned
-    block up to a power of two and keeps freed blocks for reuse, so a 2.2 GB artifact pinned
-    4 GB, and on the H100 the 12th 32K load of a DRAM tier failed with CUDA out of memory
-    (SGLang's host caches moved to mmap + cudaHostRegister for the same reason)."""
-    view = (ctypes.c_ubyte * len(buf)).from_buffer(buf)
-    address = ctypes.addressof(view)
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(address, len(buf), _REGISTER_FLAGS)
-    if int(err) != 0:
-        raise MemoryError(f"cannot page-lock {len(buf) / 2**30:.2f} GiB of host memory (cudaHostRegister: "
-                          f"{cudart.cudaGetErrorString(err)})")
-    weakref.finalize(view, cudart.cudaHostUnregister, address)
-    return view
 
 
 def pinned_exact(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

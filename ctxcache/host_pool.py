@@ -22,7 +22,7 @@ import mmap
 import threading
 import weakref
 
-from ctxcache.host_copy import page_lock
+from ctxcache.page_lock import page_lock
 
 log = logging.getLogger("ctxcache.host_pool")
 ALIGN = 1 << 12  # every range starts on a page, as an arena's chunks do

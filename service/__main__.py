@@ -3,6 +3,6 @@ benchmarks start a server: the interpreter that runs them, wherever its scripts 
 
 import sys
 
-from ctxcache.service.cli import main
+from ctxcache.service.cli.main import main
 
 sys.exit(main())

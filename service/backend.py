@@ -19,14 +19,14 @@ import logging
 from dataclasses import replace
 
 from ctxcache.artifact import ContextArtifact
-from ctxcache.service.cached_context import CachedContext
+from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.service.errors import NotFound, Unavailable
 from ctxcache.store import (ArtifactStore, ContextMeta, CorruptArtifact, Manifest, Registry, RegistryUnavailable,
                             reconcile)
 from ctxcache.store.config import StoreStats, VerifyReport
-from ctxcache.store.registry import BuildState
+from ctxcache.store.registries.registry import BuildState
 from ctxcache.store.tiered_store import TieredStore
-from ctxcache.store.fleet_registry import Facts, FleetState
+from ctxcache.store.registries.fleet_registry import Facts, FleetState
 
 log = logging.getLogger("ctxcache.service.backend")
 ROLES_LABEL = "ctxcache/roles"

@@ -10,7 +10,7 @@ prefill instead of sitting at 10%. Every build can be cancelled and has a time b
 Cost: a build's clustering work (SparseMethod.build_work) is checked against the server's
 limit before it is queued. Fairness: `lanes` builder threads each run one tenant's oldest
 queued build (one build per tenant at a time), and the running builds take turns to compute
-(service/build_turns.py), so one tenant's heavy build does not hold the others' behind it.
+(indexer/build_turns.py), so one tenant's heavy build does not hold the others' behind it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ctxcache.indexer import IndexerConfig, build_artifact, prefill_chunk, reind
 from ctxcache.methods import ParamError, make_method
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.backend import ROLES_LABEL, Backend
-from ctxcache.service.build_turns import BuildTurns
+from ctxcache.indexer.build_turns import BuildTurns
 from ctxcache.service.config import IndexerSettings
 from ctxcache.service.convert import PutSpec
 from ctxcache.service.job_spec import Reindex

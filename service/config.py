@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxcache.decoder.decode_mode import MODES
-from ctxcache.store.registry import CLAIM_LEASE_S
+from ctxcache.store.registries.registry import CLAIM_LEASE_S
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -87,7 +87,7 @@ class StoreSettings:
     # model is on a GPU
     pin_memory: bool | None = None
     # the page-locked host pool those loads land in, registered once at start (ctxcache/host_pool.py);
-    # None: the DRAM cache plus POOL_SLACK (artifacts of loads in flight and of evicted ones that
+    # None: the DRAM cache plus assembly.POOL_SLACK (artifacts of loads in flight and of evicted ones that
     # streams still read)
     host_pool_bytes: int | None = None
     # the shared artifact tier (s3://bucket/prefix?endpoint_override=host:port&scheme=http or

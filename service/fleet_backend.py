@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ctxcache.service.backend import Backend
 from ctxcache.service.errors import Unavailable
 from ctxcache.store import CorruptArtifact, FormatMismatch, Manifest, RegistryUnavailable, TieredStore
-from ctxcache.store.fleet_registry import Facts, FleetRegistry, FleetState
+from ctxcache.store.registries.fleet_registry import Facts, FleetRegistry, FleetState
 
 log = logging.getLogger("ctxcache.service.fleet")
 REDIS_RETRY_S = 1.0

@@ -23,8 +23,8 @@ from ctxcache.service.fleet_backend import FleetBackend
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
 from ctxcache.store import CorruptArtifact, RegistryUnavailable
-from ctxcache.store.fleet_registry import Enqueued, Facts, FleetState
-from ctxcache.store.job_stream import JobStream
+from ctxcache.store.registries.fleet_registry import Enqueued, Facts, FleetState
+from ctxcache.store.registries.job_stream import JobStream
 
 log = logging.getLogger("ctxcache.service.fleet")
 

@@ -22,8 +22,8 @@ from ctxcache.service.build_queue import BuildQueue, Job
 from ctxcache.service.fleet_backend import FleetBackend
 from ctxcache.service.errors import ServiceError, failure_text
 from ctxcache.store import RegistryUnavailable
-from ctxcache.store.fleet_registry import FleetRegistry
-from ctxcache.store.job_stream import JobStream, TakenJob
+from ctxcache.store.registries.fleet_registry import FleetRegistry
+from ctxcache.store.registries.job_stream import JobStream, TakenJob
 
 log = logging.getLogger("ctxcache.service.fleet")
 MAX_ATTEMPTS = 3  # a job whose indexers died this often fails instead of killing more

@@ -6,7 +6,7 @@ Indexers do it because they write the object store and the builds' states; decod
 read (their deletes are tombstoned first). Several indexers are safe together: the start's
 reconcile runs on one of them at a time (a lock on Redis) and changes entries by conditional
 scripts only; GC runs once per interval across the fleet (a last-run time on Redis's clock),
-and it is safe beside live writers by age alone (store/object_gc.py). Contexts GC deletes for
+and it is safe beside live writers by age alone (store/object/object_gc.py). Contexts GC deletes for
 their TTL are tombstoned in the registry, so every decoder drops its copies as on a delete.
 """
 

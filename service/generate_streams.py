@@ -24,15 +24,15 @@ from ctxcache.decoder.engine import Engine
 from ctxcache.decoder.runner import ContextNotResident, Runner
 from ctxcache.generation import SamplingParams
 from ctxcache.models.loader import LoadedModel
-from ctxcache.service.artifact_cache import ArtifactCache, Loaded
-from ctxcache.service.cached_context import CachedContext
+from ctxcache.decoder.artifact_cache import ArtifactCache, Loaded
+from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.store import request_deadline
 from ctxcache.service.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
                                      ResourceExhausted, Unavailable)
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Messages, Prompter
-from ctxcache.service.textstream import TextStream
-from ctxcache.service.uncached import MISS, empty_context
+from ctxcache.decoder.textstream import TextStream
+from ctxcache.decoder.uncached import MISS, empty_context
 
 
 _ROLES_KEPT = 4096  # contexts whose roles are remembered for a Generate that skips the DRAM tier

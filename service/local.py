@@ -15,13 +15,13 @@ from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
 from ctxcache.models.cpu_layout import usable_cores
 from ctxcache.models.loader import load_model
-from ctxcache.service.artifact_cache import ArtifactCache
-from ctxcache.service.cached_context import CachedContext
+from ctxcache.decoder.artifact_cache import ArtifactCache
+from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.service.config import DecoderSettings, IndexerSettings, ModelConfig, ServiceConfig
 from ctxcache.service.generate_streams import Chunk, GenerateSpec, GenerateStreams
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter, ensure_chat_template, text_messages
-from ctxcache.service.server import decode_runners
+from ctxcache.service.assembly import decode_runners
 
 LOCAL_ID = "local"
 KV_DTYPE = "float16"  # what the service's builds hold (BuildQueue)

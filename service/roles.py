@@ -16,7 +16,7 @@ import grpc
 
 from ctxcache.client.gen.v1 import admin_pb2_grpc, context_pb2_grpc
 from ctxcache.models.loader import LoadedModel
-from ctxcache.service.artifact_cache import ArtifactCache
+from ctxcache.decoder.artifact_cache import ArtifactCache
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.config import ServiceConfig
 from ctxcache.service.fleet_backend import FleetBackend
@@ -28,8 +28,8 @@ from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import Prompter
 from ctxcache.store import TieredStore
-from ctxcache.store.fleet_registry import FleetRegistry
-from ctxcache.store.job_stream import JobStream
+from ctxcache.store.registries.fleet_registry import FleetRegistry
+from ctxcache.store.registries.job_stream import JobStream
 
 
 def fleet_backend(config: ServiceConfig, store: TieredStore) -> FleetBackend:

@@ -1,4 +1,5 @@
-"""create_server(config) -> (server, port): wires model, store, registry, workers and gRPC (aio)."""
+"""create_server(config) -> (server, port): wires model, store, registry, workers and gRPC (aio); the
+parts it assembles from the config are built in assembly.py."""
 
 from __future__ import annotations
 
@@ -13,32 +14,27 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ctxcache import host_pool
-from ctxcache.decoder import SparseConfig
-from ctxcache.decoder.decode_mode import resolve
-from ctxcache.decoder.runner import ReferenceRunner, Runner
+from ctxcache.decoder.runner import ReferenceRunner
 from ctxcache.kernels.compiles import CompileCounter
-from ctxcache.methods import make_method
 from ctxcache.models.cpu_layout import usable_cores
 from ctxcache.models.loader import LoadedModel, load_model
 from ctxcache.service import roles
-from ctxcache.service.access_log import AccessLogInterceptor
-from ctxcache.service.admin import AdminServicer
+from ctxcache.service.rpc.access_log import AccessLogInterceptor
+from ctxcache.service.rpc.admin import AdminServicer
 from ctxcache.service.auth import Auth, AuthInterceptor
-from ctxcache.service.rpc import LoopThread, ParseInterceptor
-from ctxcache.service.artifact_cache import ArtifactCache
+from ctxcache.service.rpc.calls import LoopThread, ParseInterceptor
+from ctxcache.decoder.artifact_cache import ArtifactCache
+from ctxcache.service.assembly import cap_to_slots, decode_runners, open_store_and_registry, reconcile
 from ctxcache.service.backend import Backend
 from ctxcache.service.config import ServiceConfig
-from ctxcache.service.cached_context import CachedContext
+from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
-from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter, ensure_chat_template
-from ctxcache.service.servicer import ContextServicer
+from ctxcache.service.rpc.servicer import ContextServicer
 from ctxcache.service.warmup import warm_up
 from ctxcache.service.gc_watch import freeze_and_watch, thaw
-from ctxcache.store import EmbeddedRegistry, ObjectStoreConfig, StoreConfig, open_store
 
 log = logging.getLogger("ctxcache.service")
 CONTEXT_SERVICE = context_pb2.DESCRIPTOR.services_by_name["ContextService"].full_name
@@ -55,7 +51,7 @@ class CtxcacheServer:
         self.compiles = CompileCounter.install()
         self.metrics.kernel_compiles_after_ready.set_function(self.compiles.after_ready)
         role = config.fleet.role
-        store, registry, kind = _open_store_and_registry(config)
+        store, registry, kind = open_store_and_registry(config)
         self.backend = Backend(store, registry, kind) if role == "all" else roles.fleet_backend(config, store)
         prompter = Prompter(lm.tokenizer if lm.tokenizer is not None else ByteTokenizer())
         d, s = config.decoder, config.server
@@ -67,7 +63,7 @@ class CtxcacheServer:
         self.fleet = roles.FleetRuntime(config, self.backend, self.indexer, self.decoder)
         self.metrics.offload_hit_rate.set_function(self.decoder.offload_hit_rate)
         self.metrics.track_store_loads(self.backend.store)
-        _cap_to_slots(self.indexer, self.decoder.engines)
+        cap_to_slots(self.indexer, self.decoder.engines)
         self.auth = Auth(dict(s.tenant_tokens), s.auth_token)
         self.pool = ThreadPoolExecutor(s.threads, "ctxcache-rpc")
         self.loop = LoopThread()
@@ -117,7 +113,7 @@ class CtxcacheServer:
         self.ready.set()  # the HTTP front's /health says ok from here on
         self.backend.relocate(self.config.server.advertised(self.port))
         if self.config.fleet.role == "all":
-            _reconcile(self.backend)  # the store is the truth; repair the index at start
+            reconcile(self.backend)  # the store is the truth; repair the index at start
         self.fleet.start(self.backend.location)  # a fleet: an indexer reconciles (fleet_janitor.py)
         log.info("serving on %s:%d (admin %d, http %s) as %s", self.config.server.host, self.port, self.admin_port,
                  self.http_port or "off", self.backend.location)
@@ -203,100 +199,6 @@ class AdminElsewhere(admin_pb2_grpc.AdminServiceServicer):
                             f"AdminService is served on the admin port ({self.port}), not on this one")
 
     Evict = Rebuild = Verify = Stats = Describe = Reconcile = _refuse
-
-
-def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
-    """On a GPU: the fast runner (sparse when the method has a GPU selector, or dense), then the
-    reference runner for every other method and schedule; on a CPU: the reference runner."""
-    reference = ReferenceRunner(lm)
-    if lm.model.lm_head.weight.device.type != "cuda":
-        if config.decoder.offload or config.decoder.gpu_memory_bytes:
-            log.warning("--offload and --gpu-memory-gb apply to a GPU; on the CPU every context decodes on "
-                        "the reference path")
-        return [reference]
-    from ctxcache.decoder.gpu.capacity import MAX_NEW, slots_within
-    from ctxcache.decoder.gpu.runner import GpuRunner  # Triton only where a GPU is
-    d, ix = config.decoder, config.indexer
-    method = make_method(ix.method, ix.method_params)
-    mode = resolve(d.decode_mode, "cuda", 0)  # one fast runner per server: auto's pick for the GPU
-    if mode == "sparse" and not method.caps.gpu_decode:
-        return [reference]
-    params = method.params if mode == "sparse" else None
-    slots = d.gpu_slots
-    if d.gpu_memory_bytes:
-        slots = slots_within(d.gpu_memory_bytes, lm.args, params, d.gpu_slot_tokens, MAX_NEW,
-                             lm.model.lm_head.weight.element_size())
-    schedule = SparseConfig.from_schedule(d.schedule)
-    fast = GpuRunner(lm, params, schedule, slots, d.gpu_slot_tokens)
-    torch.cuda.empty_cache()  # what loading left reserved goes back to the driver (cuBLAS, graphs, kernels)
-    free = torch.cuda.mem_get_info()[0]
-    log.info("GPU runner %s: %d slots of %d tokens (%.2f GiB each); %.1f GiB of HBM left free", fast.name, slots,
-             d.gpu_slot_tokens, fast.slot_bytes / 2**30, free / 2**30)
-    if d.offload and params is not None:
-        from ctxcache.decoder.gpu.offload_runner import OffloadRunner
-        return [fast, OffloadRunner(lm, params, schedule), reference]  # contexts no slot holds: K/V in host memory
-    return [fast, reference]
-
-
-# a context must leave its slot room for a question and the start of an answer
-SLOT_ROOM = 256
-
-
-def _cap_to_slots(indexer: BuildQueue, engines) -> None:
-    """On a GPU server without --offload, PutContext refuses what its slots cannot decode
-    (naming the flag) instead of building a context that would decode on the reference path."""
-    runners = [e.runner for e in engines]
-    fast = next((r for r in runners if hasattr(r, "serves")), None)
-    if fast is None or any(r.name == "gpu-offload" for r in runners):
-        return
-    limit = fast.cache.max_len - SLOT_ROOM
-    if limit < indexer.max_tokens:
-        indexer.max_tokens = max(1, limit)
-        indexer.max_tokens_why = (f"GPU slots of {fast.cache.max_len} tokens keep {SLOT_ROOM} for the question "
-                                  f"and answer: start the server with a larger --gpu-slot-tokens, or with --offload")
-
-
-def _open_store_and_registry(config: ServiceConfig):
-    budget = config.store.budget_bytes
-    pin = config.store.pin_memory
-    pin = config.model.device.startswith("cuda") if pin is None else pin
-    st = config.store
-    if pin:
-        pin = _install_host_pool(st.host_pool_bytes, config.decoder.dram_cache_bytes)
-    store = open_store(st.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20), budget_bytes=budget,
-                                            pin_memory=pin),
-                       st.object_store_uri, ObjectStoreConfig(budget_bytes=st.object_budget_bytes))
-    if config.fleet.role != "all":  # a fleet's registry of facts (service/roles.py)
-        return store, None, "fleet"
-    url = config.registry.redis_url
-    if url is None:
-        return store, EmbeddedRegistry(), "embedded"
-    from ctxcache.store import RedisRegistry
-    return store, RedisRegistry(config.registry.redis_config()), "redis"
-
-
-POOL_SLACK = 4 << 30  # beyond the DRAM cache: loads in flight, evicted artifacts streams still read
-
-
-def _install_host_pool(pool_bytes: int | None, dram_cache_bytes: int) -> bool:
-    """-> whether loads go to page-locked memory: the pool's (or, with a pool of 0 bytes, a
-    mapping locked per load); False when the pool could not be locked (loads run unpinned)."""
-    size = dram_cache_bytes + POOL_SLACK if pool_bytes is None else pool_bytes
-    if size <= 0:
-        return True
-    t0 = time.perf_counter()
-    if host_pool.install(size) is None:
-        return False
-    log.info("page-locked host pool: %.1f GiB in %.1f s", size / (1 << 30), time.perf_counter() - t0)
-    return True
-
-
-def _reconcile(backend: Backend) -> None:
-    try:
-        added, removed, damaged = backend.reconcile()
-        log.info("reconciled registry: %d added, %d removed, %d damaged", added, removed, len(damaged))
-    except Exception as exc:  # noqa: BLE001 - Redis down at start: serve, Reconcile later
-        log.warning("registry reconcile at start failed: %s", exc)
 
 
 SWITCH_INTERVAL_S = 0.0005

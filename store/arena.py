@@ -15,7 +15,7 @@ without THP took 0.31 s. A cold load is what a cache miss pays, so predictabilit
 
 Pinned arenas (for a GPU server's async copies) are a range of the server's page-locked host
 pool (ctxcache.host_pool), given back when the last tensor is gone; without a pool, or when it has
-no room, the same anonymous mapping page-locked for exactly its size (host_copy.page_lock), which
+no room, the same anonymous mapping page-locked for exactly its size (ctxcache/page_lock.py), which
 costs a registration and page faults per load (0.84 s of a 2.1 GB load on an H200).
 """
 
@@ -27,7 +27,7 @@ import mmap
 import torch
 
 from ctxcache import host_pool
-from ctxcache.host_copy import page_lock
+from ctxcache.page_lock import page_lock
 
 log = logging.getLogger("ctxcache.store.arena")
 _ALIGN = mmap.PAGESIZE  # chunk ranges start on a page so each can be populated on its own

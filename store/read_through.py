@@ -11,7 +11,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ctxcache.store import object_layout as lay
+from ctxcache.store.object import object_layout as lay
 from ctxcache.store.errors import StoreUnavailable
 from ctxcache.store.tiers import ObjectTier
 

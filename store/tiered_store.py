@@ -26,15 +26,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from ctxcache.artifact import ContextArtifact
-from ctxcache.store.artifact_store import ArtifactStore
+from ctxcache.store.lmdb.artifact_store import ArtifactStore
 from ctxcache.store.chunk_io import encode_artifact
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, StoreError, StoreUnavailable
 from ctxcache.store.layout import QUERY_CHUNK
 from ctxcache.store.load_stats import LoadSnapshot, LoadStats
 from ctxcache.store.manifest import ContextMeta, Manifest
-from ctxcache.store.object_config import ObjectStoreConfig
-from ctxcache.store.object_store import Fetched, ObjectArtifactStore
+from ctxcache.store.object.object_config import ObjectStoreConfig
+from ctxcache.store.object.object_store import Fetched, ObjectArtifactStore
 from ctxcache.store.read_through import Presence, SingleFlight, TieredConfig
 
 __all__ = ["TieredConfig", "TieredStore", "open_store"]

@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ctxcache.store.redis_registry import RedisConfig
+from ctxcache.store.registries.redis_registry import RedisConfig
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxcache.kernels.quantize import quantize_rows_fused
-from ctxcache.methods.csattention import CSAttentionParams
+from ctxcache.methods.csattention_params import CSAttentionParams
 from ctxcache.methods.int8_tables import int8_dense_tables
 from ctxcache.cancel import check as check_cancel
 from ctxcache.methods.kmeans import lloyd_step

@@ -16,8 +16,8 @@ from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.service.http.generation import context_reference
 from ctxcache.service.http.protocol import CachedContentCreate, CachedContentUpdate
 from ctxcache.service.http.shapes import cached_content
-from ctxcache.service.rpc import in_thread
-from ctxcache.service.servicer import context_info, info_from_manifest, wait_for
+from ctxcache.service.rpc.calls import in_thread
+from ctxcache.service.rpc.servicer import context_info, info_from_manifest, wait_for
 
 
 def put_request(body: CachedContentCreate) -> pb.PutContextRequest:

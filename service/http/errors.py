@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse
 
 from ctxcache.service.errors import InvalidArgument, status_for
 from ctxcache.service.http.models import ModelNotFound
-from ctxcache.service.rpc import cut
+from ctxcache.service.rpc.calls import cut
 
 S = grpc.StatusCode
 # gRPC status -> (HTTP status, OpenAI error type)

@@ -32,8 +32,8 @@ from ctxcache.service.http.errors import error_body
 from ctxcache.service.http.models import ServedModels
 from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
 from ctxcache.service.http.shapes import Completion
-from ctxcache.service.rpc import in_thread, iterate_in_thread
-from ctxcache.service.uncached import MISS
+from ctxcache.service.rpc.calls import in_thread, iterate_in_thread
+from ctxcache.decoder.uncached import MISS
 
 _NAME = re.compile(r"(?:cachedContents/)?([0-9a-f]{64})")
 _ANY_ID = "0" * 64  # validates a request before its context is known

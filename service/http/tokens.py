@@ -11,7 +11,7 @@ from ctxcache.service.errors import InvalidArgument
 from ctxcache.service.http.models import ServedModels
 from ctxcache.service.http.protocol import DetokenizeRequest, TokenizeRequest
 from ctxcache.service.prompting import Prompter
-from ctxcache.service.rpc import in_thread
+from ctxcache.service.rpc.calls import in_thread
 
 
 class Tokens:

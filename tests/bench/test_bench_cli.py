@@ -11,11 +11,11 @@ import torch
 
 import ctxcache.bench as bench
 from ctxcache.bench.common.report import device_tag, write_result
-from ctxcache.service.cli import main as cli_main
+from ctxcache.service.cli.main import main as cli_main
 
 
 def test_bench_help_lists_every_benchmark_and_nothing_else():
-    out = subprocess.run([sys.executable, "-c", "from ctxcache.service.cli import main; main(['bench', '--help'])"],
+    out = subprocess.run([sys.executable, "-c", "from ctxcache.service.cli.main import main; main(['bench', '--help'])"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for name in bench.BENCHMARKS:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ctxcache.bench.compare import all_cells, config_of, method_specs, parse_args
-from ctxcache.bench.common.compare_report import merge
+from ctxcache.bench.compare import merge
 
 
 def test_magicpig_expands_to_the_paper_configs_and_unknown_names_fail():

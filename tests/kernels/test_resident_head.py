@@ -15,8 +15,8 @@ from ctxcache.generation import SamplingParams
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
 from ctxcache.models.loader import load_model
-from ctxcache.service.artifact_cache import ArtifactCache, Loaded
-from ctxcache.service.cached_context import CachedContext
+from ctxcache.decoder.artifact_cache import ArtifactCache, Loaded
+from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.service.generate_streams import Final, GenerateSpec, GenerateStreams
 from ctxcache.service.metrics import Metrics
 from ctxcache.service.prompting import ByteTokenizer, Prompter

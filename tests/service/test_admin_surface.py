@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 
 from ctxcache.client.gen.v1 import admin_pb2 as apb
-from ctxcache.service import cli
+from ctxcache.service.cli import main as cli
 
 from service_helpers import ask, put_text, rpc_code
 

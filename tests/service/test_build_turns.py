@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ctxcache.service.build_turns import BuildTurns
+from ctxcache.indexer.build_turns import BuildTurns
 
 
 def _run(turns: BuildTurns, log: list, name: str, steps: int, step_s: float,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ctxcache.client.gen.v1 import context_pb2 as pb
-from ctxcache.service import cli
+from ctxcache.service.cli import main as cli
 from ctxcache.service.config import ModelConfig
 from ctxcache.service.server import create_server
 

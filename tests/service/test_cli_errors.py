@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from ctxcache.service import cli
+from ctxcache.service.cli import main as cli
 from ctxcache.client.gen.v1 import context_pb2 as pb
 
 from service_helpers import put_text

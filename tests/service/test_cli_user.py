@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ctxcache.client.gen.v1 import context_pb2 as pb
-from ctxcache.service import cli
+from ctxcache.service.cli import main as cli
 
 from service_helpers import TEXT, put_text
 

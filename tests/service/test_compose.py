@@ -150,13 +150,13 @@ def test_the_health_check_command_answers_serving(start):
     check = _services()["ctxcache"]["healthcheck"]["test"][1:]
     address = check[check.index("--address") + 1]
     argv = [a.replace(address, f"127.0.0.1:{srv.port}") for a in check[1:]]
-    from ctxcache.service import cli
+    from ctxcache.service.cli import main as cli
     assert cli.main(argv) == 0
 
 
 @pytest.mark.parametrize("value,words", [("1", "nonexistent"), ("0", "CTXCACHE_TOKEN"), ("maybe", "'maybe'")])
 def test_serve_reads_allow_unauthenticated_from_the_environment(value, words, monkeypatch, capsys, tmp_path):
-    from ctxcache.service import cli
+    from ctxcache.service.cli import main as cli
     monkeypatch.setenv("CTXCACHE_ALLOW_UNAUTHENTICATED", value)
     rc = cli.main(["serve", "--host", "0.0.0.0", "--model", "/nonexistent", "--data", str(tmp_path / "d")])
     err = capsys.readouterr().err
@@ -169,7 +169,7 @@ def test_the_fleet_profile_is_redis_s3_one_indexer_and_two_decoders_with_valid_c
     --object-store would fail here), and each advertises its own compose name."""
     import yaml
 
-    from ctxcache.service import cli, cli_commands
+    from ctxcache.service.cli import commands as cli_commands, main as cli
 
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     fleet = {name: s for name, s in services.items() if "fleet" in s.get("profiles", [])}

@@ -100,7 +100,7 @@ def test_drain_lets_live_streams_finish_and_cancels_the_build(start):
 
 def test_sigterm_with_8_streams_and_a_build_exits_0(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "ctxcache.service.cli", "serve", "--model", "random:tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "ctxcache.service.cli.main", "serve", "--model", "random:tiny",
                              "--port", "0", "--data", str(tmp_path / "d"), "--method", "key-kmeans", "--grace", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -139,7 +139,7 @@ def test_sigterm_with_8_streams_and_a_build_exits_0(tmp_path):
 def test_sigterm_answers_waiting_puts_unavailable(tmp_path):
     """Issue 29 #6: a PutContext waiting on a build that SIGTERM cancels (running or queued) is
     told to retry (UNAVAILABLE), not that its context does not exist (NOT_FOUND)."""
-    proc = subprocess.Popen([sys.executable, "-m", "ctxcache.service.cli", "serve", "--model", "random:tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "ctxcache.service.cli.main", "serve", "--model", "random:tiny",
                              "--port", "0", "--data", str(tmp_path / "d"), "--grace", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

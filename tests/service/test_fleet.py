@@ -17,8 +17,8 @@ import redis
 
 from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.client.routing import RoutedClient, home
-from ctxcache.service import cli
-from ctxcache.store.fleet_registry import FleetRegistry, FleetState, claim_key, ctx_key
+from ctxcache.service.cli import main as cli
+from ctxcache.store.registries.fleet_registry import FleetRegistry, FleetState, claim_key, ctx_key
 
 from fleet_procs import ADMIN_TOKEN, Worker, start_all, stop_all
 from redis_server import RedisServer, free_port, redis_binary

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from ctxcache.client.gen.v1 import context_pb2 as pb
-from ctxcache.store import object_layout as lay
+from ctxcache.store.object import object_layout as lay
 
 from service_helpers import TEXT, ask, put_text, rpc_code, tiny_config
 

@@ -15,7 +15,7 @@ from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
 from ctxcache.service.errors import FailedPrecondition
 from ctxcache.service.generate_streams import GenerateStreams
-from ctxcache.service.server import SLOT_ROOM, _cap_to_slots
+from ctxcache.service.assembly import SLOT_ROOM, cap_to_slots
 
 CONFIG = SparseConfig.from_schedule("0.05-step-1")
 
@@ -27,7 +27,7 @@ def _engines(*runners):
 def test_put_refuses_what_the_gpu_slots_cannot_hold(start, tiny_lm):
     server, client = start()
     fast = GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=SLOT_ROOM + 200)
-    _cap_to_slots(server.indexer, _engines(fast, SimpleNamespace(name="reference")))
+    cap_to_slots(server.indexer, _engines(fast, SimpleNamespace(name="reference")))
     ok = client.put(pb.PutContextRequest(text="x" * 100, wait=True), timeout=60).context
     assert ok.state == pb.CONTEXT_STATE_READY
     with pytest.raises(grpc.RpcError) as err:
@@ -40,7 +40,7 @@ def test_put_is_not_capped_with_an_offload_runner(start, tiny_lm):
     server, _ = start()
     before = server.indexer.max_tokens
     fast = GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=SLOT_ROOM + 200)
-    _cap_to_slots(server.indexer, _engines(fast, SimpleNamespace(name="gpu-offload")))
+    cap_to_slots(server.indexer, _engines(fast, SimpleNamespace(name="gpu-offload")))
     assert server.indexer.max_tokens == before
 
 

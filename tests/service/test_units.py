@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from ctxcache.service.artifact_cache import ArtifactCache
+from ctxcache.decoder.artifact_cache import ArtifactCache
 from ctxcache.service.prompting import ByteTokenizer, Prompter, document_messages, text_messages
-from ctxcache.service.textstream import TextStream
+from ctxcache.decoder.textstream import TextStream
 
 
 def _feed(stream: TextStream, text: str) -> str:

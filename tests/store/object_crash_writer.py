@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from store_helpers import make_artifact  # noqa: E402
 
 from ctxcache.store import ObjectArtifactStore  # noqa: E402
-from ctxcache.store import object_layout as lay  # noqa: E402
+from ctxcache.store.object import object_layout as lay  # noqa: E402
 
 
 def main(uri: str, context_id: str) -> None:

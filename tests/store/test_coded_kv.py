@@ -17,7 +17,7 @@ from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.kv_codec import CodedKV, decode_kv, encode_kv
 from ctxcache.methods import Budget, make_method
 from ctxcache.models.loader import load_model
-from ctxcache.service.cached_context import CachedContext
+from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.store import ArtifactStore, StoreConfig
 from store_helpers import make_artifact
 

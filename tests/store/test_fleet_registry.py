@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from ctxcache.store.fleet_registry import Enqueued, FleetRegistry, FleetState
-from ctxcache.store.job_stream import JobStream
+from ctxcache.store.registries.fleet_registry import Enqueued, FleetRegistry, FleetState
+from ctxcache.store.registries.job_stream import JobStream
 
 pytestmark = pytest.mark.redis
 CID = "a" * 64
@@ -165,7 +165,7 @@ def test_a_one_at_a_time_task_has_one_leader(fleet, redis_server):
 
 
 def test_the_fleet_registry_and_job_stream_import_no_torch():
-    code = ("import sys, ctxcache.store.fleet_registry, ctxcache.store.job_stream; "
+    code = ("import sys, ctxcache.store.registries.fleet_registry, ctxcache.store.registries.job_stream; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -94,7 +94,7 @@ def test_a_builds_host_copies_land_in_the_pool_else_pinned_memory() -> None:
 
 
 def test_a_pool_that_cannot_be_locked_is_one_line_and_loads_run_unpinned(monkeypatch, caplog) -> None:
-    from ctxcache.service import server
+    from ctxcache.service import assembly
 
     def refuse(buf):  # noqa: ANN001, ANN202
         raise MemoryError("cannot page-lock 6.00 GiB of host memory (cudaHostRegister: out of memory)")
@@ -102,11 +102,11 @@ def test_a_pool_that_cannot_be_locked_is_one_line_and_loads_run_unpinned(monkeyp
     monkeypatch.setattr(host_pool, "page_lock", refuse)
     try:
         with caplog.at_level("WARNING", logger="ctxcache.host_pool"):
-            assert server._install_host_pool(None, 2 << 30) is False  # the store then loads unpinned
+            assert assembly.install_host_pool(None, 2 << 30) is False  # the store then loads unpinned
         assert [r.getMessage() for r in caplog.records] == [
             "no page-locked host pool (cannot page-lock 6.00 GiB of host memory (cudaHostRegister: out of memory)): "
             "loads run unpinned, their copies to the GPU slower"]
         assert host_pool.installed() is None
-        assert server._install_host_pool(0, 2 << 30) is True  # no pool asked for: each load locks its own
+        assert assembly.install_host_pool(0, 2 << 30) is True  # no pool asked for: each load locks its own
     finally:
         host_pool.uninstall()

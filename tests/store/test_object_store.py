@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from ctxcache.store import ArtifactStore, ContextMeta, CorruptArtifact, StoreFull
-from ctxcache.store import object_layout as lay
+from ctxcache.store.object import object_layout as lay
 from ctxcache.store.layout import chunk_tensors
-from ctxcache.store.object_config import ObjectStoreConfig
-from ctxcache.store.object_store import ObjectArtifactStore
+from ctxcache.store.object.object_config import ObjectStoreConfig
+from ctxcache.store.object.object_store import ObjectArtifactStore
 from store_helpers import assert_same, make_artifact
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from ctxcache.store import (ArtifactStore, ContextMeta, EmbeddedRegistry, RedisRegistry,
                             RegistryUnavailable, StoreConfig, reconcile)
-from ctxcache.store.registry import BuildState, Registry, RegistryEntry
+from ctxcache.store.registries.registry import BuildState, Registry, RegistryEntry
 from store_helpers import make_artifact
 
 
@@ -162,6 +162,6 @@ def test_reconcile_rebuilds_from_lmdb(make_registry: Callable[[], Registry], tmp
 
 
 def test_registry_imports_no_torch() -> None:
-    code = ("import sys, ctxcache.store.registry, ctxcache.store.redis_registry, "
+    code = ("import sys, ctxcache.store.registries.registry, ctxcache.store.registries.redis_registry, "
             "ctxcache.store.keys, ctxcache.store.ids; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

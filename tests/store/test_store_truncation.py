@@ -16,8 +16,8 @@ import lmdb
 import pytest
 
 from ctxcache.store import ArtifactStore, CorruptArtifact, StoreConfig, StoreDamaged
-from ctxcache.store.lmdb_file import LAST_AT
-from ctxcache.store.lmdb_file import (P_BRANCH, P_LEAF, P_OVERFLOW, newest_meta, reached_bytes,
+from ctxcache.store.lmdb.lmdb_file import LAST_AT
+from ctxcache.store.lmdb.lmdb_file import (P_BRANCH, P_LEAF, P_OVERFLOW, newest_meta, reached_bytes,
                                       tree_pages)
 
 from store_helpers import make_artifact

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ctxcache.store import StoreUnavailable
-from ctxcache.store.object_config import ObjectStoreConfig
-from ctxcache.store.object_store import ObjectArtifactStore
+from ctxcache.store.object.object_config import ObjectStoreConfig
+from ctxcache.store.object.object_store import ObjectArtifactStore
 from ctxcache.store.tiers import open_tier
 from ctxcache.store.tiers.guard import Breaker, GuardConfig, GuardedTier
 from store_helpers import make_artifact

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ctxcache.store import ArtifactStore, ContextMeta, CorruptArtifact, StoreConfig, StoreUnavailable
-from ctxcache.store import object_layout as lay
-from ctxcache.store.object_config import ObjectStoreConfig
+from ctxcache.store.object import object_layout as lay
+from ctxcache.store.object.object_config import ObjectStoreConfig
 from ctxcache.store.tiered_store import TieredConfig, TieredStore, open_store
 from ctxcache.store.tiers import TierConfig
 from ctxcache.store.tiers.guard import GuardConfig

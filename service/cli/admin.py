@@ -7,8 +7,8 @@ import sys
 
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
-from ctxcache.service.cli_client import method_params
-from ctxcache.service.cli_records import print_record as _print
+from ctxcache.service.cli.client import method_params
+from ctxcache.service.cli.records import print_record as _print
 
 _STATE = {pb.CONTEXT_STATE_BUILDING: "BUILDING", pb.CONTEXT_STATE_READY: "READY", pb.CONTEXT_STATE_FAILED: "FAILED",
           pb.CONTEXT_STATE_DAMAGED: "DAMAGED"}

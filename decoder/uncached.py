@@ -13,7 +13,7 @@ import torch
 
 from ctxcache.artifact import ContextArtifact, LayerArtifact
 from ctxcache.models.loader import LoadedModel
-from ctxcache.service.cached_context import CachedContext
+from ctxcache.decoder.cached_context import CachedContext
 
 MISS = ""  # GenerateSpec.context_id of a prompt decoded with no cached context
 

@@ -1,4 +1,4 @@
-"""`ctxcache` command line: flags are parsed here only; commands live in cli_commands.py."""
+"""`ctxcache` command line: flags are parsed here only; commands live in commands.py."""
 
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
         if args.command == "serve":  # one line per RPC unless switched off
             logging.getLogger("ctxcache.access").setLevel(logging.WARNING if args.no_access_log else logging.INFO)
-        from ctxcache.service import cli_commands
+        from ctxcache.service.cli import commands as cli_commands
 
         return int(cli_commands.run(args) or 0)
     except KeyboardInterrupt:
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def one_line(exc: BaseException) -> str:
-    from ctxcache.service.cli_errors import describe
+    from ctxcache.service.cli.errors import describe
 
     return " ".join(describe(exc).split())[:500]
 

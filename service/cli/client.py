@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import context_pb2 as pb
-from ctxcache.service.cli_records import print_record
+from ctxcache.service.cli.records import print_record
 
 READY_TIMEOUT_S = 2.0  # a server that is not running is reported after this, not gRPC's backoff
 

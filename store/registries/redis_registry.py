@@ -18,7 +18,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from ctxcache.store.keys import BuildLockKey, PromptKey, check_id, prefix
-from ctxcache.store.registry import CLAIM_LEASE_S, BuildState, Registry, RegistryEntry, RegistryUnavailable
+from ctxcache.store.registries.registry import CLAIM_LEASE_S, BuildState, Registry, RegistryEntry, RegistryUnavailable
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -32,10 +32,10 @@ from enum import Enum
 import redis
 
 from ctxcache.store.keys import check_id, prefix
-from ctxcache.store.redis_registry import RedisConfig, client_for, guard
-from ctxcache.store.fleet_scripts import (DAMAGE, DELETE, DROP_READY, DUE, ENQUEUE, FINISH, JOB_IDS, LOST,
+from ctxcache.store.registries.redis_registry import RedisConfig, client_for, guard
+from ctxcache.store.registries.fleet_scripts import (DAMAGE, DELETE, DROP_READY, DUE, ENQUEUE, FINISH, JOB_IDS, LOST,
                                           PROGRESS, RECORD, START)
-from ctxcache.store.job_stream import STREAM, pack_tokens
+from ctxcache.store.registries.job_stream import STREAM, pack_tokens
 
 log = logging.getLogger("ctxcache.store.fleet")
 EVENTS = prefix("events").rstrip(":")  # ctxcache:v1:events

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import redis
 
 from ctxcache.store.keys import check_id, prefix
-from ctxcache.store.redis_registry import RedisConfig, client_for, guard
+from ctxcache.store.registries.redis_registry import RedisConfig, client_for, guard
 
 STREAM = prefix("jobs") + "build"  # ctxcache:v1:jobs:build
 GROUP = "indexers"

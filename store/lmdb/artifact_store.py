@@ -27,10 +27,10 @@ from ctxcache.store.chunk_io import ChunkStream, Payload, decode_chunks, encode_
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch, StoreClosed, StoreError, StoreFull
 from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id, prefix
-from ctxcache.store.lmdb_file import StoreDamaged, check_data_file, still_whole
+from ctxcache.store.lmdb.lmdb_file import StoreDamaged, check_data_file, still_whole
 from ctxcache.store.layout import QUERY_CHUNK, Slot, chunk_tensors
 from ctxcache.store.manifest import READABLE_STORE_FORMATS, ContextMeta, Manifest
-from ctxcache.store.txn_ops import (ManifestRead, delete_context, read_manifest, scan_manifests,
+from ctxcache.store.lmdb.txn_ops import (ManifestRead, delete_context, read_manifest, scan_manifests,
                                     verify_chunks)
 
 

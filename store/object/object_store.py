@@ -21,18 +21,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ctxcache.artifact import READABLE_FORMATS, ContextArtifact
-from ctxcache.store import object_layout as lay
+from ctxcache.store.object import object_layout as lay
 from ctxcache.store.chunk_io import ChunkDecoder, Payload, check_chunk, decode_chunks, encode_artifact
 from ctxcache.store.config import BadChunk, StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch
 from ctxcache.store.keys import check_id
 from ctxcache.store.layout import QUERY_CHUNK
 from ctxcache.store.manifest import READABLE_STORE_FORMATS, ChunkInfo, ContextMeta, Manifest, UnsupportedFormat
-from ctxcache.store.object_config import ObjectStoreConfig
-from ctxcache.store.object_gc import GcReport, collect_garbage, make_room, summaries, victims_to_budget
+from ctxcache.store.object.object_config import ObjectStoreConfig
+from ctxcache.store.object.object_gc import GcReport, collect_garbage, make_room, summaries, victims_to_budget
 from ctxcache.store.tiers import ObjectTier, open_tier
 from ctxcache.store.tiers.guard import GuardedTier
-from ctxcache.store import txn_ops
+from ctxcache.store.lmdb import txn_ops
 
 
 # given a fetch's manifest and chunks -> what takes each chunk as it arrives (ObjectArtifactStore.fetch)

@@ -1,6 +1,6 @@
-"""What each `ctxcache` subcommand does (arguments come parsed from cli.py). The server side
+"""What each `ctxcache` subcommand does (arguments come parsed from main.py). The server side
 (serve, demo, generate-local) imports torch when it runs; the client commands live in
-cli_client.py and cli_admin.py, which import none."""
+client.py and admin.py, which import none."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import context_pb2 as pb
-from ctxcache.service.cli_client import env_token, method_params, stream_answer, timings
+from ctxcache.service.cli.client import env_token, method_params, stream_answer, timings
 
 if TYPE_CHECKING:
     from ctxcache.service.config import ServiceConfig
 
 
 def run(args) -> int:
-    from ctxcache.service import cli_client
+    from ctxcache.service.cli import client as cli_client
 
     handler = {"serve": serve, "put": cli_client.put, "generate": cli_client.generate, "admin": admin,
                "health": cli_client.health, "demo": demo, "generate-local": generate_local}[args.command]
@@ -128,8 +128,8 @@ def serve(args) -> int:
 
 
 def admin(args) -> int:
-    from ctxcache.service.cli_admin import run_admin
-    from ctxcache.service.cli_client import connect
+    from ctxcache.service.cli.admin import run_admin
+    from ctxcache.service.cli.client import connect
 
     return run_admin(connect(args), args)
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ctxcache.store import eviction
-from ctxcache.store import object_layout as lay
+from ctxcache.store.object import object_layout as lay
 from ctxcache.store.errors import StoreFull
 
 if TYPE_CHECKING:
-    from ctxcache.store.object_store import ObjectArtifactStore
+    from ctxcache.store.object.object_store import ObjectArtifactStore
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""The parts create_server (server.py) assembles from the config: the decode runners for the
+device, PutContext's limit where GPU slots bound it, the store and registry (and the page-locked
+host pool the store loads into), and the registry's reconcile at start."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ctxcache import host_pool
+from ctxcache.decoder import SparseConfig
+from ctxcache.decoder.decode_mode import resolve
+from ctxcache.decoder.runner import ReferenceRunner, Runner
+from ctxcache.methods import make_method
+from ctxcache.models.loader import LoadedModel
+from ctxcache.service.backend import Backend
+from ctxcache.service.build_queue import BuildQueue
+from ctxcache.service.config import ServiceConfig
+from ctxcache.store import EmbeddedRegistry, ObjectStoreConfig, StoreConfig, open_store
+
+log = logging.getLogger("ctxcache.service")
+
+
+def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
+    """On a GPU: the fast runner (sparse when the method has a GPU selector, or dense), then the
+    reference runner for every other method and schedule; on a CPU: the reference runner."""
+    reference = ReferenceRunner(lm)
+    if lm.model.lm_head.weight.device.type != "cuda":
+        if config.decoder.offload or config.decoder.gpu_memory_bytes:
+            log.warning("--offload and --gpu-memory-gb apply to a GPU; on the CPU every context decodes on "
+                        "the reference path")
+        return [reference]
+    from ctxcache.decoder.gpu.capacity import MAX_NEW, slots_within
+    from ctxcache.decoder.gpu.runner import GpuRunner  # Triton only where a GPU is
+    d, ix = config.decoder, config.indexer
+    method = make_method(ix.method, ix.method_params)
+    mode = resolve(d.decode_mode, "cuda", 0)  # one fast runner per server: auto's pick for the GPU
+    if mode == "sparse" and not method.caps.gpu_decode:
+        return [reference]
+    params = method.params if mode == "sparse" else None
+    slots = d.gpu_slots
+    if d.gpu_memory_bytes:
+        slots = slots_within(d.gpu_memory_bytes, lm.args, params, d.gpu_slot_tokens, MAX_NEW,
+                             lm.model.lm_head.weight.element_size())
+    schedule = SparseConfig.from_schedule(d.schedule)
+    fast = GpuRunner(lm, params, schedule, slots, d.gpu_slot_tokens)
+    torch.cuda.empty_cache()  # what loading left reserved goes back to the driver (cuBLAS, graphs, kernels)
+    free = torch.cuda.mem_get_info()[0]
+    log.info("GPU runner %s: %d slots of %d tokens (%.2f GiB each); %.1f GiB of HBM left free", fast.name, slots,
+             d.gpu_slot_tokens, fast.slot_bytes / 2**30, free / 2**30)
+    if d.offload and params is not None:
+        from ctxcache.decoder.gpu.offload_runner import OffloadRunner
+        return [fast, OffloadRunner(lm, params, schedule), reference]  # contexts no slot holds: K/V in host memory
+    return [fast, reference]
+
+
+# a context must leave its slot room for a question and the start of an answer
+SLOT_ROOM = 256
+
+
+def cap_to_slots(indexer: BuildQueue, engines) -> None:
+    """On a GPU server without --offload, PutContext refuses what its slots cannot decode
+    (naming the flag) instead of building a context that would decode on the reference path."""
+    runners = [e.runner for e in engines]
+    fast = next((r for r in runners if hasattr(r, "serves")), None)
+    if fast is None or any(r.name == "gpu-offload" for r in runners):
+        return
+    limit = fast.cache.max_len - SLOT_ROOM
+    if limit < indexer.max_tokens:
+        indexer.max_tokens = max(1, limit)
+        indexer.max_tokens_why = (f"GPU slots of {fast.cache.max_len} tokens keep {SLOT_ROOM} for the question "
+                                  f"and answer: start the server with a larger --gpu-slot-tokens, or with --offload")
+
+
+def open_store_and_registry(config: ServiceConfig):
+    budget = config.store.budget_bytes
+    pin = config.store.pin_memory
+    pin = config.model.device.startswith("cuda") if pin is None else pin
+    st = config.store
+    if pin:
+        pin = install_host_pool(st.host_pool_bytes, config.decoder.dram_cache_bytes)
+    store = open_store(st.path, StoreConfig(map_size_bytes=budget + budget // 4 + (64 << 20), budget_bytes=budget,
+                                            pin_memory=pin),
+                       st.object_store_uri, ObjectStoreConfig(budget_bytes=st.object_budget_bytes))
+    if config.fleet.role != "all":  # a fleet's registry of facts (service/roles.py)
+        return store, None, "fleet"
+    url = config.registry.redis_url
+    if url is None:
+        return store, EmbeddedRegistry(), "embedded"
+    from ctxcache.store import RedisRegistry
+    return store, RedisRegistry(config.registry.redis_config()), "redis"
+
+
+POOL_SLACK = 4 << 30  # beyond the DRAM cache: loads in flight, evicted artifacts streams still read
+
+
+def install_host_pool(pool_bytes: int | None, dram_cache_bytes: int) -> bool:
+    """-> whether loads go to page-locked memory: the pool's (or, with a pool of 0 bytes, a
+    mapping locked per load); False when the pool could not be locked (loads run unpinned)."""
+    size = dram_cache_bytes + POOL_SLACK if pool_bytes is None else pool_bytes
+    if size <= 0:
+        return True
+    t0 = time.perf_counter()
+    if host_pool.install(size) is None:
+        return False
+    log.info("page-locked host pool: %.1f GiB in %.1f s", size / (1 << 30), time.perf_counter() - t0)
+    return True
+
+
+def reconcile(backend: Backend) -> None:
+    try:
+        added, removed, damaged = backend.reconcile()
+        log.info("reconciled registry: %d added, %d removed, %d damaged", added, removed, len(damaged))
+    except Exception as exc:  # noqa: BLE001 - Redis down at start: serve, Reconcile later
+        log.warning("registry reconcile at start failed: %s", exc)
