@@ -57,9 +57,15 @@ def _decode(engine, arts, prompts):
     return [[t for t, _ in s.tokens(lambda: None)] for s in seqs]
 
 
-@pytest.mark.parametrize("sparse, rerank, index", [(True, 1.0, (4, 16)), (True, 4.0, (4, 16)), (False, 1.0, (4, 16)),
-                                                   (True, 4.0, (16, 8)), (True, 4.0, (4, 16, 8))],
-                         ids=["rerank1", "rerank4", "dense", "m16c8", "follow8"])
+# interpreted on a CPU, rerank4 and follow8 take 2-4 minutes each (2-core box): they run in full on a
+# GPU, and on a CPU with `-m slow`; the plain index, dense and m16c8 keep the CPU suite's coverage
+CPU_SLOW = () if torch.cuda.is_available() else (pytest.mark.slow,)
+
+
+@pytest.mark.parametrize("sparse, rerank, index", [
+    pytest.param(True, 1.0, (4, 16), id="rerank1"), pytest.param(True, 4.0, (4, 16), id="rerank4", marks=CPU_SLOW),
+    pytest.param(False, 1.0, (4, 16), id="dense"), pytest.param(True, 4.0, (16, 8), id="m16c8"),
+    pytest.param(True, 4.0, (4, 16, 8), id="follow8", marks=CPU_SLOW)])
 def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, device):
     """rerank 4: the GPU re-ranks the selector's candidates exactly (kernels.rerank.Reranker), as the
     reference's search does (exact_rerank). m16c8: a compact index of many narrow subspaces
