@@ -209,9 +209,8 @@ class GpuRunner:
 
     def _prompt_run(self, row: int, n_ctx: int, prompt: list[int], first_use: bool
                     ) -> Replay | Capturing | LayeredPrefill:
-        """The prompt's prefill into `row` after n_ctx tokens: its graphs replayed, captured as
-        they run (on the key's second use, or its first with first_use: an admission that loads
-        the slot waits for that load anyway, so the capture's host time hides under it), or eager."""
+        """The prompt's prefill into `row` after n_ctx tokens: replayed, captured as it runs (on the
+        key's second use, or its first with first_use: a loading admission hides the capture), or eager."""
         padded = self._padded(n_ctx, len(prompt))
         make = self._maker(row, n_ctx)
         inputs = prompt_input(prompt, padded, self.device)
