@@ -59,14 +59,18 @@ def raw_bytes(chunks: Sequence[tuple[Slot, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for _, t in chunks)
 
 
+def check_size(m: Manifest, info: ChunkInfo, size: int) -> None:
+    """Raise CorruptArtifact unless the stored object's size is the manifest's."""
+    if size != info.stored_bytes:
+        raise CorruptArtifact(m.context_id, info.label(), f"stored size {size} != manifest {info.stored_bytes}")
+
+
 def check_chunk(m: Manifest, info: ChunkInfo, buf: Payload | None, how: str) -> None:
     """Raise CorruptArtifact unless buf is exactly the chunk the manifest describes.
     how: xxh3 (fast, every load) | sha256 | none (sizes only)."""
     if buf is None:
         raise CorruptArtifact(m.context_id, info.label(), "chunk is missing")
-    if len(buf) != info.stored_bytes:
-        raise CorruptArtifact(m.context_id, info.label(), f"stored size {len(buf)} != "
-                              f"manifest {info.stored_bytes}")
+    check_size(m, info, len(buf))
     if (how == "xxh3" and codec.fast_checksum(buf) != info.xxh3) or \
             (how == "sha256" and codec.checksum(buf) != info.sha256):
         raise CorruptArtifact(m.context_id, info.label(), f"{how} checksum mismatch")
@@ -84,9 +88,24 @@ class ChunkDecoder:
             raise CorruptArtifact(m.context_id, "manifest", str(exc)) from None
         self.m, self.chunks = m, chunks
         self.arena = Arena(specs, huge_pages, pin_memory)
+        self._in_place: set[int] = set()
+
+    def target(self, i: int) -> memoryview | None:
+        """Chunk i's tensor as bytes when its stored bytes are exactly those (a raw chunk of
+        the tensor's own dtype), for a reader to fill in place: no copy. None: put() decodes."""
+        info, t = self.chunks[i], self.arena.tensors[i]
+        if info.codec != "raw" or info.stored_bytes != t.numel() * t.element_size() or t.numel() == 0 \
+                or info.stored_dtype != codec.stored_name(t):
+            return None
+        self.arena.populate(i)
+        self._in_place.add(i)
+        return memoryview(t.view(-1).view(torch.uint8).numpy())
 
     def put(self, i: int, buf: Payload) -> None:
-        """Decode chunk i's stored bytes (checked already) into its tensor."""
+        """Decode chunk i's stored bytes (checked already) into its tensor (nothing to do for
+        a chunk read in place)."""
+        if i in self._in_place:
+            return
         info = self.chunks[i]
         try:
             self.arena.populate(i)

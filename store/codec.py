@@ -45,6 +45,11 @@ def dtype_name(t: torch.Tensor) -> str:
     return name
 
 
+def stored_name(t: torch.Tensor) -> str:
+    """The stored dtype that a raw chunk of t's own bits declares (not narrowed)."""
+    return np.dtype(_NP[dtype_name(t)][0]).str
+
+
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     name = dtype_name(t)
     t = t.detach().cpu().contiguous()

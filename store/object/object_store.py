@@ -18,11 +18,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from ctxcache.artifact import READABLE_FORMATS, ContextArtifact
 from ctxcache.store.object import object_layout as lay
-from ctxcache.store.chunk_io import ChunkDecoder, Payload, check_chunk, decode_chunks, encode_artifact
+from ctxcache.store.chunk_io import ChunkDecoder, Payload, check_chunk, check_size, decode_chunks, encode_artifact
 from ctxcache.store.config import BadChunk, StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch
 from ctxcache.store.keys import check_id
@@ -35,8 +37,38 @@ from ctxcache.store.tiers.guard import GuardedTier
 from ctxcache.store.lmdb import txn_ops
 
 
+class ChunkSink(Protocol):
+    """What takes a fetch's chunks as they arrive (a ChunkDecoder, or a subset of one)."""
+
+    def target(self, i: int) -> memoryview | None: ...
+
+    def put(self, i: int, buf: Payload) -> None: ...
+
+
 # given a fetch's manifest and chunks -> what takes each chunk as it arrives (ObjectArtifactStore.fetch)
-Sink = Callable[[Manifest, tuple[ChunkInfo, ...]], Callable[[int, Payload], None]]
+Sink = Callable[[Manifest, tuple[ChunkInfo, ...]], ChunkSink]
+
+
+class SubsetSink:
+    """A decoder of some of a fetch's chunks (`wanted`, fetch indices in order); the others are
+    fetched (a local copy is whole) and not decoded."""
+
+    def __init__(self, decoder: ChunkDecoder, wanted: Sequence[int]) -> None:
+        self.decoder, self._at = decoder, {i: j for j, i in enumerate(wanted)}
+
+    def target(self, i: int) -> memoryview | None:
+        return self.decoder.target(self._at[i]) if i in self._at else None
+
+    def put(self, i: int, buf: Payload) -> None:
+        if i in self._at:
+            self.decoder.put(self._at[i], buf)
+
+
+def _read_buffer(use: ChunkSink | None, i: int, info: ChunkInfo) -> memoryview:
+    """Where chunk i is read to: its tensor where the sink can take it in place, else fresh
+    memory (np.empty: not zeroed, so nothing but the read touches it)."""
+    got = use.target(i) if use is not None else None
+    return got if got is not None else memoryview(np.empty(info.stored_bytes, np.uint8))
 
 
 @dataclass(frozen=True)
@@ -45,7 +77,7 @@ class Fetched:
 
     manifest: Manifest
     chunks: tuple[ChunkInfo, ...]  # the manifest's chunks that were fetched, in order
-    payloads: tuple[bytes, ...]
+    payloads: tuple[Payload, ...]
 
     @property
     def nbytes(self) -> int:
@@ -199,8 +231,9 @@ class ObjectArtifactStore:
     def fetch(self, context_id: str, with_queries: bool = True, sink: Sink | None = None) -> Fetched | None:
         """The manifest and its chunks' stored bytes, every chunk checked (config.verify_on_load)
         as it arrives. A write replaced or deleted mid-fetch is read again once / None. sink:
-        sink(manifest, chunks) -> a callable given each checked chunk (index, bytes) on the
-        thread that read it, while the others are still arriving (a load decodes there)."""
+        sink(manifest, chunks) -> what takes each checked chunk on the thread that read it,
+        while the others are still arriving (a load decodes there), and may give the memory a
+        chunk is read into (its tensor: no copy)."""
         self._live()
         how = self.config.verify_on_load
         for attempt in range(2):
@@ -210,26 +243,28 @@ class ObjectArtifactStore:
             chunks = tuple(c for c in m.chunks if with_queries or c.name != QUERY_CHUNK)
             wid = lay.write_id(m)
             use = sink(m, chunks) if sink is not None else None
+            outs = [_read_buffer(use, i, c) for i, c in enumerate(chunks)]
 
-            def arrived(i: int, buf: bytes | None, m: Manifest = m, chunks: tuple[ChunkInfo, ...] = chunks,
-                        use: Callable[[int, Payload], None] | None = use) -> None:
-                if buf is None:
+            def arrived(i: int, size: int | None, m: Manifest = m, chunks: tuple[ChunkInfo, ...] = chunks,
+                        use: ChunkSink | None = use, outs: list[memoryview] = outs) -> None:
+                if size is None:
                     return  # absent: replaced or deleted mid-fetch (looked at below)
-                check_chunk(m, chunks[i], buf, how)
+                check_size(m, chunks[i], size)
+                check_chunk(m, chunks[i], outs[i], how)
                 if use is not None:
-                    use(i, buf)
+                    use.put(i, outs[i])
 
-            bufs = self.tier.get_many([lay.chunk_key(m.context_id, wid, c) for c in chunks], arrived)
-            if any(b is None for b in bufs) and attempt == 0:
+            sizes = self.tier.get_many_into([lay.chunk_key(m.context_id, wid, c) for c in chunks], outs, arrived)
+            if any(n is None for n in sizes) and attempt == 0:
                 now = self._read_manifest(context_id, allow_expired=True, quiet=True)
                 if now is None:
                     return None  # deleted while we read it
                 if lay.write_id(now) != wid:
                     continue  # replaced while we read it: read the new write
-            for info, buf in zip(chunks, bufs):
-                if buf is None:
-                    check_chunk(m, info, buf, how)  # raises: the chunk is missing
-            return Fetched(m, chunks, tuple(bufs))
+            for info, n in zip(chunks, sizes):
+                if n is None:
+                    check_chunk(m, info, None, how)  # raises: the chunk is missing
+            return Fetched(m, chunks, tuple(outs))
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     def decode(self, f: Fetched) -> ContextArtifact:
@@ -248,12 +283,11 @@ class ObjectArtifactStore:
         of following it."""
         box: dict[str, ChunkDecoder] = {}
 
-        def sink(m: Manifest, chunks: tuple[ChunkInfo, ...]) -> Callable[[int, Payload], None]:
+        def sink(m: Manifest, chunks: tuple[ChunkInfo, ...]) -> ChunkSink:
             wanted = [i for i, c in enumerate(chunks) if decode_queries or c.name != QUERY_CHUNK]
             dec = box["decoder"] = ChunkDecoder(m, [chunks[i] for i in wanted], self.codec.huge_pages,
                                                 self.codec.pin_memory)
-            at = {i: j for j, i in enumerate(wanted)}
-            return lambda i, buf: dec.put(at[i], buf) if i in at else None
+            return SubsetSink(dec, wanted)
 
         f = self.fetch(context_id, fetch_queries, sink)
         return None if f is None else (f, box["decoder"].artifact())

@@ -102,18 +102,30 @@ class ObjectTier(ABC):
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         self._batch("put", lambda kv: self.put(*kv), items)
 
-    def get_many(self, keys: Sequence[str],
-                 then: Callable[[int, bytes | None], None] | None = None) -> list[bytes | None]:
-        """Every key's object (None: absent); then(i, object) runs on the worker that read key i
-        as soon as it has (a load checks and decodes each chunk while the others still arrive)."""
-        if then is None:
-            return self._batch("get", self.get, keys)
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Every key's object (None: absent)."""
+        return self._batch("get", self.get, keys)
 
-        def one(item: tuple[int, str]) -> bytes | None:
-            data = self.get(item[1])
-            then(item[0], data)
-            return data
-        return self._batch("get", one, list(enumerate(keys)))
+    def get_into(self, key: str, out: memoryview) -> int | None:
+        """Key's object read into out -> its size, out filled only when that is len(out) (a
+        caller compares it with the size it expected); None if absent. Backends that can read
+        into given memory override this copy."""
+        data = self.get(key)
+        if data is None:
+            return None
+        if len(data) == len(out):
+            out[:] = data
+        return len(data)
+
+    def get_many_into(self, keys: Sequence[str], outs: Sequence[memoryview],
+                      then: Callable[[int, int | None], None]) -> list[int | None]:
+        """get_into for every key (out i for key i); then(i, size) runs on the worker that read
+        key i as soon as it has (a load checks and decodes each chunk while the others arrive)."""
+        def one(i: int) -> int | None:
+            size = self.get_into(keys[i], outs[i])
+            then(i, size)
+            return size
+        return self._batch("get", one, range(len(keys)))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self._batch("contains", self.contains, keys)

@@ -145,9 +145,12 @@ class GuardedTier:
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         return self._guarded("put", f"{len(items)} objects", lambda: self.inner.put_many(items))
 
-    def get_many(self, keys: Sequence[str],
-                 then: Callable[[int, bytes | None], None] | None = None) -> list[bytes | None]:
-        return self._guarded("get", f"{len(keys)} objects", lambda: self.inner.get_many(keys, then=then))
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._guarded("get", f"{len(keys)} objects", lambda: self.inner.get_many(keys))
+
+    def get_many_into(self, keys: Sequence[str], outs: Sequence[memoryview],
+                      then: Callable[[int, int | None], None]) -> list[int | None]:
+        return self._guarded("get", f"{len(keys)} objects", lambda: self.inner.get_many_into(keys, outs, then))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self._guarded("contains", f"{len(keys)} objects", lambda: self.inner.contains_many(keys))

@@ -206,9 +206,12 @@ def test_listing_filters_by_tenant_and_labels_and_pages(tier_uri: str) -> None:
 def test_a_load_decodes_each_chunk_as_it_arrives_and_keeps_every_fetched_chunk(tmp_path: Path, monkeypatch) -> None:
     """fetch_decoded: a chunk is decoded on the thread that read it while a slow chunk is still
     on its way (the decode overlaps the download); the fetched bytes hold the query chunks too
-    (for the whole local copy), the artifact only what a load reads."""
+    (for the whole local copy), the artifact only what a load reads; a raw chunk is read straight
+    into its tensor (the fetched bytes are the tensor's memory: no copy)."""
     import threading
     import time
+
+    import numpy as np
 
     from ctxcache.store import chunk_io
 
@@ -217,17 +220,17 @@ def test_a_load_decodes_each_chunk_as_it_arrives_and_keeps_every_fetched_chunk(t
         s.put("c1", art)
         slow_key = chunk_objects(s, "c1")[-1]
         inner = s.tier.inner
-        real_get = inner.get
+        real_get_into = inner.get_into
         decoded_before_slow: list[bool] = []
         slow_done = threading.Event()
 
-        def get(key: str):  # noqa: ANN202
+        def get_into(key: str, out):  # noqa: ANN001, ANN202
             if key == slow_key:
                 time.sleep(0.3)
-                out = real_get(key)
+                got = real_get_into(key, out)
                 slow_done.set()
-                return out
-            return real_get(key)
+                return got
+            return real_get_into(key, out)
 
         real_put = chunk_io.ChunkDecoder.put
 
@@ -235,8 +238,12 @@ def test_a_load_decodes_each_chunk_as_it_arrives_and_keeps_every_fetched_chunk(t
             decoded_before_slow.append(not slow_done.is_set())
             return real_put(self, i, buf)
 
-        monkeypatch.setattr(inner, "get", get)
+        monkeypatch.setattr(inner, "get_into", get_into)
         monkeypatch.setattr(chunk_io.ChunkDecoder, "put", put)
         f, got = s.fetch_decoded("c1", fetch_queries=True, decode_queries=False)
-        assert any(decoded_before_slow) and len(f.chunks) == len(f.payloads)
+        assert slow_done.is_set() and any(decoded_before_slow) and not all(decoded_before_slow)
+        assert len(f.chunks) == len(f.payloads)
         assert_same(got, art)
+        tensor_at = {t.data_ptr() for _, t in chunk_tensors(got) if t.numel()}
+        in_place = [c.name for c, p in zip(f.chunks, f.payloads) if np.frombuffer(p, np.uint8).ctypes.data in tensor_at]
+        assert in_place and all(c.codec == "raw" for c in f.chunks if c.name in in_place), in_place

@@ -41,6 +41,29 @@ def test_keys_outside_the_alphabet_are_refused(tmp_path: Path) -> None:
             tier.put(bad, b"x")
 
 
+def test_get_into_reads_an_object_in_ranges_into_given_memory(tier_uri: str, monkeypatch) -> None:
+    """A load reads each chunk straight into memory it owns (its tensor): ranges in parallel,
+    each on its own handle; a size other than the one expected fills nothing and says the size."""
+    import numpy as np
+
+    from ctxcache.store.tiers import arrow
+
+    monkeypatch.setattr(arrow, "RANGE_BYTES", 4096)
+    tier = open_tier(tier_uri)
+    blob = os.urandom(4096 * 5 + 77)  # 6 ranges, the last partial
+    tier.put("v1/r/blob", blob)
+    out = np.zeros(len(blob), np.uint8)
+    assert tier.get_into("v1/r/blob", memoryview(out)) == len(blob) and out.tobytes() == blob
+    short = np.zeros(len(blob) - 1, np.uint8)
+    assert tier.get_into("v1/r/blob", memoryview(short)) == len(blob) and not short.any()
+    assert tier.get_into("v1/r/none", memoryview(out)) is None
+    assert bytes(tier.get("v1/r/blob")) == blob
+    seen: list[tuple[int, int | None]] = []
+    outs = [memoryview(np.zeros(len(blob), np.uint8)) for _ in range(2)]
+    assert tier.get_many_into(["v1/r/blob", "v1/r/none"], outs, lambda i, n: seen.append((i, n))) == [len(blob), None]
+    assert sorted(seen) == [(0, len(blob)), (1, None)] and outs[0].tobytes() == blob
+
+
 def test_objects_round_trip_bit_exact(tier_uri: str) -> None:
     tier = open_tier(tier_uri)
     blobs = {"v1/a/empty": b"", "v1/a/small": os.urandom(1000), "v1/b/big": os.urandom((17 << 20) + 12345)}  # 3 ranged reads, the last partial
