@@ -6,8 +6,11 @@ One `ctxcache serve` process with a local LMDB and an object store (a private Se
 `weed` is installed, else a folder), read through its gRPC API alone. Per context length: the
 PutContext until READY; then per repeat a 20-token question's TTFT with the context resident in
 HBM, in DRAM (admin Evict device_only), in the local store with its file in the page cache (Evict
-memory_only), in the local store after the page cache was dropped (root only; said when skipped),
-and in the object store alone (Evict local_only: this worker's copies gone). Beside them, on
+memory_only), in the local store after the page cache was dropped (root only; skipped otherwise;
+the LMDB pages the server keeps mapped stay cached, so this row reads much like the last), and
+in the object store alone (Evict local_only: this worker's copies gone), once with the store's
+files dropped from the page cache (`object_cold`: SeaweedFS on this machine reads its disk) and
+once with them cached (`object`: a store serving a hot object from memory). Beside them, on
 this process's own copy of the model before the server starts: the dense prefill of the same
 token count in one pass and in the indexer's 4K chunks (the faster is the baseline), and the
 card's pinned host -> device copy rate; each tier's effective GB/s is the artifact's stored bytes
@@ -41,7 +44,7 @@ from ctxcache.client.gen.v1 import admin_pb2 as apb
 from ctxcache.models.loader import load_model
 
 GiB = 1 << 30
-TIERS = ("hbm", "dram", "local", "local_cold", "object")
+TIERS = ("hbm", "dram", "local", "local_cold", "object", "object_cold")
 
 
 def h2d_gb_per_s(gib: int = 2) -> float:
@@ -89,6 +92,7 @@ def tier_ttfts(client: Client, cid: str, repeats: int) -> dict[str, list[float]]
     """TTFT samples per tier; each sample puts the context where its tier says, then asks."""
     evict = client.admin.Evict
     moves: dict[str, Callable[[], bool]] = {
+        "object_cold": lambda: evict(apb.EvictRequest(context_id=cid, local_only=True)) is not None and drop_page_cache(),
         "object": lambda: evict(apb.EvictRequest(context_id=cid, local_only=True)) is not None,
         "local_cold": lambda: evict(apb.EvictRequest(context_id=cid, memory_only=True)) is not None and drop_page_cache(),
         "local": lambda: evict(apb.EvictRequest(context_id=cid, memory_only=True)) is not None,
@@ -97,7 +101,9 @@ def tier_ttfts(client: Client, cid: str, repeats: int) -> dict[str, list[float]]
     }
     out: dict[str, list[float]] = {t: [] for t in TIERS}
     for _ in range(repeats):
-        for tier in ("object", "local_cold", "local", "hbm", "dram"):  # each leaves what the next needs
+        # each leaves what the next needs; object_cold's read brings the object store's files back
+        # into its page cache, so `object` reads them from memory (as a store serving a hot object)
+        for tier in ("object_cold", "object", "local_cold", "local", "hbm", "dram"):
             if moves[tier]():
                 out[tier].append(generate(client, cid, 1).timings.ttft_seconds)
     return out
