@@ -57,14 +57,15 @@ def _decode(engine, arts, prompts):
     return [[t for t, _ in s.tokens(lambda: None)] for s in seqs]
 
 
-# interpreted on a CPU, rerank4 and follow8 take 2-4 minutes each (2-core box): they run in full on a
-# GPU, and on a CPU with `-m slow`; the plain index, dense and m16c8 keep the CPU suite's coverage
+# interpreted on a CPU, every sparse case takes 2-5 minutes (2-core box): rerank4, m16c8 and follow8 run
+# in full on a GPU, and on a CPU with `-m slow`; the plain index (rerank1) and dense keep the CPU suite's
+# coverage of the runner
 CPU_SLOW = () if torch.cuda.is_available() else (pytest.mark.slow,)
 
 
 @pytest.mark.parametrize("sparse, rerank, index", [
     pytest.param(True, 1.0, (4, 16), id="rerank1"), pytest.param(True, 4.0, (4, 16), id="rerank4", marks=CPU_SLOW),
-    pytest.param(False, 1.0, (4, 16), id="dense"), pytest.param(True, 4.0, (16, 8), id="m16c8"),
+    pytest.param(False, 1.0, (4, 16), id="dense"), pytest.param(True, 4.0, (16, 8), id="m16c8", marks=CPU_SLOW),
     pytest.param(True, 4.0, (4, 16, 8), id="follow8", marks=CPU_SLOW)])
 def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, device):
     """rerank 4: the GPU re-ranks the selector's candidates exactly (kernels.rerank.Reranker), as the

@@ -16,9 +16,11 @@ from ctxcache.models.loader import load_model
 
 CONFIG = SparseConfig(Budget(0.1, 2, 8))
 STEPS = 48 if torch.cuda.is_available() else 4
+# interpreted on a CPU each case takes 50-75 s of CI's 2 cores: rerank 4 runs on a GPU and with -m slow
+CPU_SLOW = () if torch.cuda.is_available() else (pytest.mark.slow,)
 
 
-@pytest.mark.parametrize("rerank", [1.0, 4.0])
+@pytest.mark.parametrize("rerank", [1.0, pytest.param(4.0, marks=CPU_SLOW)])
 def test_offload_runner_decodes_the_reference_tokens(rerank, device):
     cpu_lm = load_model("random:tiny", seed=3)
     lm = load_model("random:tiny", seed=3, device="cuda" if torch.cuda.is_available() else "cpu")
