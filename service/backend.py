@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.cached_context import CachedContext
-from ctxcache.service.errors import NotFound, Unavailable
+from ctxcache.errors import NotFound, Unavailable
 from ctxcache.store import (ArtifactStore, ContextMeta, CorruptArtifact, Manifest, Registry, RegistryUnavailable,
                             reconcile)
 from ctxcache.store.config import StoreStats, VerifyReport

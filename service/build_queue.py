@@ -32,9 +32,9 @@ from ctxcache.indexer.build_turns import BuildTurns
 from ctxcache.service.config import IndexerSettings
 from ctxcache.service.convert import PutSpec
 from ctxcache.service.job_spec import Reindex
-from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable, failure_text
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import Prompter
+from ctxcache.errors import InvalidArgument, ResourceExhausted, Unavailable, failure_text
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import Prompter
 from ctxcache.store import ContextMeta, CorruptArtifact, context_id_for
 
 log = logging.getLogger("ctxcache.service.build_queue")

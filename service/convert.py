@@ -13,9 +13,9 @@ from ctxcache.artifact import KV_CODECS
 from ctxcache.generation import SamplingParams
 from ctxcache.methods import ParamError, make_method
 from ctxcache.service.generate_streams import GenerateSpec
-from ctxcache.service.errors import InvalidArgument, PermissionDenied
+from ctxcache.errors import InvalidArgument, PermissionDenied
 from ctxcache.client.gen.v1 import context_pb2 as pb
-from ctxcache.service.prompting import ROLES, Messages, document_messages, text_messages
+from ctxcache.prompting import ROLES, Messages, document_messages, text_messages
 
 _CONTEXT_ID = re.compile(r"[0-9a-f]{64}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")

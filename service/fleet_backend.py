@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ctxcache.service.backend import Backend
-from ctxcache.service.errors import Unavailable
+from ctxcache.errors import Unavailable
 from ctxcache.store import CorruptArtifact, FormatMismatch, Manifest, RegistryUnavailable, TieredStore
 from ctxcache.store.registries.fleet_registry import Facts, FleetRegistry, FleetState
 

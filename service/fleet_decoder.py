@@ -18,10 +18,10 @@ from ctxcache.service import job_spec
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.config import IndexerSettings
 from ctxcache.service.convert import PutSpec
-from ctxcache.service.errors import ResourceExhausted, Unavailable
+from ctxcache.errors import ResourceExhausted, Unavailable
 from ctxcache.service.fleet_backend import FleetBackend
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import Prompter
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import Prompter
 from ctxcache.store import CorruptArtifact, RegistryUnavailable
 from ctxcache.store.registries.fleet_registry import Enqueued, Facts, FleetState
 from ctxcache.store.registries.job_stream import JobStream

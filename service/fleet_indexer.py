@@ -20,7 +20,7 @@ from dataclasses import replace
 from ctxcache.service import job_spec
 from ctxcache.service.build_queue import BuildQueue, Job
 from ctxcache.service.fleet_backend import FleetBackend
-from ctxcache.service.errors import ServiceError, failure_text
+from ctxcache.errors import ServiceError, failure_text
 from ctxcache.store import RegistryUnavailable
 from ctxcache.store.registries.fleet_registry import FleetRegistry
 from ctxcache.store.registries.job_stream import JobStream, TakenJob

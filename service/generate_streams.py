@@ -27,10 +27,10 @@ from ctxcache.models.loader import LoadedModel
 from ctxcache.decoder.artifact_cache import ArtifactCache, Loaded
 from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.store import request_deadline
-from ctxcache.service.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
-                                     ResourceExhausted, Unavailable)
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import Messages, Prompter
+from ctxcache.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted,
+                             Unavailable)
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import Messages, Prompter
 from ctxcache.decoder.textstream import TextStream
 from ctxcache.decoder.uncached import MISS, empty_context
 

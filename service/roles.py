@@ -25,8 +25,8 @@ from ctxcache.service.fleet_indexer import FleetIndexer
 from ctxcache.service.fleet_janitor import Janitor
 from ctxcache.service.fleet_presence import Presence
 from ctxcache.service.generate_streams import GenerateStreams
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import Prompter
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import Prompter
 from ctxcache.store import TieredStore
 from ctxcache.store.registries.fleet_registry import FleetRegistry
 from ctxcache.store.registries.job_stream import JobStream

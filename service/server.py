@@ -30,8 +30,8 @@ from ctxcache.service.config import ServiceConfig
 from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.service.generate_streams import GenerateStreams
 from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import ByteTokenizer, Prompter, ensure_chat_template
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import ByteTokenizer, Prompter, ensure_chat_template
 from ctxcache.service.rpc.servicer import ContextServicer
 from ctxcache.service.warmup import warm_up
 from ctxcache.service.gc_watch import freeze_and_watch, thaw

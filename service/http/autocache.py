@@ -13,9 +13,9 @@ import logging
 
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.convert import PutSpec
-from ctxcache.service.errors import ServiceError
+from ctxcache.errors import ServiceError
 from ctxcache.service.http.prefix import PrefixLookup
-from ctxcache.service.prompting import Messages
+from ctxcache.prompting import Messages
 
 log = logging.getLogger("ctxcache.service.http")
 TTL_S = 3600.0  # an automatic context lives an hour after its build (OpenAI keeps them up to one)

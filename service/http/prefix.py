@@ -28,7 +28,7 @@ from ctxcache.artifact import KV_CODECS
 from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.convert import PutSpec, method_spec
-from ctxcache.service.prompting import Messages
+from ctxcache.prompting import Messages
 
 
 @dataclass(frozen=True)

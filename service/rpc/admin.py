@@ -10,7 +10,7 @@ from ctxcache.service import convert
 from ctxcache.service.convert import PutSpec
 from ctxcache.service.job_spec import Reindex
 from ctxcache.service.generate_streams import GenerateStreams
-from ctxcache.service.errors import FailedPrecondition, InvalidArgument, NotFound
+from ctxcache.errors import FailedPrecondition, InvalidArgument, NotFound
 from ctxcache.service.rpc.calls import in_thread, unary
 from ctxcache.client.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
 from ctxcache.service.backend import ROLES_LABEL
