@@ -3,7 +3,7 @@ record (the worker's store reads through to it), Redis holds the facts (fleet_re
 
 What changes against the single-node Backend:
 - a build's claim is the job on the stream, taken by the decoder that enqueued it; the indexer
-  building it records the outcome itself (service/fleet_indexer.py), so claim / put / failure
+  building it records the outcome itself (indexer/fleet_indexer.py), so claim / put / failure
   here only touch the store;
 - a context is readable unless the registry says DELETED: every lookup asks Redis first, so a
   DeleteContext on one decoder is NOT_FOUND on all of them at once; with Redis down the local

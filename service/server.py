@@ -28,7 +28,7 @@ from ctxcache.service.assembly import cap_to_slots, decode_runners, open_store_a
 from ctxcache.service.backend import Backend
 from ctxcache.service.config import ServiceConfig
 from ctxcache.decoder.cached_context import CachedContext
-from ctxcache.service.generate_streams import GenerateStreams
+from ctxcache.decoder.generate_streams import GenerateStreams
 from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
 from ctxcache.metrics import Metrics
 from ctxcache.prompting import ByteTokenizer, Prompter, ensure_chat_template

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from ctxcache.service.build_queue import BuildQueue
-from ctxcache.service.convert import PutSpec
+from ctxcache.indexer.build_queue import BuildQueue
+from ctxcache.indexer.job_spec import PutSpec
 from ctxcache.errors import ServiceError
 from ctxcache.service.http.prefix import PrefixLookup
 from ctxcache.prompting import Messages

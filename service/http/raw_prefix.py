@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ctxcache.service.build_queue import BuildQueue
-from ctxcache.service.convert import PutSpec
+from ctxcache.indexer.build_queue import BuildQueue
+from ctxcache.indexer.job_spec import PutSpec
 from ctxcache.errors import ServiceError
 from ctxcache.prompting import text_messages
 from ctxcache.store import CorruptArtifact

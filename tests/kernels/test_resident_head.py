@@ -17,7 +17,7 @@ from ctxcache.methods import make_method
 from ctxcache.models.loader import load_model
 from ctxcache.decoder.artifact_cache import ArtifactCache, Loaded
 from ctxcache.decoder.cached_context import CachedContext
-from ctxcache.service.generate_streams import Final, GenerateSpec, GenerateStreams
+from ctxcache.decoder.generate_streams import Final, GenerateSpec, GenerateStreams
 from ctxcache.metrics import Metrics
 from ctxcache.prompting import ByteTokenizer, Prompter
 
