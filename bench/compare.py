@@ -1,12 +1,12 @@
 """`ctxcache bench compare`: every sparse method side by side in one table.
 
 For each method (and `full`, dense attention), each keep budget and each built-in text:
-- fidelity on the real model exactly as `bench fidelity` measures it (bench/common/capture.py,
+- fidelity on the real model exactly as `bench fidelity` measures it (quality/capture.py,
   selection.py, model_scores.py; one capture per text, reused by every method and
   budget; tables built once per method and text, reused by every budget);
-- the task suite (bench/common/tasks.py, run_suite: passkey, NIAH single / multikey /
+- the task suite (quality/tasks.py, run_suite: passkey, NIAH single / multikey /
   multivalue, variable tracking, common words) at the same budgets and seeds;
-- answer retention (bench/common/copy_tasks.py, retention.py): contexts of many exact-copy
+- answer retention (quality/copy_tasks.py, retention.py): contexts of many exact-copy
   needles and document questions, one prefill per context for every method; per method the
   fraction of full attention's correct answers it keeps, with a paired sign test against the
   oracle at the same keep (`--retention-*`);
@@ -46,8 +46,8 @@ from ctxcache.methods.magicpig import PAPER_CONFIGS, PAPER_TABLE8, sampled_fract
 
 from ctxcache.bench.common.report import SCRATCH, add_out, commit, device_tag, machine_info
 from ctxcache.bench.common.retention_report import draw_retention, retention_markdown, summarize_retention
-from ctxcache.bench.common.selection import dense_cost_us, selection_cost_us
-from ctxcache.bench.common.texts import KINDS
+from ctxcache.quality.selection import dense_cost_us, selection_cost_us
+from ctxcache.quality.texts import KINDS
 
 DEFAULT_METHODS = "full,oracle,csattention,csattention-paper,key-kmeans,quest,ctkvr,prehoc,multipole,magicpig"
 DEFAULT_TASKS = "passkey,niah_single,niah_multikey,niah_multivalue,vt,cwe"
@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--task-groups", type=int, default=1,
                     help="split each task cell's methods into this many cells (each re-prefills)")
     ap.add_argument("--retention-lengths", default="2048,4096,6144", help="'' skips retention")
-    ap.add_argument("--retention-fillers", default=",".join(KINDS), help="kinds of document (bench/texts/)")
+    ap.add_argument("--retention-fillers", default=",".join(KINDS), help="kinds of document (quality/corpus/)")
     ap.add_argument("--retention-seeds", default="0,1,2")
     ap.add_argument("--retention-keeps", default="0.05")
     ap.add_argument("--doc-questions", type=int, default=3, help="document questions per context")
@@ -217,8 +217,8 @@ class Runner:
         self._tables: dict[tuple[str, str], tuple[list, float]] = {}  # one text's builds
 
     def capture(self, text: str):
-        from ctxcache.bench.common.capture import capture
-        from ctxcache.bench.common.texts import builtin_text, tokens_of
+        from ctxcache.quality.capture import capture
+        from ctxcache.quality.texts import builtin_text, tokens_of
         if text not in self._captures:
             self._captures.clear()  # one text at a time bounds memory
             a = self.args
@@ -239,7 +239,7 @@ class Runner:
         return self.tasks(int(rest[0]), rest[1], int(rest[2]), labels)
 
     def fidelity(self, text: str, spec: MethodSpec) -> list[dict]:
-        from ctxcache.bench.common.selection import selection_metrics
+        from ctxcache.quality.selection import selection_metrics
         from ctxcache.bench.common.model_scores import teacher_forced
         a = self.args
         ids, cap = self.capture(text)
@@ -270,8 +270,8 @@ class Runner:
 
     def _build(self, text: str, spec: MethodSpec, method, cap) -> tuple[list, float]:
         """Tables and build seconds, shared by methods that differ only in search parameters."""
-        from ctxcache.bench.common.capture import build_tables
-        from ctxcache.bench.common.retention import build_key
+        from ctxcache.quality.capture import build_tables
+        from ctxcache.quality.retention import build_key
         key = (text, build_key(spec.name, spec.params))
         if key not in self._tables:
             self._tables = {k: v for k, v in self._tables.items() if k[0] == text}
@@ -281,8 +281,8 @@ class Runner:
         return self._tables[key]
 
     def tasks(self, length: int, kind: str, seed: int, labels: list[str]) -> list[dict]:
-        from ctxcache.bench.common.tasks import run_suite
-        from ctxcache.bench.common.tasks import TaskSpec
+        from ctxcache.quality.tasks import run_suite
+        from ctxcache.quality.tasks import TaskSpec
         a = self.args
         n_ctx = min(length, self.lm.args.max_seq_len - ANSWER_RESERVE)
         specs = [self.specs[label] for label in labels]
@@ -300,8 +300,8 @@ class Runner:
 
 
     def retention(self, length: int, filler: str, seed: int) -> list[dict]:
-        from ctxcache.bench.common.copy_tasks import CopySpec
-        from ctxcache.bench.common.retention import run_context
+        from ctxcache.quality.copy_tasks import CopySpec
+        from ctxcache.quality.retention import run_context
         a = self.args
         n_ctx = min(length, self.lm.args.max_seq_len - ANSWER_RESERVE)
         methods = {m.label: (m.name, m.params) for m in self.specs.values() if not m.own_budget}

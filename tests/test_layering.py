@@ -5,7 +5,8 @@ setup.py maps): nothing but the service itself imports `ctxcache.service` (clien
 
 The rooms below the service: service -> indexer -> store and service -> decoder <- store; the
 indexer and the decoder import each other in neither direction; the store imports neither; the
-core (`ctxcache/`: model, methods, kernels, artifact) imports no room. And no two modules import
+core (`ctxcache/`: model, methods, kernels, artifact) imports no room; the quality measurements
+(`quality/`) are imported by the benchmarks only. And no two modules import
 each other, directly or round a longer circle (imports under `if TYPE_CHECKING:` excepted: they
 never run)."""
 
@@ -96,6 +97,7 @@ ROOMS_BELOW = {
     "decoder": ["ctxcache.indexer"],
     "store": ["ctxcache.indexer", "ctxcache.decoder"],
     "client": ["ctxcache.indexer", "ctxcache.decoder", "ctxcache.store"],
+    "quality": ["ctxcache.indexer", "ctxcache.store"],  # measures the methods with the decoder's reference
 }
 
 
@@ -103,6 +105,12 @@ ROOMS_BELOW = {
 def test_a_room_below_the_service_imports_no_room_beside_or_above_it(folder):
     assert folder in package_folders().values()
     assert [o for package in ROOMS_BELOW[folder] for o in offenders(package, [folder])] == []
+
+
+def test_only_the_benchmarks_import_the_quality_measurements():
+    readers = ("ctxcache.quality", "ctxcache.bench")
+    others = [folder for name, folder in package_folders().items() if name not in readers]
+    assert offenders("ctxcache.quality", others) == []
 
 
 def test_the_core_imports_no_room():

@@ -1,2 +1,3 @@
-"""Helpers shared by the benchmarks (not benchmarks themselves): texts, capture of real Q/K/V,
-selection metrics, model-level scores, the task suite, GPU inputs and timing, result files."""
+"""Helpers shared by several benchmarks (not benchmarks themselves): model-level scores, GPU
+inputs and timing, result files, the servers they start. What the tests use too (texts, capture,
+selection, tasks, retention) is the package's: quality/."""

@@ -1,11 +1,11 @@
 """The answer-retention part of `bench compare --merge`: per method the fraction of full
 attention's right answers kept, overall, per kind of document and by slice, with the bytes a
-step reads beside it (bench/common/step_bytes.py); a table and two plot panels."""
+step reads beside it (quality/step_bytes.py); a table and two plot panels."""
 
 from __future__ import annotations
 
-from ctxcache.bench.common.copy_tasks import DEPTHS, QKINDS
-from ctxcache.bench.common.retention import ORACLE, retention
+from ctxcache.quality.copy_tasks import DEPTHS, QKINDS
+from ctxcache.quality.retention import ORACLE, retention
 
 FULL = "full"
 SINGLE_NEEDLES = ("number", "ticket", "city")
@@ -69,7 +69,7 @@ def retention_markdown(rows: list[dict], config: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     n = max(r["retention"]["questions"] for r in rows)
     notes = [
-        f"{n} questions per method over {len(kinds)} kinds of document (bench/texts/README.md): numbers, "
+        f"{n} questions per method over {len(kinds)} kinds of document (quality/corpus/README.md): numbers, "
         "ticket numbers and cities at 10 / 25 / 50 / 75 / 90% depth, four locker numbers under one template "
         "(multikey), a two-value key, document lines to finish; `kept` counts only the questions full "
         "attention answers exactly.",
