@@ -4,10 +4,10 @@
   registry is embedded (or Redis with --redis); no object store.
 - indexer: builds only. Takes jobs from the Redis stream (indexer/fleet_indexer.py), writes artifacts
   to the object store, and serves health (ContextService and AdminService answer where to go);
-  reconciles the registry at start and collects the object store's garbage (fleet_janitor.py).
+  reconciles the registry at start and collects the object store's garbage (indexer/fleet_janitor.py).
 - decoder: serves PutContext (it enqueues: indexer/remote_builds.py), Generate (artifacts load on
   demand from the object store through the local store) and the admin API; it heartbeats the
-  contexts it holds hot and drops those deleted anywhere (fleet_presence.py).
+  contexts it holds hot and drops those deleted anywhere (decoder/fleet_presence.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from ctxcache.service.config import ServiceConfig
 from ctxcache.service.fleet_backend import FleetBackend
 from ctxcache.indexer.remote_builds import RemoteBuilds
 from ctxcache.indexer.fleet_indexer import FleetIndexer
-from ctxcache.service.fleet_janitor import Janitor
-from ctxcache.service.fleet_presence import Presence
+from ctxcache.indexer.fleet_janitor import Janitor
+from ctxcache.decoder.fleet_presence import Presence
 from ctxcache.decoder.generate_streams import GenerateStreams
 from ctxcache.metrics import Metrics
 from ctxcache.prompting import Prompter

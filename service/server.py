@@ -114,7 +114,7 @@ class CtxcacheServer:
         self.backend.relocate(self.config.server.advertised(self.port))
         if self.config.fleet.role == "all":
             reconcile(self.backend)  # the store is the truth; repair the index at start
-        self.fleet.start(self.backend.location)  # a fleet: an indexer reconciles (fleet_janitor.py)
+        self.fleet.start(self.backend.location)  # a fleet: an indexer reconciles (indexer/fleet_janitor.py)
         log.info("serving on %s:%d (admin %d, http %s) as %s", self.config.server.host, self.port, self.admin_port,
                  self.http_port or "off", self.backend.location)
         return self.port
