@@ -240,7 +240,7 @@ class Runner:
 
     def fidelity(self, text: str, spec: MethodSpec) -> list[dict]:
         from ctxcache.quality.selection import selection_metrics
-        from ctxcache.bench.common.model_scores import teacher_forced
+        from ctxcache.quality.model_scores import teacher_forced
         a = self.args
         ids, cap = self.capture(text)
         base = {"kind": "fidelity", "text": text, "method": spec.label, "name": spec.name,

@@ -24,8 +24,7 @@ import time
 
 import torch
 
-from ctxcache.bench.common.gpu import (batch_dense_tables, dense_table_bytes, random_model, random_tables,
-                                      rows_view)
+from ctxcache.bench.common.gpu import batch_dense_tables, dense_table_bytes, random_model, random_tables, rows_view
 from ctxcache.bench.common.report import add_out, print_table, write_result
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder

@@ -19,7 +19,7 @@ from ctxcache.models.loader import DEFAULT_MODEL, load_model
 
 from ctxcache.quality.capture import build_tables, capture
 from ctxcache.bench.common.report import parse_text_args, text_bench_main
-from ctxcache.bench.common.model_scores import passkey_accuracy, teacher_forced
+from ctxcache.quality.model_scores import passkey_accuracy, teacher_forced
 from ctxcache.quality.selection import selection_metrics
 from ctxcache.quality.texts import builtin_text, tokens_of
 

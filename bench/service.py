@@ -24,7 +24,7 @@ import torch
 from ctxcache.bench.common.llama_cpp import LlamaCpp, bundled_gguf, measure
 from ctxcache.bench.common.report import add_out, run_together, write_result
 from ctxcache.bench.common.reprefill import reprefill_seconds
-from ctxcache.bench.common.server import running_server
+from ctxcache.client.server_process import running_server
 from ctxcache.quality.texts import builtin_text, text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb

@@ -38,7 +38,7 @@ from ctxcache.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from ctxcache.store import ArtifactStore, Manifest, StoreConfig
 
 from ctxcache.quality.capture import Captured, build_tables, capture
-from ctxcache.bench.common.model_scores import make_trial, teacher_forced
+from ctxcache.quality.model_scores import make_trial, teacher_forced
 from ctxcache.bench.common.report import parse_text_args, print_table, write_result
 from ctxcache.quality.selection import selection_metrics
 from ctxcache.quality.texts import builtin_text, tokens_of
