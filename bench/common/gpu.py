@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxcache.bench.common.report import add_out
-from ctxcache.kernels.timing import FLUSHES, set_flush
+from ctxcache.kernels.timing import set_flush
 from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuTables
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.config import NAMED_CONFIGS
