@@ -205,14 +205,6 @@ def tokens(worker: Worker, cid: str, token: str | None = None, max_tokens: int =
     return [t for e in events if e.HasField("chunk") for t in e.chunk.token_ids]
 
 
-def code_of(fn) -> grpc.StatusCode | None:
-    try:
-        fn()
-    except grpc.RpcError as err:
-        return err.code()
-    return None
-
-
 def builds(indexer: Worker, outcome: str) -> int:
     """The indexer's own count of builds by outcome (its Prometheus endpoint)."""
     port = indexer.args[indexer.args.index("--metrics-port") + 1]

@@ -16,8 +16,9 @@ from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.client.routing import RoutedClient, home
 from ctxcache.store.registries.fleet_registry import FleetState, claim_key, ctx_key
 
-from fleet_procs import (ADMIN_TOKEN, SLOW_TEXT, TEXT, Worker, builds, code_of, fleet, get,  # noqa: F401 (fixture)
+from fleet_procs import (ADMIN_TOKEN, SLOW_TEXT, TEXT, Worker, builds, fleet, get,  # noqa: F401 (fixture)
                          put, tokens, wait_until)
+from service_helpers import rpc_code
 
 pytestmark = [pytest.mark.redis, pytest.mark.s3, pytest.mark.timeout(300)]
 
@@ -69,8 +70,8 @@ def test_the_same_text_from_two_callers_on_two_decoders_is_one_build(fleet):
 
 
 def test_an_indexer_only_builds(fleet):
-    assert code_of(lambda: put(fleet.indexers[0])) == grpc.StatusCode.FAILED_PRECONDITION
-    assert code_of(lambda: tokens(fleet.indexers[0], "0" * 64)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert rpc_code(lambda: put(fleet.indexers[0])) == grpc.StatusCode.FAILED_PRECONDITION
+    assert rpc_code(lambda: tokens(fleet.indexers[0], "0" * 64)) == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_progress_and_delete_of_a_building_context_cross_processes(fleet):
@@ -83,7 +84,7 @@ def test_progress_and_delete_of_a_building_context_cross_processes(fleet):
     assert c.context.DeleteContext(pb.DeleteContextRequest(context_id=info.context_id), metadata=c.metadata).deleted
     c.close()
     assert wait_until(lambda: sum(builds(ix, "cancelled") for ix in fleet.indexers) == cancelled + 1, 5)
-    assert code_of(lambda: get(fleet.a, info.context_id)) == grpc.StatusCode.NOT_FOUND
+    assert rpc_code(lambda: get(fleet.a, info.context_id)) == grpc.StatusCode.NOT_FOUND
     # the indexer is free again at once: a new build is done in well under the cancelled one's time
     t0 = time.monotonic()
     assert put(fleet.a, TEXT + " after the cancel").context.state == pb.CONTEXT_STATE_READY
@@ -100,8 +101,8 @@ def test_delete_on_one_decoder_is_not_found_on_every_decoder_within_a_second(fle
     assert c.context.DeleteContext(pb.DeleteContextRequest(context_id=cid), metadata=c.metadata).deleted
     c.close()
     for w in (fleet.a, fleet.b):
-        assert code_of(lambda: tokens(w, cid)) == grpc.StatusCode.NOT_FOUND
-        assert code_of(lambda: get(w, cid)) == grpc.StatusCode.NOT_FOUND
+        assert rpc_code(lambda: tokens(w, cid)) == grpc.StatusCode.NOT_FOUND
+        assert rpc_code(lambda: get(w, cid)) == grpc.StatusCode.NOT_FOUND
     assert time.monotonic() - t0 < 1.0
     # and b dropped its DRAM copy (the delete event)
     assert wait_until(lambda: cb.admin.Stats(apb.StatsRequest(), metadata=cb.metadata).dram_cache_entries
@@ -111,8 +112,8 @@ def test_delete_on_one_decoder_is_not_found_on_every_decoder_within_a_second(fle
 
 def test_tenants_are_isolated_across_workers(fleet):
     cid = put(fleet.a, TEXT + " alpha's", token="alpha-token").context.context_id
-    assert code_of(lambda: get(fleet.b, cid, token="beta-token")) == grpc.StatusCode.NOT_FOUND
-    assert code_of(lambda: tokens(fleet.b, cid, token="beta-token")) == grpc.StatusCode.NOT_FOUND
+    assert rpc_code(lambda: get(fleet.b, cid, token="beta-token")) == grpc.StatusCode.NOT_FOUND
+    assert rpc_code(lambda: tokens(fleet.b, cid, token="beta-token")) == grpc.StatusCode.NOT_FOUND
     c = fleet.b.client("beta-token")
     listed = c.context.ListContexts(pb.ListContextsRequest(), metadata=c.metadata).contexts
     deleted = c.context.DeleteContext(pb.DeleteContextRequest(context_id=cid), metadata=c.metadata).deleted
@@ -192,7 +193,7 @@ def test_an_indexer_collects_the_object_stores_garbage_and_tombstones_what_expir
         assert wait_until(lambda: not there(orphan), 30), ix.log()[-2000:]
         assert not there(f"{root}/manifests/{expired}")
         assert registry.facts(expired).state == FleetState.DELETED  # every decoder drops its copies
-        assert code_of(lambda: get(fleet.b, expired)) == grpc.StatusCode.NOT_FOUND
+        assert rpc_code(lambda: get(fleet.b, expired)) == grpc.StatusCode.NOT_FOUND
     finally:
         ix.stop()
         registry.close()

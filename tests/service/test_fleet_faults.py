@@ -14,9 +14,10 @@ from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.service.cli import main as cli
 from ctxcache.store.registries.fleet_registry import FleetState
 
-from fleet_procs import (TEXT, Worker, assert_no_address, code_of, failure, fleet, get,  # noqa: F401 (fixture)
+from fleet_procs import (TEXT, Worker, assert_no_address, failure, fleet, get,  # noqa: F401 (fixture)
                          put, tokens, wait_until)
 from s3_server import S3Server
+from service_helpers import rpc_code
 
 pytestmark = [pytest.mark.redis, pytest.mark.s3, pytest.mark.timeout(300)]
 
@@ -68,7 +69,7 @@ def test_the_http_front_on_a_fleet_decoder_builds_on_an_indexer_and_answers_as_g
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == facts.n_tokens
         assert http.get(f"/v1/cached_contents/{made['id']}").json()["state"] == "READY"
         assert http.delete(f"/v1/cached_contents/{made['id']}").status_code == 200
-    assert code_of(lambda: get(fleet.b, made["id"])) == grpc.StatusCode.NOT_FOUND  # deleted fleet-wide
+    assert rpc_code(lambda: get(fleet.b, made["id"])) == grpc.StatusCode.NOT_FOUND  # deleted fleet-wide
 
 
 def damage_manifest(s3: S3Server, cid: str) -> None:
@@ -100,7 +101,7 @@ def test_a_damaged_manifest_is_damaged_reconcile_skips_it_and_a_put_rebuilds_it(
     damage_manifest(fleet.s3, cid)
     info = get(fleet.b, cid, token="alpha-token")  # the tenant sees it, with what failed
     assert info.state == pb.CONTEXT_STATE_DAMAGED and "manifest" in info.error
-    assert code_of(lambda: get(fleet.b, cid, token="beta-token")) == grpc.StatusCode.NOT_FOUND
+    assert rpc_code(lambda: get(fleet.b, cid, token="beta-token")) == grpc.StatusCode.NOT_FOUND
     c = fleet.a.client()
     try:
         done = c.admin.Reconcile(apb.ReconcileRequest(), metadata=c.metadata, timeout=30)
@@ -128,7 +129,7 @@ def test_a_damaged_manifest_is_deleted_and_evicted_through_the_api(fleet, how):
             assert c.admin.Evict(apb.EvictRequest(context_id=cid), metadata=c.metadata).evicted
     finally:
         c.close()
-    assert code_of(lambda: get(fleet.a, cid)) == grpc.StatusCode.NOT_FOUND
+    assert rpc_code(lambda: get(fleet.a, cid)) == grpc.StatusCode.NOT_FOUND
     assert put(fleet.a, TEXT + f" damaged, then {how}d").created  # built anew
 
 
@@ -137,7 +138,7 @@ def test_a_damaged_chunk_is_damaged_after_a_failed_load_and_a_put_rebuilds_it(fl
     cid = put(fleet.a, text).context.context_id
     expected = tokens(fleet.one, put(fleet.one, text).context.context_id)
     damage(fleet.s3, cid, "corrupt")
-    assert code_of(lambda: tokens(fleet.b, cid)) == grpc.StatusCode.DATA_LOSS  # b has no copy: a cold load
+    assert rpc_code(lambda: tokens(fleet.b, cid)) == grpc.StatusCode.DATA_LOSS  # b has no copy: a cold load
     info = get(fleet.a, cid)
     assert info.state == pb.CONTEXT_STATE_DAMAGED and "chunk" in info.error
     again = put(fleet.a, text)
@@ -189,7 +190,7 @@ def test_redis_down_local_tiers_keep_serving_new_builds_unavailable_then_recover
     try:
         assert tokens(fleet.b, cid) == expected
         t0 = time.monotonic()
-        assert code_of(lambda: put(fleet.a, TEXT + " during the outage")) == grpc.StatusCode.UNAVAILABLE
+        assert rpc_code(lambda: put(fleet.a, TEXT + " during the outage")) == grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - t0 < 2.0
         tenant = failure(lambda: put(fleet.a, TEXT + " during the outage", token="alpha-token"))
         assert tenant.code() == grpc.StatusCode.UNAVAILABLE
@@ -237,7 +238,7 @@ def test_object_store_stopped_local_tiers_serve_cold_loads_unavailable_then_reco
         c.admin.Evict(apb.EvictRequest(context_id=warm, memory_only=True), metadata=c.metadata)
         assert tokens(fleet.b, warm) == expected  # b's local store
         t0, seen = time.monotonic(), []
-        assert code_of(lambda: tokens(fleet.b, cold, timeout=10, seen=seen)) == grpc.StatusCode.UNAVAILABLE
+        assert rpc_code(lambda: tokens(fleet.b, cold, timeout=10, seen=seen)) == grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - t0 < 10 and seen == []  # within the call's deadline, before any token
         err = failure(lambda: tokens(fleet.b, tenants, token="alpha-token", timeout=10))
         assert err.code() == grpc.StatusCode.UNAVAILABLE
