@@ -1,7 +1,7 @@
 """`ctxcache bench fidelity`: how closely sparse decode follows full attention on a real model.
 
 Per method: selection quality on decode queries (quality/selection.py), teacher-forced
-top-1 agreement and NLL over a continuation and passkey accuracy (bench/common/model_scores.py),
+top-1 agreement and NLL over a continuation and passkey accuracy (quality/model_scores.py),
 all on the same text, tokens and seeds. Prints a table, writes <out>/fidelity_<device>.json.
 """
 
