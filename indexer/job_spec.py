@@ -1,4 +1,5 @@
-"""A build job's spec (PutSpec), and its JSON as a job carries it from a decoder to an indexer (no torch).
+"""A build job's spec (PutSpec), and its JSON as a job carries it from a decoder to an indexer
+(plain data: no torch here).
 
 The job carries the tokens (packed beside it on the stream), so the text itself never
 travels: the messages keep their roles only, which is all a build stores of them. A Rebuild's
