@@ -20,11 +20,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from ctxcache.artifact import FORMAT_VERSION, ContextArtifact
 from ctxcache.cancel import BuildCancelled, CancellableMethod, CancelToken, building, install_hooks
 from ctxcache.indexer import IndexerConfig, build_artifact, prefill_chunk, reindex
+from ctxcache.indexer.build import release_build_memory
 from ctxcache.methods import ParamError, make_method
 from ctxcache.models.loader import LoadedModel
 from ctxcache.indexer.build_turns import BuildTurns
@@ -37,14 +36,6 @@ from ctxcache.prompting import Prompter
 from ctxcache.store import ContextMeta, CorruptArtifact, context_id_for
 
 log = logging.getLogger("ctxcache.indexer.build_queue")
-
-
-def release_build_memory(lm: LoadedModel) -> None:
-    """Hand a GPU build's freed temporaries (GBs at 32K: prefill activations, captured queries,
-    k-means) back to the driver: the caching allocator would keep them reserved, and the decode
-    side's driver allocations (kernel modules, a new CUDA graph's pool) then find HBM full."""
-    if lm.model.lm_head.weight.is_cuda:
-        torch.cuda.empty_cache()
 
 
 @dataclass

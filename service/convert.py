@@ -11,7 +11,7 @@ from google.protobuf import struct_pb2
 from ctxcache.artifact import KV_CODECS
 from ctxcache.generation import SamplingParams
 from ctxcache.methods import ParamError, make_method
-from ctxcache.decoder.generate_streams import GenerateSpec
+from ctxcache.decoder.stream_spec import GenerateSpec
 from ctxcache.errors import InvalidArgument, PermissionDenied
 from ctxcache.indexer.job_spec import PutSpec
 from ctxcache.client.gen.v1 import context_pb2 as pb

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ctxcache.service import contexts, convert
 from ctxcache.service.auth import Auth, Caller
-from ctxcache.decoder.generate_streams import Chunk, Final, GenerateStreams
+from ctxcache.decoder.generate_streams import GenerateStreams
+from ctxcache.decoder.stream_spec import Chunk, Final
 from ctxcache.errors import NotFound, Unauthenticated, Unavailable
 from ctxcache.service.rpc.calls import deadline_of, in_thread, iterate_in_thread, streaming, unary
 from ctxcache.client.gen.v1 import context_pb2 as pb, context_pb2_grpc

@@ -17,7 +17,8 @@ from ctxcache.methods import make_method
 from ctxcache.models.loader import load_model
 from ctxcache.decoder.artifact_cache import ArtifactCache, Loaded
 from ctxcache.decoder.cached_context import CachedContext
-from ctxcache.decoder.generate_streams import Final, GenerateSpec, GenerateStreams
+from ctxcache.decoder.generate_streams import GenerateStreams
+from ctxcache.decoder.stream_spec import Final, GenerateSpec
 from ctxcache.metrics import Metrics
 from ctxcache.prompting import ByteTokenizer, Prompter
 
