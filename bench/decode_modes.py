@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from ctxcache.bench.common.report import add_out, write_result
-from ctxcache.bench.common.texts import builtin_text, text_of_tokens
+from ctxcache.quality.texts import builtin_text, text_of_tokens
 
 QUESTION = "What does the license say about distributing modified versions?"
 

@@ -1,7 +1,7 @@
 """`ctxcache bench fidelity`: how closely sparse decode follows full attention on a real model.
 
-Per method: selection quality on decode queries (bench/common/selection.py), teacher-forced
-top-1 agreement and NLL over a continuation and passkey accuracy (bench/common/model_scores.py),
+Per method: selection quality on decode queries (quality/selection.py), teacher-forced
+top-1 agreement and NLL over a continuation and passkey accuracy (quality/model_scores.py),
 all on the same text, tokens and seeds. Prints a table, writes <out>/fidelity_<device>.json.
 """
 
@@ -17,11 +17,11 @@ from ctxcache.decoder import SparseConfig
 from ctxcache.methods import Budget, make_method
 from ctxcache.models.loader import DEFAULT_MODEL, load_model
 
-from ctxcache.bench.common.capture import build_tables, capture
-from ctxcache.bench.common.report import text_bench_main
-from ctxcache.bench.common.model_scores import passkey_accuracy, teacher_forced
-from ctxcache.bench.common.selection import selection_metrics
-from ctxcache.bench.common.texts import builtin_text, parse_text_args, tokens_of
+from ctxcache.quality.capture import build_tables, capture
+from ctxcache.bench.common.report import parse_text_args, text_bench_main
+from ctxcache.quality.model_scores import passkey_accuracy, teacher_forced
+from ctxcache.quality.selection import selection_metrics
+from ctxcache.quality.texts import builtin_text, tokens_of
 
 DEFAULT_METHODS = "full,oracle,csattention-paper,csattention,key-kmeans"
 COLUMNS = ["name", "mass_recall", "topk_recall", "mass_recall_per_head", "output_rel_error",

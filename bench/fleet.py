@@ -32,8 +32,8 @@ import torch
 from ctxcache.bench.common.fleet_servers import private_redis, private_s3
 from ctxcache.bench.common.report import add_out, run_together, write_result
 from ctxcache.bench.common.reprefill import reprefill_seconds
-from ctxcache.bench.common.server import running_servers
-from ctxcache.bench.common.texts import builtin_text, text_of_tokens
+from ctxcache.client.server_process import running_servers
+from ctxcache.quality.texts import builtin_text, text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 

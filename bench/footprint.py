@@ -6,7 +6,7 @@ subspace and centroid, every key's score at `bits` bits plus an fp32 scale) and 
 centroids. Its size is reported against the fp16 K/V at SmolLM2's shapes (head_dim 64) and at
 head_dim 128 (Llama-3.1-8B: the same rows, twice the K/V per token). Mass recall is measured on
 SmolLM2 (dense capture of --tokens + --continuation tokens, every --layer-step-th layer, the
-selection's mass over the true top-K's; bench/common/selection.py). Rows of fewer than 8 bits
+selection's mass over the true top-K's; quality/selection.py). Rows of fewer than 8 bits
 are the int8 rows rounded to 2^(bits-1) - 1 levels per row (the same integer estimate).
 Writes <out>/footprint_<device>.json and .png and prints the table with the Pareto front marked.
 """
@@ -25,10 +25,10 @@ from ctxcache.methods.csattention_rows import dense_row_bytes
 from ctxcache.methods.int8_tables import quantize_rows
 from ctxcache.models.loader import DEFAULT_MODEL, load_model
 
-from ctxcache.bench.common.capture import Captured, build_tables, capture
-from ctxcache.bench.common.report import device_tag, plot_lines, print_table, write_result
-from ctxcache.bench.common.selection import selection_metrics
-from ctxcache.bench.common.texts import builtin_text, parse_text_args, tokens_of
+from ctxcache.quality.capture import Captured, build_tables, capture
+from ctxcache.bench.common.report import device_tag, parse_text_args, plot_lines, print_table, write_result
+from ctxcache.quality.selection import selection_metrics
+from ctxcache.quality.texts import builtin_text, tokens_of
 
 COLUMNS = ["text", "centroids", "subspaces", "bits", "mass_recall", "index_over_kv", "index_over_kv_hd128", "pareto"]
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import httpx
 
 from ctxcache.bench.common.report import add_out, write_result
-from ctxcache.bench.common.server import running_server
-from ctxcache.bench.common.texts import builtin_text, text_of_tokens
+from ctxcache.client.server_process import running_server
+from ctxcache.quality.texts import builtin_text, text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import context_pb2 as pb
 

@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from ctxcache.bench.common.gpu import (D, HKV, HQ, capture_graph as capture, flush_mode, positive_ints, random_model,
-                                      random_tables, sdpa_dense, time_us)
+from ctxcache.bench.common.gpu import D, HKV, HQ, positive_ints, random_model, random_tables, sdpa_dense
+from ctxcache.kernels.timing import capture_graph as capture, flush_mode, time_us
 from ctxcache.bench.common.report import add_out, print_table, write_result
 from ctxcache.host_copy import pinned_exact
 from ctxcache.decoder.gpu.offload import OffloadAttention, plan_slots

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ctxcache.bench.common.gpu import D, HKV, HQ, capture_graph, gpu_cli, time_us
+from ctxcache.bench.common.gpu import D, HKV, HQ, gpu_cli
+from ctxcache.kernels.timing import capture_graph, time_us
 from ctxcache.bench.common.report import print_table, write_result
 from ctxcache.bench.common.serve_limits import copy_bandwidth
 from ctxcache.decoder.gpu.selector import GpuDenseTables

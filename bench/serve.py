@@ -35,10 +35,10 @@ import torch
 from ctxcache.bench.common.report import (add_out, commit, device_tag, machine_info, print_table,
                                           write_result)
 from ctxcache.bench.common.reprefill import reprefill_seconds
-from ctxcache.bench.common.server import running_server
+from ctxcache.client.server_process import running_server
 from ctxcache.bench.common.serve_client import admission, concurrent_rate, generate, pctl
 from ctxcache.bench.common.serve_limits import copy_bandwidth, floor_ms, row_bytes, runner_steps_ms, weight_bytes
-from ctxcache.bench.common.texts import text_of_tokens
+from ctxcache.quality.texts import text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb
 from ctxcache.client.gen.v1 import context_pb2 as pb

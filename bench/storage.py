@@ -37,11 +37,11 @@ from ctxcache.methods import Budget, SparseMethod, make_method
 from ctxcache.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from ctxcache.store import ArtifactStore, Manifest, StoreConfig
 
-from ctxcache.bench.common.capture import Captured, build_tables, capture
-from ctxcache.bench.common.model_scores import make_trial, teacher_forced
-from ctxcache.bench.common.report import print_table, write_result
-from ctxcache.bench.common.selection import selection_metrics
-from ctxcache.bench.common.texts import builtin_text, parse_text_args, tokens_of
+from ctxcache.quality.capture import Captured, build_tables, capture
+from ctxcache.quality.model_scores import make_trial, teacher_forced
+from ctxcache.bench.common.report import parse_text_args, print_table, write_result
+from ctxcache.quality.selection import selection_metrics
+from ctxcache.quality.texts import builtin_text, tokens_of
 
 COLUMNS = ["text", "variant", "stored_over_kv", "resident_over_kv", "cold_ttft_s", "load_s", "lmdb_read_s",
            "kv_decode_s", "restore_s", "question_prefill_s", "mass_recall",

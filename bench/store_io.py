@@ -24,7 +24,7 @@ from ctxcache.artifact import ContextArtifact
 from ctxcache.store import ArtifactStore, StoreConfig
 
 from ctxcache.bench.common.report import add_out, write_result
-from ctxcache.bench.common.texts import builtin_text, tokens_of
+from ctxcache.quality.texts import builtin_text, tokens_of
 
 
 def build(n_tokens: int) -> ContextArtifact:

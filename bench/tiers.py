@@ -37,7 +37,7 @@ from ctxcache.bench.common.fleet_servers import binary, private_s3
 from ctxcache.bench.common.reprefill import reprefill_seconds
 from ctxcache.bench.common.report import add_out, commit, device_tag, machine_info, print_table, write_result
 from ctxcache.bench.common.serve_client import generate
-from ctxcache.bench.common.server import running_server
+from ctxcache.client.server_process import running_server
 from ctxcache.bench.serve import context_text, put_all
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb

@@ -1,5 +1,7 @@
 """The ctxcache gRPC protocol for any client: the generated stubs (`gen/v1`, from
-protos/ctxcache/v1/*.proto by `python -m ctxcache.client.codegen`) and a small Client.
+protos/ctxcache/v1/*.proto by `python -m ctxcache.client.codegen`), a small Client (and its
+routing across a fleet), and `server_process`: a server started in its own process, as the
+benchmarks and end-to-end tests use one.
 
 It lives apart from the service so that whatever talks to a server (the CLI, the benchmarks,
 a user's program) imports the protocol, never the server's code."""

@@ -154,3 +154,11 @@ def reindex(source: ContextArtifact, method: SparseMethod, kv_codec: str | None 
     return ContextArtifact(source.model_id, source.model_args, method.name, method.params.to_dict(),
                            source.tokens, source.last_logits, layers, source.kv_dtype,
                            kv_codec=kv_codec or source.kv_codec)
+
+
+def release_build_memory(lm: LoadedModel) -> None:
+    """Hand a GPU build's freed temporaries (GBs at 32K: prefill activations, captured queries,
+    k-means) back to the driver: the caching allocator would keep them reserved, and the decode
+    side's driver allocations (kernel modules, a new CUDA graph's pool) then find HBM full."""
+    if lm.model.lm_head.weight.is_cuda:
+        torch.cuda.empty_cache()

@@ -16,7 +16,7 @@ from ctxcache.decoder.runner import ReferenceRunner, Runner
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel
 from ctxcache.service.backend import Backend
-from ctxcache.service.build_queue import BuildQueue
+from ctxcache.indexer.build_queue import BuildQueue
 from ctxcache.service.config import ServiceConfig
 from ctxcache.store import EmbeddedRegistry, ObjectStoreConfig, StoreConfig, open_store
 

@@ -20,7 +20,8 @@ from dataclasses import replace
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.cached_context import CachedContext
-from ctxcache.service.errors import NotFound, Unavailable
+from ctxcache.indexer.job_spec import ROLES_LABEL
+from ctxcache.errors import NotFound, Unavailable
 from ctxcache.store import (ArtifactStore, ContextMeta, CorruptArtifact, Manifest, Registry, RegistryUnavailable,
                             reconcile)
 from ctxcache.store.config import StoreStats, VerifyReport
@@ -29,7 +30,6 @@ from ctxcache.store.tiered_store import TieredStore
 from ctxcache.store.registries.fleet_registry import Facts, FleetState
 
 log = logging.getLogger("ctxcache.service.backend")
-ROLES_LABEL = "ctxcache/roles"
 
 
 class Backend:

@@ -4,9 +4,9 @@ tenant isolation, states and errors, whichever protocol asked."""
 from __future__ import annotations
 
 from ctxcache.service.auth import Caller
-from ctxcache.service.build_queue import BuildQueue
-from ctxcache.service.errors import FailedPrecondition, InvalidArgument, NotFound
-from ctxcache.service.generate_streams import GenerateStreams
+from ctxcache.indexer.build_queue import BuildQueue
+from ctxcache.errors import FailedPrecondition, InvalidArgument, NotFound
+from ctxcache.decoder.generate_streams import GenerateStreams
 from ctxcache.store import Manifest
 
 

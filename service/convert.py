@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -12,10 +11,11 @@ from google.protobuf import struct_pb2
 from ctxcache.artifact import KV_CODECS
 from ctxcache.generation import SamplingParams
 from ctxcache.methods import ParamError, make_method
-from ctxcache.service.generate_streams import GenerateSpec
-from ctxcache.service.errors import InvalidArgument, PermissionDenied
+from ctxcache.decoder.stream_spec import GenerateSpec
+from ctxcache.errors import InvalidArgument, PermissionDenied
+from ctxcache.indexer.job_spec import PutSpec
 from ctxcache.client.gen.v1 import context_pb2 as pb
-from ctxcache.service.prompting import ROLES, Messages, document_messages, text_messages
+from ctxcache.prompting import ROLES, Messages, document_messages, text_messages
 
 _CONTEXT_ID = re.compile(r"[0-9a-f]{64}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
@@ -25,24 +25,6 @@ MAX_LABELS, MAX_LABEL_VALUE, MAX_STOPS, MAX_STOP_CHARS, MAX_PAGE = 64, 256, 8, 6
 MAX_NAME = 64  # method names and schedules
 BYTES_PER_TOKEN = 32  # no vocabulary token spans more bytes: text past limit x this is refused untokenized
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0  # 1e-37 overflows the softmax to inf/nan
-
-
-@dataclass(frozen=True)
-class PutSpec:
-    messages: Messages
-    labels: dict[str, str] = field(default_factory=dict)
-    ttl_s: float | None = None
-    pin: bool = False
-    method: str = ""
-    method_params: dict[str, Any] = field(default_factory=dict)
-    wait: bool = True
-    tenant: str = ""
-    kv_codec: str = "int8"
-    keep_queries: bool = False
-
-    @property
-    def roles(self) -> tuple[str, ...]:
-        return tuple(m["role"] for m in self.messages)
 
 
 def context_id(value: str, name: str = "context_id") -> str:

@@ -1,8 +1,8 @@
 """The one place where exceptions become gRPC status codes (never UNKNOWN).
 
-Servicer methods raise domain errors (below, or the store's / decoder's own) and are wrapped
-by `rpc.unary` / `rpc.streaming` (grpc.aio), which abort the call with the mapped code and a
-message cut to a bounded length.
+Servicer methods raise domain errors (ctxcache/errors.py, or the store's / decoder's own) and
+are wrapped by `rpc.unary` / `rpc.streaming` (grpc.aio), which abort the call with the mapped
+code and a message cut to a bounded length.
 """
 
 from __future__ import annotations
@@ -12,62 +12,9 @@ import logging
 import grpc
 import torch
 
+from ctxcache.errors import ServiceError, public_text
+
 log = logging.getLogger("ctxcache.service")
-
-
-class ServiceError(Exception):
-    """`detail` (the cause: an address, a URI) joins the message for admin callers and the
-    server log; `public`, what a tenant reads, is the message alone."""
-
-    code = grpc.StatusCode.INTERNAL
-
-    def __init__(self, message: str = "", *, detail: object = None) -> None:
-        super().__init__(message if detail is None else f"{message}: {detail}")
-        self.public = message
-
-
-class InvalidArgument(ServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-    def __init__(self, field: str, why: str) -> None:
-        super().__init__(f"{field}: {why}")
-        self.field = field
-
-
-class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class ResourceExhausted(ServiceError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class Unavailable(ServiceError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class DataLoss(ServiceError):
-    code = grpc.StatusCode.DATA_LOSS
-
-
-class DeadlineExceeded(ServiceError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Unauthenticated(ServiceError):
-    code = grpc.StatusCode.UNAUTHENTICATED
-
-
-class PermissionDenied(ServiceError):
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
-class Cancelled(ServiceError):
-    code = grpc.StatusCode.CANCELLED
 
 
 def _foreign_codes() -> dict[type, grpc.StatusCode]:
@@ -104,23 +51,11 @@ def _log_device_memory(exc: BaseException) -> None:
                 torch.cuda.memory_reserved() / 2**30, free / 2**30, total / 2**30, exc_info=exc)
 
 
-def public_text(exc: BaseException) -> str:
-    """What a tenant may read of exc: the failing part ("object store unavailable", "registry
-    unavailable") without the address the full message names."""
-    return exc.public if isinstance(exc, ServiceError) else failure_text(exc)
-
-
-def failure_text(exc: BaseException) -> str:
-    """A failed build's error as its tenant reads it (GetContext): the type and public text."""
-    public = getattr(exc, "public", None)
-    return f"{type(exc).__name__}: {public if isinstance(public, str) else exc}"
-
-
 def status_for(exc: BaseException, admin: bool = False) -> tuple[grpc.StatusCode, str]:
     """(code, message); `admin` callers read the whole message, others `public_text`, and the
     server log keeps what a tenant was not told."""
     if isinstance(exc, ServiceError):
-        return exc.code, _told(exc, str(exc), admin)
+        return grpc.StatusCode[exc.code], _told(exc, str(exc), admin)
     for cls, code in _foreign_codes().items():
         if isinstance(exc, cls):
             return code, _told(exc, f"{type(exc).__name__}: {exc}", admin)

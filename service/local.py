@@ -18,9 +18,10 @@ from ctxcache.models.loader import load_model
 from ctxcache.decoder.artifact_cache import ArtifactCache
 from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.service.config import DecoderSettings, IndexerSettings, ModelConfig, ServiceConfig
-from ctxcache.service.generate_streams import Chunk, GenerateSpec, GenerateStreams
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import ByteTokenizer, Prompter, ensure_chat_template, text_messages
+from ctxcache.decoder.generate_streams import GenerateStreams
+from ctxcache.decoder.stream_spec import Chunk, GenerateSpec
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import ByteTokenizer, Prompter, ensure_chat_template, text_messages
 from ctxcache.service.assembly import decode_runners
 
 LOCAL_ID = "local"

@@ -2,12 +2,12 @@
 
 - all (the default): one node. PutContext builds in this process into the local store; the
   registry is embedded (or Redis with --redis); no object store.
-- indexer: builds only. Takes jobs from the Redis stream (fleet_indexer.py), writes artifacts
+- indexer: builds only. Takes jobs from the Redis stream (indexer/fleet_indexer.py), writes artifacts
   to the object store, and serves health (ContextService and AdminService answer where to go);
-  reconciles the registry at start and collects the object store's garbage (fleet_janitor.py).
-- decoder: serves PutContext (it enqueues: fleet_decoder.py), Generate (artifacts load on
+  reconciles the registry at start and collects the object store's garbage (indexer/fleet_janitor.py).
+- decoder: serves PutContext (it enqueues: indexer/remote_builds.py), Generate (artifacts load on
   demand from the object store through the local store) and the admin API; it heartbeats the
-  contexts it holds hot and drops those deleted anywhere (fleet_presence.py).
+  contexts it holds hot and drops those deleted anywhere (decoder/fleet_presence.py).
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import grpc
 from ctxcache.client.gen.v1 import admin_pb2_grpc, context_pb2_grpc
 from ctxcache.models.loader import LoadedModel
 from ctxcache.decoder.artifact_cache import ArtifactCache
-from ctxcache.service.build_queue import BuildQueue
+from ctxcache.indexer.build_queue import BuildQueue
 from ctxcache.service.config import ServiceConfig
 from ctxcache.service.fleet_backend import FleetBackend
-from ctxcache.service.fleet_decoder import RemoteBuilds
-from ctxcache.service.fleet_indexer import FleetIndexer
-from ctxcache.service.fleet_janitor import Janitor
-from ctxcache.service.fleet_presence import Presence
-from ctxcache.service.generate_streams import GenerateStreams
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import Prompter
+from ctxcache.indexer.remote_builds import RemoteBuilds
+from ctxcache.indexer.fleet_indexer import FleetIndexer
+from ctxcache.indexer.fleet_janitor import Janitor
+from ctxcache.decoder.fleet_presence import Presence
+from ctxcache.decoder.generate_streams import GenerateStreams
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import Prompter
 from ctxcache.store import TieredStore
 from ctxcache.store.registries.fleet_registry import FleetRegistry
 from ctxcache.store.registries.job_stream import JobStream

@@ -28,10 +28,10 @@ from ctxcache.service.assembly import cap_to_slots, decode_runners, open_store_a
 from ctxcache.service.backend import Backend
 from ctxcache.service.config import ServiceConfig
 from ctxcache.decoder.cached_context import CachedContext
-from ctxcache.service.generate_streams import GenerateStreams
+from ctxcache.decoder.generate_streams import GenerateStreams
 from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, context_pb2_grpc
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import ByteTokenizer, Prompter, ensure_chat_template
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import ByteTokenizer, Prompter, ensure_chat_template
 from ctxcache.service.rpc.servicer import ContextServicer
 from ctxcache.service.warmup import warm_up
 from ctxcache.service.gc_watch import freeze_and_watch, thaw
@@ -114,7 +114,7 @@ class CtxcacheServer:
         self.backend.relocate(self.config.server.advertised(self.port))
         if self.config.fleet.role == "all":
             reconcile(self.backend)  # the store is the truth; repair the index at start
-        self.fleet.start(self.backend.location)  # a fleet: an indexer reconciles (fleet_janitor.py)
+        self.fleet.start(self.backend.location)  # a fleet: an indexer reconciles (indexer/fleet_janitor.py)
         log.info("serving on %s:%d (admin %d, http %s) as %s", self.config.server.host, self.port, self.admin_port,
                  self.http_port or "off", self.backend.location)
         return self.port

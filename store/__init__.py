@@ -4,7 +4,8 @@
   check, the operations inside one transaction.
 - `object/`: the shared object tier, the copy of record: its store, layout of objects, budget and GC.
 - `tiers/`: the byte back ends of the object tier (file, S3) and the deadline guard around them.
-- `registries/`: the build registry (embedded, Redis) and the fleet's (its Lua scripts, the job stream).
+- `registries/`: the build registry (embedded, Redis) and the fleet's (its Lua scripts, the job stream,
+  its reconcile with the object store).
 - beside them, what they share: the artifact's layout, manifest, chunk I/O and codec, keys and ids,
   config and errors, eviction policy, the load arena; and `tiered_store.py`, LMDB in front of the
   shared tier (`read_through.py`: its read path).

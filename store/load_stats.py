@@ -1,5 +1,5 @@
 """Counters of artifact loads per tier (thread-safe, no prometheus here: the service exports
-`snapshot()`; see service/metrics.py). Tiers counted by the store: `local` (LMDB on this
+`snapshot()`; see ctxcache/metrics.py). Tiers counted by the store: `local` (LMDB on this
 machine) and `object` (the shared object store); the service counts DRAM and HBM itself."""
 
 from __future__ import annotations

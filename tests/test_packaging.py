@@ -1,4 +1,4 @@
-"""Issue 29 #10: the package builds without setuptools warnings and ships the bench texts."""
+"""Issue 29 #10: the package builds without setuptools warnings and ships the filler texts."""
 
 from __future__ import annotations
 
@@ -14,4 +14,4 @@ def test_build_has_no_package_warning_and_ships_the_texts(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "absent from the `packages` configuration" not in out.stderr, out.stderr[-2000:]
-    assert (tmp_path / "ctxcache" / "bench" / "texts" / "prose.txt").is_file()
+    assert (tmp_path / "ctxcache" / "quality" / "corpus" / "prose.txt").is_file()

@@ -3,6 +3,7 @@ JSON per benchmark and device (`<out>/<bench>_<device>.json`, the latest run rep
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from ctxcache.quality.texts import builtin_text
 
 # every benchmark's default --out: a scratch folder, so a casual run never replaces the committed
 # results; `--out bench/results` (from the repository root) updates those
@@ -152,3 +155,17 @@ def run_together(jobs: list) -> float:
     for t in threads:
         t.join()
     return time.perf_counter() - t0
+
+
+def parse_text_args(ap: argparse.ArgumentParser, argv: list[str] | None, min_continuation: int) -> argparse.Namespace:
+    """Parse a text bench's arguments (--out, --text, --tokens, --continuation among them) and
+    refuse, as argparse errors, a --text that is no text and lengths out of range."""
+    add_out(ap, what="the result JSON (<bench>_<device>.json)")
+    args = ap.parse_args(argv)
+    try:
+        builtin_text(args.text)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.tokens < 64 or args.continuation < min_continuation:
+        ap.error(f"--tokens={args.tokens} must be >= 64 and --continuation={args.continuation} >= {min_continuation}")
+    return args

@@ -1,5 +1,5 @@
 """CSAttention's `follow` on the GPU: the keys right after a row's previous best re-ranked keys
-are proposed ahead of the estimate's (methods.csattention._promote_successors is the reference).
+are proposed ahead of the estimate's (methods.csattention_refs.promote_successors is the reference).
 
 The selector has written each row's 16-bit keys and added radix pass 0 of [lo, hi) to its
 workspace; this launch, before radix pass 1, raises each successor inside [lo, hi) to 0xFFFF,

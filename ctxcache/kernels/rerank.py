@@ -3,7 +3,7 @@ with the largest attention probability summed over the GQA group.
 
 The softmax of each query head is normalized over the candidates plus the keys a step reads
 anyway (sinks and recent window), so the ranking is the oracle's over the keys read
-(methods.csattention.exact_rerank is the per-row reference, `rerank_ref` the batched torch one).
+(methods.csattention_refs.exact_rerank is the per-row reference, `rerank_ref` the batched torch one).
 
 Two launches and a Top-K, all graph-capturable (lengths come from the device):
 1. `_logits_kernel`: per (row, split) program, gathered candidate keys in blocks, one bf16 MMA per

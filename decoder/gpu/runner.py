@@ -40,9 +40,9 @@ from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.decoder.runner import ContextNotResident
 from ctxcache.generation import LayeredPrefill
 from ctxcache.methods import make_method
-from ctxcache.methods.csattention import CSAttention, CSAttentionParams, subspace_permutation
+from ctxcache.methods.csattention import CSAttention, CSAttentionParams
+from ctxcache.methods.csattention_refs import subspace_permutation
 from ctxcache.models.loader import LoadedModel
-
 
 _log = logging.getLogger(__name__)
 SLOW_ADMIT_S = 0.1  # an admission slower than this is logged with where its time went

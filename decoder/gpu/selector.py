@@ -37,7 +37,8 @@ from ctxcache.kernels.stream import add_streamed, stream_insert
 from ctxcache.kernels.sync import pdl_available
 from ctxcache.kernels.topk import MAX_ROW, blocks16, radix_topk, workspace
 from ctxcache.methods.budget import Budget
-from ctxcache.methods.csattention import CSAttentionParams, subspace_permutation
+from ctxcache.methods.csattention import CSAttentionParams
+from ctxcache.methods.csattention_refs import subspace_permutation
 from ctxcache.methods.int8_tables import quantize_rows
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from ctxcache.service.errors import Cancelled, PermissionDenied
+from ctxcache.errors import Cancelled, PermissionDenied
 from ctxcache.service.http.cached import CachedContents
 from ctxcache.service.http.errors import error_response, http_response, validation_response
 from ctxcache.service.http.generation import Generation

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 
-from ctxcache.service.build_queue import BuildQueue
-from ctxcache.service.convert import PutSpec
-from ctxcache.service.errors import ServiceError
+from ctxcache.indexer.build_queue import BuildQueue
+from ctxcache.indexer.job_spec import PutSpec
+from ctxcache.errors import ServiceError
 from ctxcache.service.http.prefix import PrefixLookup
-from ctxcache.service.prompting import Messages
+from ctxcache.prompting import Messages
 
 log = logging.getLogger("ctxcache.service.http")
 TTL_S = 3600.0  # an automatic context lives an hour after its build (OpenAI keeps them up to one)

@@ -10,9 +10,9 @@ from typing import Any
 from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service import contexts, convert
 from ctxcache.service.auth import Caller
-from ctxcache.service.build_queue import BuildQueue
-from ctxcache.service.errors import InvalidArgument, NotFound
-from ctxcache.service.generate_streams import GenerateStreams
+from ctxcache.indexer.build_queue import BuildQueue
+from ctxcache.errors import InvalidArgument, NotFound
+from ctxcache.decoder.generate_streams import GenerateStreams
 from ctxcache.service.http.generation import context_reference
 from ctxcache.service.http.protocol import CachedContentCreate, CachedContentUpdate
 from ctxcache.service.http.shapes import cached_content

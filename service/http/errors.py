@@ -10,7 +10,9 @@ from typing import Any
 import grpc
 from starlette.responses import JSONResponse
 
-from ctxcache.service.errors import InvalidArgument, status_for
+from ctxcache.errors import InvalidArgument
+
+from ctxcache.service.errors import status_for
 from ctxcache.service.http.models import ModelNotFound
 from ctxcache.service.rpc.calls import cut
 

@@ -21,9 +21,10 @@ from typing import Any
 from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service import contexts, convert
 from ctxcache.service.auth import Caller
-from ctxcache.service.build_queue import BuildQueue
-from ctxcache.service.errors import InvalidArgument
-from ctxcache.service.generate_streams import Chunk, Final, GenerateSpec, GenerateStreams
+from ctxcache.indexer.build_queue import BuildQueue
+from ctxcache.errors import InvalidArgument
+from ctxcache.decoder.generate_streams import GenerateStreams
+from ctxcache.decoder.stream_spec import Chunk, Final, GenerateSpec
 from ctxcache.service.http.autocache import AutoCache
 from ctxcache.service.http.autocache import TTL_S
 from ctxcache.service.http.prefix import PrefixLookup

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ctxcache.service.auth import Auth, Caller
-from ctxcache.service.errors import Unauthenticated, Unavailable
+from ctxcache.errors import Unauthenticated, Unavailable
 from ctxcache.service.http.errors import ErrorResponse, envelope, error_response
 
 OPEN_PATHS = ("/health",)  # load balancers probe without a token, as gRPC health checks do

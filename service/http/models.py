@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ctxcache.service.errors import NotFound
+from ctxcache.errors import NotFound
 
 
 class ModelNotFound(NotFound):

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 from ctxcache.artifact import KV_CODECS
 from ctxcache.client.gen.v1 import context_pb2 as pb
-from ctxcache.service.build_queue import BuildQueue
-from ctxcache.service.convert import PutSpec, method_spec
-from ctxcache.service.prompting import Messages
+from ctxcache.indexer.build_queue import BuildQueue
+from ctxcache.indexer.job_spec import PutSpec
+from ctxcache.service.convert import method_spec
+from ctxcache.prompting import Messages
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ctxcache.service.build_queue import BuildQueue
-from ctxcache.service.convert import PutSpec
-from ctxcache.service.errors import ServiceError
-from ctxcache.service.prompting import text_messages
+from ctxcache.indexer.build_queue import BuildQueue
+from ctxcache.indexer.job_spec import PutSpec
+from ctxcache.errors import ServiceError
+from ctxcache.prompting import text_messages
 from ctxcache.store import CorruptArtifact
 
 log = logging.getLogger("ctxcache.service.http")

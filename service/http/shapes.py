@@ -11,7 +11,7 @@ from typing import Any
 
 from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service import convert
-from ctxcache.service.generate_streams import Final
+from ctxcache.decoder.stream_spec import Final
 
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "context_limit": "length"}
 _STATE = {pb.CONTEXT_STATE_BUILDING: "BUILDING", pb.CONTEXT_STATE_READY: "READY", pb.CONTEXT_STATE_FAILED: "FAILED",

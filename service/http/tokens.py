@@ -7,10 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ctxcache import __version__
-from ctxcache.service.errors import InvalidArgument
+from ctxcache.errors import InvalidArgument
 from ctxcache.service.http.models import ServedModels
 from ctxcache.service.http.protocol import DetokenizeRequest, TokenizeRequest
-from ctxcache.service.prompting import Prompter
+from ctxcache.prompting import Prompter
 from ctxcache.service.rpc.calls import in_thread
 
 

@@ -7,14 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 from ctxcache.decoder.decode_mode import describe
 from ctxcache.methods import make_method
 from ctxcache.service import convert
-from ctxcache.service.convert import PutSpec
-from ctxcache.service.job_spec import Reindex
-from ctxcache.service.generate_streams import GenerateStreams
-from ctxcache.service.errors import FailedPrecondition, InvalidArgument, NotFound
+from ctxcache.indexer.job_spec import ROLES_LABEL, PutSpec, Reindex
+from ctxcache.decoder.generate_streams import GenerateStreams
+from ctxcache.errors import FailedPrecondition, InvalidArgument, NotFound
 from ctxcache.service.rpc.calls import in_thread, unary
 from ctxcache.client.gen.v1 import admin_pb2 as apb, admin_pb2_grpc
-from ctxcache.service.backend import ROLES_LABEL
-from ctxcache.service.build_queue import BuildQueue
+from ctxcache.indexer.build_queue import BuildQueue
 from ctxcache.service.rpc.servicer import context_info, wait_for
 from ctxcache.service.footprint import codec_footprint, stored_bytes_by_part
 from ctxcache.store import CorruptArtifact

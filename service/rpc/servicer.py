@@ -10,11 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ctxcache.service import contexts, convert
 from ctxcache.service.auth import Auth, Caller
-from ctxcache.service.generate_streams import Chunk, Final, GenerateStreams
-from ctxcache.service.errors import NotFound, Unauthenticated, Unavailable
+from ctxcache.decoder.generate_streams import GenerateStreams
+from ctxcache.decoder.stream_spec import Chunk, Final
+from ctxcache.errors import NotFound, Unauthenticated, Unavailable
 from ctxcache.service.rpc.calls import deadline_of, in_thread, iterate_in_thread, streaming, unary
 from ctxcache.client.gen.v1 import context_pb2 as pb, context_pb2_grpc
-from ctxcache.service.build_queue import BuildQueue, Job
+from ctxcache.indexer.build_queue import BuildQueue, Job
 from ctxcache.store import CorruptArtifact, Manifest, request_deadline
 from ctxcache.store.registries.fleet_registry import Facts
 

@@ -81,7 +81,7 @@ class Facts:
     job_id: str = ""
     uri: str = ""  # the artifact in the object store (READY)
     tenant: str = ""
-    spec: str = ""  # the build's PutSpec as JSON (service/job_spec.py), for GetContext while BUILDING
+    spec: str = ""  # the build's PutSpec as JSON (indexer/job_spec.py), for GetContext while BUILDING
     n_tokens: int = 0
     progress: float = 0.0
     error: str = ""

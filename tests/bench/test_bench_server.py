@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxcache.bench.common.server import running_server
+from ctxcache.client.server_process import running_server
 
 TINY = ["--model", "random:tiny", "--repeats", "1"]
 

@@ -1,4 +1,4 @@
-"""`bench service`'s llama.cpp line (bench/common/llama_cpp.py): a number through llama-bench's
+"""`bench service`'s llama.cpp line (bench/service.py, measure_llama_cpp): a number through llama-bench's
 JSON where a binary is installed, a line saying what is missing where nothing is."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxcache.bench.common import llama_cpp
+from ctxcache.bench import service as llama_cpp
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def no_python_binding(monkeypatch):
 def test_nothing_installed_says_so(no_python_binding, monkeypatch, tmp_path):
     monkeypatch.delenv("LLAMA_BENCH", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    got = llama_cpp.measure(tmp_path / "m.gguf", 4000, 32, 2)
+    got = llama_cpp.measure_llama_cpp(tmp_path / "m.gguf", 4000, 32, 2)
     assert got.tokens_per_s is None
     assert got.line().startswith("llama.cpp: not measured (neither llama-cpp-python nor a llama-bench binary")
 
@@ -44,7 +44,7 @@ def _fake_bench(tmp_path: Path, stdout: str) -> Path:
 def test_llama_bench_json_is_read(no_python_binding, monkeypatch, tmp_path):
     rows = [{"n_prompt": 0, "n_gen": 32, "n_depth": 4000, "avg_ts": 61.5}]
     monkeypatch.setenv("LLAMA_BENCH", str(_fake_bench(tmp_path, json.dumps(rows))))
-    got = llama_cpp.measure(tmp_path / "m.gguf", 4000, 32, 2)
+    got = llama_cpp.measure_llama_cpp(tmp_path / "m.gguf", 4000, 32, 2)
     assert got.tokens_per_s == 61.5 and got.line() == "61.5 tok/s (llama-bench, depth 4000)"
     assert (tmp_path / "args").read_text().split()[:8] == ["-m", str(tmp_path / "m.gguf"), "-p", "0", "-n", "32",
                                                            "-d", "4000"]
@@ -52,5 +52,5 @@ def test_llama_bench_json_is_read(no_python_binding, monkeypatch, tmp_path):
 
 def test_a_failing_llama_bench_is_one_line(no_python_binding, monkeypatch, tmp_path):
     monkeypatch.setenv("LLAMA_BENCH", str(_fake_bench(tmp_path, "error: unknown argument: -d")))
-    got = llama_cpp.measure(tmp_path / "m.gguf", 4000, 32, 2)
+    got = llama_cpp.measure_llama_cpp(tmp_path / "m.gguf", 4000, 32, 2)
     assert got.tokens_per_s is None and "failed" in got.line() and "\n" not in got.line()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ctxcache.bench.common.copy_tasks import CopySpec, Question
-from ctxcache.bench.common.retention import retention, sign_test_p
+from ctxcache.quality.copy_tasks import CopySpec, Question
+from ctxcache.quality.retention import retention, sign_test_p
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_spec_errors_name_the_value():
 
 
 def test_methods_differing_only_in_search_share_one_build():
-    from ctxcache.bench.common.retention import build_key
+    from ctxcache.quality.retention import build_key
     assert build_key("csattention", {}) == build_key("csattention", {"rerank": 4.0})
     assert build_key("csattention", {}) != build_key("csattention", {"centroids": 256})
     assert build_key("full", {}) == build_key("oracle", {})  # full decodes densely over the oracle's artifact

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ctxcache.bench.common.step_bytes import step_bytes
+from ctxcache.quality.step_bytes import step_bytes
 from ctxcache.methods import Budget, make_method
 
 SMOLLM2 = {"n_kv_heads": 3, "group": 3, "head_dim": 64}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ctxcache.bench.common.tasks import KINDS, TaskSpec, match_all
+from ctxcache.quality.tasks import KINDS, TaskSpec, match_all
 
 
 @pytest.fixture(scope="module")

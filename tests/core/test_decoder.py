@@ -123,8 +123,8 @@ def test_estimator_read_count_counts_distinct_indices_not_padding():
 
 
 def test_selection_metrics_keys_read_frac_counts_distinct_indices():
-    from ctxcache.bench.common.capture import Captured
-    from ctxcache.bench.common.selection import selection_metrics
+    from ctxcache.quality.capture import Captured
+    from ctxcache.quality.selection import selection_metrics
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(4, 11, 8, generator=gen)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ctxcache.methods import Budget, CSAttentionParams, make_method
-from ctxcache.methods.csattention import CSAttention, subspace_permutation
+from ctxcache.methods.csattention import CSAttention
+from ctxcache.methods.csattention_refs import subspace_permutation
 from ctxcache.methods.kmeans import kmeans
 from ctxcache.models.attention import gather_attention
 

@@ -8,7 +8,7 @@ import torch
 from ctxcache.kernels.follow import TOP_KEY, promote_ref, promote_successors
 from ctxcache.kernels.rerank import Reranker
 from ctxcache.kernels.topk import blocks16, key16_codes, radix_topk, topk16_ref, workspace
-from ctxcache.methods.csattention import exact_rerank
+from ctxcache.methods.csattention_refs import exact_rerank
 
 from test_gpu_rerank import _rows
 

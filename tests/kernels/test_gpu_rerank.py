@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ctxcache.kernels.rerank import Reranker, rerank_ref
-from ctxcache.methods.csattention import exact_rerank
+from ctxcache.methods.csattention_refs import exact_rerank
 
 
 def _rows(gen: torch.Generator, dtype: torch.dtype, g: int = 4):

@@ -149,7 +149,7 @@ def test_offload_attention_steps_match_host_reference(device):
 def test_offload_step_graph_replays_match_reference():
     """The whole step (slot plan + zero-copy attention over pinned K/V) captured once and
     replayed with new selections matches attention over the host truth every time."""
-    from ctxcache.bench.common.gpu import capture_graph as capture
+    from ctxcache.kernels.timing import capture_graph as capture
     b, hq, hkv, s, d, kmax = 2, 8, 2, 4096, 128, 64
     kh, vh = _host((b, hkv, s, d), torch.bfloat16), _host((b, hkv, s, d), torch.bfloat16)
     sel = _FixedSelector(torch.zeros(b, hkv, kmax, dtype=torch.int32, device="cuda"))

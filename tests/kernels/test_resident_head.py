@@ -17,9 +17,10 @@ from ctxcache.methods import make_method
 from ctxcache.models.loader import load_model
 from ctxcache.decoder.artifact_cache import ArtifactCache, Loaded
 from ctxcache.decoder.cached_context import CachedContext
-from ctxcache.service.generate_streams import Final, GenerateSpec, GenerateStreams
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import ByteTokenizer, Prompter
+from ctxcache.decoder.generate_streams import GenerateStreams
+from ctxcache.decoder.stream_spec import Final, GenerateSpec
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import ByteTokenizer, Prompter
 
 SCHEDULE = "0.05-step-1"
 SPEC = GenerateSpec("c", (), SamplingParams(max_tokens=2), prompt_tokens=(5, 6, 7))

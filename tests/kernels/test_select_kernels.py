@@ -112,7 +112,7 @@ def test_stream_insert_and_gain(device):
 def test_stream_insert_reads_the_key_from_the_cache(device, layout):
     """From a layer's cache [B, Hkv, S, D] at pos[b], with the layout's dim order: the same
     scores as gathering and permuting the key first, in the right column, count raised."""
-    from ctxcache.methods.csattention import subspace_permutation
+    from ctxcache.methods.csattention_refs import subspace_permutation
     b, hkv, m, c, db, s = 2, 3, 4, 9, 8, 20
     cent, _, _, _ = _tables(b, hkv, m, c, db, 50, 10, device)
     cache = torch.randn(b, hkv, s, m * db, device=device).to(torch.bfloat16)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ctxcache.methods import Budget, make_method
-from ctxcache.methods.csattention import CSAttention, CSAttentionParams, _promote_successors, exact_rerank
+from ctxcache.methods.csattention import CSAttention, CSAttentionParams
+from ctxcache.methods.csattention_refs import exact_rerank, promote_successors
 from ctxcache.methods.oracle import Oracle
 
 from tests.methods.helpers import make_qkv
@@ -156,10 +157,10 @@ def test_promoted_successors_stay_inside_the_region_and_tie_to_the_lower_index()
 
     rank = fp16_rank(torch.arange(8.0).view(1, 8))
     top = lambda i: (0xFFFF << 32) + (1 << 32) - 1 - i  # noqa: E731 - the top 16-bit key at index i
-    got = _promote_successors(rank, torch.tensor([[0, 3, 7]]), 1, 8)  # 1 and 4 inside; 8 past the end
+    got = promote_successors(rank, torch.tensor([[0, 3, 7]]), 1, 8)  # 1 and 4 inside; 8 past the end
     assert got[0].tolist() == [int(rank[0, 0]), top(1), *rank[0, 2:4].tolist(), top(4), *rank[0, 5:].tolist()]
     assert torch.topk(got[0], 1).indices.tolist() == [1]  # more successors than slots: the lowest wins (GPU)
-    got = _promote_successors(rank, torch.tensor([[6, 7]]), 1, 8)  # 7 promoted, the clamped 8 (-> 7) too
+    got = promote_successors(rank, torch.tensor([[6, 7]]), 1, 8)  # 7 promoted, the clamped 8 (-> 7) too
     assert got[0, 7] == top(7) and got[0, :7].tolist() == rank[0, :7].tolist()
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctxcache.bench.common.tasks import TaskSpec
+from ctxcache.quality.tasks import TaskSpec
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.decoder.session import generate
 from ctxcache.generation import SamplingParams

@@ -225,7 +225,7 @@ def test_rebuild_without_stored_queries_needs_reprefill(start, tmp_path):
 
 
 def test_build_claim_is_renewed_while_building(start, tmp_path, monkeypatch):
-    import ctxcache.service.build_queue as indexing
+    import ctxcache.indexer.build_queue as indexing
 
     release = threading.Event()
     real_build = indexing.build_artifact

@@ -73,7 +73,7 @@ def test_put_params_are_json_and_apply_to_the_default_method(start, text_file, c
 
 def _blocked_builds(monkeypatch) -> threading.Event:
     """Builds wait for the returned event (set it to let them finish)."""
-    from ctxcache.service import build_queue
+    from ctxcache.indexer import build_queue
     release, real = threading.Event(), build_queue.build_artifact
 
     def build(*a, **kw):

@@ -12,7 +12,7 @@ import pytest
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service.config import ModelConfig
-from ctxcache.service.prompting import Prompter
+from ctxcache.prompting import Prompter
 from ctxcache.service.server import create_server
 from service_helpers import tiny_config
 

@@ -13,8 +13,8 @@ from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.gpu.runner import GpuRunner
 from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import make_method
-from ctxcache.service.errors import FailedPrecondition
-from ctxcache.service.generate_streams import GenerateStreams
+from ctxcache.errors import FailedPrecondition
+from ctxcache.decoder.generate_streams import GenerateStreams
 from ctxcache.service.assembly import SLOT_ROOM, cap_to_slots
 
 CONFIG = SparseConfig.from_schedule("0.05-step-1")

@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from ctxcache.artifact import FORMAT_VERSION
 from ctxcache.service.demo_text import TEXT
-from ctxcache.service.prompting import Prompter, text_messages
+from ctxcache.prompting import Prompter, text_messages
 from ctxcache.store import context_id_for
 
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.service.config import ModelConfig
-from ctxcache.service.prompting import Prompter, text_messages
+from ctxcache.prompting import Prompter, text_messages
 from ctxcache.service.server import create_server
 from service_helpers import tiny_config
 
@@ -35,7 +35,7 @@ def test_eight_threads_tokenize_forged_text_as_one_thread_does(smollm2):
 
 
 def test_encoders_match_the_hugging_face_tokenizer(smollm2):
-    from ctxcache.service.prompting import Encoders
+    from ctxcache.prompting import Encoders
 
     t, e = smollm2.tokenizer, Encoders(smollm2.tokenizer)
     for text in (FORGED, "<|endoftext|>x", "héllo ✓ 日本語 🙂\n\n  x", "plain prose " * 50, ""):

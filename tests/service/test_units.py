@@ -8,7 +8,7 @@ import time
 import pytest
 
 from ctxcache.decoder.artifact_cache import ArtifactCache
-from ctxcache.service.prompting import ByteTokenizer, Prompter, document_messages, text_messages
+from ctxcache.prompting import ByteTokenizer, Prompter, document_messages, text_messages
 from ctxcache.decoder.textstream import TextStream
 
 
@@ -115,7 +115,8 @@ def test_out_of_gpu_memory_is_resource_exhausted_in_one_line():
 def test_a_tenant_reads_the_failing_part_an_admin_its_address():
     import grpc
 
-    from ctxcache.service.errors import Unavailable, failure_text, status_for
+    from ctxcache.errors import Unavailable, failure_text
+    from ctxcache.service.errors import status_for
     from ctxcache.store import RegistryUnavailable, StoreUnavailable
 
     store = StoreUnavailable("object store s3://b/p?endpoint_override=10.1.2.3:8333: get v1/manifests/x: refused")

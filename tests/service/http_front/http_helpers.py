@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from ctxcache.bench.common.server import running_server
+from ctxcache.client.server_process import running_server
 from ctxcache.service.config import ServiceConfig
 from ctxcache.service.server import CtxcacheServer, create_server
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from ctxcache.service.build_queue import Job
+from ctxcache.indexer.build_queue import Job
 
 from http_helpers import assert_error_shape, in_process, tiny_http_config
 from service_helpers import TEXT

@@ -14,14 +14,14 @@ import threading
 from ctxcache.cancel import CancelToken
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel
-from ctxcache.service import job_spec
-from ctxcache.service.build_queue import BuildQueue
-from ctxcache.service.config import IndexerSettings
-from ctxcache.service.convert import PutSpec
-from ctxcache.service.errors import ResourceExhausted, Unavailable
-from ctxcache.service.fleet_backend import FleetBackend
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import Prompter
+from ctxcache.indexer import job_spec
+from ctxcache.indexer.build_queue import BuildQueue
+from ctxcache.errors import ResourceExhausted, Unavailable
+from ctxcache.indexer.job_spec import PutSpec
+from ctxcache.indexer.seams import FleetBuildBackend
+from ctxcache.indexer.settings import IndexerSettings
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import Prompter
 from ctxcache.store import CorruptArtifact, RegistryUnavailable
 from ctxcache.store.registries.fleet_registry import Enqueued, Facts, FleetState
 from ctxcache.store.registries.job_stream import JobStream
@@ -61,7 +61,7 @@ class RemoteJob:
 
 
 class RemoteBuilds:
-    def __init__(self, lm: LoadedModel, prompter: Prompter, backend: FleetBackend, stream: JobStream,
+    def __init__(self, lm: LoadedModel, prompter: Prompter, backend: FleetBuildBackend, stream: JobStream,
                  settings: IndexerSettings, kv_dtype: str, metrics: Metrics, claim_s: float,
                  poll_s: float = 0.05) -> None:
         self.lm, self.prompter, self.backend, self.settings = lm, prompter, backend, settings

@@ -1,4 +1,5 @@
-"""A PutSpec as the JSON a build job carries from a decoder to an indexer (no torch).
+"""A build job's spec (PutSpec), and its JSON as a job carries it from a decoder to an indexer
+(plain data: no torch here).
 
 The job carries the tokens (packed beside it on the stream), so the text itself never
 travels: the messages keep their roles only, which is all a build stores of them. A Rebuild's
@@ -9,13 +10,35 @@ object store, the copy of record every worker shares.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from ctxcache.service.convert import PutSpec
+from ctxcache.prompting import Messages
 
 if TYPE_CHECKING:
     from ctxcache.artifact import ContextArtifact
+
+ROLES_LABEL = "ctxcache/roles"  # the stored label that keeps a context's message roles (PutSpec.roles)
+
+
+@dataclass(frozen=True)
+class PutSpec:
+    """A PutContext as the indexer builds it (service/convert.py reads it from the request)."""
+
+    messages: Messages
+    labels: dict[str, str] = field(default_factory=dict)
+    ttl_s: float | None = None
+    pin: bool = False
+    method: str = ""
+    method_params: dict[str, Any] = field(default_factory=dict)
+    wait: bool = True
+    tenant: str = ""
+    kv_codec: str = "int8"
+    keep_queries: bool = False
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(m["role"] for m in self.messages)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 from ctxcache.methods import Budget, LayerState, SparseMethod, Tables
 from ctxcache.methods.budget import distinct_valid
 
-from ctxcache.bench.common.capture import Captured
+from ctxcache.quality.capture import Captured
 
 
 def _recalls(p: torch.Tensor, sel: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

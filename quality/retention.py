@@ -23,9 +23,9 @@ from ctxcache.generation import SamplingParams, decode_n_tokens
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel
 
-from ctxcache.bench.common.copy_tasks import CopyContext, CopySpec
-from ctxcache.bench.common.step_bytes import step_bytes
-from ctxcache.bench.common.tasks import FULL, _config, make_artifact, prefill_context
+from ctxcache.quality.copy_tasks import CopyContext, CopySpec
+from ctxcache.quality.step_bytes import step_bytes
+from ctxcache.quality.tasks import FULL, _config, make_artifact, prefill_context
 
 ORACLE = "oracle"
 

@@ -1,6 +1,6 @@
 """RULER-style long-context tasks, generated offline and reproducibly from a seed.
 
-Each generator hides needles in real filler text (`prose` or `code`, see bench/common/texts.py) or
+Each generator hides needles in real filler text (`prose` or `code`, see quality/texts.py) or
 builds a word list, sized to a target number of context tokens measured with the model's
 tokenizer, and returns a `Task`: the context (cached once, the part sparse methods index),
 the question (the prompt decoded after it), the expected answers and a scorer. Task formats
@@ -31,7 +31,7 @@ from ctxcache.methods import Budget, SparseMethod, make_method
 from ctxcache.models.attention import QueryCapture
 from ctxcache.models.loader import LoadedModel
 
-from ctxcache.bench.common.texts import builtin_text
+from ctxcache.quality.texts import builtin_text
 
 Scorer = Callable[[str, tuple[str, ...]], float]
 

@@ -1,6 +1,7 @@
-"""A real server for a benchmark, started as a user starts one: `python -m ctxcache.service serve`
-in its own process on a port the OS picks, ready when gRPC health checking says SERVING,
-stopped with SIGTERM (it drains). The benchmark then talks to it only through ctxcache.client."""
+"""A real server in its own process, started as a user starts one: `python -m ctxcache.service
+serve` on a port the OS picks, ready when gRPC health checking says SERVING, stopped with
+SIGTERM (it drains). What the benchmarks and the end-to-end tests run against; they then talk
+to it only through ctxcache.client (a process, so this module imports no server code)."""
 
 from __future__ import annotations
 

@@ -20,32 +20,22 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from ctxcache.artifact import FORMAT_VERSION, ContextArtifact
 from ctxcache.cancel import BuildCancelled, CancellableMethod, CancelToken, building, install_hooks
 from ctxcache.indexer import IndexerConfig, build_artifact, prefill_chunk, reindex
+from ctxcache.indexer.build import release_build_memory
 from ctxcache.methods import ParamError, make_method
 from ctxcache.models.loader import LoadedModel
-from ctxcache.service.backend import ROLES_LABEL, Backend
 from ctxcache.indexer.build_turns import BuildTurns
-from ctxcache.service.config import IndexerSettings
-from ctxcache.service.convert import PutSpec
-from ctxcache.service.job_spec import Reindex
-from ctxcache.service.errors import InvalidArgument, ResourceExhausted, Unavailable, failure_text
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import Prompter
+from ctxcache.indexer.job_spec import ROLES_LABEL, PutSpec, Reindex
+from ctxcache.indexer.seams import BuildBackend
+from ctxcache.indexer.settings import IndexerSettings
+from ctxcache.errors import InvalidArgument, ResourceExhausted, Unavailable, failure_text
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import Prompter
 from ctxcache.store import ContextMeta, CorruptArtifact, context_id_for
 
-log = logging.getLogger("ctxcache.service.build_queue")
-
-
-def release_build_memory(lm: LoadedModel) -> None:
-    """Hand a GPU build's freed temporaries (GBs at 32K: prefill activations, captured queries,
-    k-means) back to the driver: the caching allocator would keep them reserved, and the decode
-    side's driver allocations (kernel modules, a new CUDA graph's pool) then find HBM full."""
-    if lm.model.lm_head.weight.is_cuda:
-        torch.cuda.empty_cache()
+log = logging.getLogger("ctxcache.indexer.build_queue")
 
 
 @dataclass
@@ -72,7 +62,7 @@ class Job:
 
 
 class BuildQueue:
-    def __init__(self, lm: LoadedModel, prompter: Prompter, backend: Backend,
+    def __init__(self, lm: LoadedModel, prompter: Prompter, backend: BuildBackend,
                  settings: IndexerSettings, kv_dtype: str, metrics: Metrics) -> None:
         self.lm, self.prompter, self.backend, self.settings = lm, prompter, backend, settings
         self.kv_dtype, self.metrics = kv_dtype, metrics

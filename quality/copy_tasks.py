@@ -1,6 +1,6 @@
 """Questions whose answers must be copied exactly from a long cached context.
 
-One context (a real document as filler: one of bench/common/texts.py's KINDS, or `prose` /
+One context (a real document as filler: one of quality/texts.py's KINDS, or `prose` /
 `code`) holds many needles, and every needle is one question, so one prefill serves every
 question (what a context cache is for). Per context, seeded:
 - at each of DEPTHS (10 / 25 / 50 / 75 / 90%): a `number` (5 to 8 digits), a `ticket` number
@@ -25,8 +25,8 @@ import random
 import re
 from dataclasses import dataclass
 
-from ctxcache.bench.common.tasks import _chat, haystack
-from ctxcache.bench.common.texts import KINDS
+from ctxcache.quality.tasks import _chat, haystack
+from ctxcache.quality.texts import KINDS
 
 DEPTHS = (0.1, 0.25, 0.5, 0.75, 0.9)
 MULTI_DEPTHS = (0.3, 0.7)

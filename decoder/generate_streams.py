@@ -15,62 +15,27 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.decode_mode import check_mode, decode_path, resolve
 from ctxcache.decoder.engine import Engine
 from ctxcache.decoder.runner import ContextNotResident, Runner
-from ctxcache.generation import SamplingParams
 from ctxcache.models.loader import LoadedModel
 from ctxcache.decoder.artifact_cache import ArtifactCache, Loaded
 from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.store import request_deadline
-from ctxcache.service.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
-                                     ResourceExhausted, Unavailable)
-from ctxcache.service.metrics import Metrics
-from ctxcache.service.prompting import Messages, Prompter
+from ctxcache.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted,
+                             Unavailable)
+from ctxcache.metrics import Metrics
+from ctxcache.prompting import Prompter
 from ctxcache.decoder.textstream import TextStream
 from ctxcache.decoder.uncached import MISS, empty_context
+from ctxcache.decoder.stream_spec import Chunk, Final, GenerateSpec
 
 
 _ROLES_KEPT = 4096  # contexts whose roles are remembered for a Generate that skips the DRAM tier
-
-
-@dataclass(frozen=True)
-class GenerateSpec:
-    context_id: str
-    turn: Messages
-    sampling: SamplingParams
-    stop: tuple[str, ...] = ()
-    schedule: str = ""
-    # raw tokens that follow the context instead of the rendered turn (a text completion)
-    prompt_tokens: tuple[int, ...] = ()
-    # True: a max_tokens past the model's window is refused before decoding (OpenAI's answer),
-    # not cut to the room left (gRPC's, which then finishes with context_limit)
-    strict_window: bool = False
-
-
-@dataclass(frozen=True)
-class Chunk:
-    text: str
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Final:
-    text: str
-    finish_reason: str  # stop | stop_sequence | length | context_limit
-    cached_tokens: int
-    new_prompt_tokens: int
-    generated_tokens: int
-    ttft_seconds: float
-    tokens_per_second: float
-    load_seconds: float
-    total_seconds: float
-    cache_hit: bool
-    decode_path: str  # the runner that decoded the stream
 
 
 class GenerateStreams:

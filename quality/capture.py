@@ -15,7 +15,7 @@ from ctxcache.models.attention import QueryCapture
 from ctxcache.models.kv_cache import KVCache
 from ctxcache.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 
-from ctxcache.bench.common.texts import builtin_text, tokens_of
+from ctxcache.quality.texts import builtin_text, tokens_of
 
 
 @dataclass

@@ -21,7 +21,7 @@ from ctxcache.methods import SparseMethod, Tables
 from ctxcache.models.attention import dense_attention
 from ctxcache.models.loader import LoadedModel
 
-from ctxcache.bench.common.capture import Captured, build_tables, capture, context_cache
+from ctxcache.quality.capture import Captured, build_tables, capture, context_cache
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")

@@ -5,7 +5,7 @@ Every `interval_s` the worker renews its heartbeat (TTL 3 x interval) and moves 
 memberships by what entered or left its DRAM cache since the last beat; a worker that dies
 stops beating and drops out of every hot set within the TTL. A delete anywhere evicts the
 context here from DRAM, the device and the local store (a Generate that races the event is
-NOT_FOUND anyway: every lookup asks the registry first, fleet_backend.py).
+NOT_FOUND anyway: every lookup asks the registry first, service/fleet_backend.py).
 """
 
 from __future__ import annotations
@@ -13,15 +13,24 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
-from ctxcache.service.fleet_backend import FleetBackend
 from ctxcache.store import RegistryUnavailable
+from ctxcache.store.registries.fleet_registry import FleetRegistry
 
 log = logging.getLogger("ctxcache.service.fleet")
 
 
+class PresenceBackend(Protocol):
+    """What Presence uses of the service's FleetBackend (service/fleet_backend.py)."""
+
+    fleet: FleetRegistry
+
+    def drop_local(self, cid: str) -> bool: ...
+
+
 class Presence:
-    def __init__(self, backend: FleetBackend, worker: str, hot: Callable[[], set[str]],
+    def __init__(self, backend: PresenceBackend, worker: str, hot: Callable[[], set[str]],
                  evict: Callable[[str], object], interval_s: float) -> None:
         if not interval_s > 0:
             raise ValueError(f"heartbeat interval_s={interval_s} must be > 0")

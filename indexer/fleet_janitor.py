@@ -16,15 +16,16 @@ import logging
 import threading
 import time
 
-from ctxcache.service.fleet_backend import FleetBackend, reconcile_fleet
+from ctxcache.indexer.seams import FleetBuildBackend
 from ctxcache.store import RegistryUnavailable, StoreError
+from ctxcache.store.registries.fleet_reconcile import reconcile_fleet
 
 log = logging.getLogger("ctxcache.service.fleet")
 RECONCILE_LOCK_S = 600.0  # a reconcile that dies holding the lock frees it after this
 
 
 class Janitor:
-    def __init__(self, backend: FleetBackend, worker: str, gc_interval_s: float, gc_grace_s: float,
+    def __init__(self, backend: FleetBuildBackend, worker: str, gc_interval_s: float, gc_grace_s: float,
                  check_s: float = 2.0) -> None:
         self.backend, self.fleet, self.worker = backend, backend.fleet, worker
         self.gc_interval_s, self.gc_grace_s, self.check_s = gc_interval_s, gc_grace_s, check_s

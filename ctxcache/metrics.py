@@ -1,5 +1,6 @@
 """Prometheus metrics of one service instance (own registry, so several servers can coexist
-in one process, e.g. in tests). `serve` exposes them over HTTP with --metrics-port."""
+in one process, e.g. in tests), counted by the indexer's builds, the decoder's streams and the
+fronts. `serve` exposes them over HTTP with --metrics-port."""
 
 from __future__ import annotations
 

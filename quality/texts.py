@@ -1,20 +1,19 @@
 """Built-in evaluation texts, real and available offline.
 
-prose: the GNU GPL v3 text, bundled in bench/texts/prose.txt (verbatim copying is permitted).
+prose: the GNU GPL v3 text, bundled in quality/corpus/prose.txt (verbatim copying is permitted).
 code: Python source from the running interpreter's standard library (argparse, then more
 modules as needed), so every Python installation has it.
 KINDS: the answer-retention suite's kinds of document, one bundled file each
-(bench/texts/NAME.txt; sources and licenses in bench/texts/README.md).
+(quality/corpus/NAME.txt; sources and licenses in quality/corpus/README.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 from pathlib import Path
 
-_TEXT_DIR = Path(__file__).parent.parent / "texts"  # bench/texts/ (package data)
+_TEXT_DIR = Path(__file__).parent / "corpus"  # quality/corpus/ (package data)
 _CODE_MODULES = ("argparse", "dataclasses")
 KINDS = ("narrative", "license", "changelog", "python", "c", "json")
 BUILTIN = ("prose", "code", *KINDS)
@@ -47,18 +46,3 @@ def text_of_tokens(tokenizer, text: str, n: int) -> str:
         return (data * (n // max(1, len(data)) + 1))[:n].decode("utf-8", errors="ignore")
     ids = tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.decode((ids * (n // max(1, len(ids)) + 1))[:n])
-
-
-def parse_text_args(ap: argparse.ArgumentParser, argv: list[str] | None, min_continuation: int) -> argparse.Namespace:
-    """Parse a text bench's arguments (--out, --text, --tokens, --continuation among them) and
-    refuse, as argparse errors, a --text that is no text and lengths out of range."""
-    from ctxcache.bench.common.report import add_out  # here: report imports torch, this module none
-    add_out(ap, what="the result JSON (<bench>_<device>.json)")
-    args = ap.parse_args(argv)
-    try:
-        builtin_text(args.text)
-    except ValueError as e:
-        ap.error(str(e))
-    if args.tokens < 64 or args.continuation < min_continuation:
-        ap.error(f"--tokens={args.tokens} must be >= 64 and --continuation={args.continuation} >= {min_continuation}")
-    return args

@@ -17,10 +17,10 @@ import threading
 import time
 from dataclasses import replace
 
-from ctxcache.service import job_spec
-from ctxcache.service.build_queue import BuildQueue, Job
-from ctxcache.service.fleet_backend import FleetBackend
-from ctxcache.service.errors import ServiceError, failure_text
+from ctxcache.indexer import job_spec
+from ctxcache.indexer.build_queue import BuildQueue, Job
+from ctxcache.indexer.seams import FleetBuildBackend
+from ctxcache.errors import ServiceError, failure_text
 from ctxcache.store import RegistryUnavailable
 from ctxcache.store.registries.fleet_registry import FleetRegistry
 from ctxcache.store.registries.job_stream import JobStream, TakenJob
@@ -30,7 +30,7 @@ MAX_ATTEMPTS = 3  # a job whose indexers died this often fails instead of killin
 
 
 class FleetIndexer:
-    def __init__(self, builds: BuildQueue, backend: FleetBackend, stream: JobStream, name: str,
+    def __init__(self, builds: BuildQueue, backend: FleetBuildBackend, stream: JobStream, name: str,
                  lease_s: float, claim_s: float) -> None:
         self.builds, self.backend, self.stream, self.name = builds, backend, stream, name
         self.fleet: FleetRegistry = backend.fleet

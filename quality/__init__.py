@@ -1,0 +1,13 @@
+"""Answer quality of the sparse methods, measured on the real model: what `ctxcache bench`
+reports and the methods' tests assert.
+
+- `texts`: the filler documents (`corpus/`: prose, code and six kinds, with their licenses);
+- `capture`: a dense prefill that keeps each layer's Q/K/V; `selection`: a method's selection
+  against the true top-K on them (mass and top-K recall, output error); `step_bytes`: the
+  bytes a decode step reads; `model_scores`: sparse decode through the whole model against
+  full attention (top-1 agreement, NLL, passkey);
+- `tasks`: RULER-style long-context tasks; `copy_tasks` and `retention`: questions answered by
+  copying from a cached context, and the fraction of full attention's answers each method keeps.
+
+It may import the core and the decoder (its tasks decode with the reference runner); only the
+benchmarks and the tests import it."""
