@@ -11,6 +11,7 @@ bytes)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -101,6 +102,15 @@ def test_the_same_prefix_again_is_a_hit_with_the_same_greedy_tokens(any_base):
         turn = ask(oai, later, stream=True, stream_options={"include_usage": True})
         usage = list(turn)[-1].usage
         assert usage.prompt_tokens_details.cached_tokens == SYSTEM_TOKENS < usage.prompt_tokens
+
+
+def test_concurrent_misses_with_one_prefix_share_its_build_and_answer_alike(base):
+    messages = [{"role": "system", "content": TEXT + " The Needle is red."}, QUESTION]
+    with client(base, "tokC") as oai, ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: ask(oai, messages), range(3)))
+        (made,) = contexts(oai)
+        assert made["state"] == "READY" and {a.model_extra["cached_content"] for a in answers} == {made["id"]}
+        assert len({tuple(a.choices[0].model_extra["token_ids"]) for a in answers}) == 1
 
 
 def test_a_prefix_shorter_than_the_minimum_is_not_registered(base):
