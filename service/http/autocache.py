@@ -37,6 +37,19 @@ class Registered:
     job: Any
 
 
+def submit_prefix(indexer: BuildQueue, spec: PutSpec, tokens: list[int] | None,
+                  what: str) -> tuple[str, Any, bool] | None:
+    """indexer.submit(spec, tokens); None when it is refused (queue full, registry down) or fails:
+    a registration never fails the request it serves, whose prompt is then decoded alone."""
+    try:
+        return indexer.submit(spec, tokens=tokens)
+    except ServiceError as exc:
+        log.info("automatic caching of %s skipped: %s", what, exc)
+    except Exception:  # noqa: BLE001 - logged; the prompt is still answered
+        log.exception("automatic caching of %s failed", what)
+    return None
+
+
 class AutoCache:
     def __init__(self, indexer: BuildQueue, prefixes: PrefixLookup, min_tokens: int) -> None:
         """min_tokens: 0 turns automatic registration off."""
@@ -53,11 +66,10 @@ class AutoCache:
         p = self.prefixes
         spec = PutSpec(messages[:found[0]], ttl_s=TTL_S, method=p.method, method_params=p.params, wait=False,
                        tenant=tenant, kv_codec=self.indexer.settings.kv_codec)
-        try:
-            cid, job, created = self.indexer.submit(spec)
-        except ServiceError as exc:  # queue full, registry down: this prompt stays a miss
-            log.info("automatic caching of a %d-token prefix skipped: %s", found[1], exc)
+        submitted = submit_prefix(self.indexer, spec, None, f"a {found[1]}-token prefix")
+        if submitted is None:
             return None
+        cid, job, created = submitted
         if created:
             log.info("automatic caching: %d leading messages (%d tokens) -> %s", found[0], found[1], cid[:12])
         return Registered(cid, found[0], found[1], job)

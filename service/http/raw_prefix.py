@@ -29,8 +29,7 @@ import numpy as np
 
 from ctxcache.service.build_queue import BuildQueue
 from ctxcache.service.convert import PutSpec
-from ctxcache.service.errors import ServiceError
-from ctxcache.service.http.autocache import Registered
+from ctxcache.service.http.autocache import Registered, submit_prefix
 from ctxcache.service.prompting import text_messages
 from ctxcache.store import CorruptArtifact
 
@@ -95,11 +94,10 @@ class RawPrefixes:
         n = self.longest(len(tokens))
         if not n:
             return None
-        try:
-            cid, job, created = self.indexer.submit(self._spec(tenant), tokens=list(tokens[:n]))
-        except ServiceError as exc:  # queue full, registry down: this prompt stays a miss
-            log.info("automatic caching of a %d-token completion prefix skipped: %s", n, exc)
+        submitted = submit_prefix(self.indexer, self._spec(tenant), list(tokens[:n]), f"a {n}-token completion prefix")
+        if submitted is None:
             return None
+        cid, job, created = submitted
         self._learn(n)
         if created:
             log.info("automatic caching: a completion's first %d tokens -> %s", n, cid[:12])

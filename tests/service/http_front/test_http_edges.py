@@ -184,9 +184,11 @@ def test_a_miss_whose_prefix_cannot_be_built_is_answered_alone(tiny_lm, tmp_path
             assert failed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             assert srv.indexer.counts() == (0, 1)  # (building, failed): its prefix's build was tried and failed
 
-            def full(*_a, **_k):
-                raise ResourceExhausted("64 builds queued; retry later")
-            monkeypatch.setattr(srv.indexer, "submit", full)
-            text = http.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 2})
-            assert text.status_code == 200 and text.json()["cached_content"] is None, text.text
-            assert text.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            for refusal in (ResourceExhausted("64 builds queued; retry later"), RuntimeError("a bug")):
+                def refuse(*_a, _exc=refusal, **_k):
+                    raise _exc
+                monkeypatch.setattr(srv.indexer, "submit", refuse)
+                text = http.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 2})
+                assert text.status_code == 200 and text.json()["cached_content"] is None, text.text
+                assert text.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                assert http.post("/v1/chat/completions", json=ask).json()["cached_content"] is None
