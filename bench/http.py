@@ -11,9 +11,10 @@ summarised by the median over rounds; the must-show: HTTP no more than 10% (or 5
 gRPC. The answers' token ids must be equal (greedy). The load average is recorded with them.
 
 Before that, automatic caching as a new client meets it: the first HTTP request with the text as
-its system message is a miss (the whole prompt prefilled densely, TTFT timed), the server
-registers the system message as a context in the background (the time until it is READY is
-recorded), and the same request again is a hit (TTFT timed). That context is the one the gRPC
+its system message is a miss (the server builds the system message as a context and decodes the
+answer over it: TTFT timed, the build included; the time from the answer until the context is
+listed READY is recorded, ~0 since the build precedes the answer), and the same request again is
+a hit (TTFT timed); their greedy tokens must be equal. That context is the one the gRPC
 PutContext of the text then finds (same messages, method, codec and tenant: the same id), so the
 rounds above compare the automatic context's hits with gRPC Generate by its id.
 """
@@ -91,7 +92,7 @@ def _ways(client: Client, http: httpx.Client, cid: str, text: str, max_tokens: i
 
 
 def first_and_repeat(http: httpx.Client, text: str, args) -> dict:
-    """A miss, the automatic context's build, then the same request as a hit (one each)."""
+    """A miss (its prefix's build included), then the same request as a hit (one each)."""
     ask = {"model": args.model, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
            "return_token_ids": True, "messages": [{"role": "system", "content": text},
                                                   {"role": "user", "content": QUESTION}]}

@@ -2,9 +2,11 @@
 
 A request becomes the same GenerateRequest the gRPC front receives and is validated by the same
 code (convert.generate_spec), then decodes through the same GenerateStreams, in this process.
-Its context is named (`cached_content`) or found from its leading messages (prefix.py). A
-streamed answer pulls its first event before the response starts, so a failure before the
-first token (absent context, streams full) gets its real status, not a 200 with an error inside.
+Its context is named (`cached_content`) or found from its leading messages (prefix.py); on a
+miss, its long prefix is built as a context first and the answer decoded over it, as any later
+hit is (autocache.py). A streamed answer pulls its first event before the response starts, so a
+failure before the first token (absent context, streams full) gets its real status, not a 200
+with an error inside.
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from ctxcache.client.gen.v1 import context_pb2 as pb
@@ -25,8 +26,7 @@ from ctxcache.indexer.build_queue import BuildQueue
 from ctxcache.errors import InvalidArgument
 from ctxcache.decoder.generate_streams import GenerateStreams
 from ctxcache.decoder.stream_spec import Chunk, Final, GenerateSpec
-from ctxcache.service.http.autocache import AutoCache
-from ctxcache.service.http.autocache import TTL_S
+from ctxcache.service.http.autocache import TTL_S, AutoCache, Registered
 from ctxcache.service.http.prefix import PrefixLookup
 from ctxcache.service.http.raw_prefix import RawPrefixes
 from ctxcache.service.http.errors import error_body
@@ -34,6 +34,7 @@ from ctxcache.service.http.models import ServedModels
 from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
 from ctxcache.service.http.shapes import Completion
 from ctxcache.service.rpc.calls import in_thread, iterate_in_thread
+from ctxcache.service.rpc.servicer import wait_for
 from ctxcache.decoder.uncached import MISS
 
 _NAME = re.compile(r"(?:cachedContents/)?([0-9a-f]{64})")
@@ -79,6 +80,15 @@ def _refuse(req: SamplingBody, chat: bool) -> None:
             raise InvalidArgument(name, why)
 
 
+async def _ready(made: Registered | None) -> Registered | None:
+    """Wait for a miss's prefix to be READY; None if there is none or its build failed (the
+    prompt is then decoded alone, as a server with no cache would)."""
+    if made is None:
+        return None
+    await wait_for(made.job)
+    return made if made.job is None or made.job.state == "ready" else None
+
+
 def _proto(req: SamplingBody, cid: str, max_tokens: int, **turn: Any) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                  top_p=req.top_p or 0.0, max_tokens=max_tokens)
@@ -110,28 +120,32 @@ class Generation:
         _refuse(req, chat=True)
         chat = pb.ChatMessages(messages=[pb.ChatMessage(**m.plain()) for m in req.messages])
         spec = self._spec(req, req.max_completion_tokens or req.max_tokens, chat=chat)
-        spec = await in_thread(self.pool, self._resolve_chat, caller, req.cached_content, spec)
-        after = None
-        if spec.context_id == MISS:  # once answered, its leading messages may become a context
-            after = partial(self.pool.submit, self.auto.register_quietly, spec.turn, caller.tenant or "")
-        return await self._answer(spec, Completion(model, spec.context_id, True), req, t0, after)
+        spec, made = await in_thread(self.pool, self._resolve_chat, caller, req.cached_content, spec)
+        made = await _ready(made)
+        if made is not None:  # decoded over its new context, as the next request with these messages will be
+            spec = replace(spec, context_id=made.context_id, turn=spec.turn[made.split:], prompt_tokens=())
+        return await self._answer(spec, Completion(model, spec.context_id, True, fresh=made is not None), req, t0)
 
-    def _resolve_chat(self, caller: Caller, reference: str | None, spec: GenerateSpec) -> GenerateSpec:
+    def _resolve_chat(self, caller: Caller, reference: str | None,
+                      spec: GenerateSpec) -> tuple[GenerateSpec, Registered | None]:
+        """-> the spec (a miss: MISS and the whole prompt's tokens) and a miss's registered prefix."""
         if reference is not None:
             cid = context_reference(reference)
             contexts.check_readable(self.indexer, caller, cid)
-            return replace(spec, context_id=cid)
+            return replace(spec, context_id=cid), None
         match = self.prefixes.find(spec.turn, caller.tenant or "")
         if match is not None:
-            return replace(spec, context_id=match.context_id, turn=spec.turn[match.n_messages:])
-        return replace(spec, context_id=MISS, prompt_tokens=tuple(self.indexer.prompter.prompt_tokens(spec.turn)))
+            return replace(spec, context_id=match.context_id, turn=spec.turn[match.n_messages:]), None
+        made = self.auto.register(spec.turn, caller.tenant or "")
+        alone = tuple(self.indexer.prompter.prompt_tokens(spec.turn))  # decoded so if its prefix's build fails
+        return replace(spec, context_id=MISS, prompt_tokens=alone), made
 
     async def completion(self, caller: Caller, req: CompletionRequest) -> dict | AsyncIterator[str]:
         """A text completion: the prompt's tokens follow the cached context as they are, with no
         chat template (control tokens in it are the template's own, as in any raw completion).
         Without `cached_content`, the context holding the prompt's longest block-aligned prefix
-        is used (raw_prefix.py); on a miss the prompt alone is decoded, and its long prefix is
-        registered once the answer is complete."""
+        is used (raw_prefix.py); on a miss its long prefix is built as a context first and the
+        rest decoded over it, as the next request will be; a prompt with none is decoded alone."""
         t0 = time.perf_counter()
         model = self.models.check(req.model)
         _refuse(req, chat=False)
@@ -141,35 +155,32 @@ class Generation:
         if cid != MISS:
             await in_thread(self.pool, contexts.check_readable, self.indexer, caller, cid)
         tokens = await in_thread(self.pool, self.indexer.prompter.encode, req.prompt)
-        tenant, after, cached = caller.tenant or "", None, 0
+        tenant, cached, made = caller.tenant or "", 0, None
         if cid == MISS:
             match = await in_thread(self.pool, self.raw.find, tokens, tenant)
             if match is not None:
                 cid, cached = match.context_id, match.n_tokens
-            else:  # once answered, its long prefix may become a context
-                after = partial(self.pool.submit, self.raw.register_quietly, tokens, tenant)
+            elif (made := await _ready(await in_thread(self.pool, self.raw.register, tokens, tenant))) is not None:
+                cid, cached = made.context_id, made.split
         spec = replace(spec, context_id=cid, prompt_tokens=tuple(tokens[cached:]))
-        return await self._answer(spec, Completion(model, cid, False), req, t0, after)
+        return await self._answer(spec, Completion(model, cid, False, fresh=made is not None), req, t0)
 
-    async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody, t0: float,
-                      after: Callable[[], Any] | None = None) -> dict | AsyncIterator[str]:
-        """after: called once the answer is complete (its Final), not when it fails."""
+    async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody,
+                      t0: float) -> dict | AsyncIterator[str]:
         events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, None, t0))
         if not req.stream:
             ids: list[int] = []
             async for event in events:
                 if isinstance(event, Final):
-                    if after is not None:
-                        after()
                     return shape.whole(event, ids if req.return_token_ids else None)
                 ids += event.token_ids
             raise AssertionError("a stream ends with its Final")  # pragma: no cover
         first = await anext(events)  # errors before the first token raise here, before any byte is sent
-        return _sse(first, events, shape, req.include_usage(), req.return_token_ids, after)
+        return _sse(first, events, shape, req.include_usage(), req.return_token_ids)
 
 
 async def _sse(first: Chunk | Final, events: AsyncIterator[Chunk | Final], shape: Completion,
-               include_usage: bool, token_ids: bool, after: Callable[[], Any] | None) -> AsyncIterator[str]:
+               include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
     """`data: <json>` per delta, the finish chunk (with usage unless a usage chunk follows),
     then `data: [DONE]`. A failure after the first byte is an error event (the status is sent);
     a client that goes away closes this generator, which stops the decode (rpc.iterate_in_thread)."""
@@ -181,8 +192,6 @@ async def _sse(first: Chunk | Final, events: AsyncIterator[Chunk | Final], shape
                 yield json.dumps(shape.finish(event, with_usage=not include_usage))
                 if include_usage:
                     yield json.dumps(shape.usage_chunk(event))
-                if after is not None:
-                    after()
                 break
             if event.text or (token_ids and event.token_ids):
                 yield json.dumps(shape.text(event.text, event.token_ids if token_ids else None))

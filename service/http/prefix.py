@@ -83,7 +83,7 @@ class PrefixLookup:
 
     def find(self, messages: Messages, tenant: str) -> Match | None:
         """The READY context of `tenant` holding the longest leading messages; None if there is
-        none (a match still BUILDING is none yet: the prompt is answered as a miss meanwhile)."""
+        none (a match still BUILDING is none yet: a miss with that prefix joins its build)."""
         for k in self.splits(messages):
             ids = self._ids(messages[:k], tenant)
             for cid in ids.context_ids if ids is not None else ():

@@ -1,6 +1,6 @@
 """Automatic caching of raw-text completions: a `/v1/completions` prompt has no message
 boundaries, so its prefix is cut at a token block instead (BLOCK tokens, OpenAI's 128-token
-increments of cached prompt tokens). After a miss, the prompt's longest block-aligned prefix of
+increments of cached prompt tokens). On a miss, the prompt's longest block-aligned prefix of
 at least `--auto-cache-min-tokens` tokens, with at least one token after it (the decode needs a
 token to prefill), is submitted as a context of the caller's tenant from its tokens (no chat
 template: the prompt's own tokens, as the completion prefills them); the next prompt starting
@@ -12,7 +12,8 @@ costs the store a manifest read (an object-store GET where the store reads throu
 probes the longest one (the same prompt again) and then only the lengths this process has
 registered or found (at most max tokens / BLOCK distinct values), at most MAX_PROBES in all: a
 prefix registered by another worker is found once this worker's miss submits it (the build
-queue answers "existing" and its length is learnt).
+queue answers "existing" and its length is learnt). As a chat's miss (autocache.py), the miss
+waits for its prefix's build and is decoded over it, so its answer is a later hit's.
 
 The context is stored with the roles of a text context (one system message), so a chat turn
 that names it by reference follows it as it follows any text context.
@@ -28,8 +29,8 @@ import numpy as np
 
 from ctxcache.indexer.build_queue import BuildQueue
 from ctxcache.indexer.job_spec import PutSpec
-from ctxcache.errors import ServiceError
 from ctxcache.prompting import text_messages
+from ctxcache.service.http.autocache import Registered, submit_prefix
 from ctxcache.store import CorruptArtifact
 
 log = logging.getLogger("ctxcache.service.http")
@@ -87,24 +88,17 @@ class RawPrefixes:
         with self._lock:
             self._known.add(n)
 
-    def register(self, tokens: list[int], tenant: str) -> str | None:
-        """-> the id submitted (or already there), None when the prompt has no prefix to cache."""
+    def register(self, tokens: list[int], tenant: str) -> Registered | None:
+        """-> what was submitted (or joined, or already there); None when the prompt has no prefix
+        to cache or the build queue refuses it."""
         n = self.longest(len(tokens))
         if not n:
             return None
-        try:
-            cid, _, created = self.indexer.submit(self._spec(tenant), tokens=list(tokens[:n]))
-        except ServiceError as exc:  # queue full, registry down: this prompt stays a miss
-            log.info("automatic caching of a %d-token completion prefix skipped: %s", n, exc)
+        submitted = submit_prefix(self.indexer, self._spec(tenant), list(tokens[:n]), f"a {n}-token completion prefix")
+        if submitted is None:
             return None
+        cid, job, created = submitted
         self._learn(n)
         if created:
             log.info("automatic caching: a completion's first %d tokens -> %s", n, cid[:12])
-        return cid
-
-    def register_quietly(self, tokens: list[int], tenant: str) -> None:
-        """On the pool after an answer: nothing a client waits for, so nothing may escape."""
-        try:
-            self.register(tokens, tenant)
-        except Exception:  # noqa: BLE001 - logged; the answer has been given
-            log.exception("automatic caching of a completion failed")
+        return Registered(cid, n, n, job)

@@ -18,21 +18,23 @@ _STATE = {pb.CONTEXT_STATE_BUILDING: "BUILDING", pb.CONTEXT_STATE_READY: "READY"
           pb.CONTEXT_STATE_DAMAGED: "DAMAGED"}
 
 
-def usage(final: Final) -> dict[str, Any]:
-    """cached_tokens is always there, 0 included: clients read it to see what the cache saved."""
+def usage(final: Final, fresh: bool = False) -> dict[str, Any]:
+    """cached_tokens is always there, 0 included: clients read it to see what the cache saved.
+    fresh: the context was built for this request (a miss's prefix), so none of it was saved."""
     prompt = final.cached_tokens + final.new_prompt_tokens
     return {"prompt_tokens": prompt, "completion_tokens": final.generated_tokens,
             "total_tokens": prompt + final.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": 0 if fresh else final.cached_tokens}}
 
 
 @dataclass
 class Completion:
     """One response's identity and the builders of its bodies. chat: chat.completion, else
-    text_completion."""
+    text_completion; fresh: its context was built for it (usage counts no cached tokens)."""
     model: str
     context_id: str
     chat: bool
+    fresh: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -51,7 +53,7 @@ class Completion:
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(final)}
+                "usage": usage(final, self.fresh)}
 
     def chunk(self, delta: dict[str, Any] | str, reason: str | None = None) -> dict[str, Any]:
         """A streamed piece: chat takes a delta ({role} / {content} / {}), text takes its text."""
@@ -73,11 +75,11 @@ class Completion:
     def finish(self, final: Final, with_usage: bool) -> dict[str, Any]:
         """The choice's last chunk; it carries the usage unless a usage chunk follows."""
         body = self.chunk({} if self.chat else "", _FINISH[final.finish_reason])
-        return {**body, "usage": usage(final)} if with_usage else body
+        return {**body, "usage": usage(final, self.fresh)} if with_usage else body
 
     def usage_chunk(self, final: Final) -> dict[str, Any]:
         """stream_options.include_usage: a last chunk with no choices, as OpenAI sends it."""
-        return {**self.chunk({} if self.chat else ""), "choices": [], "usage": usage(final)}
+        return {**self.chunk({} if self.chat else ""), "choices": [], "usage": usage(final, self.fresh)}
 
 
 def _time(unix_ms: int) -> str | None:

@@ -1,14 +1,17 @@
 """Issue 48: every chat and completions request is answered, and a missed chat's long leading
-messages become a context of its tenant in the background, so the next request with them is a
-hit. The official `openai` client against a real `ctxcache serve --http-port` process (the random
-tiny model, a byte tokenizer: TEXT's system message is 565 tokens). The server decodes densely
-with lossless K/V, so a hit must give exactly the miss's greedy tokens (a sparse schedule would
-give its approximation of them). A raw-text completion's prefix is cut at a 128-token block (the
-byte tokenizer: a prompt's tokens are its bytes)."""
+messages become a context of its tenant before it is answered, so the next request with them is
+a hit. The official `openai` client against a real `ctxcache serve --http-port` process (the
+random tiny model, a byte tokenizer: TEXT's system message is 565 tokens), under the server's
+default flags (int8 K/V; auto decode mode, dense on a CPU). A hit must give exactly the miss's
+greedy tokens, there and with `--decode-mode sparse` (what auto picks on a GPU), where a miss
+decoded over exact K/V gave other tokens than the hit's sparse decode over int8 K/V. A raw-text
+completion's prefix is cut at a 128-token block (the byte tokenizer: a prompt's tokens are its
+bytes)."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -19,8 +22,7 @@ from http_helpers import serve_process
 
 MIN = 256  # --auto-cache-min-tokens
 SYSTEM_TOKENS = 565  # TEXT as the system message, rendered by the byte tokenizer's template
-FLAGS = ["--model", "random:tiny", "--method", "key-kmeans", "--decode-mode", "dense", "--kv-codec", "lossless",
-         "--auto-cache-min-tokens", str(MIN), "--tenant-tokens",
+FLAGS = ["--model", "random:tiny", "--auto-cache-min-tokens", str(MIN), "--tenant-tokens",
          "tokA=acme,tokB=bolt,tokC=cove,tokD=dune,tokE=echo,tokF=fjord"]
 QUESTION = {"role": "user", "content": "Where is the lighthouse?"}
 
@@ -30,6 +32,19 @@ def base(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("autocache")
     with serve_process([*FLAGS, "--data", str(tmp / "d")], tmp / "serve.log") as (_, url):
         yield url
+
+
+@pytest.fixture(scope="module")
+def sparse_base(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("autocache-sparse")
+    with serve_process([*FLAGS, "--decode-mode", "sparse", "--data", str(tmp / "d")], tmp / "serve.log") as (_, url):
+        yield url
+
+
+@pytest.fixture(params=["base", "sparse_base"])
+def any_base(request) -> str:
+    """The defaults on this CPU (dense), and sparse decoding as the defaults give it on a GPU."""
+    return request.getfixturevalue(request.param)
 
 
 def client(base: str, token: str) -> openai.OpenAI:
@@ -70,22 +85,32 @@ def test_a_prompt_never_registered_is_answered(base):
         assert contexts(oai) == []  # a lone user message has no leading messages to cache
 
 
-def test_the_same_prefix_again_is_a_hit_with_the_same_greedy_tokens(base):
+def test_the_same_prefix_again_is_a_hit_with_the_same_greedy_tokens(any_base):
     messages = [{"role": "system", "content": TEXT}, QUESTION]
-    with client(base, "tokA") as oai:
+    with client(any_base, "tokA") as oai:
         miss = ask(oai, messages)
-        assert miss.usage.prompt_tokens_details.cached_tokens == 0
+        assert miss.usage.prompt_tokens_details.cached_tokens == 0  # built for it: nothing was saved
         (made,) = wait_ready(oai)
         assert made["usage_metadata"]["total_token_count"] == SYSTEM_TOKENS and made["expire_time"], made
         hit = ask(oai, messages)
         assert hit.usage.prompt_tokens_details.cached_tokens >= SYSTEM_TOKENS
         assert hit.model_extra["cached_content"] == made["id"] and hit.usage.prompt_tokens == miss.usage.prompt_tokens
         assert hit.choices[0].model_extra["token_ids"] == miss.choices[0].model_extra["token_ids"]
+        assert miss.model_extra["cached_content"] == made["id"]  # why: the miss was decoded over it too
         # a later turn of the same chat: the registered context is its prefix, the rest is prefilled
         later = [*messages, {"role": "assistant", "content": hit.choices[0].message.content}, QUESTION]
         turn = ask(oai, later, stream=True, stream_options={"include_usage": True})
         usage = list(turn)[-1].usage
         assert usage.prompt_tokens_details.cached_tokens == SYSTEM_TOKENS < usage.prompt_tokens
+
+
+def test_concurrent_misses_with_one_prefix_share_its_build_and_answer_alike(base):
+    messages = [{"role": "system", "content": TEXT + " The Needle is red."}, QUESTION]
+    with client(base, "tokC") as oai, ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: ask(oai, messages), range(3)))
+        (made,) = contexts(oai)
+        assert made["state"] == "READY" and {a.model_extra["cached_content"] for a in answers} == {made["id"]}
+        assert len({tuple(a.choices[0].model_extra["token_ids"]) for a in answers}) == 1
 
 
 def test_a_prefix_shorter_than_the_minimum_is_not_registered(base):
@@ -138,17 +163,18 @@ def complete(oai: openai.OpenAI, prompt: str, **kw):
                                   extra_body={"return_token_ids": True}, **kw)
 
 
-def test_a_completion_prefix_is_registered_at_a_token_block_and_reused(base):
+def test_a_completion_prefix_is_registered_at_a_token_block_and_reused(any_base):
     assert PREFIX == 512 and len(PROMPT) > PREFIX
-    with client(base, "tokD") as oai:
+    with client(any_base, "tokD") as oai:
         miss = complete(oai, PROMPT)
-        assert miss.usage.prompt_tokens_details.cached_tokens == 0 and miss.model_extra["cached_content"] is None
+        assert miss.usage.prompt_tokens_details.cached_tokens == 0
         (made,) = wait_ready(oai)
         assert made["usage_metadata"]["total_token_count"] == PREFIX and made["expire_time"], made
         hit = complete(oai, PROMPT)
         assert hit.usage.prompt_tokens_details.cached_tokens == PREFIX and hit.model_extra["cached_content"] == made["id"]
         assert hit.usage.prompt_tokens == miss.usage.prompt_tokens == len(PROMPT)
         assert hit.choices[0].model_extra["token_ids"] == miss.choices[0].model_extra["token_ids"]
+        assert miss.model_extra["cached_content"] == made["id"]  # why: the miss was decoded over it too
         # a longer prompt (its own longest block is 768) sharing the prefix: the 512 are reused, streamed too
         longer = PROMPT + TEXT[:200]
         chunks = list(complete(oai, longer, stream=True, stream_options={"include_usage": True}))

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from ctxcache.indexer.build_queue import Job
+from ctxcache.errors import ResourceExhausted
 
 from http_helpers import assert_error_shape, in_process, tiny_http_config
 from service_helpers import TEXT
@@ -168,3 +169,26 @@ def test_automatic_lookup_tokenizes_a_message_list_once(server, monkeypatch):
     answers = [http.post("/v1/chat/completions", json=other).json() for _ in range(2)]
     assert [a["cached_content"] for a in answers] == [None, None]  # misses (too short to be registered)
     assert len(calls) == seen + 1  # one split, tokenized once (the lookup's and the registration's)
+
+
+def test_a_miss_whose_prefix_cannot_be_built_is_answered_alone(tiny_lm, tmp_path, monkeypatch):
+    """The registration is refused (queue full) or its build fails: the prompt is decoded whole,
+    as it would be with no cache, and says so (no context, nothing cached)."""
+    cfg = tiny_http_config(tmp_path / "d", auto_cache_min_tokens=256)
+    cfg = replace(cfg, indexer=replace(cfg.indexer, build_timeout_s=1e-3))  # every build fails its time bound
+    with in_process(tiny_lm, cfg) as (srv, base):
+        with httpx.Client(base_url=base, timeout=60) as http:
+            ask = {"messages": [{"role": "system", "content": TEXT}, *USER], "max_tokens": 2}
+            failed = http.post("/v1/chat/completions", json=ask)
+            assert failed.status_code == 200 and failed.json()["cached_content"] is None, failed.text
+            assert failed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert srv.indexer.counts() == (0, 1)  # (building, failed): its prefix's build was tried and failed
+
+            for refusal in (ResourceExhausted("64 builds queued; retry later"), RuntimeError("a bug")):
+                def refuse(*_a, _exc=refusal, **_k):
+                    raise _exc
+                monkeypatch.setattr(srv.indexer, "submit", refuse)
+                text = http.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 2})
+                assert text.status_code == 200 and text.json()["cached_content"] is None, text.text
+                assert text.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                assert http.post("/v1/chat/completions", json=ask).json()["cached_content"] is None
