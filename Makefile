@@ -29,7 +29,9 @@ sysdeps:
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; } \
 	  || echo "redis-server unavailable: Redis tests will skip"
 
+# two workers, a test file each at a time (module fixtures start their servers once): the suite
+# waits on servers and subprocesses much of its time, so two take 15-16 min on the 2-core box, one 25
 test: setup sysdeps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 .PHONY: setup demo test sysdeps

@@ -14,6 +14,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run in Triton's CPU interpreter; set before any import
+# `make test` runs the suite on 2 workers (pytest-xdist): each takes its share of the cores, so the
+# two do not oversubscribe the CI box's 2 with torch's threads
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 from redis_server import RedisServer, redis_binary  # noqa: E402
 from s3_server import S3Server, weed_binary  # noqa: E402
