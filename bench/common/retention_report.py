@@ -24,7 +24,10 @@ def retention_slices(config: dict) -> dict:
 
 def summarize_retention(ret: list[dict], label: str, keep: float | None, config: dict) -> dict:
     """Overall retention against full and the oracle; per kind of document the same with the
-    oracle's fraction beside it; the fraction kept by slice."""
+    oracle's fraction beside it; the fraction kept by slice. The wide suite has its own cells."""
+    from ctxcache.bench.common import wide_report  # here: wide_report imports this module
+    if wide_report.is_wide(config):
+        return wide_report.summarize_wide(ret, label, keep, config)
     out = retention(ret, label, keep)
     out["slices"] = {name: retention(ret, label, keep, where=f)["kept"]
                      for name, f in retention_slices(config).items()}
@@ -52,6 +55,9 @@ def _cell(r: dict, part: dict) -> str:
 
 def retention_markdown(rows: list[dict], config: dict) -> str:
     """Retention per kind of document (with bytes read per step) and by slice."""
+    from ctxcache.bench.common import wide_report  # here: wide_report imports this module
+    if wide_report.is_wide(config):
+        return wide_report.wide_markdown(rows, config)
     rows = [r for r in rows if r["method"] != FULL]
     if not rows:
         return ""
