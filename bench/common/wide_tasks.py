@@ -7,7 +7,8 @@ WIDE_DEPTHS (5 / 10 / 25 / 50 / 75%) one question of every WIDE_QKINDS:
 - `number`, `version`, `name`: a needle in the document's own shape (wide_templates.py), each
   with its own key word;
 - `multikey`: one template over five people, one per depth: the lookup must tell them apart;
-- `doc`: finish a line of the document itself (its next two words, each must be copied).
+- `doc`: finish a line of the document itself (its next two words, each must be copied; one
+  where the line ends there).
 So kinds, depths and question kinds are balanced by construction: 25 questions per context.
 Every value is fresh: absent from the document and no substring of another value, so the
 needle is the only place in the context that holds the answer.
@@ -27,6 +28,7 @@ WIDE_DEPTHS = (0.05, 0.1, 0.25, 0.5, 0.75)
 NEEDLE_QKINDS = ("number", "version", "name", "multikey")
 WIDE_QKINDS = (*NEEDLE_QKINDS, "doc")
 STEP = 0.01  # the needles of one depth sit this far apart, not as one block
+DOC_REACH = 0.04  # a document question's line sits at most this far from its stated depth
 _HEADER = ("The text below holds version numbers, port numbers, bug numbers, names and other facts "
            "among its lines. Memorize them exactly; you will be asked to copy them.\n")
 _AREAS = ("Europe", "America", "Asia", "Africa")
@@ -113,26 +115,39 @@ def _needles(tokenizer, spec: WideSpec, fresh: _Fresh, rng: random.Random,
 
 def _doc_question(tokenizer, lines: list[str], filler_at: list[int], depth: float, context: str,
                   skip: set[str], where: str) -> Question:
-    """The document line nearest depth (+ the needles' middle offset) whose opening is unique in
+    """The document line nearest depth (+ the needles' middle offset) with an opening unique in
     the context: the question quotes its opening, the answers are the next two words."""
     target = depth + 1.5 * STEP
     order = sorted(range(len(filler_at)), key=lambda r: abs(r / len(filler_at) - target))
     for rank in order:
+        if abs(rank / len(filler_at) - target) > DOC_REACH:
+            break
         line = lines[filler_at[rank]]
-        words = line.split()
-        if len(words) < 4 or line in skip:
+        cut = _unique_cut(line, context) if line not in skip else None
+        if cut is None:
             continue
-        cut = min(max(3, len(words) // 2), len(words) - 2)
-        shown = line[:_offset_of_word(line, cut)].rstrip()
-        answers = tuple(words[cut:cut + 2])
-        if context.count(shown) != 1 or not all(len(a) >= 2 and any(c.isalnum() for c in a) for a in answers):
-            continue
+        shown, words = line[:_offset_of_word(line, cut)].rstrip(), line.split()
         _, q = _chat(tokenizer, "", f"Copy the line of the {where} above that begins: {shown}",
                      f"The line reads: {shown}")
         rest = line[len(shown):]
         limit = min(28, len(tokenizer(rest, add_special_tokens=False)["input_ids"]) + 4)
-        return Question("doc", depth, q, answers, limit)
-    raise ValueError(f"no document line with a unique opening near depth {depth}")
+        return Question("doc", depth, q, tuple(words[cut:cut + 2]), limit)
+    raise ValueError(f"no document line with a unique opening within {DOC_REACH} of depth {depth}")
+
+
+def _unique_cut(line: str, context: str) -> int | None:
+    """The fewest words (at least half the line, at least 2) that open line and nowhere else in
+    the context, leaving one or two words of letters or digits to answer (a table row of three
+    columns leaves one); None if there are none. Logs repeat their openings (one second, many
+    packages): a longer cut finds the unique one."""
+    words = line.split()
+    for cut in range(max(2, len(words) // 2), len(words)):
+        answers = words[cut:cut + 2]
+        if not all(len(a) >= 2 and any(c.isalnum() for c in a) for a in answers):
+            continue
+        if context.count(line[:_offset_of_word(line, cut)].rstrip()) == 1:
+            return cut
+    return None
 
 
 def _offset_of_word(line: str, n: int) -> int:
