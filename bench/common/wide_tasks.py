@@ -28,7 +28,7 @@ WIDE_DEPTHS = (0.05, 0.1, 0.25, 0.5, 0.75)
 NEEDLE_QKINDS = ("number", "version", "name", "multikey")
 WIDE_QKINDS = (*NEEDLE_QKINDS, "doc")
 STEP = 0.01  # the needles of one depth sit this far apart, not as one block
-DOC_REACH = 0.04  # a document question's line sits at most this far from its stated depth
+DOC_REACH = 0.05  # a document question's line sits at most this far from its stated depth
 _HEADER = ("The text below holds version numbers, port numbers, bug numbers, names and other facts "
            "among its lines. Memorize them exactly; you will be asked to copy them.\n")
 _AREAS = ("Europe", "America", "Asia", "Africa")
@@ -73,9 +73,11 @@ class _Fresh:
         return self.rng.sample(free, n)
 
 
-def _fill(t: Template, fresh: _Fresh, rng: random.Random, key: str, timestamps: list[str]) -> tuple[str, dict]:
-    """The template's fields for one needle: the asked value and the line's other parts."""
+def _fill(t: Template, fresh: _Fresh, rng: random.Random, key: str, timestamps: list[str],
+          d: int) -> tuple[str, dict]:
+    """The template's fields for the needle at depth index d: the asked value and the line's other parts."""
     f = {"k": key, "kl": key.lower(), "p": key, "pl": key.lower(), "v": fresh.draw(t.shape),
+         "n": t.nouns[d] if t.nouns else "",
          "cc": "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(2)), "area": rng.choice(_AREAS),
          "ts": rng.choice(timestamps) if timestamps else ""}
     if "{x}" in t.needle:
@@ -106,7 +108,7 @@ def _needles(tokenizer, spec: WideSpec, fresh: _Fresh, rng: random.Random,
         for j, qkind in enumerate(NEEDLE_QKINDS):
             t = kinds[qkind]
             key = people[d] if qkind == "multikey" else next(keys)
-            value, f = _fill(t, fresh, rng, key, stamps)
+            value, f = _fill(t, fresh, rng, key, stamps, d)
             placed.append((depth + STEP * j, t.needle.format(**f)))
             _, q = _chat(tokenizer, "", t.question.format(**f), t.prefix.format(**f))
             questions.append(Question(qkind, depth, q, (value,), _answer_limit(tokenizer, value)))
@@ -120,16 +122,19 @@ def _doc_question(tokenizer, lines: list[str], filler_at: list[int], depth: floa
     target = depth + 1.5 * STEP
     order = sorted(range(len(filler_at)), key=lambda r: abs(r / len(filler_at) - target))
     for rank in order:
-        if abs(rank / len(filler_at) - target) > DOC_REACH:
-            break
+        if abs(rank / len(filler_at) - depth) > DOC_REACH:
+            continue
         line = lines[filler_at[rank]]
         cut = _unique_cut(line, context) if line not in skip else None
         if cut is None:
             continue
-        shown, words = line[:_offset_of_word(line, cut)].rstrip(), line.split()
+        # quoted with single spaces and no indent, as the bundled suite does: quoted verbatim
+        # (tabs, a changelog's indent), SmolLM2 with full attention mostly ended the line at once
+        words = line.split()
+        shown = " ".join(words[:cut])
         _, q = _chat(tokenizer, "", f"Copy the line of the {where} above that begins: {shown}",
                      f"The line reads: {shown}")
-        rest = line[len(shown):]
+        rest = line[_offset_of_word(line, cut):]
         limit = min(28, len(tokenizer(rest, add_special_tokens=False)["input_ids"]) + 4)
         return Question("doc", depth, q, tuple(words[cut:cut + 2]), limit)
     raise ValueError(f"no document line with a unique opening within {DOC_REACH} of depth {depth}")
