@@ -128,8 +128,8 @@ def _doc_question(tokenizer, lines: list[str], filler_at: list[int], depth: floa
         cut = _unique_cut(line, context) if line not in skip else None
         if cut is None:
             continue
-        # quoted with single spaces and no indent, as the bundled suite does: quoted verbatim
-        # (tabs, a changelog's indent), SmolLM2 with full attention mostly ended the line at once
+        # quoted with single spaces and no indent, as the bundled suite quotes its lines (the
+        # context keeps the document's tabs and indents; the answers are whole words either way)
         words = line.split()
         shown = " ".join(words[:cut])
         _, q = _chat(tokenizer, "", f"Copy the line of the {where} above that begins: {shown}",
