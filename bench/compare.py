@@ -46,6 +46,7 @@ from ctxcache.methods.magicpig import PAPER_CONFIGS, PAPER_TABLE8, sampled_fract
 
 from ctxcache.bench.common.report import SCRATCH, add_out, commit, device_tag, machine_info
 from ctxcache.bench.common.compare_report import FULL, load_shards, markdown, plot, summarize
+from ctxcache.bench.common.retention_suites import add_suite_args, apply_suite, retention_spec, suite_config
 from ctxcache.quality.selection import dense_cost_us, selection_cost_us
 from ctxcache.quality.texts import KINDS
 
@@ -126,6 +127,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--retention-seeds", default="0,1,2")
     ap.add_argument("--retention-keeps", default="0.05")
     ap.add_argument("--doc-questions", type=int, default=3, help="document questions per context")
+    add_suite_args(ap)
     ap.add_argument("--skip", default="", help="comma-separated cell kinds to leave out: fid, task, ret")
     ap.add_argument("--timing-steps", type=int, default=4, help="continuation steps timed per layer")
     ap.add_argument("--shard", default=None, help="i/n: run every n-th cell starting at i")
@@ -136,6 +138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_out(ap, SCRATCH, "--results", "what --merge writes (JSON, table, PNG)")
     ap.add_argument("--name", default=None, help="output name (default compare_DEVICE)")
     args = ap.parse_args(argv)
+    apply_suite(args, ap)
     args.keep_list = [float(x) for x in args.keeps.split(",") if x]
     args.seed_list = [int(x) for x in args.seeds.split(",") if x]
     args.length_list = [int(x) for x in args.task_lengths.split(",") if x]
@@ -169,7 +172,7 @@ def config_of(args: argparse.Namespace) -> dict:
             "tasks": args.task_list, "task_lengths": args.length_list, "task_filler": args.task_filler,
             "seeds": args.seed_list, "timing_steps": args.timing_steps, "task_groups": args.task_groups,
             "retention": {"lengths": args.ret_lengths, "fillers": args.ret_fillers, "seeds": args.ret_seeds,
-                          "keeps": args.ret_keeps, "doc_questions": args.doc_questions},
+                          "keeps": args.ret_keeps, "doc_questions": args.doc_questions, **suite_config(args)},
             "skip": args.skip_list}
 
 
@@ -210,7 +213,7 @@ class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         from ctxcache.models.loader import load_model
         self.args = args
-        self.lm = load_model(args.model)
+        self.lm = load_model(args.model, device=args.device)
         self.specs = {m.label: m for m in method_specs(args.methods)}
         self._captures: dict[str, tuple] = {}
         self._tables: dict[tuple[str, str], tuple[list, float]] = {}  # one text's builds
@@ -299,12 +302,11 @@ class Runner:
 
 
     def retention(self, length: int, filler: str, seed: int) -> list[dict]:
-        from ctxcache.quality.copy_tasks import CopySpec
         from ctxcache.quality.retention import run_context
         a = self.args
         n_ctx = min(length, self.lm.args.max_seq_len - ANSWER_RESERVE)
         methods = {m.label: (m.name, m.params) for m in self.specs.values() if not m.own_budget}
-        return run_context(self.lm, methods, CopySpec(n_ctx, filler, a.doc_questions), seed, a.ret_keeps,
+        return run_context(self.lm, methods, retention_spec(a, n_ctx, filler), seed, a.ret_keeps,
                            a.sinks, a.recent)
 
 

@@ -244,7 +244,8 @@ def prefill_context(lm: LoadedModel, tokens: list[int], chunk: int = 1024) -> Pr
     n, layers = ids.numel(), lm.args.n_layers
     cache = lm.model.new_cache(1, max_len=n)
     capture = QueryCapture(layers, dtype=torch.float16)
-    logits = prefill(lm.model, ids[None], cache, capture, chunk)
+    # the cache sits on the model's device (--device cuda); the tokens stay on the host
+    logits = prefill(lm.model, ids[None].to(cache.lengths.device), cache, capture, chunk)
     return Prefilled(ids, logits[0].float(), [capture.queries(i) for i in range(layers)],
                      [cache.k[i][0, :, :n].clone() for i in range(layers)],
                      [cache.v[i][0, :, :n].clone() for i in range(layers)])

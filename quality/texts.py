@@ -5,6 +5,8 @@ code: Python source from the running interpreter's standard library (argparse, t
 modules as needed), so every Python installation has it.
 KINDS: the answer-retention suite's kinds of document, one bundled file each
 (quality/corpus/NAME.txt; sources and licenses in quality/corpus/README.md).
+WIDE_KINDS: the wide retention suite's number-dense kinds (release notes, changelogs, tables
+rendered as text, a log), bundled the same way.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from pathlib import Path
 _TEXT_DIR = Path(__file__).parent / "corpus"  # quality/corpus/ (package data)
 _CODE_MODULES = ("argparse", "dataclasses")
 KINDS = ("narrative", "license", "changelog", "python", "c", "json")
-BUILTIN = ("prose", "code", *KINDS)
+WIDE_KINDS = ("relnotes", "debchangelog", "services", "zones", "dpkglog")
+BUILTIN = ("prose", "code", *KINDS, *WIDE_KINDS)
 
 
 def builtin_text(name: str) -> str:
-    """`prose`, `code`, one of KINDS, or a path to any UTF-8 text file."""
-    if name == "prose" or name in KINDS:
+    """`prose`, `code`, one of KINDS or WIDE_KINDS, or a path to any UTF-8 text file."""
+    if name == "prose" or name in KINDS or name in WIDE_KINDS:
         return (_TEXT_DIR / f"{name}.txt").read_text(encoding="utf-8")
     if name == "code":
         return "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in _CODE_MODULES)

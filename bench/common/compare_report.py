@@ -9,40 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ctxcache.quality.copy_tasks import DEPTHS, QKINDS
-from ctxcache.quality.retention import ORACLE, retention
+from ctxcache.quality.retention import ORACLE
+from ctxcache.quality.retention_cells import is_wide, kinds, retention_slices, summarize_retention
+from ctxcache.quality.wide_tasks import WIDE_DEPTHS, WIDE_QKINDS
 
 FULL = "full"
-SINGLE_NEEDLES = ("number", "ticket", "city")
-
-
-def retention_slices(config: dict) -> dict:
-    """Slice name -> row filter: context length, question kind, needle depth, kind of document."""
-    ret = config.get("retention") or {}
-    return {
-        **{f"@{n}": (lambda n: lambda r: r["length"] == n)(n) for n in ret.get("lengths", [])},
-        **{q: (lambda q: lambda r: r["qkind"] == q)(q) for q in QKINDS},
-        **{f"depth {d}": (lambda d: lambda r: r["qkind"] in SINGLE_NEEDLES and r["depth"] == d)(d) for d in DEPTHS},
-        **{f"in {f}": (lambda f: lambda r: r["filler"] == f)(f) for f in ret.get("fillers", [])},
-    }
-
-
-def summarize_retention(ret: list[dict], label: str, keep: float | None, config: dict) -> dict:
-    """Overall retention against full and the oracle; per kind of document the same with the
-    oracle's fraction beside it; the fraction kept by slice."""
-    out = retention(ret, label, keep)
-    out["slices"] = {name: retention(ret, label, keep, where=f)["kept"]
-                     for name, f in retention_slices(config).items()}
-    out["by_kind"] = {}
-    for kind in (config.get("retention") or {}).get("fillers", []):
-        def where(r: dict, kind: str = kind) -> bool:
-            return r["filler"] == kind
-        mine = retention(ret, label, keep, where=where)
-        mine["oracle_kept"] = retention(ret, ORACLE, keep, where=where)["kept"]
-        out["by_kind"][kind] = mine
-    return out
-
-
 def _f(x, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -57,6 +28,8 @@ def _cell(r: dict, part: dict) -> str:
 
 def retention_markdown(rows: list[dict], config: dict) -> str:
     """Retention per kind of document (with bytes read per step) and by slice."""
+    if is_wide(config):
+        return wide_markdown(rows, config)
     rows = [r for r in rows if r["method"] != FULL]
     if not rows:
         return ""
@@ -90,6 +63,37 @@ def retention_markdown(rows: list[dict], config: dict) -> str:
         sl = r["retention"]["slices"]
         lines.append(f"| {r['method']} | {_f(r['keep'], '.2f')} | " + " | ".join(_f(sl.get(x)) for x in names) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _wide_table(rows: list[dict], axis: str, names: list[str], title: str) -> list[str]:
+    head = ["method", "keep", "all", *names]
+    lines = ["", title, "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        ret = r["retention"]
+        cells = [r["method"], _f(r["keep"], ".2f"), _cell(r, ret)]
+        cells += [_cell(r, ret[axis][n]) if n in ret.get(axis, {}) else "-" for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def wide_markdown(rows: list[dict], config: dict) -> str:
+    """Tables by kind of document, by depth, by question kind; bytes read per step."""
+    rows = [r for r in rows if r["method"] != FULL]
+    if not rows:
+        return ""
+    how = ("kept of full attention's right answers (how many), W/L against the oracle (exact group "
+           "top-K at the same keep), two-sided sign test p")
+    lines = _wide_table(rows, "by_kind", kinds(config), f"Wide suite, by kind of document: {how}:")
+    lines += _wide_table(rows, "by_depth", [str(d) for d in WIDE_DEPTHS], "Wide suite, by needle depth (fraction of the context):")
+    lines += _wide_table(rows, "by_qkind", list(WIDE_QKINDS), "Wide suite, by question kind:")
+    reads = [f"{r['method']} {_f(r['retention'].get('read_per_key'), '.1f')} B "
+             f"({_f(r['retention'].get('read_x_dense'))} x dense)" for r in rows]
+    n = max(r["retention"]["questions"] for r in rows)
+    notes = [f"{n} questions per method; per context, at each depth (5 / 10 / 25 / 50 / 75%): a number, a version "
+             "and a name in the document's own shape, one of five people's values under one template (multikey), "
+             "a document line to finish (doc). Texts and licenses: quality/corpus/README.md.",
+             "Bytes read per cached key and KV head per step (layer): " + ", ".join(reads) + "."]
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {x}" for x in notes) + "\n"
 
 
 def draw_retention(axes: list, rows: list[dict], config: dict) -> None:
@@ -179,10 +183,6 @@ def _task_means(rows: list[dict]) -> dict:
         out[str(length)] = {"mean": sum(per.values()) / len(per), "per_task": per,
                             "trials": len(at), "n_tokens": sorted({r["n_tokens"] for r in at})}
     return out
-
-
-def _f(x, fmt: str = ".3f") -> str:
-    return "-" if x is None else format(x, fmt)
 
 
 def task_lengths(config: dict) -> list[str]:
