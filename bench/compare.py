@@ -46,7 +46,7 @@ from ctxcache.methods.magicpig import PAPER_CONFIGS, PAPER_TABLE8, sampled_fract
 
 from ctxcache.bench.common.report import SCRATCH, add_out, commit, device_tag, machine_info
 from ctxcache.bench.common.compare_report import FULL, load_shards, markdown, plot, summarize
-from ctxcache.bench.common.retention_suites import add_suite_args, apply_suite, retention_spec, suite_config
+from ctxcache.bench.common.suite_args import add_suite_args, apply_suite, retention_spec, suite_config
 from ctxcache.quality.selection import dense_cost_us, selection_cost_us
 from ctxcache.quality.texts import KINDS
 

@@ -1,30 +1,21 @@
-"""`bench compare --retention-suite`: which answer-retention suite the `ret:` cells run.
-
-bundled: quality/copy_tasks.py over the six bundled kinds (KINDS) at 2048 / 4096 / 6144.
-wide: quality/wide_tasks.py over the number-dense kinds (WIDE_KINDS, issue 45) at 2048
-tokens, seeds 0-15: 25 questions per context, 400 per kind, 2000 in all. SmolLM2 with full
-attention answers few of them (seed 0: 27% at 2048, 17% at 4096, 12% in /etc/services at 2048),
-so reaching issue 45's 40 right answers per kind takes many contexts; 2048 is where a right
-answer costs the least CPU time. Its defaults replace
-only the --retention-* values left at the bundled suite's defaults, so any can still be given.
-Also `--device`: the reference model's device (cuda runs the same cells on a GPU).
+"""`bench compare --retention-suite`: which answer-retention suite the `ret:` cells run
+(quality/retention_suites.py says what each asks). The wide suite's defaults replace only the
+--retention-* values left at the bundled suite's defaults, so any can still be given. Also
+`--device`: the reference model's device (cuda runs the same cells on a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ctxcache.quality.copy_tasks import CopySpec
+from ctxcache.quality import retention_suites as suites
 from ctxcache.quality.texts import WIDE_KINDS
 from ctxcache.quality.wide_tasks import WideSpec
-
-SUITES = ("bundled", "wide")
-WIDE_DEFAULTS = {"retention_lengths": "2048", "retention_fillers": ",".join(WIDE_KINDS),
-                 "retention_seeds": ",".join(str(s) for s in range(16))}
+from ctxcache.quality.copy_tasks import CopySpec
 
 
 def add_suite_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--retention-suite", choices=SUITES, default="bundled",
+    ap.add_argument("--retention-suite", choices=suites.SUITES, default="bundled",
                     help="bundled: the six bundled kinds; wide: number-dense kinds (issue 45)")
     ap.add_argument("--device", default="cpu", help="the model's device: cpu, cuda, cuda:1, ...")
 
@@ -37,7 +28,7 @@ def apply_suite(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.error(f"--device {args.device}: fidelity cells run on the CPU only; add --skip fid")
     if args.retention_suite != "wide":
         return
-    for dest, value in WIDE_DEFAULTS.items():
+    for dest, value in suites.WIDE_DEFAULTS.items():
         if getattr(args, dest) == ap.get_default(dest):
             setattr(args, dest, value)
     bad = [f for f in args.retention_fillers.split(",") if f and f not in WIDE_KINDS]
@@ -52,6 +43,4 @@ def suite_config(args: argparse.Namespace) -> dict:
 
 
 def retention_spec(args: argparse.Namespace, n_tokens: int, filler: str) -> CopySpec | WideSpec:
-    if args.retention_suite == "wide":
-        return WideSpec(n_tokens, filler)
-    return CopySpec(n_tokens, filler, args.doc_questions)
+    return suites.retention_spec(args.retention_suite, n_tokens, filler, args.doc_questions)
