@@ -5,7 +5,7 @@ The softmax of each query head is normalized over the candidates plus the keys a
 anyway (sinks and recent window), so the ranking is the oracle's over the keys read
 (methods.csattention_refs.exact_rerank is the per-row reference, `rerank_ref` the batched torch one).
 
-Two launches and a Top-K, all graph-capturable (lengths come from the device):
+Four launches with 16-bit keys, all graph-capturable (lengths come from the device):
 1. `_logits_kernel`: per (row, split) program, gathered candidate keys in blocks, one bf16 MMA per
    block for the group's query heads; writes the logits and the split's online-softmax (max,
    sum) per head. Split 0 also folds in the sinks and recent window.
@@ -13,9 +13,12 @@ Two launches and a Top-K, all graph-capturable (lengths come from the device):
    group-summed probability per candidate slot: for bf16 / fp16 models as the 16-bit radix key
    of its log2 (fp16: ~0.3% relative precision, so near-ties may swap), adding radix pass 0;
    for fp32 models as fp32 (the reference's exact order, four radix passes).
-3. `radix_topk` passes 1 + collect over the slots [0, kc), then slots -> key positions.
-4. With `follow` (CSAttention's follow > 0): a second Top-K of the same scores, the best
-   min(follow, k) candidates (from a copy of pass 0), written as key positions to follow_out.
+3. `topk_pair.radix_topk_pair` (16-bit keys): pass 1 and the collect over the slots [0, kc), the
+   chosen slots written as key positions; with `follow` (CSAttention's follow > 0) the same two
+   launches also take the best min(follow, k) candidates into follow_out (then -1). Four
+   launches where two radix chains, a workspace copy, a gather and write_follow took nine:
+   H200, 32K, a layer's select + re-rank + attention 156.6 -> 139.5 us at batch 8, 73.2 ->
+   59.6 us at batch 1. fp32 models: four fp32 radix passes each, then the mapping launches.
 Measured on the H100 at 32K batch 1 (time_us per piece): logits 17.7 us, fp32 scores + the
 four-pass fp32 radix Top-K 10.4 + 50.8 us, 16-bit keys' Top-K 28.7 us.
 Reading the candidates' keys (rerank x K keys, K only) is the cost: a third of the K/V bytes a
@@ -30,8 +33,10 @@ import triton.language as tl
 from ctxcache.kernels.sync import INTERPRET
 from ctxcache.kernels.follow import write_follow
 from ctxcache.kernels.topk import _keys16, blocks16, radix_topk, workspace
+from ctxcache.kernels.topk_pair import radix_topk_pair
 
 BLOCK = 128  # candidate slots per inner step of the logits (H100 re-rank at 32K x 8: 101 us vs 112 at 64, 128K x 4: 156 vs 178; num_stages and 8 warps no better)
+MIN_SPLITS = 16  # programs per row of the logits and the scores at least (Reranker)
 SCORE_BLOCK = 256  # and of the scores (the key rows are padded to a multiple of it)
 NEG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (exp(NEG - NEG) is 1, not NaN)
 
@@ -180,7 +185,10 @@ class Reranker:
         self.group, self.kc_max = group, kc_max
         self.gp = max(16, triton.next_power_of_2(group))  # MMA rows
         blocks = triton.cdiv(kc_max, BLOCK)
-        self.splits = max(1, min(blocks, programs // rows))  # ~2 waves of programs on 132 SMs
+        # ~2 waves of programs on 132 SMs, and at least MIN_SPLITS per row: at 32K x 8 (64 rows)
+        # 4 splits left the gathers latency-bound (H200, per layer: re-rank 77.3 us at 4 splits,
+        # 72.8 at 8, 71.2 at 16); batch 1 keeps its 33 (52 took 37.1 us against 34.6)
+        self.splits = max(1, min(blocks, max(programs // rows, MIN_SPLITS)))
         self.logits = torch.empty(rows, group, kc_max, device=device)
         self.part = torch.empty(rows, self.splits, self.gp, 2, device=device)
         self.kcp = triton.cdiv(kc_max, SCORE_BLOCK) * SCORE_BLOCK  # key rows padded: score programs store whole blocks
@@ -188,11 +196,14 @@ class Reranker:
         self.scores = torch.zeros(batch, n_kv, self.kcp, device=device)  # fp32 inputs: exact ranking
         self.slots = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
         self.topk_block = 4096
-        self.ws = workspace(rows, device, blocks16(self.kcp, self.topk_block))
+        # the kept keys' Top-K workspace, then follow's (one zeroing for both)
+        self.ws_pair = workspace(rows * (2 if follow else 1), device, blocks16(self.kcp, self.topk_block))
+        self.ws = self.ws_pair[:rows]
         self.zero = torch.zeros(batch, dtype=torch.int32, device=device)
-        # follow: the best candidates' slots, and a workspace for their Top-K
+        self.positions = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
+        # follow: the best candidates' slots (fp32 ranking), and a workspace for their Top-K
         self.follow_slots = torch.zeros(batch, n_kv, follow, dtype=torch.int32, device=device) if follow else None
-        self.follow_ws = torch.zeros_like(self.ws) if follow else None
+        self.follow_ws = self.ws_pair[rows:] if follow else None
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, kc: torch.Tensor, k: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int, recent: int,
@@ -213,18 +224,20 @@ class Reranker:
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
         key16 = (q.dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
         out = self.keys16 if key16 else self.scores
-        self.ws.zero_()  # the score kernel adds radix pass 0 into it (16-bit keys)
+        self.ws_pair.zero_()  # the score kernel adds radix pass 0 into ws (16-bit keys)
         _score_kernel[(rows, self.splits)](
             self.logits, self.part, kc, k, out, self.ws, hkv, self.kc_max, self.kcp, self.splits,
             self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=SCORE_BLOCK,
             KEY16=key16, num_warps=4)
+        if follow_out is not None and (self.follow_slots is None or kf is None):
+            raise ValueError("follow_out needs a Reranker built with follow > 0 and kf")
+        if key16:  # both Top-Ks in two launches, candidate slots mapped to key positions in them
+            follows = follow_out is not None
+            radix_topk_pair(out, self.zero, kc, k, self.positions, self.ws, cand, kf if follows else None,
+                            follow_out, self.follow_ws, block=self.topk_block)
+            return self.positions
         if follow_out is not None:
-            if self.follow_slots is None or kf is None:
-                raise ValueError("follow_out needs a Reranker built with follow > 0 and kf")
-            if key16:
-                self.follow_ws.copy_(self.ws)  # pass 0, before the select below moves on from it
-            radix_topk(out, self.zero, kc, kf, self.follow_slots, self.follow_ws, block=self.topk_block,
-                       hist0_done=key16)
+            radix_topk(out, self.zero, kc, kf, self.follow_slots, self.follow_ws, block=self.topk_block)
             write_follow(cand, self.follow_slots, kf, follow_out)
-        radix_topk(out, self.zero, kc, k, self.slots, self.ws, block=self.topk_block, hist0_done=key16)
+        radix_topk(out, self.zero, kc, k, self.slots, self.ws, block=self.topk_block)
         return torch.gather(cand[:, :, :self.kc_max], 2, self.slots.long())

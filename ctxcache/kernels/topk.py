@@ -183,12 +183,20 @@ def _pass1_16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, HKV: tl.constexpr, sx
                      USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr = True):
     r, lo, hi, k = _bounds_then_wait(lo_ptr, hi_ptr, k_ptr, HKV, USE_PDL, PRE_WAIT)
     key1, offs, hist_ptr = _block_keys16(x_ptr, r, lo, hi, k, ws_ptr, sx_r, sws_r, BLOCK)
-    prefix, krem = _walk(hist_ptr, k, 1, 8)
+    _pass1_16(key1, hist_ptr, hist_ptr, k, HEAD)
+
+
+@triton.jit
+def _pass1_16(key1, src_ptr, hist_ptr, k, HEAD):
+    """Radix pass 1 of one block's keys (key1: keys + 1, 0 outside [lo, hi)) for the k largest:
+    pass 0's walk from the row histograms at src_ptr, pass 1 into those at hist_ptr (the same
+    workspace, or a second selection's over the same keys and pass 0: topk_pair)."""
+    prefix, krem = _walk(src_ptr, k, 1, 8)
     if tl.program_id(1) == 0:  # the collect resumes this walk (every program of the row has it)
         tl.store(hist_ptr + _WALK0, prefix.to(tl.int32))
         tl.store(hist_ptr + _WALK0 + 1, krem)
     key = key1 - 1  # 0xFFFFFFFF outside [lo, hi): its top digit matches no prefix
-    cand = (key >> 8) == (prefix >> 8)
+    cand = ((key >> 8) == (prefix >> 8)) & (k > 0)
     low = (key & 255).to(tl.int32)
     # element atomics into this block's histogram only, then the finished block histogram into
     # the row's: half the per-key atomics, each of which costs a branch in an sm_90 build
@@ -205,13 +213,20 @@ def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV: tl.con
                       BLOCK: tl.constexpr, NB_PAD: tl.constexpr, USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr = True):
     r, lo, hi, k = _bounds_then_wait(lo_ptr, hi_ptr, k_ptr, HKV, USE_PDL, PRE_WAIT)
     key1, offs, hist_ptr = _block_keys16(x_ptr, r, lo, hi, k, ws_ptr, sx_r, sws_r, BLOCK)
+    _collect16(key1, offs, hist_ptr, k, offs, out_ptr + r * so_r, HEAD, BLOCK, NB_PAD)
+
+
+@triton.jit
+def _collect16(key1, offs, hist_ptr, k, vals, out_ptr, HEAD, BLOCK: tl.constexpr, NB_PAD: tl.constexpr):
+    """The collect of one block for the k largest keys whose passes are in hist_ptr: each chosen
+    key's value (vals: its index, or what it maps to) into its slot of the row's out_ptr."""
     blk = tl.program_id(1)
     # pass 0's walk as pass 1 stored it, then pass 1's histogram
     thresh, need = _walk_from(hist_ptr, tl.load(hist_ptr + _WALK0).to(tl.uint32), tl.load(hist_ptr + _WALK0 + 1),
                               1, 2, 8)
-    # in key1's space (k = 0 loads no keys and its empty histograms walk to 0xFFFF: nothing passes)
-    gt = key1 > thresh + 1
-    eq = key1 == thresh + 1
+    # in key1's space (k = 0: its empty histograms walk to 0xFFFF and nothing passes)
+    gt = (key1 > thresh + 1) & (k > 0)
+    eq = (key1 == thresh + 1) & (k > 0)
     # keys above and keys equal ranked in one scan, equal ones in the high half (a block holds
     # fewer than 2^16 keys): about half the blocks hold ties (ncu at 128K), which then needed a
     # second scan
@@ -221,13 +236,13 @@ def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV: tl.con
     # the row holds exactly k - need keys above the threshold, so the slots stay below k - need;
     # checked once per block (not per key) to keep out's other entries safe from a bad workspace
     in_bounds = base_gt + (total & 0xFFFF) <= k - need
-    tl.store(out_ptr + r * so_r + base_gt + (rank & 0xFFFF), offs, mask=gt & in_bounds)
+    tl.store(out_ptr + base_gt + (rank & 0xFFFF), vals, mask=gt & in_bounds)
     if total > 0xFFFF:  # this block holds keys equal to the threshold
         bs = tl.arange(0, NB_PAD)  # ties in the blocks before this one, from their pass-1 histograms
         eq_before = tl.sum(tl.load(hist_ptr + HEAD + bs * 256 + (thresh & 255).to(tl.int32), mask=bs < blk,
                                    other=0), axis=0)
         slot_eq = eq_before + (rank >> 16)
-        tl.store(out_ptr + r * so_r + (k - need) + slot_eq, offs, mask=eq & (slot_eq < need))
+        tl.store(out_ptr + (k - need) + slot_eq, vals, mask=eq & (slot_eq < need))
 
 
 def topk16_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
