@@ -53,13 +53,14 @@ def test_offload_runner_decodes_the_reference_tokens(rerank):
 
 def test_one_batched_step_gives_the_logits_of_rows_stepped_one_at_a_time(monkeypatch):
     """Three streams of different lengths (a 3-token prompt, none, a 1-token prompt) step
-    together; after two steps one leaves and another context joins its host slot. Each step of
-    the batch is one model pass whose attention runs once per layer over the whole bucket, and
-    gives the logits of stepping each row alone (the other rows of its bucket idle)."""
+    together in one runner; after two steps one leaves and another context joins its host slot.
+    Each step of the batch is one model pass whose attention runs once per layer over the whole
+    bucket, and gives the logits of each stream stepped alone (a runner of one slot each)."""
     lm = load_model("random:tiny", seed=3, device=DEVICE)
     method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 1.0})
     arts = _artifacts(method, (200, 150, 170, 120))
-    batched, alone = (OffloadRunner(lm, method.params, CONFIG, slots=3, max_len=320, max_new=32) for _ in range(2))
+    batched = OffloadRunner(lm, method.params, CONFIG, slots=3, max_len=320, max_new=32)
+    alone = [OffloadRunner(lm, method.params, CONFIG, slots=1, max_len=320, max_new=32) for _ in range(3)]
     calls = []
     attend = offload_step.offload_attention
     monkeypatch.setattr(offload_step, "offload_attention", lambda q, *a, **k: (calls.append(q.shape[0]), attend(q, *a, **k))[1])
@@ -67,22 +68,25 @@ def test_one_batched_step_gives_the_logits_of_rows_stepped_one_at_a_time(monkeyp
     def admit(runner, i, prompt):
         row, first = runner.admit(f"c{i}", arts[i], prompt, CONFIG, 16)
         return row, int(first.argmax())
-    streams = {r: [admit(r, i, p) for i, p in enumerate(([5, 6, 7], [], [9]))] for r in (batched, alone)}
+    prompts = ([5, 6, 7], [], [9])
+    together = [admit(batched, i, p) for i, p in enumerate(prompts)]
+    apart = [admit(r, i, p) for i, (r, p) in enumerate(zip(alone, prompts))]
     for step in range(4):
         if step == 2:  # the second stream leaves, a fourth context joins (into its freed slot)
-            for r in (batched, alone):
-                r.release(streams[r][1][0])
-                streams[r][1] = admit(r, 3, [8, 4])
-        rows, toks = zip(*streams[batched])
+            batched.release(together[1][0])
+            together[1] = admit(batched, 3, [8, 4])
+            alone[1].release(apart[1][0])
+            apart[1] = admit(alone[1], 3, [8, 4])
+        rows, toks = zip(*together)
         calls.clear()
         got = batched.step(list(rows), list(toks))
         assert calls == [3] * lm.args.n_layers  # one attention launch a layer for the bucket of 3 slots
-        want = torch.cat([alone.step([row], [tok]) for row, tok in streams[alone]])
+        want = torch.cat([r.step([row], [tok]) for r, (row, tok) in zip(alone, apart)])
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
-        for r, logits in ((batched, got), (alone, want)):
-            streams[r] = [(row, int(t)) for (row, _), t in zip(streams[r], logits.argmax(-1))]
-    assert [s.index for s, _ in streams[batched]] == [0, 1, 2]
+        together = [(row, int(t)) for (row, _), t in zip(together, got.argmax(-1))]
+        apart = [(row, int(t)) for (row, _), t in zip(apart, want.argmax(-1))]
+    assert [s.index for s, _ in together] == [0, 1, 2]
     assert batched.loads == 4 and batched.offload_hits()[1] > 0
 
 
