@@ -101,8 +101,9 @@ def server_flags(args, mode: str, point: Point, data: Path) -> list[str]:
     slots = max(point.streams[mode])
     sizing = ["--gpu-memory-gb", str(args.hbm_gb)] if args.hbm_gb else ["--gpu-slots", str(slots)]
     tokens = slot_tokens(point.n_ctx, args)
-    if args.offload and mode == "sparse":  # one small slot: every context decodes offloaded
-        sizing, tokens = ["--gpu-slots", "1", "--offload"], 1024
+    if args.offload and mode == "sparse":  # one small slot: every context decodes offloaded, a host slot a stream
+        sizing = ["--gpu-slots", "1", "--offload", "--offload-slots", str(slots), "--offload-slot-tokens", str(tokens)]
+        tokens = 1024
     return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
             "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb), "--decode-mode", mode,
             "--max-streams", str(max(16, slots)), "--gpu-slot-tokens", str(tokens),
