@@ -120,6 +120,18 @@ def test_offload_runner_refuses_what_its_host_slots_cannot_hold():
         OffloadRunner(lm, method.params, CONFIG, slots=0)
 
 
+def test_the_warm_up_runs_every_bucket_and_leaves_the_slots_free():
+    """Every bucket's step (its graph on a GPU) is built before serving; the warm-up's contexts
+    leave no host slot behind."""
+    lm = load_model("random:tiny", seed=3, device=DEVICE)
+    method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 1.0})
+    runner = OffloadRunner(lm, method.params, CONFIG, slots=3, max_len=256, max_new=32)
+    runner.warm_up(_artifacts(method, (150, 300)))  # the second is longer than a slot: skipped
+    assert sorted(runner._decoders) == runner.buckets == [1, 2, 3]
+    assert all(d.graph is not None for d in runner._decoders.values()) or not torch.cuda.is_available()
+    assert runner.loads == 3 and all(not s.busy and s.context_id is None for s in runner.slots)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compiles the bf16 kernels")
 def test_offload_runner_serves_a_bf16_model_at_an_unaligned_length():

@@ -65,3 +65,11 @@ def test_generate_past_the_slot_is_refused_and_answers_are_bounded_by_it(tiny_lm
     streams.engines[0].runner = GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=280, max_new=64)
     with pytest.raises(FailedPrecondition, match="--offload-slot-tokens"):
         GenerateStreams._slot_room(streams, art, CONFIG, 10)
+
+
+def test_offload_settings_are_validated():
+    from ctxcache.service.config import DecoderSettings
+    with pytest.raises(ValueError, match="offload_slots=0"):
+        DecoderSettings(offload_slots=0)
+    with pytest.raises(ValueError, match="offload_slot_tokens=-1"):
+        DecoderSettings(offload_slot_tokens=-1)
