@@ -239,7 +239,8 @@ class OffloadRunner:
     def offload_hits(self) -> tuple[int, int]:
         """(selected keys read from the GPU slot caches, selected keys) since start; idle rows'
         throw-away tokens count too."""
-        return sum(int(c.hits) for c in self.caches), sum(int(c.selected) for c in self.caches)
+        hits, selected = torch.stack([torch.stack((c.hits, c.selected)) for c in self.caches]).sum(0).tolist()
+        return hits, selected  # one device read, not two a layer
 
     def warm_up(self, arts: list[ContextArtifact]) -> None:
         """Every kernel compiled and every bucket's graph captured before serving."""
