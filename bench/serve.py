@@ -9,7 +9,8 @@ indexer's prefill + tables up to the artifact in host memory, and PutContext unt
 With --hbm-gb, both modes get the same HBM for resident contexts (`serve --gpu-memory-gb`):
 each holds as many slots as fit its mode's bytes per context, is measured at its own maximum
 too, and the capacity table compares each mode's best aggregate tok/s. With --offload the sparse
-server has one small slot and `--offload`, so every context decodes with its K/V in host memory.
+server has one small slot and `--offload` with a host slot per stream (`--offload-slots`), so every
+context decodes with its K/V in host memory, all streams in one batched step.
 The server runs as a user runs it (`python -m ctxcache.service serve` on a free port, ready on
 gRPC health) and is read through its API alone (admin Evict for the tiers); the prefill, build
 and re-prefill rows run on this process's own copy of the model first, freed before a server
@@ -101,8 +102,9 @@ def server_flags(args, mode: str, point: Point, data: Path) -> list[str]:
     slots = max(point.streams[mode])
     sizing = ["--gpu-memory-gb", str(args.hbm_gb)] if args.hbm_gb else ["--gpu-slots", str(slots)]
     tokens = slot_tokens(point.n_ctx, args)
-    if args.offload and mode == "sparse":  # one small slot: every context decodes offloaded
-        sizing, tokens = ["--gpu-slots", "1", "--offload"], 1024
+    if args.offload and mode == "sparse":  # one small slot: every context decodes offloaded, a host slot a stream
+        sizing = ["--gpu-slots", "1", "--offload", "--offload-slots", str(slots), "--offload-slot-tokens", str(tokens)]
+        tokens = 1024
     return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
             "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb), "--decode-mode", mode,
             "--max-streams", str(max(16, slots)), "--gpu-slot-tokens", str(tokens),

@@ -138,23 +138,27 @@ class GenerateStreams:
         return replace(config, dense_layers=tuple(range(self.lm.args.n_layers)))
 
     def _slot_room(self, art: ContextArtifact, config: SparseConfig, prompt: int) -> int:
-        """Tokens a stream may generate in the fast GPU runner that serves this context (a
-        context longer than its slots never goes silently to the reference path, which decodes
-        at a fraction of its speed); unbounded where no slot-sized runner serves it or an
-        offload runner takes any length."""
+        """Tokens a stream may generate in the GPU runner that serves this context (a context
+        longer than its slots never goes silently to the reference path, which decodes at a
+        fraction of its speed): the larger room of the fast runner's slot and the offload
+        runner's host slot where both take it; unbounded where no slot-sized runner serves it."""
         runners = [e.runner for e in self.engines]
-        if any(r.name == "gpu-offload" for r in runners):
-            return 1 << 62
+        off = next((r for r in runners if r.name == "gpu-offload"), None)
+        off_room = (min(off.max_len - art.n_tokens - prompt, off.max_new - prompt)
+                    if off is not None and off.accepts(art, config, prompt + 1) else 0)
         for r in runners:
             if hasattr(r, "serves") and r.serves(art, config, prompt + 1):
                 room = r.cache.max_len - art.n_tokens - prompt
-                if room < 1:
+                if room < 1 and off_room < 1:
+                    more = (f"--offload-slot-tokens (host slots of {off.max_len})" if off is not None
+                            else "--offload")
                     raise FailedPrecondition(
                         f"a context of {art.n_tokens} tokens and a question of {prompt} do not fit this server's "
                         f"GPU slots of {r.cache.max_len} tokens: start it with a larger --gpu-slot-tokens, or "
-                        f"with --offload")
-                return min(room, r.max_new - prompt)  # the slot's index overlay holds max_new new keys
-        return 1 << 62
+                        f"with {more}")
+                # the slot's index overlay holds max_new new keys
+                return max(min(room, r.max_new - prompt), off_room)
+        return off_room if off_room > 0 else 1 << 62
 
     def _engine(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> Engine:
         for engine in self.engines:

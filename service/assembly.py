@@ -52,7 +52,10 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
              d.gpu_slot_tokens, fast.slot_bytes / 2**30, free / 2**30)
     if d.offload and params is not None:
         from ctxcache.decoder.gpu.offload_runner import OffloadRunner
-        return [fast, OffloadRunner(lm, params, schedule), reference]  # contexts no slot holds: K/V in host memory
+        off = OffloadRunner(lm, params, schedule, d.offload_slots, d.offload_slot_tokens)
+        log.info("offload runner: %d host slots of %d tokens (%.1f GiB page-locked)", d.offload_slots, off.max_len,
+                 off.pool.nbytes / 2**30)
+        return [fast, off, reference]  # contexts no slot holds: K/V in host memory
     return [fast, reference]
 
 
@@ -61,17 +64,20 @@ SLOT_ROOM = 256
 
 
 def cap_to_slots(indexer: BuildQueue, engines) -> None:
-    """On a GPU server without --offload, PutContext refuses what its slots cannot decode
-    (naming the flag) instead of building a context that would decode on the reference path."""
+    """On a GPU server, PutContext refuses what neither its slots nor (with --offload) its host
+    slots can decode (naming the flags) instead of building a context that would decode on the
+    reference path."""
     runners = [e.runner for e in engines]
     fast = next((r for r in runners if hasattr(r, "serves")), None)
-    if fast is None or any(r.name == "gpu-offload" for r in runners):
+    if fast is None:
         return
-    limit = fast.cache.max_len - SLOT_ROOM
+    off = next((r for r in runners if r.name == "gpu-offload"), None)
+    limit = max(fast.cache.max_len, off.max_len if off is not None else 0) - SLOT_ROOM
     if limit < indexer.max_tokens:
         indexer.max_tokens = max(1, limit)
         indexer.max_tokens_why = (f"GPU slots of {fast.cache.max_len} tokens keep {SLOT_ROOM} for the question "
-                                  f"and answer: start the server with a larger --gpu-slot-tokens, or with --offload")
+                                  f"and answer: start the server with a larger --gpu-slot-tokens, or with --offload"
+                                  + ("" if off is None else f" and a larger --offload-slot-tokens (now {off.max_len})"))
 
 
 def open_store_and_registry(config: ServiceConfig):

@@ -154,6 +154,8 @@ class DecoderSettings:
     # sparse on a GPU: contexts no slot holds decode with their K/V in pinned host memory
     # (decoder/gpu/offload_runner.py) instead of on the reference path
     offload: bool = False
+    offload_slots: int = 4  # offloaded streams decoded together (host slots in one page-locked pool)
+    offload_slot_tokens: int = 0  # tokens per host slot; 0: the model's length
 
     def __post_init__(self) -> None:
         if self.decode_mode not in MODES:
@@ -168,6 +170,9 @@ class DecoderSettings:
                              f"{self.default_max_tokens}, max_tokens_limit={self.max_tokens_limit} invalid")
         if self.max_batch < 1:
             raise ValueError(f"decoder.max_batch={self.max_batch} must be >= 1")
+        if self.offload_slots < 1 or self.offload_slot_tokens < 0:
+            raise ValueError(f"decoder.offload_slots={self.offload_slots} must be >= 1 and offload_slot_tokens="
+                             f"{self.offload_slot_tokens} >= 0")
 
 
 ROLES = ("all", "indexer", "decoder")

@@ -49,6 +49,20 @@ class SlotCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def rows(self, start: int, end: int) -> "SlotCache":
+        """A view of rows [start, end) sharing storage and counts (a batch bucket's cache)."""
+        hkv = self.tag.shape[1]
+        busy, free, stamp, counts = self.scratch
+        return SlotCache(self.k[start:end], self.v[start:end], self.tag[start:end], self.slot_of[start:end],
+                         self.hits, self.selected,
+                         (busy[start:end], free[start:end], stamp[start * hkv:end * hkv], counts))
+
+    def clear_row(self, row: int) -> None:
+        """Row `row` holds nothing: a new stream (or context) reuses positions whose K/V it may
+        rewrite, so rows cached for them would be stale."""
+        self.tag[row].fill_(-1)
+        self.slot_of[row].fill_(-1)
+
     def hit_rate(self) -> float:
         return float(self.hits) / max(1, int(self.selected))
 

@@ -1,182 +1,248 @@
-"""The offload runner: a context whose K/V do not fit the fast runner's HBM slots decodes with
-its K/V in page-locked host memory instead of being refused.
+"""The offload runner: contexts that no HBM slot holds decode with their K/V in page-locked host
+memory, all its streams in one batched step.
 
-Per stream: the K/V of every layer in pinned host memory (exactly their bytes, page_lock),
-CSAttention's tables and a slot cache of the keys selected lately on the GPU. A decode step
-indexes the new key, selects (and re-ranks) on the GPU like the fast runner, then attends with
-kernels.offload_attention: the selected keys found in the slot cache are read from HBM, the
-rest (and the sinks and recent window) straight from host memory over PCIe (zero-copy), and
-the misses are written into the cache. The re-rank reads its candidates' keys from the host
-too. A prompt's prefill copies each layer's K/V to the GPU for dense attention. Streams step
-one at a time, without CUDA graphs: this path trades speed for serving at all; the slot
-cache's hit rate is what it reports (`hits`).
+Host slots: `slots` rows of `max_len` tokens in one page-locked pool (offload_step.HostKVPool);
+on the GPU, per row, CSAttention's int8 rows (GpuDenseTables, as a fast-runner slot has) and
+per layer a slot cache of the keys selected lately (offload.SlotCache). A step runs the model
+once over a bucket of rows (1, 2, 4, ... slots, a CUDA graph each, captured in the warm-up):
+index the new keys, select and re-rank on the GPU (the candidates' keys read from the host),
+attend through the slot caches (kernels.offload_attention: hits from HBM, the rest over PCIe).
+Rows of the bucket not stepped compute a throw-away token at their length, as in the fast
+runner. A context stays in its host slot after its stream (the next stream skips the load);
+a prompt's prefill copies each layer's K/V to the GPU for dense attention (not captured).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ctxcache.artifact import ContextArtifact
-from ctxcache.decoder.gpu.attention import GpuSparseAttention
-from ctxcache.decoder.gpu.offload import SlotCache, plan_slots
+from ctxcache.decoder.gpu.graph import GraphDecoder
+from ctxcache.decoder.gpu.offload import SlotCache
+from ctxcache.decoder.gpu.offload_step import HostKVPool, HostPrefillAttention, OffloadSparseAttention
 from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.inflight import LaunchedStep, StepIO
 from ctxcache.decoder.reference_attention import SparseConfig
-from ctxcache.generation import decode_one_token, prefill
-from ctxcache.host_copy import pinned_exact
-from ctxcache.kernels.offload_attention import offload_attention
-from ctxcache.kernels.split_k_attention import choose_splits
+from ctxcache.generation import prefill
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
-from ctxcache.models.attention import causal_attention
-from ctxcache.models.kv_cache import KVCache
+from ctxcache.methods.csattention_refs import subspace_permutation
 from ctxcache.models.loader import LoadedModel
 
-
-ALIGN = 256  # host cache lengths are multiples of this
-
-
-class HostKVCache(KVCache):
-    """One row's K/V [1, Hkv, max_len, D] per layer in pinned host memory, which the decode
-    kernels (RoPE + write, index insert, re-rank, attention) address in place."""
-
-    fused_decode_write = True
-    fused_prompt_write = False  # a prompt's keys go in by `write`, a copy into host memory
-
-    def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        shape = (1, n_kv, max_len, head_dim)
-        self.k = [pinned_exact(shape, dtype) for _ in range(n_layers)]
-        self.v = [pinned_exact(shape, dtype) for _ in range(n_layers)]
-        self.lengths = torch.zeros(1, dtype=torch.long, device=device)
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """A prompt's keys [1, Hkv, T, D] at consecutive positions pos [1, T]."""
-        start, t = int(pos[0, 0]), pos.shape[1]
-        self.k[layer][:, :, start:start + t].copy_(k)
-        self.v[layer][:, :, start:start + t].copy_(v)
-
-
-class OffloadSparseAttention(GpuSparseAttention):
-    """GpuSparseAttention over host K/V: the same selection and re-rank, attention through a
-    slot cache per layer (one selection's keys, the K/V of keep x the context on the GPU)."""
-
-    def __init__(self, params: CSAttentionParams, tables: list[GpuDenseTables], config: SparseConfig,
-                 n_heads: int, n_kv: int, head_dim: int, max_len: int, dtype: torch.dtype) -> None:
-        # fp32 re-rank scores: the 16-bit keys' score kernel failed to compile (LLVM "Cannot select
-        # v2f16") at SmolLM2's shapes on the H100; this path is PCIe-bound, the exact order costs nothing
-        super().__init__(params, tables, config.budget, 1, n_heads, n_kv, head_dim, max_len, rerank_key16=False)
-        device = tables[0].centroids.device
-        self.caches = [SlotCache.empty(1, n_kv, self.k_max, max_len, head_dim, dtype, device) for _ in tables]
-        b = config.budget
-        self.offload_splits = choose_splits(n_kv, self.k_max + b.sinks + b.recent)
-
-    def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
-        span = int(pos.max()) + 1
-        k = cache.k[layer][:, :, :span].to(q.device, non_blocking=True)
-        v = cache.v[layer][:, :, :span].to(q.device, non_blocking=True)
-        out = causal_attention(q, k, v, pos)
-        self._seed(layer, q, k, pos)
-        return out
-
-    def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
-                k: torch.Tensor) -> torch.Tensor:
-        c = self.caches[layer]
-        idx = idx.contiguous()
-        slot = plan_slots(c, idx, k)
-        return offload_attention(q, cache.k[layer], cache.v[layer], c.k, c.v, idx, slot, k, n, self.budget.sinks,
-                                 self.budget.recent, splits=self.offload_splits)
-
-    def hits(self) -> tuple[int, int]:
-        """(selected keys read from the slot caches, selected keys) since the stream started."""
-        return sum(int(c.hits) for c in self.caches), sum(int(c.selected) for c in self.caches)
+ALIGN = 256  # slot lengths are multiples of this
+MAX_NEW = 512  # keys a stream may stream into its row's index overlay
 
 
 @dataclass(eq=False)
-class OffloadRow:
-    cache: HostKVCache
-    attn: OffloadSparseAttention
-    n_ctx: int
-    max_len: int
+class HostSlot:
+    index: int
+    context_id: str | None = None
+    n_ctx: int = 0
+    length: int = 0  # host copy of the row's cache length
+    busy: bool = False
+    last_used: float = 0.0
 
 
 class OffloadRunner:
-    """Serves CSAttention contexts (the server's parameters) that the runners before it refused
-    for room, up to the model's length; each stream holds its own host K/V."""
+    """Serves CSAttention contexts (the server's parameters) the runners before it refused for
+    room, up to `max_len` tokens with the question and answer, `slots` streams at once."""
 
     name = "gpu-offload"
 
-    def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, max_new: int = 512) -> None:
+    def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, slots: int = 4,
+                 max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True) -> None:
+        """max_len 0: the model's length."""
+        a = lm.args
+        max_len = max_len or a.max_seq_len
+        if slots < 1 or max_len < 2 or max_new < 1:
+            raise ValueError(f"offload slots={slots}, slot tokens={max_len}, max_new={max_new} must be >= 1, >= 2, >= 1")
+        # rounded as the fast runner's slots are: at a length of no alignment, Triton 3.6's LLVM
+        # failed to compile the bf16 re-rank score kernel on the H100 (and took the server down)
+        self.max_len = -(-max_len // ALIGN) * ALIGN
         self.lm, self.params, self.config, self.max_new = lm, params, config, max_new
         self.device = lm.model.lm_head.weight.device
-        self.hits_total = self.selected_total = 0  # over released streams
-        self._live: set[OffloadRow] = set()
+        dtype = lm.model.lm_head.weight.dtype
+        self.pool = HostKVPool(a.n_layers, slots, a.n_kv_heads, self.max_len, a.head_dim, dtype, self.device)
+        self.slots = [HostSlot(i) for i in range(slots)]
+        self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
+        self.tables: list[GpuDenseTables] | None = None  # made at the first load (shaped like its tables)
+        k_max = config.budget.top_k(self.max_len)
+        self.caches = [SlotCache.empty(slots, a.n_kv_heads, k_max, self.max_len, a.head_dim, dtype, self.device)
+                       for _ in range(a.n_layers)]
+        self.follow = params.follows if params.candidates(k_max, self.max_len) > k_max else 0
+        self._perm = (None if params.layout == "contiguous"
+                      else subspace_permutation(a.head_dim, params.subspaces, params.layout).to(self.device))
+        self._decoders: dict[int, GraphDecoder] = {}
+        self.use_graph = use_graph
+        self.io = StepIO(slots, self.device)
+        self.lock = threading.Condition()  # the pool, tables and caches are shared: admissions and steps take turns
+        self.loads = 0  # contexts copied into a host slot
 
+    # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
-        if art.n_tokens + new_tokens > self.lm.args.max_seq_len or new_tokens > self.max_new:
+        if art.n_tokens + new_tokens > min(self.max_len, self.lm.args.max_seq_len) or new_tokens > self.max_new:
             return False
         return config == self.config and serves_index(art, self.params)
 
     @torch.inference_mode()
     def admit(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
-              max_new: int, check: Callable[[], None] = lambda: None) -> tuple[OffloadRow, torch.Tensor]:
-        a, n = self.lm.args, art.n_tokens
-        # rounded as the fast runner's slots are: with a length of no alignment, Triton 3.6's
-        # LLVM failed to compile the bf16 re-rank score kernel on the H100 (and took the server down)
-        max_len = -(-(n + max(len(prompt), 1) + max_new) // ALIGN) * ALIGN
-        cache = HostKVCache(a.n_layers, a.n_kv_heads, max_len, a.head_dim, self.lm.model.lm_head.weight.dtype,
-                            self.device)
-        tables = [self._load_layer(la, cache, layer, n, max_len) for layer, la in enumerate(art.layers)]
-        cache.lengths[0:1].fill_(n)  # no host-scalar copy (a stream sync)
-        attn = OffloadSparseAttention(self.params, tables, self.config, a.n_heads, a.n_kv_heads, a.head_dim, max_len,
-                                      cache.k[0].dtype)
-        row = OffloadRow(cache, attn, n, max_len)
-        if not prompt:
-            first = art.last_logits.to(self.device).float()
-        else:
-            first = prefill(self.lm.model, torch.tensor([prompt], device=self.device), cache, attn)[0].float()
-        self._live.add(row)
-        return row, first
+              max_new: int, check: Callable[[], None] = lambda: None) -> tuple[HostSlot, torch.Tensor]:
+        """Claim a host slot (waiting, running `check`, while all are busy), load the context
+        unless the slot holds it, prefill the prompt: -> (row, first logits [V])."""
+        if len(prompt) >= self.max_new:
+            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the {self.max_new}-key index overlay")
+        with self.lock:
+            slot = self._claim(context_id, check)
+            try:
+                if slot.context_id != context_id:
+                    self._load(slot, context_id, art)
+                self._reset(slot)
+                if len(prompt) > 1:
+                    first = self._prefill(slot, prompt)
+                elif prompt:  # one new token is a decode step
+                    first = self._step_rows([slot], prompt)[0]
+                else:
+                    first = art.last_logits.to(self.device).float()
+            except BaseException:
+                slot.context_id, slot.busy = None, False
+                self.lock.notify_all()
+                raise
+        return slot, first
 
-    def _load_layer(self, la, cache: HostKVCache, layer: int, n: int, max_len: int) -> GpuDenseTables:
-        """Decode the layer's K/V on the GPU (coded K/V cross PCIe as codes), derive its rows
-        there, and keep the K/V in the host cache."""
-        k = torch.empty(la.kv_shape, dtype=cache.k[layer].dtype, device=self.device)
-        v = torch.empty_like(k)
-        la.kv_into(k, v)
-        cache.k[layer][0, :, :n].copy_(k)
-        cache.v[layer][0, :, :n].copy_(v)
-        stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
-        restored = CSAttention(self.params).restore(stored, k)
-        tables = GpuDenseTables.empty(1, restored, max_len, self.max_new, self.device, self.params.follows)
-        tables.load_row(0, restored, n)
-        return tables
+    def _claim(self, context_id: str, check: Callable[[], None]) -> HostSlot:
+        """Its idle resident slot, else an empty one, else the least recently used idle one."""
+        while True:
+            idle = [s for s in self.slots if not s.busy]
+            pick = (next((s for s in idle if s.context_id == context_id), None)
+                    or next((s for s in idle if s.context_id is None), None)
+                    or min(idle, key=lambda s: s.last_used, default=None))
+            if pick is not None:
+                pick.busy = True
+                return pick
+            check()
+            self.lock.wait(timeout=0.05)
+
+    def _load(self, slot: HostSlot, context_id: str, art: ContextArtifact) -> None:
+        """Each layer's K/V decoded on the GPU (coded K/V cross PCIe as codes), its rows derived
+        there, the K/V copied into the host slot."""
+        n, row = art.n_tokens, slot.index
+        slot.context_id = None
+        method = CSAttention(self.params)
+        for layer, la in enumerate(art.layers):
+            k = torch.empty(la.kv_shape, dtype=self.pool.k[layer].dtype, device=self.device)
+            v = torch.empty_like(k)
+            la.kv_into(k, v)
+            self.pool.k[layer][row, :, :n].copy_(k)
+            self.pool.v[layer][row, :, :n].copy_(v)
+            stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
+            restored = method.restore(stored, k)
+            if self.tables is None:
+                self.tables = [GpuDenseTables.empty(len(self.slots), restored, self.max_len, self.max_new, self.device,
+                                                    self.params.follows) for _ in art.layers]
+            self.tables[layer].load_row(row, restored, n)
+        slot.context_id, slot.n_ctx = context_id, n
+        self.loads += 1
+
+    def _reset(self, slot: HostSlot) -> None:
+        """The row back to its context's end; its slot caches emptied (a new stream rewrites the
+        positions after the context, whose cached rows would be stale)."""
+        slot.length = slot.n_ctx
+        self.pool.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx)  # no host-scalar copy (a sync)
+        for t in self.tables or ():
+            t.reset_stream(slot.index)
+        for c in self.caches:
+            c.clear_row(slot.index)
+
+    def _prefill(self, slot: HostSlot, prompt: list[int]) -> torch.Tensor:
+        row = slot.index
+        attn = HostPrefillAttention([t.rows(row, row + 1) for t in self.tables], self._perm, self.config.budget,
+                                    bool(self.follow), self.config.dense_layers)
+        logits = prefill(self.lm.model, torch.tensor([prompt], device=self.device), self.pool.rows(row, row + 1), attn)
+        slot.length += len(prompt)
+        return logits[0].float()
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _decoder(self, bucket: int) -> GraphDecoder:
+        dec = self._decoders.get(bucket)
+        if dec is None:
+            a = self.lm.args
+            attn = OffloadSparseAttention(self.params, [t.rows(0, bucket) for t in self.tables],
+                                          [c.rows(0, bucket) for c in self.caches], self.config.budget, bucket,
+                                          a.n_heads, a.n_kv_heads, a.head_dim, self.max_len)
+            attn.dense_layers = self.config.dense_layers
+            dec = self._decoders[bucket] = GraphDecoder(self.lm.model, self.pool.rows(0, bucket), attn, self.use_graph)
+        return dec
+
+    def _bucket(self, rows: list[HostSlot]) -> int:
+        return next(b for b in self.buckets if b > max(s.index for s in rows))
 
     @torch.inference_mode()
-    def step(self, rows: list[OffloadRow], tokens: list[int]) -> torch.Tensor:
-        """One model pass per row: each row's K/V are its own host tensors."""
-        return torch.cat([decode_one_token(self.lm.model, torch.tensor([tok], device=self.device), row.cache, row.attn)
-                          for row, tok in zip(rows, tokens)]).float()
+    def step(self, rows: list[HostSlot], tokens: list[int]) -> torch.Tensor:
+        """One batched step of the given rows: -> logits [len(rows), V]."""
+        with self.lock:
+            return self._step_rows(rows, tokens)
 
-    def cache_full(self, row: OffloadRow) -> bool:
-        return int(row.cache.lengths[0]) >= row.max_len
+    def _step_rows(self, rows: list[HostSlot], tokens: list[int]) -> torch.Tensor:
+        bucket = self._bucket(rows)
+        tok, advance = [0] * bucket, [0] * bucket
+        for s, t in zip(rows, tokens):
+            tok[s.index], advance[s.index] = t, 1
+        dec = self._decoder(bucket)
+        logits = dec.run(torch.tensor(tok, device=self.device))
+        dec.cache.lengths += torch.tensor(advance, device=self.device)
+        for s in rows:
+            s.length += 1
+        return logits[[s.index for s in rows]]  # a copy: the graph's buffer is reused
 
-    def release(self, row: OffloadRow) -> None:
-        if row in self._live:
-            self._live.discard(row)
-            hits, selected = row.attn.hits()
-            self.hits_total += hits
-            self.selected_total += selected
+    @torch.inference_mode()
+    def launch(self, rows: list[HostSlot], host_tokens: list[int | None]) -> LaunchedStep:
+        """One greedy step queued without waiting for the device (GpuRunner.launch)."""
+        with self.lock:
+            bucket = self._bucket(rows)
+            index = [s.index for s in rows]
+            tokens, advance = self.io.stage(bucket, index, host_tokens)
+            dec = self._decoder(bucket)
+            logits = dec.run(tokens)
+            dec.cache.lengths += advance
+            for s in rows:
+                s.length += 1
+            return self.io.finish(logits, advance, index, [self.cache_full(s) for s in rows])
+
+    def cache_full(self, row: HostSlot) -> bool:
+        return row.length >= self.max_len or row.length - row.n_ctx >= self.max_new
+
+    @torch.inference_mode()
+    def release(self, row: HostSlot) -> None:
+        with self.lock:
+            if not row.busy:
+                return
+            self._reset(row)  # an idle row's throw-away tokens land at its context's end
+            row.busy, row.last_used = False, time.monotonic()
+            self.lock.notify_all()
 
     def evict(self, context_id: str) -> bool:
-        return False  # nothing stays resident: each stream loads its own host copy
+        """Forget the context's idle host slots (a busy one serves its stream, then is reloaded)."""
+        with self.lock:
+            held = [s for s in self.slots if s.context_id == context_id]
+            for s in held:
+                s.context_id = None if not s.busy else f"evicted:{context_id}"
+            return bool(held)
 
     def capacity(self) -> tuple[int, int]:
-        return 0, 0
+        return 0, 0  # no HBM slots: its contexts' K/V are in host memory
 
     def offload_hits(self) -> tuple[int, int]:
-        """(selected keys read from the GPU slot caches, selected keys) over every stream so far."""
-        live = [r.attn.hits() for r in list(self._live)]
-        return self.hits_total + sum(h for h, _ in live), self.selected_total + sum(s for _, s in live)
+        """(selected keys read from the GPU slot caches, selected keys) since start; idle rows'
+        throw-away tokens count too."""
+        hits, selected = torch.stack([torch.stack((c.hits, c.selected)) for c in self.caches]).sum(0).tolist()
+        return hits, selected  # one device read, not two a layer
+
+    def warm_up(self, arts: list[ContextArtifact]) -> None:
+        """Every kernel compiled and every bucket's graph captured before serving."""
+        from ctxcache.decoder.gpu.warm_up import warm_up_offload
+        warm_up_offload(self, arts)

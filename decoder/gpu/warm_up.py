@@ -11,6 +11,7 @@ import torch
 from ctxcache.artifact import ContextArtifact
 
 if TYPE_CHECKING:
+    from ctxcache.decoder.gpu.offload_runner import OffloadRunner
     from ctxcache.decoder.gpu.runner import GpuRunner, Slot
 
 _log = logging.getLogger(__name__)
@@ -36,6 +37,30 @@ def warm_up_runner(runner: GpuRunner, arts: list[ContextArtifact]) -> None:
                 runner.step(rows[:b], [5] * b)
             if a == 0:
                 _check_prefill_graph(runner, ids[0], art, rows, first)
+        finally:
+            for row in rows:
+                runner.release(row)
+            for cid in ids:
+                runner.evict(cid)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def warm_up_offload(runner: OffloadRunner, arts: list[ContextArtifact]) -> None:
+    """The offload runner's shapes: each artifact loaded into every host slot under prompts of
+    16 and 17 tokens (its prefill is eager: the lengths it passes Triton differ by divisibility),
+    then per bucket one launched and one synchronous step (the first captures its graph)."""
+    ids = [f"warm-up:{i}" for i in range(len(runner.slots))]
+    arts = [art for art in arts if runner.accepts(art, runner.config, 17 + 8)]
+    for a, art in enumerate(arts):
+        rows = []
+        try:
+            for i, cid in enumerate(ids):
+                rows.append(runner.admit(cid, art, list(range(3, 3 + (16, 17)[(a + i) % 2])), runner.config, 8)[0])
+            for b in runner.buckets if a == 0 else ():
+                runner.launch(rows[:b], [5] * b).result()
+                runner.step(rows[:b], [5] * b)
         finally:
             for row in rows:
                 runner.release(row)

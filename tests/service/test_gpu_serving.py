@@ -1,5 +1,5 @@
 """On a GPU, through a real server: every kernel is compiled before SERVING (none while streams
-of 1 to 8 rows decode), and a context of over 120K tokens decodes with the defaults at
+of 1 to 8 rows decode, in HBM slots or offloaded), and a context of over 120K tokens decodes with the defaults at
 Llama-3.1-8B shapes (the re-rank's score kernel aborted the server there: LLVM could not compile
 it when Triton knew its candidate count divisible by 16)."""
 
@@ -38,18 +38,23 @@ def _generate(client: Client, cid: str, tokens: int) -> pb.Final:
     return list(client.generate(req, timeout=600))[-1].final
 
 
-@pytest.mark.parametrize("mode", ["sparse", "dense"])
+@pytest.mark.parametrize("mode", ["sparse", "dense", "offload"])
 def test_no_kernel_compiles_after_serving(tmp_path, mode):
+    """offload: one GPU slot of 128 tokens, so every context decodes from the host slots, 1 to 8
+    streams in one batched step (8 host slots)."""
     cfg = tiny_config(tmp_path)
+    offload = mode == "offload"
     cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
-                  decoder=replace(cfg.decoder, gpu_slots=8, gpu_slot_tokens=1024, decode_mode=mode))
+                  decoder=replace(cfg.decoder, gpu_slots=1 if offload else 8, gpu_slot_tokens=128 if offload else 1024,
+                                  decode_mode="sparse" if offload else mode, offload=offload, offload_slots=8))
     server, port = create_server(cfg, load_model("random:tiny", device="cuda"))
     client = Client(f"127.0.0.1:{port}")
     try:
         compiled_at_start = server.compiles.total
         assert compiled_at_start > 0  # the warm-up built the kernels (a counter that never counts would pass)
-        cids = [client.put(pb.PutContextRequest(text=f"the keeper is K{i}. " * (8 + 3 * i), wait=True),
-                           timeout=300).context.context_id for i in range(8)]
+        # offload: contexts past the GPU slot, of several lengths (divisible by 16 or not)
+        cids = [client.put(pb.PutContextRequest(text=f"the keeper is K{i}. " * ((40 if offload else 8) + 3 * i),
+                                                wait=True), timeout=300).context.context_id for i in range(8)]
         for streams in range(1, 9):
             with ThreadPoolExecutor(streams) as pool:
                 finals = list(pool.map(lambda c: _generate(client, c, 6), cids[:streams]))
@@ -94,7 +99,8 @@ def _llama3_server(tmp_path, offload: bool):
     cfg = tiny_config(tmp_path)
     cfg = replace(cfg, model=replace(cfg.model, model="random:llama-3.1-8b", dtype="bfloat16", device="cuda"),
                   indexer=replace(cfg.indexer, method="csattention"),
-                  decoder=replace(cfg.decoder, gpu_slots=1, gpu_slot_tokens=1024, offload=offload))
+                  decoder=replace(cfg.decoder, gpu_slots=1, gpu_slot_tokens=1024, offload=offload,
+                                  offload_slot_tokens=4096))  # the model's length would pin 4 x 16 GiB
     server, port = create_server(cfg, load_model("random:llama-3.1-8b", torch.bfloat16, "cuda"))
     return server, Client(f"127.0.0.1:{port}")
 

@@ -1,5 +1,5 @@
 """A context larger than the GPU slots never decodes silently on the reference path: PutContext
-refuses it naming --gpu-slot-tokens (or --offload), and Generate of one built elsewhere answers
+refuses it naming --gpu-slot-tokens (or --offload, --offload-slot-tokens), and Generate of one built elsewhere answers
 FAILED_PRECONDITION; what fits has its answer bounded by the slot. The fast runner here is a
 real GpuRunner on the CPU (constructed, not stepped)."""
 
@@ -36,12 +36,15 @@ def test_put_refuses_what_the_gpu_slots_cannot_hold(start, tiny_lm):
     assert "--gpu-slot-tokens" in err.value.details() and "--offload" in err.value.details()
 
 
-def test_put_is_not_capped_with_an_offload_runner(start, tiny_lm):
+def test_put_is_capped_by_the_offload_runners_host_slots(start, tiny_lm):
+    """With --offload the larger of the GPU slot and the host slot bounds PutContext."""
     server, _ = start()
     before = server.indexer.max_tokens
     fast = GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=SLOT_ROOM + 200)
-    cap_to_slots(server.indexer, _engines(fast, SimpleNamespace(name="gpu-offload")))
+    cap_to_slots(server.indexer, _engines(fast, SimpleNamespace(name="gpu-offload", max_len=before + SLOT_ROOM)))
     assert server.indexer.max_tokens == before
+    cap_to_slots(server.indexer, _engines(fast, SimpleNamespace(name="gpu-offload", max_len=SLOT_ROOM + 300)))
+    assert server.indexer.max_tokens == 300 and "--offload-slot-tokens" in server.indexer.max_tokens_why
 
 
 def test_generate_past_the_slot_is_refused_and_answers_are_bounded_by_it(tiny_lm):
@@ -54,5 +57,19 @@ def test_generate_past_the_slot_is_refused_and_answers_are_bounded_by_it(tiny_lm
     assert GenerateStreams._slot_room(streams, art, CONFIG, 10) == 340 - 300 - 10
     streams.engines[0].runner = GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=4096, max_new=64)
     assert GenerateStreams._slot_room(streams, art, CONFIG, 10) == 64 - 10  # the index overlay's room
-    streams.engines.append(SimpleNamespace(runner=SimpleNamespace(name="gpu-offload")))
-    assert GenerateStreams._slot_room(streams, art, CONFIG, 10) > 1 << 40
+    # with --offload: the larger room of the GPU slot and the host slot (its own index overlay)
+    off = SimpleNamespace(name="gpu-offload", max_len=1024, max_new=512, accepts=lambda a, c, n: 300 + n <= 1024)
+    streams.engines.append(SimpleNamespace(runner=off))
+    assert GenerateStreams._slot_room(streams, art, CONFIG, 10) == 512 - 10
+    off.max_len, off.accepts = 300, lambda a, c, n: False  # no host slot holds it either
+    streams.engines[0].runner = GpuRunner(tiny_lm, None, CONFIG, slots=1, max_len=280, max_new=64)
+    with pytest.raises(FailedPrecondition, match="--offload-slot-tokens"):
+        GenerateStreams._slot_room(streams, art, CONFIG, 10)
+
+
+def test_offload_settings_are_validated():
+    from ctxcache.service.config import DecoderSettings
+    with pytest.raises(ValueError, match="offload_slots=0"):
+        DecoderSettings(offload_slots=0)
+    with pytest.raises(ValueError, match="offload_slot_tokens=-1"):
+        DecoderSettings(offload_slot_tokens=-1)

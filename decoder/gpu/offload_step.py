@@ -1,0 +1,109 @@
+"""The offload runner's device state and attention: host slots of K/V in one page-locked pool,
+a batched decode step over them, and one row's prompt prefill.
+
+The pool is the fast runner's slot cache moved to the host: [slots, Hkv, max_len, D] per layer,
+every layer of K and V one page-locked allocation, so row b of a batch is at a fixed offset
+(b x the row stride) and every kernel of the step (RoPE + write, index insert, re-rank,
+attention) addresses the batch by strides, as it does HBM slots. One step is one launch
+sequence for the whole bucket, with no host sync, so a CUDA graph per bucket holds it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ctxcache.decoder.gpu.attention import GpuSparseAttention
+from ctxcache.decoder.gpu.offload import SlotCache, plan_slots
+from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.host_copy import pinned_exact
+from ctxcache.kernels.offload_attention import offload_attention
+from ctxcache.kernels.split_k_attention import choose_splits
+from ctxcache.methods import Budget
+from ctxcache.methods.csattention import CSAttentionParams
+from ctxcache.models.attention import causal_attention
+from ctxcache.models.kv_cache import KVCache
+
+
+class HostKVPool(KVCache):
+    """K/V [slots, Hkv, max_len, D] per layer in page-locked host memory (zeroed), lengths on
+    the device. A decode step writes its keys by the fused RoPE + write kernel (zero-copy); a
+    prompt's keys go in by `write`, a copy into host memory."""
+
+    fused_decode_write = True
+    fused_prompt_write = False
+
+    def __init__(self, n_layers: int, slots: int, n_kv: int, max_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if slots < 1 or max_len < 2:
+            raise ValueError(f"offload slots={slots} must be >= 1 and slot tokens={max_len} >= 2")
+        # one registration for the whole pool: page-locking is paid per call (~0.4 s per GB)
+        pool = pinned_exact((n_layers, 2, slots, n_kv, max_len, head_dim), dtype)
+        self.k = [pool[i, 0] for i in range(n_layers)]
+        self.v = [pool[i, 1] for i in range(n_layers)]
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
+        self.nbytes = pool.nbytes
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Rows' keys [B, Hkv, T, D] at consecutive positions pos [B, T] (reads pos on the host:
+        prompts and the CPU path only, never a captured step on a GPU)."""
+        t = pos.shape[1]
+        for b, start in enumerate(pos[:, 0].tolist()):
+            self.k[layer][b, :, start:start + t].copy_(k[b])
+            self.v[layer][b, :, start:start + t].copy_(v[b])
+
+    def rows(self, start: int, end: int) -> "HostKVPool":
+        view = HostKVPool.__new__(HostKVPool)
+        view.k = [k[start:end] for k in self.k]
+        view.v = [v[start:end] for v in self.v]
+        view.lengths = self.lengths[start:end]
+        view.nbytes = sum(t.nbytes for t in view.k + view.v)
+        return view
+
+
+class OffloadSparseAttention(GpuSparseAttention):
+    """GpuSparseAttention over a batch of host slots: the same selection and re-rank (its
+    candidates' keys read from the host), attention through each layer's GPU slot cache
+    (kernels.offload_attention: hits from HBM, the rest from the host, misses cached)."""
+
+    def __init__(self, params: CSAttentionParams, tables: list[GpuDenseTables], caches: list[SlotCache],
+                 budget: Budget, batch: int, n_heads: int, n_kv: int, head_dim: int, max_len: int) -> None:
+        # fp32 re-rank scores: the 16-bit keys' score kernel failed to compile (LLVM "Cannot select
+        # v2f16") at SmolLM2's shapes on the H100; this path is PCIe-bound, the exact order costs nothing
+        super().__init__(params, tables, budget, batch, n_heads, n_kv, head_dim, max_len, rerank_key16=False)
+        self.caches = caches
+        self.offload_splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent)
+
+    def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a prompt's prefill runs through HostPrefillAttention")
+
+    def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
+                k: torch.Tensor) -> torch.Tensor:
+        c = self.caches[layer]
+        slot = plan_slots(c, idx.contiguous(), k)
+        return offload_attention(q, cache.k[layer], cache.v[layer], c.k, c.v, idx.contiguous(), slot, k, n,
+                                 self.budget.sinks, self.budget.recent, splits=self.offload_splits)
+
+
+class HostPrefillAttention:
+    """One row's prompt (T > 1 tokens): its keys indexed, then dense causal attention over the
+    row's K/V copied to the GPU a layer at a time, and follow seeded by the last query (as
+    GpuSparseAttention does over HBM). Not captured: it reads the prompt's span on the host."""
+
+    def __init__(self, tables: list[GpuDenseTables], perm: torch.Tensor | None, budget: Budget, follow: bool,
+                 dense_layers: tuple[int, ...]) -> None:
+        self.tables, self.perm, self.budget, self.follow, self.dense_layers = tables, perm, budget, follow, dense_layers
+
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        if q.shape[0] != 1 or q.shape[2] < 2:
+            raise ValueError(f"a one-row prompt of >= 2 tokens, not q {tuple(q.shape)}")
+        t = self.tables[layer]
+        pos32 = pos.int()
+        for i in range(pos.shape[1]):
+            t.insert(cache.k[layer], pos32[:, i].contiguous(), self.perm)
+        span = int(pos.max()) + 1
+        k = cache.k[layer][:, :, :span].to(q.device, non_blocking=True)
+        v = cache.v[layer][:, :, :span].to(q.device, non_blocking=True)
+        out = causal_attention(q, k, v, pos)
+        if self.follow and layer not in self.dense_layers:
+            t.seed_follow(0, q[0, :, -1], k[0], self.budget)
+        return out
