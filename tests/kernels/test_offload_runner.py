@@ -80,7 +80,8 @@ def test_one_batched_step_gives_the_logits_of_rows_stepped_one_at_a_time(monkeyp
         rows, toks = zip(*together)
         calls.clear()
         got = batched.step(list(rows), list(toks))
-        assert calls == [3] * lm.args.n_layers  # one attention launch a layer for the bucket of 3 slots
+        if DEVICE == "cpu":  # on a GPU the step is a graph replay: no Python call to count
+            assert calls == [3] * lm.args.n_layers  # one attention launch a layer for the bucket of 3 slots
         want = torch.cat([r.step([row], [tok]) for r, (row, tok) in zip(alone, apart)])
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
