@@ -16,7 +16,7 @@ class ObjectStoreConfig:
     access_granularity_s: float = 60.0  # a process records a context's use at most this often
     # a put's chunks are encoded and uploaded on this many threads as the build hands them over
     # (object_writer.py); each chunk is one PUT, so this is also the uploads in flight
-    put_threads: int = 8
+    put_threads: int = 16  # as many as a batch of the tier (TierConfig.threads) ran before
     # chunk bytes handed over and not yet uploaded; a build that gets further ahead waits
     put_inflight_bytes: int = 1 << 30
     tier: TierConfig = field(default_factory=TierConfig)
