@@ -7,13 +7,15 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from ctxcache.cancel import CancellableMethod
 from ctxcache.client.gen.v1 import context_pb2 as pb
 from ctxcache.indexer import build_queue
 from ctxcache.store import BuildState, StoreUnavailable
 from ctxcache.store.object import object_layout as lay
 
-from service_helpers import TEXT, ask, put_text
+from service_helpers import ask, put_text
 from test_shared_store import shared_config
 
 LAST_LAYER_S = 0.5  # the last layer's build, made slow: what was handed over before goes up meanwhile
@@ -107,3 +109,25 @@ def test_an_upload_failing_while_the_store_stays_down_is_collected_by_gc(start, 
     assert store.gc(grace_s=3600).orphan_chunks == 0  # young: a live writer's, for all gc knows
     assert store.gc(grace_s=0).orphan_chunks == len(left)
     assert store.shared.tier.list(lay.CHUNKS) == []
+
+
+@pytest.mark.gpu
+def test_a_gpu_builds_streamed_chunks_are_the_bytes_of_its_finished_artifact(tmp_path: Path) -> None:
+    """Each layer's host copies are asynchronous on a GPU: the writer must encode them only once
+    landed (host_copies_mark), or it would store bytes other than the artifact's."""
+    import torch
+
+    from ctxcache.indexer import IndexerConfig, build_artifact
+    from ctxcache.methods import make_method
+    from ctxcache.models.loader import load_model
+    from ctxcache.store import ArtifactStore, ObjectArtifactStore
+
+    lm = load_model("random:tiny", torch.float16, "cuda")
+    tokens = torch.randint(3, 500, (900,), generator=torch.Generator().manual_seed(5))
+    with ObjectArtifactStore(f"file://{tmp_path / 'shared'}") as s, ArtifactStore(tmp_path / "lmdb") as local:
+        w = s.writer("c1")
+        art = build_artifact(lm, tokens, make_method("csattention"),
+                             IndexerConfig(progress=False, coded_kv=True), w)
+        m = w.finish(art)
+        ref = local.put("c1", art)  # encoded from the finished artifact, all copies landed
+        assert [(c.label(), c.sha256) for c in m.chunks] == [(c.label(), c.sha256) for c in ref.chunks]
