@@ -99,7 +99,9 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         layers.append(_kv_layer(cache.k[layer][0, :, :n], cache.v[layer][0, :, :n], dtype,
                                 config.kv_codec if config.coded_kv else "lossless", tables, kept))
         capture.chunks[layer] = []  # free the queries as we go
-        if writer is not None:  # its host copies are still landing: the writer waits for them, not us
+        # handed over once it holds what the store keeps (its host copies still landing: the writer
+        # waits for them, not the build); a lossy codec's K/V held decoded is encoded at finish
+        if writer is not None and (config.coded_kv or config.kv_codec == "lossless"):
             writer.add_layer(layer, layers[-1], config.kv_codec, host_copies_mark(device))
     wait_for_host_copies(device)
     return ContextArtifact(
