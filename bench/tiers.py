@@ -4,8 +4,9 @@
 
 One `ctxcache serve` process with a local LMDB and an object store (a private SeaweedFS where
 `weed` is installed, else a folder), read through its gRPC API alone. Per context length: the
-PutContext until READY; then per repeat a 20-token question's TTFT with the context resident in
-HBM, in DRAM (admin Evict device_only), in the local store with its file in the page cache (Evict
+PutContext until READY (the median of --put-repeats distinct texts, and from the server's log
+each one's build and the store write left after it); then per repeat a 20-token question's TTFT
+with the context resident in HBM, in DRAM (admin Evict device_only), in the local store with its file in the page cache (Evict
 memory_only), in the local store after the page cache was dropped (root only; skipped otherwise;
 the LMDB pages the server keeps mapped stay cached, so this row reads much like the last), and
 in the object store alone (Evict local_only: this worker's copies gone), once with the store's
@@ -24,6 +25,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -40,7 +42,7 @@ from ctxcache.bench.common.serve_client import generate
 from ctxcache.client.server_process import running_server
 from ctxcache.bench.serve import context_text, put_all
 from ctxcache.client import Client
-from ctxcache.client.gen.v1 import admin_pb2 as apb
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.models.loader import load_model
 
 GiB = 1 << 30
@@ -62,8 +64,9 @@ def h2d_gb_per_s(gib: int = 2) -> float:
     return (gib << 30) / statistics.median(times[2:]) / 1e9
 
 
-def on_the_model(args, contexts: list[int]) -> tuple[dict[int, dict], list[str], float]:
-    """Prefill baselines per length, one context text per length, and the link's copy rate."""
+def on_the_model(args, contexts: list[int]) -> tuple[dict[int, dict], list[list[str]], float]:
+    """Prefill baselines per length, --put-repeats distinct context texts per length, and the
+    link's copy rate."""
     lm = load_model(args.model, getattr(torch, args.dtype), args.device)
     rate = h2d_gb_per_s() if args.device == "cuda" else 0.0
     base, texts = {}, []
@@ -71,7 +74,7 @@ def on_the_model(args, contexts: list[int]) -> tuple[dict[int, dict], list[str],
         one = min(reprefill_seconds(lm, n + 20, n + 20) for _ in range(args.repeats))
         chunked = min(reprefill_seconds(lm, n + 20, 4096) for _ in range(args.repeats))
         base[n] = {"prefill_one_pass_s": one, "prefill_4k_chunks_s": chunked, "reprefill_s": min(one, chunked)}
-        texts.append(context_text(lm.tokenizer, n, 7000 + n))
+        texts.append([context_text(lm.tokenizer, n, 7000 + n + 100 * j) for j in range(args.put_repeats)])
     del lm
     gc.collect()
     if torch.cuda.is_available():
@@ -112,7 +115,8 @@ def tier_ttfts(client: Client, cid: str, repeats: int) -> dict[str, list[float]]
 def server_flags(args, data: Path, uri: str, longest: int) -> list[str]:
     return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
             "--object-store", uri, "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb),
-            "--gpu-slots", "1", "--gpu-slot-tokens", str(longest + 64 + 256 + 64), "--max-streams", "16"]
+            "--gpu-slots", "1", "--gpu-slot-tokens", str(longest + 64 + 256 + 64), "--max-streams", "16",
+            "--no-access-log"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--contexts", default="4000", help="context lengths in tokens, comma separated")
     ap.add_argument("--repeats", type=int, default=3, help="TTFT samples per tier (medians reported)")
+    ap.add_argument("--put-repeats", type=int, default=3, help="PutContexts of distinct texts per length "
+                    "(median reported; the first is the context the tiers read, the others are deleted)")
     ap.add_argument("--store-gb", type=float, default=40.0)
     ap.add_argument("--dram-gb", type=float, default=12.0, help="the server's DRAM cache (a 124K int8 artifact is 8 GB)")
     ap.add_argument("--merge", action="store_true", help="keep the rows of other context lengths already in "
@@ -136,15 +142,19 @@ def main(argv: list[str] | None = None) -> int:
         uri = (stack.enter_context(private_s3(Path(tmp) / "s3")) if _has_weed()
                else f"file://{Path(tmp) / 'objects'}")
         log = Path(args.log) if args.log else Path(tmp) / "serve.log"
-        address = stack.enter_context(running_server(server_flags(args, Path(tmp) / "data", uri, max(contexts)), log))
+        address = stack.enter_context(running_server(server_flags(args, Path(tmp) / "data", uri, max(contexts)), log,
+                                                     verbose=True))  # its "built" lines: build_split
         client = Client(address)
         for n, text in zip(contexts, texts):
-            cids, puts = put_all(client, [text])
+            cids, puts = put_all(client, text[:1])
             parts = client.admin.Describe(apb.DescribeRequest(context_id=cids[0])).stored_bytes_by_part
             stored = sum(b for part, b in parts.items() if part != "queries")  # what a load reads
             ttfts = tier_ttfts(client, cids[0], args.repeats)
+            more, more_s = more_puts(client, text[1:])  # after the tiers: they must not share its memory
+            puts += more_s
             row = {"context": n, "object_store": uri.split("?")[0].split(":")[0], "stored_bytes": stored,
-                   "h2d_gb_per_s": rate, "put_s": puts[0], "prefill_s": base[n]["prefill_4k_chunks_s"], **base[n]}
+                   "h2d_gb_per_s": rate, "put_s": statistics.median(puts), "put_runs": puts,
+                   **build_split(log, cids + more), "prefill_s": base[n]["prefill_4k_chunks_s"], **base[n]}
             for tier, xs in ttfts.items():
                 row[f"ttft_{tier}_s"] = statistics.median(xs) if xs else None
                 row[f"ttft_{tier}_runs"] = xs
@@ -166,9 +176,32 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["context", "stored_bytes", *(f"ttft_{t}_s" for t in TIERS), "reprefill_s",
                        "prefill_one_pass_s"])
     print_table(rows, ["context", "h2d_gb_per_s", *(f"{t}_gb_per_s" for t in TIERS[1:]),
-                       "local_over_reprefill", "object_over_reprefill", "put_s", "prefill_s", "put_over_prefill"])
+                       "local_over_reprefill", "object_over_reprefill", "put_s", "put_build_s",
+                       "put_write_after_build_s", "prefill_s", "put_over_prefill"])
     print(f"wrote {out}")
     return 0
+
+
+def more_puts(client: Client, texts: list[str]) -> tuple[list[str], list[float]]:
+    """PutContext until READY of each text, each context deleted after (the store keeps room)."""
+    cids, puts = put_all(client, texts)
+    for cid in cids:
+        client.context.DeleteContext(pb.DeleteContextRequest(context_id=cid), metadata=client.metadata)
+    return cids, puts
+
+
+_BUILT = re.compile(r"built (\w+): \d+ tokens in [\d.]+s \(build ([\d.]+)s, store write after it ([\d.]+)s\)")
+
+
+def build_split(log: Path, cids: list[str]) -> dict:
+    """Medians over these contexts' builds, from the server's log line of each: the build
+    (prefill, index, host copies) and what of the store write was left once it ended."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = [m for m in _BUILT.finditer(text) if m.group(1) in {c[:12] for c in cids}]
+    if not found:
+        return {"put_build_s": None, "put_write_after_build_s": None}
+    return {"put_build_s": statistics.median(float(m.group(2)) for m in found),
+            "put_write_after_build_s": statistics.median(float(m.group(3)) for m in found)}
 
 
 def kept_rows(path: Path, contexts: list[int]) -> list[dict]:

@@ -24,23 +24,23 @@ _SERVING = re.compile(r"serving on \S+:(\d+) ")
 
 @contextlib.contextmanager
 def running_server(flags: Sequence[str], log: Path, ready_s: float = 1800.0,
-                   env: dict[str, str] | None = None) -> Iterator[str]:
+                   env: dict[str, str] | None = None, verbose: bool = False) -> Iterator[str]:
     """`ctxcache serve --host 127.0.0.1 --port 0 FLAGS`, its output in `log`; -> its address.
     ready_s: a large model loads for minutes before it serves; env: set in its environment
-    (e.g. CUDA_VISIBLE_DEVICES)."""
-    with running_servers([(flags, log, env)], ready_s) as (address,):
+    (e.g. CUDA_VISIBLE_DEVICES); verbose: `ctxcache -v serve` (INFO lines in the log)."""
+    with running_servers([(flags, log, env)], ready_s, verbose) as (address,):
         yield address
 
 
 @contextlib.contextmanager
 def running_servers(servers: Sequence[tuple[Sequence[str], Path, dict[str, str] | None]],
-                    ready_s: float = 1800.0) -> Iterator[list[str]]:
+                    ready_s: float = 1800.0, verbose: bool = False) -> Iterator[list[str]]:
     """Several servers (flags, log, env) started at once, so their model loads and warm-ups
     overlap; -> their addresses, once every one is SERVING. All are stopped on exit."""
     procs: list[subprocess.Popen] = []
     try:
         for flags, log, env in servers:
-            procs.append(_spawn(flags, log, env))
+            procs.append(_spawn(flags, log, env, verbose))
         deadline = time.monotonic() + ready_s
         yield [_wait_serving(p, log, deadline) for p, (_, log, _) in zip(procs, servers)]
     finally:
@@ -48,8 +48,9 @@ def running_servers(servers: Sequence[tuple[Sequence[str], Path, dict[str, str] 
             _stop(proc)
 
 
-def _spawn(flags: Sequence[str], log: Path, env: dict[str, str] | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "ctxcache.service", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
+def _spawn(flags: Sequence[str], log: Path, env: dict[str, str] | None, verbose: bool = False) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ctxcache.service", *(["-v"] if verbose else []), "serve",
+           "--host", "127.0.0.1", "--port", "0", *flags]
     # a private loopback server: tokens set in the shell would lock out the benchmark's client
     env = {**{k: v for k, v in os.environ.items() if k not in ("CTXCACHE_TOKEN", "CTXCACHE_TENANT_TOKENS")},
            **(env or {})}

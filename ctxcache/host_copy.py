@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -42,6 +43,21 @@ def _pool_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
     if block is None:
         return None
     return torch.frombuffer(block, dtype=dtype, count=n).view(shape)
+
+
+def host_copies_mark(device: torch.device) -> Callable[[], None]:
+    """A wait, callable from any thread, that returns once every copy `to_host` has queued on
+    `device`'s current stream so far has landed (a CUDA event; nothing to wait for on the CPU):
+    a store writer encodes a finished layer's host tensors while the build goes on."""
+    if device.type != "cuda":
+        return _landed
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event.synchronize
+
+
+def _landed() -> None:
+    return None
 
 
 def wait_for_host_copies(device: torch.device) -> None:

@@ -9,11 +9,12 @@ from tqdm.auto import tqdm
 
 from ctxcache.artifact import KV_CODECS, ContextArtifact, LayerArtifact
 from ctxcache.generation import prefill
-from ctxcache.host_copy import to_host, wait_for_host_copies
+from ctxcache.host_copy import host_copies_mark, to_host, wait_for_host_copies
 from ctxcache.kv_codec import CodedKV
 from ctxcache.methods import SparseMethod, make_method
 from ctxcache.models.attention import QueryCapture
 from ctxcache.models.loader import LoadedModel
+from ctxcache.store.artifact_writer import ArtifactWriter
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -66,9 +67,11 @@ class IndexerConfig:
 
 
 def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: SparseMethod,
-                   config: IndexerConfig = IndexerConfig()) -> ContextArtifact:
+                   config: IndexerConfig = IndexerConfig(), writer: ArtifactWriter | None = None) -> ContextArtifact:
     """Prefill `tokens` and index every layer with `method`; the layers hold what the method
-    persists (its compact state), the rest is derived at load (SparseMethod.restore)."""
+    persists (its compact state), the rest is derived at load (SparseMethod.restore).
+    writer: each layer is handed to it as soon as it is built (a store uploads it while the
+    next one builds); the caller then finishes the writer with the artifact returned."""
     ids = torch.as_tensor(tokens, dtype=torch.long).flatten()
     n, args = ids.numel(), lm.args
     if n == 0:
@@ -96,6 +99,10 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         layers.append(_kv_layer(cache.k[layer][0, :, :n], cache.v[layer][0, :, :n], dtype,
                                 config.kv_codec if config.coded_kv else "lossless", tables, kept))
         capture.chunks[layer] = []  # free the queries as we go
+        # handed over once it holds what the store keeps (its host copies still landing: the writer
+        # waits for them, not the build); a lossy codec's K/V held decoded is encoded at finish
+        if writer is not None and (config.coded_kv or config.kv_codec == "lossless"):
+            writer.add_layer(layer, layers[-1], config.kv_codec, host_copies_mark(device))
     wait_for_host_copies(device)
     return ContextArtifact(
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,

@@ -229,39 +229,52 @@ class BuildQueue:
             try:
                 with self._turns.turn(lambda: job.token.cancelled) as checkpoint:
                     job.token.on_check = checkpoint
-                    self._build(job)
+                    self._run_build(job)
             finally:
                 with self._lock:
                     self._busy.discard(job.spec.tenant)
                     self._wake.notify_all()
 
     def _build(self, job: Job) -> None:
-        t0 = time.perf_counter()
+        t0, writer = time.perf_counter(), None
         try:
             job.token.check()  # cancelled while queued
             job.stage = 0.1
             method = CancellableMethod(make_method(job.spec.method, job.spec.method_params), job.token)
+            labels = {**job.spec.labels, ROLES_LABEL: ",".join(job.spec.roles)}
+            meta = ContextMeta(labels=labels, ttl_s=job.spec.ttl_s, pinned=job.spec.pin,
+                               tenant=job.spec.tenant, prompt_hash=job.context_id)
             with building(job.token):
                 if job.source is not None:
                     art = reindex(job.source, method)
                 else:
                     keep = self.settings.store_queries if job.spec.keep_queries else 0
+                    # each layer goes to the store as it is built: its upload overlaps the next
+                    writer = self.backend.writer(job.context_id, meta)
                     art = build_artifact(self.lm, job.tokens, method,
                                          IndexerConfig(self._prefill_chunk(), self.kv_dtype, job.spec.kv_codec,
-                                                       progress=False, store_queries=keep, coded_kv=True))
+                                                       progress=False, store_queries=keep, coded_kv=True), writer)
             release_build_memory(self.lm)
             job.token.check()  # a delete that arrived during the last layer wins over the write
             job.stage, t_built = 0.9, time.perf_counter()
-            labels = {**job.spec.labels, ROLES_LABEL: ",".join(job.spec.roles)}
-            meta = ContextMeta(labels=labels, ttl_s=job.spec.ttl_s, pinned=job.spec.pin,
-                               tenant=job.spec.tenant, prompt_hash=job.context_id)
-            manifest = self.backend.put(job.context_id, art, meta)
+            manifest = self.backend.put(job.context_id, art, meta, writer)
             job.state, job.stage = "ready", 1.0
             self.metrics.builds.labels("ready").inc()
             done = time.perf_counter()
-            # the split tells a slow PutContext's build (prefill, index, host copies) from its write
-            log.info("built %s: %d tokens in %.2fs (build %.2fs, store write %.2fs), %d bytes", job.context_id[:12],
-                     len(job.tokens), done - t0, t_built - t0, done - t_built, manifest.stored_bytes)
+            # the split tells a slow PutContext's build (prefill, index, host copies) from what of
+            # its write was left once the build ended
+            log.info("built %s: %d tokens in %.2fs (build %.2fs, store write after it %.2fs), %d bytes",
+                     job.context_id[:12], len(job.tokens), done - t0, t_built - t0, done - t_built,
+                     manifest.stored_bytes)
+        except BaseException:
+            if writer is not None:
+                writer.abort()  # its uploaded chunks go; nothing was registered
+            raise
+
+    def _run_build(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._build(job)
         except BuildCancelled as exc:
             job.state, job.error = "failed", f"cancelled: {exc}"
             self.metrics.builds.labels("cancelled").inc()

@@ -24,6 +24,7 @@ from ctxcache.indexer.job_spec import ROLES_LABEL
 from ctxcache.errors import NotFound, Unavailable
 from ctxcache.store import (ArtifactStore, ContextMeta, CorruptArtifact, Manifest, Registry, RegistryUnavailable,
                             reconcile)
+from ctxcache.store.artifact_writer import ArtifactWriter
 from ctxcache.store.config import StoreStats, VerifyReport
 from ctxcache.store.registries.registry import BuildState
 from ctxcache.store.tiered_store import TieredStore
@@ -62,8 +63,11 @@ class Backend:
     def renew_claim(self, cid: str, lease_s: float) -> None:
         self._best_effort("renew_build", cid, lease_s)
 
-    def put(self, cid: str, art: ContextArtifact, meta: ContextMeta) -> Manifest:
-        manifest = self.store.put(cid, art, meta)
+    def writer(self, cid: str, meta: ContextMeta) -> ArtifactWriter:
+        return self.store.writer(cid, meta)
+
+    def put(self, cid: str, art: ContextArtifact, meta: ContextMeta, writer: ArtifactWriter | None = None) -> Manifest:
+        manifest = (writer or self.store.writer(cid, meta)).finish(art)
         self._best_effort("mark_ready", cid, cid, self.location, meta.tenant)
         return manifest
 

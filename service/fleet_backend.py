@@ -88,8 +88,8 @@ class FleetBackend(Backend):
     def renew_claim(self, cid: str, lease_s: float) -> None:
         return None
 
-    def put(self, cid: str, art, meta) -> Manifest:  # noqa: ANN001
-        return self.store.put(cid, art, meta)
+    def put(self, cid: str, art, meta, writer=None) -> Manifest:  # noqa: ANN001
+        return (writer or self.store.writer(cid, meta)).finish(art)
 
     def build_failed(self, cid: str, error: str) -> None:
         return None

@@ -29,12 +29,19 @@ def chunk_tensors(art: ContextArtifact) -> list[tuple[Slot, torch.Tensor]]:
     out: list[tuple[Slot, torch.Tensor]] = [((None, "tokens"), art.tokens),
                                             ((None, "last_logits"), art.last_logits)]
     for i, layer in enumerate(art.layers):
-        # a layer built coded (the indexer encodes on the build's device) is stored as it is
-        out += [((i, name), t) for name, t in layer.coded_as(art.kv_codec).parts.items()]
-        for name in sorted(layer.tables):
-            out.append(((i, check_name(TABLE_PREFIX + name)), layer.tables[name]))
-        if layer.queries is not None:
-            out.append(((i, QUERY_CHUNK), layer.queries))
+        out += layer_chunks(i, layer, art.kv_codec)
+    return out
+
+
+def layer_chunks(i: int, layer: LayerArtifact, kv_codec: str) -> list[tuple[Slot, torch.Tensor]]:
+    """Layer i's tensors with their slots, in chunk_tensors' order (a streaming writer stores
+    each layer as the build finishes it)."""
+    # a layer built coded (the indexer encodes on the build's device) is stored as it is
+    out = [((i, name), t) for name, t in layer.coded_as(kv_codec).parts.items()]
+    for name in sorted(layer.tables):
+        out.append(((i, check_name(TABLE_PREFIX + name)), layer.tables[name]))
+    if layer.queries is not None:
+        out.append(((i, QUERY_CHUNK), layer.queries))
     return out
 
 

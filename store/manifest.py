@@ -10,12 +10,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-STORE_FORMAT = 2  # layout of manifest + chunks; bump on any change of meaning
-# 2 adds kv_codec; a format-1 manifest reads as kv_codec "lossless" (what it stored)
-READABLE_STORE_FORMATS = (1, 2)
+STORE_FORMAT = 3  # layout of manifest + chunks; bump on any change of meaning
+# 2 adds kv_codec; a format-1 manifest reads as kv_codec "lossless" (what it stored).
+# 3 adds write_id, the object store's name for one write of the chunks, chosen before any chunk
+# is uploaded (object/object_writer.py); a manifest without one (LMDB's own, or an object-store
+# write of format <= 2) stays format 2, its write id derived from its hash (object_layout.py)
+READABLE_STORE_FORMATS = (1, 2, 3)
+NAMED_WRITE_FORMAT = 3
+WRITE_ID_CHARS = 32  # 128 random bits, hex
+_WRITE_ID = re.compile(f"[0-9a-f]{{{WRITE_ID_CHARS}}}")
 
 
 class UnsupportedFormat(ValueError):
@@ -86,7 +93,19 @@ class Manifest:
     stored_bytes: int  # sum of the chunks' stored bytes
     kv_codec: str = "lossless"  # ContextArtifact.kv_codec (absent from store format 1)
     last_access: float = 0.0  # kept under its own key; filled in when read
-    store_format: int = STORE_FORMAT
+    store_format: int = NAMED_WRITE_FORMAT - 1  # `named` makes it 3
+    write_id: str = ""  # the object store's write (format 3); "" before (derived from the hash)
+
+    def __post_init__(self) -> None:
+        if (self.store_format >= NAMED_WRITE_FORMAT) != bool(self.write_id):
+            raise ValueError(f"store_format={self.store_format} with write_id={self.write_id!r}: format "
+                             f"{NAMED_WRITE_FORMAT} and only it names its write")
+        if self.write_id and not _WRITE_ID.fullmatch(self.write_id):
+            raise ValueError(f"write_id={self.write_id!r} must be {WRITE_ID_CHARS} lowercase hex digits")
+
+    def named(self, write_id: str) -> "Manifest":
+        """This manifest naming the object-store write its chunks went up under (format 3)."""
+        return replace(self, write_id=write_id, store_format=NAMED_WRITE_FORMAT)
 
     @property
     def expires_at(self) -> float | None:
@@ -105,6 +124,8 @@ class Manifest:
     def to_bytes(self) -> bytes:
         body = asdict(self)
         body.pop("last_access")
+        if not body["write_id"]:
+            body.pop("write_id")  # a format-2 manifest's bytes stay what they were
         body["chunks"] = [list(c.values()) for c in body["chunks"]]  # compact: ~180 per artifact
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
         return hashlib.sha256(text).hexdigest().encode() + b"\n" + text

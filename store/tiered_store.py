@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from ctxcache.artifact import ContextArtifact
+from ctxcache.artifact import ContextArtifact, LayerArtifact
 from ctxcache.store.lmdb.artifact_store import ArtifactStore
-from ctxcache.store.chunk_io import encode_artifact
+from ctxcache.store.artifact_writer import landed
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, StoreError, StoreUnavailable
 from ctxcache.store.layout import QUERY_CHUNK
@@ -35,6 +35,7 @@ from ctxcache.store.load_stats import LoadSnapshot, LoadStats
 from ctxcache.store.manifest import ContextMeta, Manifest
 from ctxcache.store.object.object_config import ObjectStoreConfig
 from ctxcache.store.object.object_store import Fetched, ObjectArtifactStore
+from ctxcache.store.object.object_writer import ObjectWriter
 from ctxcache.store.read_through import Presence, SingleFlight, TieredConfig
 
 __all__ = ["TieredConfig", "TieredStore", "open_store"]
@@ -82,15 +83,15 @@ class TieredStore:
 
     # ---- write -------------------------------------------------------------------------------------
     def put(self, context_id: str, artifact: ContextArtifact, meta: ContextMeta = ContextMeta()) -> Manifest:
-        """Encode once and upload (the object store holds the copy of record): done when the
-        upload is. The local cache's copy is written after, on the filler thread, and a load
-        until then decodes from the encoded bytes held for it, as after a download (an H200's
-        32K PutContext spent 3.8 s in the LMDB write against 3.2 s uploading beside it)."""
-        m, payloads = encode_artifact(context_id, artifact, meta, self.local.config, self.shared._live(),
-                                      time.time())
-        self.shared.put_encoded(m, payloads)  # a failed upload leaves no local copy behind
-        self._fill_later(Fetched(m, tuple(m.chunks), tuple(payloads)))
-        return m
+        return self.writer(context_id, meta).finish(artifact)
+
+    def writer(self, context_id: str, meta: ContextMeta = ContextMeta()) -> "TieredWriter":
+        """Encode once and upload (the object store holds the copy of record), each layer as it
+        is handed over: done when the manifest is up. The local cache's copy is written after,
+        on the filler thread, and a load until then decodes from the encoded bytes held for it,
+        as after a download (an H200's 32K PutContext spent 3.8 s in the LMDB write against
+        3.2 s uploading beside it)."""
+        return TieredWriter(self, self.shared.writer(context_id, meta, self.local.config))
 
     def _keep_local(self, m: Manifest, payloads) -> None:  # noqa: ANN001 (Sequence[Payload])
         try:
@@ -275,6 +276,26 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TieredWriter:
+    """An ObjectWriter whose finished write is then kept in the local cache (a failed upload
+    leaves no local copy behind)."""
+
+    def __init__(self, store: TieredStore, inner: ObjectWriter) -> None:
+        self.store, self.inner = store, inner
+
+    def add_layer(self, index: int, layer: LayerArtifact, kv_codec: str,
+                  ready: Callable[[], None] = landed) -> None:
+        self.inner.add_layer(index, layer, kv_codec, ready)
+
+    def finish(self, artifact: ContextArtifact) -> Manifest:
+        m, payloads = self.inner.finish_encoded(artifact)
+        self.store._fill_later(Fetched(m, tuple(m.chunks), tuple(payloads)))
+        return m
+
+    def abort(self) -> None:
+        self.inner.abort()
 
 
 def _without_queries(f: Fetched) -> Fetched:

@@ -16,7 +16,7 @@ from ctxcache.errors import NotFound, Unauthenticated, Unavailable
 from ctxcache.service.rpc.calls import deadline_of, in_thread, iterate_in_thread, streaming, unary
 from ctxcache.client.gen.v1 import context_pb2 as pb, context_pb2_grpc
 from ctxcache.indexer.build_queue import BuildQueue, Job
-from ctxcache.store import CorruptArtifact, Manifest, request_deadline
+from ctxcache.store import CorruptArtifact, Manifest, StoreUnavailable, request_deadline
 from ctxcache.store.registries.fleet_registry import Facts
 
 _STATE = {"building": pb.CONTEXT_STATE_BUILDING, "ready": pb.CONTEXT_STATE_READY,
@@ -120,7 +120,14 @@ class ContextServicer(context_pb2_grpc.ContextServiceServicer):
             await wait_for(job)
             if job is not None and job.token.cancelled and self.draining():  # the build ended with the server
                 raise Unavailable("the server is shutting down; retry on another worker or after its restart")
-        info = await in_thread(self.pool, context_info, self.indexer, cid)
+        try:
+            info = await in_thread(self.pool, context_info, self.indexer, cid)
+        except StoreUnavailable:
+            if job is None or job.state != "failed":
+                raise
+            # the store that failed this build's upload still refuses calls (its breaker is open):
+            # the answer is the build's own failure, not a second outage report
+            info = info_from_job(job, self.indexer.lm.model_id)
         return pb.PutContextResponse(context=info, created=created)
 
     @unary

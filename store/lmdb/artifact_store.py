@@ -23,6 +23,7 @@ import torch
 
 from ctxcache.artifact import READABLE_FORMATS, ContextArtifact
 from ctxcache.store import eviction
+from ctxcache.store.artifact_writer import DeferredWriter
 from ctxcache.store.chunk_io import ChunkStream, Payload, decode_chunks, encode_artifact, raw_bytes
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch, StoreClosed, StoreError, StoreFull
@@ -115,6 +116,10 @@ class ArtifactStore:
             return self.put_encoded(manifest, payloads)
         stream = ChunkStream(context_id, artifact, chunks, meta, self.config, pool, self._clock())
         return self._with_room(context_id, bound, lambda: self._write_stream(stream))
+
+    def writer(self, context_id: str, meta: ContextMeta = ContextMeta()) -> DeferredWriter:
+        """A put whose layers wait for `finish`: one transaction (artifact_writer.py)."""
+        return DeferredWriter(self, context_id, meta)
 
     def put_encoded(self, manifest: Manifest, payloads: Sequence[Payload]) -> Manifest:
         """Store chunks already encoded (and checked) elsewhere, e.g. fetched from the shared

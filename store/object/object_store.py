@@ -4,9 +4,11 @@ Same methods as ArtifactStore (put, get, manifest, delete, update_meta, list_man
 context_ids, verify, stats, evict_expired, evict_to_budget, close, location), plus `fetch`
 (verified stored bytes, for a local cache to keep without re-encoding) and `gc`.
 
-Writes: every chunk first, the manifest last (object_layout.py), so a manifest that can be
-read names chunks that were all stored before it; a writer that dies before its manifest leaves
-only orphan chunks, which `gc` removes after a grace period. Reads: the manifest (its own
+Writes: every chunk first, each as soon as it is encoded (object_writer.py: a build hands its
+layers over as it finishes them), the manifest last (object_layout.py), so a manifest that can
+be read names chunks that were all stored before it; a writer that fails before its manifest
+removes its chunks, and one that dies leaves only orphan chunks, which `gc` removes after a
+grace period. Reads: the manifest (its own
 sha256), then the chunks, each checked against the manifest's size and checksum before use:
 damage or truncation is CorruptArtifact (DATA_LOSS), an unreachable store StoreUnavailable.
 """
@@ -24,7 +26,7 @@ import numpy as np
 
 from ctxcache.artifact import READABLE_FORMATS, ContextArtifact
 from ctxcache.store.object import object_layout as lay
-from ctxcache.store.chunk_io import ChunkDecoder, Payload, check_chunk, check_size, decode_chunks, encode_artifact
+from ctxcache.store.chunk_io import ChunkDecoder, Payload, check_chunk, check_size, decode_chunks
 from ctxcache.store.config import BadChunk, StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch
 from ctxcache.store.keys import check_id
@@ -32,6 +34,7 @@ from ctxcache.store.layout import QUERY_CHUNK
 from ctxcache.store.manifest import READABLE_STORE_FORMATS, ChunkInfo, ContextMeta, Manifest, UnsupportedFormat
 from ctxcache.store.object.object_config import ObjectStoreConfig
 from ctxcache.store.object.object_gc import GcReport, collect_garbage, make_room, summaries, victims_to_budget
+from ctxcache.store.object.object_writer import ObjectWriter
 from ctxcache.store.tiers import ObjectTier, open_tier
 from ctxcache.store.tiers.guard import GuardedTier
 from ctxcache.store.lmdb import txn_ops
@@ -93,6 +96,7 @@ class ObjectArtifactStore:
         self.tier = GuardedTier(open_tier(tier, config.tier) if isinstance(tier, str) else tier, config.guard)
         self.config, self.codec, self._clock = config, codec, clock
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(codec.threads, "ctxobj")
+        self._put_pool = ThreadPoolExecutor(config.put_threads, "ctxput")  # writers' encodes and uploads
         self._touched: dict[str, float] = {}
 
     @property
@@ -114,6 +118,7 @@ class ObjectArtifactStore:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            self._put_pool.shutdown(wait=True)
             self.tier.close()
         self._pool = None
 
@@ -125,26 +130,31 @@ class ObjectArtifactStore:
 
     # ---- write -----------------------------------------------------------------------------------
     def put(self, context_id: str, artifact: ContextArtifact, meta: ContextMeta = ContextMeta()) -> Manifest:
-        check_id(context_id)
-        m, payloads = encode_artifact(context_id, artifact, meta, self.codec, self._live(), self._clock())
-        return self.put_encoded(m, payloads)
+        return self.writer(context_id, meta).finish(artifact)
 
-    def put_encoded(self, m: Manifest, payloads: Sequence[Payload]) -> Manifest:
-        """Chunks first, then the manifest; StoreFull if the budget cannot make room.
-        Replacing an artifact deletes the old write's chunks once the new manifest is in."""
+    def writer(self, context_id: str, meta: ContextMeta = ContextMeta(), codec: StoreConfig | None = None
+               ) -> ObjectWriter:
+        """A write whose layers are uploaded as they are handed over (object_writer.py); codec:
+        how chunks are encoded (default: this store's)."""
         self._live()
-        if len(payloads) != len(m.chunks):
-            raise ValueError(f"context {m.context_id}: {len(payloads)} payloads for {len(m.chunks)} chunks")
+        return ObjectWriter(self, context_id, meta, codec or self.codec, self._put_pool,
+                            self.config.put_inflight_bytes, self._clock)
+
+    def make_way(self, m: Manifest) -> Manifest | None:
+        """Before a write's manifest: room in the budget for it (StoreFull if there is none) ->
+        the manifest it replaces, if any."""
         if self.config.budget_bytes is not None:
             make_room(self, m.context_id, m.stored_bytes)
-        old = self._read_manifest(m.context_id, allow_expired=True, quiet=True)
-        self.tier.put_many(list(zip(lay.chunk_keys(m), payloads, strict=True)))
+        return self._read_manifest(m.context_id, allow_expired=True, quiet=True)
+
+    def publish(self, m: Manifest, old: Manifest | None) -> None:
+        """The manifest of a write whose chunks are all stored: the context is visible from
+        here. The write it replaces is deleted after (a reader of it retries: fetch)."""
         self.tier.put(lay.manifest_key(m.context_id), m.to_bytes())
         self._touched.pop(m.context_id, None)
         self.touch(m.context_id)
         if old is not None and lay.write_id(old) != lay.write_id(m):
-            self.tier.delete_prefix(lay.folder_of(old))  # a reader of the old write retries (fetch)
-        return m
+            self.tier.delete_prefix(lay.folder_of(old))
 
     def touch(self, context_id: str) -> None:
         """Record a use for the shared tier's LRU (its access mark holds the time, 8 bytes), at

@@ -226,7 +226,9 @@ def test_a_put_whose_upload_fails_keeps_no_local_copy(tier_uri: str, tmp_path: P
         def refuse(*args, **kw):  # noqa: ANN002, ANN003
             time.sleep(0.2)  # the local write runs meanwhile
             raise StoreUnavailable("object store unavailable")
-        a.shared.put_encoded = refuse  # type: ignore[method-assign]
+        a.shared.tier.inner.put = refuse  # type: ignore[method-assign]
         with pytest.raises(StoreUnavailable):
             a.put("c1", make_artifact(12))
+        time.sleep(1.0)  # past the breaker's open_s (tiers/guard.py) and the writer's cleanup, its probe
         assert a.local.manifest("c1") is None and a.get("c1") is None
+        assert a.shared.tier.list(lay.CHUNKS) == []  # the failed write's chunks removed
