@@ -156,6 +156,9 @@ class DecoderSettings:
     offload: bool = False
     offload_slots: int = 4  # offloaded streams decoded together (host slots in one page-locked pool)
     offload_slot_tokens: int = 0  # tokens per host slot; 0: the model's length
+    # on a GPU, warm up in a child process first (service/warm_up_check.py): a compiler crash is
+    # then one line instead of the server's death by signal
+    warm_up_check: bool = True
 
     def __post_init__(self) -> None:
         if self.decode_mode not in MODES:
