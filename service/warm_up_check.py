@@ -56,7 +56,8 @@ def check_warm_up(config: ServiceConfig) -> None:
     progress, output = folder / "progress", folder / "child.log"
     t0 = time.perf_counter()
     with open(output, "wb") as out:
-        child = subprocess.Popen([sys.executable, "-m", "ctxcache.service.warm_up_check", str(progress)],
+        child = subprocess.Popen([sys.executable, "-m", "ctxcache.service.warm_up_check", str(progress),
+                                  str(os.getpid())],
                                  stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
     try:
         with contextlib.suppress(BrokenPipeError):  # a child that died at once: its status says how
@@ -105,11 +106,13 @@ def _signal_name(number: int) -> str:
         return "unknown signal"
 
 
-def _child(progress_path: str) -> int:
+def _child(progress_path: str, server: int) -> int:
     """The child: the server's model, runners and warm-up, each compile reported as it starts
     and ends in the progress file (written unbuffered: an abort loses nothing)."""
     config: ServiceConfig = pickle.load(sys.stdin.buffer)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    if os.getppid() != server:  # gone already
+        return 70
+    threading.Thread(target=_exit_with_parent, args=(server,), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     faulthandler.enable()  # a native crash also leaves the Python stack it happened under in the log
     fd = os.open(progress_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -159,4 +162,4 @@ def _exit_with_parent(server: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1]))
+    sys.exit(_child(sys.argv[1], int(sys.argv[2])))

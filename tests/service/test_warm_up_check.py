@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -114,6 +115,17 @@ def test_the_line_names_the_kernel_the_compiler_died_in(monkeypatch, tmp_path):
     assert warm_up_check.failure_line(1, [*lines, "error no such file: /m"], out) == "no such file: /m"
 
 
+def test_a_child_whose_server_is_gone_stops(tmp_path):
+    """A server SIGKILLed while its child warms up: the child stops instead of holding the GPU."""
+    gone = subprocess.Popen(["true"])  # a pid that is not the child's parent
+    gone.wait()
+    child = subprocess.run([sys.executable, "-m", "ctxcache.service.warm_up_check", str(tmp_path / "progress"),
+                            str(gone.pid)], input=pickle.dumps(tiny_config(tmp_path / "s")), capture_output=True,
+                           env={**os.environ, warm_up_check.FAULT_ENV: "abort"}, timeout=60)
+    assert child.returncode == 70, child.stderr[-2000:]  # not -6: it stopped before its warm-up's end
+    assert not (tmp_path / "progress").exists()
+
+
 @pytest.mark.gpu
 def test_a_real_server_whose_compiler_aborts_says_one_line(tmp_path):
     """`ctxcache serve` on the GPU, its child aborting at the first kernel it compiles: exit 1,
@@ -147,4 +159,4 @@ def test_a_real_gpu_server_checks_then_serves(tmp_path):
         proc.wait(60)
     checked = re.search(r"warm-up check: .* warmed up in (\d+\.\d) s \((\d+) kernel compilations\)", text)
     assert checked and int(checked[2]) > 0, text[-3000:]
-    print(checked[0])  # the child's time, for the record
+    print(checked[0], re.search(r"warm-up: .*", text)[0], sep="\n")  # the child's and the server's, for the record
