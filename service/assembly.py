@@ -14,7 +14,7 @@ from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.decode_mode import resolve
 from ctxcache.decoder.runner import ReferenceRunner, Runner
 from ctxcache.methods import make_method
-from ctxcache.models.loader import LoadedModel
+from ctxcache.models.loader import LoadedModel, load_model
 from ctxcache.service.backend import Backend
 from ctxcache.indexer.build_queue import BuildQueue
 from ctxcache.service.config import ServiceConfig
@@ -57,6 +57,18 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
                  off.pool.nbytes / 2**30)
         return [fast, off, reference]  # contexts no slot holds: K/V in host memory
     return [fast, reference]
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_configured_model(config: ServiceConfig) -> LoadedModel:
+    """The model the config names, on its device (the server's, and its warm-up check child's)."""
+    m = config.model
+    lm = load_model(m.model, _DTYPES[m.dtype], m.device)
+    if lm.model.lm_head.weight.is_cuda:  # a random model's fp32 draft stays reserved otherwise (an
+        torch.cuda.empty_cache()  # 8B: 16 GB that an indexer beside a decoder on one GPU needs)
+    return lm
 
 
 # a context must leave its slot room for a question and the start of an answer

@@ -156,6 +156,10 @@ class DecoderSettings:
     offload: bool = False
     offload_slots: int = 4  # offloaded streams decoded together (host slots in one page-locked pool)
     offload_slot_tokens: int = 0  # tokens per host slot; 0: the model's length
+    # on a GPU, warm up in a child process first (service/warm_up_check.py): a compiler crash is
+    # then one line instead of the server's death by signal. Off until its cost (a second model
+    # load and warm-up) is measured on a GPU
+    warm_up_check: bool = False
 
     def __post_init__(self) -> None:
         if self.decode_mode not in MODES:

@@ -17,14 +17,15 @@ from grpc_reflection.v1alpha import reflection
 from ctxcache.decoder.runner import ReferenceRunner
 from ctxcache.kernels.compiles import CompileCounter
 from ctxcache.models.cpu_layout import usable_cores
-from ctxcache.models.loader import LoadedModel, load_model
+from ctxcache.models.loader import LoadedModel
 from ctxcache.service import roles
 from ctxcache.service.rpc.access_log import AccessLogInterceptor
 from ctxcache.service.rpc.admin import AdminServicer
 from ctxcache.service.auth import Auth, AuthInterceptor
 from ctxcache.service.rpc.calls import LoopThread, ParseInterceptor
 from ctxcache.decoder.artifact_cache import ArtifactCache
-from ctxcache.service.assembly import cap_to_slots, decode_runners, open_store_and_registry, reconcile
+from ctxcache.service.assembly import (cap_to_slots, decode_runners, load_configured_model, open_store_and_registry,
+                                      reconcile)
 from ctxcache.service.backend import Backend
 from ctxcache.service.config import ServiceConfig
 from ctxcache.decoder.cached_context import CachedContext
@@ -33,13 +34,13 @@ from ctxcache.client.gen.v1 import admin_pb2, admin_pb2_grpc, context_pb2, conte
 from ctxcache.metrics import Metrics
 from ctxcache.prompting import ByteTokenizer, Prompter, ensure_chat_template
 from ctxcache.service.rpc.servicer import ContextServicer
-from ctxcache.service.warmup import warm_up
+from ctxcache.service.warmup import warm_up_server
+from ctxcache.service.warm_up_check import check_warm_up
 from ctxcache.service.gc_watch import freeze_and_watch, thaw
 
 log = logging.getLogger("ctxcache.service")
 CONTEXT_SERVICE = context_pb2.DESCRIPTOR.services_by_name["ContextService"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class CtxcacheServer:
@@ -105,9 +106,7 @@ class CtxcacheServer:
             self.http = HttpFront(self)
             self.http_port = self.http.start(self.config.server.http_port)
         self.port = self.loop.run(self._start())  # health NOT_SERVING until the runners are warm
-        ix = self.config.indexer
-        warm_up(self.lm, [e.runner for e in self.decoder.engines], ix.method, ix.method_params, "float16",
-                self.compiles)
+        warm_up_server(self.lm, [e.runner for e in self.decoder.engines], self.config, self.compiles)
         freeze_and_watch()
         self.loop.run(self._set_health(health_pb2.HealthCheckResponse.SERVING))
         self.ready.set()  # the HTTP front's /health says ok from here on
@@ -205,17 +204,16 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 def create_server(config: ServiceConfig, lm: LoadedModel | None = None) -> tuple[CtxcacheServer, int]:
-    """Build and start the service; -> (server, bound port). `lm`: reuse an already loaded model."""
+    """Build and start the service; -> (server, bound port). `lm`: reuse an already loaded model
+    (then no warm-up check: the child would need a second copy's memory beside it)."""
     torch.set_num_threads(config.decoder.torch_threads or usable_cores())
     # The decode loop shares the interpreter with the gRPC handlers: after each step's device
     # sync it waits for the interpreter lock, up to the switch interval (5 ms by default, half a
     # GPU decode step). 0.5 ms lets it back within a small fraction of a step.
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
     if lm is None:
-        m = config.model
-        lm = load_model(m.model, _DTYPES[m.dtype], m.device)
-        if lm.model.lm_head.weight.is_cuda:  # a random model's fp32 draft stays reserved otherwise (an
-            torch.cuda.empty_cache()  # 8B: 16 GB that an indexer beside a decoder on one GPU needs)
+        check_warm_up(config)  # a GPU server: its warm-up first runs in a child, which a compiler crash ends
+        lm = load_configured_model(config)
     if lm.tokenizer is not None:
         ensure_chat_template(lm.tokenizer, config.model.chat_template, config.model.model)
     server = CtxcacheServer(config, lm)

@@ -15,6 +15,7 @@ from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.kernels.compiles import CompileCounter
 from ctxcache.methods import make_method
 from ctxcache.models.loader import LoadedModel
+from ctxcache.service.config import ServiceConfig
 
 log = logging.getLogger("ctxcache.service")
 # two short contexts, one a multiple of 16 tokens long and one not: a prompt's prefill passes
@@ -49,3 +50,9 @@ def warm_up(lm: LoadedModel, runners: list[Runner], method: str, params: dict, k
     used = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     log.info("warm-up: %s in %.1f s, %d kernel compilations, %.2f GiB of GPU memory allocated",
              ", ".join(r.name for r in warmable), time.perf_counter() - t0, counter.total, used)
+
+
+def warm_up_server(lm: LoadedModel, runners: list[Runner], config: ServiceConfig, counter: CompileCounter) -> None:
+    """The server's warm-up, in the server and in its warm-up check's child alike (warm_up_check.py):
+    its method and the fp16 K/V its builds make."""
+    warm_up(lm, runners, config.indexer.method, config.indexer.method_params, "float16", counter)

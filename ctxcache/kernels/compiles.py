@@ -49,3 +49,24 @@ class CompileCounter:
         """Compilations since ready() (0 before it)."""
         with self._lock:
             return 0 if self.at_ready is None else self.total - self.at_ready
+
+
+def report_compiles(write) -> None:
+    """Call write("start NAME") before Triton compiles each kernel specialization new to the process
+    and write("done NAME") once it is built, chained onto the hooks already installed: a process
+    that dies inside the compiler leaves the kernel it was compiling as its last "start" line."""
+    runtime = triton.knobs.runtime
+    before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+
+    def start(*args, **kwargs):
+        write(f"start {_name(kwargs.get('fn'))}")
+        return before(*args, **kwargs) if before is not None else False
+
+    def done(*args, **kwargs):
+        write(f"done {_name(kwargs.get('fn'))}")
+        return after(*args, **kwargs) if after is not None else None
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = start, done
+
+
+def _name(fn) -> str:
+    return " ".join(str(getattr(fn, "name", fn)).split()) or "?"  # a line of the report each

@@ -24,10 +24,9 @@ def address(value: str) -> str:
 
 
 def positive_int(value: str) -> int:
-    n = int(value)
-    if n < 1:
+    if int(value) < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return n
+    return int(value)
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -149,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "or env CTXCACHE_ALLOW_UNAUTHENTICATED=1)")
     p.add_argument("--no-access-log", action="store_true",
                    help="no access-log line per RPC (method, context id, status, duration) on stderr")
+    p.add_argument("--warm-up-check", action="store_true", help="GPU: warm up first in a child process, so that a "
+                   "kernel compiler crash stops the start with one line (a second model load and warm-up)")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", type=Path, default=None, help="the certificate's private key (PEM)")
     _fleet_flags(p)
