@@ -1,0 +1,96 @@
+"""Where a decode step's time goes: the fast runner's step (GpuRunner.step, graph replay, no
+engine or gRPC) at each context length, batch and mode, broken down by kernel with
+torch.profiler, beside the step's wall time and the card's copy bandwidth.
+
+Why: a step that is slow for its bytes is slow either inside its kernels or between them; the
+per-kernel time summed against the step says which (issue 46's H200 profile at 32K x 8: kernels
+busy 10.3 of a 10.45 ms step, so the cost was inside them). Random Llama-3.1-8B weights, one
+built artifact per length shared by every row (each row its own slot and tables).
+`ctxcache bench step_profile [--contexts 32768] [--batches 1,8] [--modes sparse,dense] [--out DIR]`."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+
+from ctxcache.bench.common.gpu import gpu_cli
+from ctxcache.bench.common.report import print_table, write_result
+from ctxcache.bench.common.serve_limits import copy_bandwidth
+from ctxcache.bench.serve import build_times
+from ctxcache.decoder.gpu.runner import GpuRunner
+from ctxcache.decoder.reference_attention import SparseConfig
+from ctxcache.methods import make_method
+from ctxcache.models.loader import load_model
+
+
+def per_step(events: Iterable[tuple[str, float]], steps: int, top: int = 0) -> list[dict]:
+    """(kernel name, device us) events of `steps` steps -> rows of launches and us per step,
+    largest first (the first `top` where top > 0)."""
+    agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, us in events:
+        agg[name][0] += 1
+        agg[name][1] += us
+    rows = sorted(({"kernel": name, "launches": n / steps, "us": us / steps} for name, (n, us) in agg.items()),
+                  key=lambda r: -r["us"])
+    return rows[:top] if top else rows
+
+
+def profile_steps(runner: GpuRunner, rows: list, steps: int = 5, repeats: int = 20) -> dict:
+    """The step's median wall time, then its kernels over `steps` profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+    toks = [7] * len(rows)
+    for _ in range(3):
+        runner.step(rows, toks)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.step(rows, toks)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.step(rows, toks)
+        torch.cuda.synchronize()
+    kernels = per_step(((e.name, e.device_time_total) for e in prof.events() if e.device_type.name == "CUDA"), steps)
+    return {"step_ms": 1e3 * statistics.median(times), "kernels_ms": sum(k["us"] for k in kernels) / 1e3,
+            "launches": sum(k["launches"] for k in kernels), "kernels": kernels}
+
+
+def main(argv: list[str] | None = None) -> int:
+    def extra(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--modes", default="sparse,dense", help="comma-separated: sparse (csattention), dense")
+        ap.add_argument("--top", type=int, default=12, help="kernels printed per row (the JSON keeps all)")
+    args = gpu_cli("ctxcache bench step_profile", "32768", argv, extra, __doc__)
+    if args is None:
+        return 2
+    modes = args.modes.split(",")
+    if any(m not in ("sparse", "dense") for m in modes):
+        print(f"ctxcache bench step_profile: error: --modes {args.modes!r}: sparse and/or dense", flush=True)
+        return 2
+    lm = load_model("random:llama-3.1-8b", torch.bfloat16, "cuda")
+    config = SparseConfig.from_schedule("0.05-step-1")
+    params = {"sparse": make_method("csattention", {}).params, "dense": None}
+    rows_out, top = [], []
+    for n in args.contexts:
+        _, art = build_times(lm, n, {})
+        for mode in modes:
+            for b in args.batches:
+                runner = GpuRunner(lm, params[mode], config, b, n + 512)
+                rows = [runner.admit(f"c{i}", art, [5] * 20, config, 64)[0] for i in range(b)]
+                got = profile_steps(runner, rows)
+                rows_out.append({"context": n, "mode": mode, "batch": b, **got})
+                top += [{"context": n, "mode": mode, "batch": b, **k} for k in got["kernels"][:args.top]]
+                del runner, rows
+                torch.cuda.empty_cache()
+        del art
+    path = write_result("step_profile", {"copy_gb_per_s": copy_bandwidth("cuda") / 1e9, "rows": rows_out}, args.out)
+    print_table(top, ["context", "mode", "batch", "kernel", "launches", "us"])
+    print_table(rows_out, ["context", "mode", "batch", "step_ms", "kernels_ms", "launches"])
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,21 @@
+"""bench step_profile: kernel events summed per step, largest first; a one-line refusal without a GPU."""
+
+import pytest
+import torch
+
+from ctxcache.bench.step_profile import main, per_step
+
+
+def test_events_are_summed_per_step_largest_first():
+    events = [("a", 2.0), ("b", 5.0), ("a", 4.0), ("b", 5.0), ("c", 1.0), ("a", 6.0)]
+    rows = per_step(events, steps=2)
+    assert [r["kernel"] for r in rows] == ["a", "b", "c"]
+    assert rows[0] == {"kernel": "a", "launches": 1.5, "us": 6.0}
+    assert per_step(events, steps=2, top=1) == rows[:1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without a GPU gets")
+def test_without_a_gpu_it_says_so_in_one_line(capsys):
+    assert main(["--contexts", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs a CUDA GPU" in err
