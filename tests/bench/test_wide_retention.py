@@ -162,3 +162,4 @@ def test_per_kind_and_per_depth_cells_merge_across_shards(tmp_path):
     assert cs["by_qkind"]["number"]["full_correct"] == 4  # questions 0 and 5 of each kind
     md = paths["md"].read_text()
     assert "Wide suite, by needle depth" in md and "| csattention | 0.05 | 0.800 (20) 0/4 p=0.12 |" in md
+    assert "| zones | 0.500 / 1.000 (2) 0/1 | 1.000 / 1.000 (2) 0/0 |" in md  # kind x depth
