@@ -331,10 +331,12 @@ def run_shard(args: argparse.Namespace) -> Path:
     todo = [c for c in cells if c not in done]
     print(f"[compare] {len(cells)} cells, {len(todo)} to run -> {path}", file=sys.stderr, flush=True)
     runner = Runner(args) if todo else None
+    code = commit()  # the code this process imported: a commit made while it runs is not it
     for cell in tqdm(todo, desc="compare cells", unit="cell", file=sys.stderr):
         t0 = time.perf_counter()
-        done[cell] = {"rows": runner.run(cell), "seconds": time.perf_counter() - t0}
-        _write(path, {"bench": "compare", "config": config, "machine": machine_info(), "commit": commit(),
+        # each cell keeps its own commit: a resumed shard holds cells of several processes
+        done[cell] = {"rows": runner.run(cell), "seconds": time.perf_counter() - t0, "commit": code}
+        _write(path, {"bench": "compare", "config": config, "machine": machine_info(), "commit": code,
                       "date": dt.date.today().isoformat(), "cells": done})
         print(f"[compare] {cell} {done[cell]['seconds']:.0f}s", file=sys.stderr, flush=True)
     return path

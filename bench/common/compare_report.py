@@ -163,7 +163,7 @@ def load_shards(folder: Path) -> dict:
     cpus = {s["machine"].get("cpu") for s in shards}
     if len(cpus) > 1:
         raise ValueError(f"shards come from different machines {sorted(map(str, cpus))}")
-    commits = sorted({str(s.get("commit")) for s in shards})
+    commits = sorted({str(c.get("commit", s.get("commit"))) for s in shards for c in s["cells"].values()})
     return {"config": config, "machine": shards[0]["machine"], "date": max(s["date"] for s in shards),
             "commit": commits[0] if len(commits) == 1 else commits,
             "cells": cells, "shard_files": [f.name for f in files]}

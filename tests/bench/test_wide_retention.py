@@ -147,8 +147,11 @@ def test_per_kind_and_per_depth_cells_merge_across_shards(tmp_path):
     for name, kind, lost in (("a", "relnotes", {0, 1, 9}), ("b", "zones", {1})):
         shard = {"bench": "compare", "config": config_of(args), "machine": {"cpu": "x"}, "commit": "c",
                  "date": "2026-11-28", "cells": {f"ret:4096:{kind}:0": {"rows": _cell_rows(kind, lost), "seconds": 1.0}}}
+        if kind == "relnotes":  # a cell that records its own commit (a resumed shard holds several)
+            shard["cells"][f"ret:4096:{kind}:0"]["commit"] = "a1"
         (shards / f"{name}.json").write_text(json.dumps(shard))
     paths = merge(argparse.Namespace(merge=str(shards), results=str(tmp_path / "out"), name=None))
+    assert json.loads(paths["json"].read_text())["commit"] == ["a1", "c"]
     rows = json.loads(paths["json"].read_text())["rows"]
     cs = next(r for r in rows if r["method"] == "csattention")["retention"]
     assert (cs["full_correct"], cs["vs_oracle_losses"], cs["kept"]) == (20, 4, 16 / 20)
