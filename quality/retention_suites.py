@@ -11,13 +11,16 @@ at 39); 2048 is where a right answer costs the least CPU time.
 from __future__ import annotations
 
 from ctxcache.quality.copy_tasks import CopySpec
-from ctxcache.quality.texts import WIDE_KINDS
+from ctxcache.quality.texts import KINDS, WIDE_KINDS
 from ctxcache.quality.wide_tasks import WideSpec
 
 SUITES = ("bundled", "wide")
-# the wide suite's --retention-* defaults (bench compare's names)
-WIDE_DEFAULTS = {"retention_lengths": "2048", "retention_fillers": ",".join(WIDE_KINDS),
-                 "retention_seeds": ",".join(str(s) for s in range(20))}
+# each suite's --retention-* defaults (bench compare's names)
+DEFAULTS = {
+    "bundled": {"retention_lengths": "2048,4096,6144", "retention_fillers": ",".join(KINDS), "retention_seeds": "0,1,2"},
+    "wide": {"retention_lengths": "2048", "retention_fillers": ",".join(WIDE_KINDS),
+             "retention_seeds": ",".join(str(s) for s in range(20))},
+}
 
 
 def retention_spec(suite: str, n_tokens: int, filler: str, doc_questions: int) -> CopySpec | WideSpec:

@@ -119,6 +119,10 @@ def test_the_wide_suite_defaults_and_refusals(capsys):
     assert config_of(args)["retention"]["suite"] == "wide"
     assert "suite" not in config_of(parse_args([]))["retention"]  # old bundled shards still merge
     assert parse_args(["--retention-suite", "wide", "--retention-seeds", "7"]).ret_seeds == [7]
+    # a value equal to the bundled suite's default is still a value given
+    assert parse_args(["--retention-suite", "wide", "--retention-seeds", "0,1,2"]).ret_seeds == [0, 1, 2]
+    bundled = parse_args([])
+    assert (bundled.ret_lengths, bundled.ret_seeds, len(bundled.ret_fillers)) == ([2048, 4096, 6144], [0, 1, 2], 6)
     for argv, why in ((["--retention-suite", "wide", "--retention-fillers", "prose"], "wide suite's kinds"),
                       (["--device", "cuda"], "add --skip fid")):
         with pytest.raises(SystemExit):
