@@ -17,7 +17,8 @@ from ctxcache.quality.wide_tasks import WideSpec
 SUITES = ("bundled", "wide")
 # each suite's --retention-* defaults (bench compare's names)
 DEFAULTS = {
-    "bundled": {"retention_lengths": "2048,4096,6144", "retention_fillers": ",".join(KINDS), "retention_seeds": "0,1,2"},
+    "bundled": {"retention_lengths": "2048,4096,6144", "retention_fillers": ",".join(KINDS),
+                "retention_seeds": "0,1,2"},
     "wide": {"retention_lengths": "2048", "retention_fillers": ",".join(WIDE_KINDS),
              "retention_seeds": ",".join(str(s) for s in range(20))},
 }
