@@ -48,7 +48,6 @@ from ctxcache.bench.common.report import SCRATCH, add_out, commit, device_tag, m
 from ctxcache.bench.common.compare_report import FULL, load_shards, markdown, plot, summarize
 from ctxcache.bench.common.suite_args import add_suite_args, apply_suite, retention_spec, suite_config
 from ctxcache.quality.selection import dense_cost_us, selection_cost_us
-from ctxcache.quality.texts import KINDS
 
 DEFAULT_METHODS = "full,oracle,csattention,csattention-paper,key-kmeans,quest,ctkvr,prehoc,multipole,magicpig"
 DEFAULT_TASKS = "passkey,niah_single,niah_multikey,niah_multivalue,vt,cwe"
@@ -122,9 +121,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1", help="task seeds")
     ap.add_argument("--task-groups", type=int, default=1,
                     help="split each task cell's methods into this many cells (each re-prefills)")
-    ap.add_argument("--retention-lengths", default="2048,4096,6144", help="'' skips retention")
-    ap.add_argument("--retention-fillers", default=",".join(KINDS), help="kinds of document (quality/corpus/)")
-    ap.add_argument("--retention-seeds", default="0,1,2")
+    # None: the suite's own (quality/retention_suites.py), so any value given, a default included, stands
+    ap.add_argument("--retention-lengths", default=None, help="'' skips retention (default: the suite's)")
+    ap.add_argument("--retention-fillers", default=None, help="kinds of document (quality/corpus/)")
+    ap.add_argument("--retention-seeds", default=None)
     ap.add_argument("--retention-keeps", default="0.05")
     ap.add_argument("--doc-questions", type=int, default=3, help="document questions per context")
     add_suite_args(ap)
@@ -331,10 +331,12 @@ def run_shard(args: argparse.Namespace) -> Path:
     todo = [c for c in cells if c not in done]
     print(f"[compare] {len(cells)} cells, {len(todo)} to run -> {path}", file=sys.stderr, flush=True)
     runner = Runner(args) if todo else None
+    code = commit()  # the code this process imported: a commit made while it runs is not it
     for cell in tqdm(todo, desc="compare cells", unit="cell", file=sys.stderr):
         t0 = time.perf_counter()
-        done[cell] = {"rows": runner.run(cell), "seconds": time.perf_counter() - t0}
-        _write(path, {"bench": "compare", "config": config, "machine": machine_info(), "commit": commit(),
+        # each cell keeps its own commit: a resumed shard holds cells of several processes
+        done[cell] = {"rows": runner.run(cell), "seconds": time.perf_counter() - t0, "commit": code}
+        _write(path, {"bench": "compare", "config": config, "machine": machine_info(), "commit": code,
                       "date": dt.date.today().isoformat(), "cells": done})
         print(f"[compare] {cell} {done[cell]['seconds']:.0f}s", file=sys.stderr, flush=True)
     return path

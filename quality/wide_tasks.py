@@ -31,6 +31,8 @@ STEP = 0.01  # the needles of one depth sit this far apart, not as one block
 DOC_REACH = 0.05  # a document question's line sits at most this far from its stated depth
 _HEADER = ("The text below holds version numbers, port numbers, bug numbers, names and other facts "
            "among its lines. Memorize them exactly; you will be asked to copy them.\n")
+_HAYSTACK_TRIES = 8
+_RESEED = 100_003  # a retried haystack's seed offset: far from every suite seed
 _AREAS = ("Europe", "America", "Asia", "Africa")
 
 
@@ -116,9 +118,10 @@ def _needles(tokenizer, spec: WideSpec, fresh: _Fresh, rng: random.Random,
 
 
 def _doc_question(tokenizer, lines: list[str], filler_at: list[int], depth: float, context: str,
-                  skip: set[str], where: str) -> Question:
+                  skip: set[str], where: str) -> Question | None:
     """The document line nearest depth (+ the needles' middle offset) with an opening unique in
-    the context: the question quotes its opening, the answers are the next two words."""
+    the context: the question quotes its opening, the answers are the next two words. None if
+    no line within DOC_REACH has one (a stretch the context holds twice)."""
     target = depth + 1.5 * STEP
     order = sorted(range(len(filler_at)), key=lambda r: abs(r / len(filler_at) - target))
     for rank in order:
@@ -137,7 +140,7 @@ def _doc_question(tokenizer, lines: list[str], filler_at: list[int], depth: floa
         rest = line[_offset_of_word(line, cut):]
         limit = min(28, len(tokenizer(rest, add_special_tokens=False)["input_ids"]) + 4)
         return Question("doc", depth, q, tuple(words[cut:cut + 2]), limit)
-    raise ValueError(f"no document line with a unique opening within {DOC_REACH} of depth {depth}")
+    return None
 
 
 def _unique_cut(line: str, context: str) -> int | None:
@@ -175,16 +178,31 @@ def filler_lines(body: str, needles: set[str]) -> tuple[list[str], list[int]]:
     return lines, [i for i in range(start, len(lines)) if lines[i] not in needles and lines[i].strip()]
 
 
+def _body_and_docs(tokenizer, spec: WideSpec, seed: int,
+                   placed: list[tuple[float, str]]) -> tuple[str, list[Question]]:
+    """The context and its document questions. Git's maintenance release notes repeat earlier
+    releases' entries word for word, so a long context can hold one stretch twice and leave a
+    depth without a line of unique opening: then the haystack starts elsewhere in the document
+    (the needles stay). The first try is the only one a context that has its lines takes, so
+    the contexts that never hit this (every 2048-token one of seeds 0-19) are unchanged."""
+    needles = {n for _, n in placed}
+    for attempt in range(_HAYSTACK_TRIES):
+        body = haystack(tokenizer, spec.n_tokens, [n for _, n in placed], seed + _RESEED * attempt,
+                        spec.filler, _HEADER, depths=[d for d, _ in placed])
+        context, _ = _chat(tokenizer, body, "", "")
+        lines, filler_at = filler_lines(body, needles)
+        docs = [_doc_question(tokenizer, lines, filler_at, depth, context, needles, "text") for depth in WIDE_DEPTHS]
+        if all(docs):
+            return context, docs
+    raise ValueError(f"{spec.filler} at {spec.n_tokens} tokens, seed {seed}: no document line with a unique "
+                     f"opening within {DOC_REACH} of some depth in {_HAYSTACK_TRIES} haystacks")
+
+
 def make_wide_context(tokenizer, spec: WideSpec, seed: int) -> CopyContext:
     rng = random.Random(seed * 7919 + spec.n_tokens + 100 + WIDE_KINDS.index(spec.filler))
     text = builtin_text(spec.filler)
     placed, questions = _needles(tokenizer, spec, _Fresh(rng, text), rng, text)
-    needles = {n for _, n in placed}
-    body = haystack(tokenizer, spec.n_tokens, [n for _, n in placed], seed, spec.filler, _HEADER,
-                    depths=[d for d, _ in placed])
-    context, _ = _chat(tokenizer, body, "", "")
-    lines, filler_at = filler_lines(body, needles)
-    docs = [_doc_question(tokenizer, lines, filler_at, depth, context, needles, "text") for depth in WIDE_DEPTHS]
+    context, docs = _body_and_docs(tokenizer, spec, seed, placed)
     # question order: depth by depth, each depth's needle kinds then its document line
     ordered = [q for d in WIDE_DEPTHS for q in [*(x for x in questions if x.depth == d),
                                                  *(x for x in docs if x.depth == d)]]

@@ -76,6 +76,30 @@ def _wide_table(rows: list[dict], axis: str, names: list[str], title: str) -> li
     return lines
 
 
+def _kind_depth_tables(rows: list[dict], config: dict) -> list[str]:
+    """Per method (not the oracle): kind x depth, its kept beside the oracle's at the same keep,
+    full attention's right answers and W/L: where a loss sits, not only that it exists."""
+    depths = [str(d) for d in WIDE_DEPTHS]
+    lines: list[str] = []
+    for r in rows:
+        cells = r["retention"].get("by_kind_depth")
+        if r["method"] == ORACLE or not cells:
+            continue
+        ref = next((o["retention"].get("by_kind_depth", {}) for o in rows
+                    if o["method"] == ORACLE and o["keep"] == r["keep"]), {})
+        lines += ["", f"Wide suite, kind x depth: {r['method']} / oracle kept at keep {_f(r['keep'], '.2f')} "
+                  "(full attention's right answers) W/L:", "",
+                  "| kind | " + " | ".join(depths) + " |", "|" + " --- |" * (len(depths) + 1)]
+        for k in kinds(config):
+            row = [k]
+            for d in depths:
+                c, o = cells.get(k, {}).get(d), ref.get(k, {}).get(d)
+                row.append("-" if c is None else f"{_f(c['kept'])} / {_f(o['kept'] if o else None)} "
+                           f"({c['full_correct']}) {c['vs_oracle_wins']}/{c['vs_oracle_losses']}")
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def wide_markdown(rows: list[dict], config: dict) -> str:
     """Tables by kind of document, by depth, by question kind; bytes read per step."""
     rows = [r for r in rows if r["method"] != FULL]
@@ -86,6 +110,7 @@ def wide_markdown(rows: list[dict], config: dict) -> str:
     lines = _wide_table(rows, "by_kind", kinds(config), f"Wide suite, by kind of document: {how}:")
     lines += _wide_table(rows, "by_depth", [str(d) for d in WIDE_DEPTHS], "Wide suite, by needle depth (fraction of the context):")
     lines += _wide_table(rows, "by_qkind", list(WIDE_QKINDS), "Wide suite, by question kind:")
+    lines += _kind_depth_tables(rows, config)
     reads = [f"{r['method']} {_f(r['retention'].get('read_per_key'), '.1f')} B "
              f"({_f(r['retention'].get('read_x_dense'))} x dense)" for r in rows]
     n = max(r["retention"]["questions"] for r in rows)
@@ -138,7 +163,7 @@ def load_shards(folder: Path) -> dict:
     cpus = {s["machine"].get("cpu") for s in shards}
     if len(cpus) > 1:
         raise ValueError(f"shards come from different machines {sorted(map(str, cpus))}")
-    commits = sorted({str(s.get("commit")) for s in shards})
+    commits = sorted({str(c.get("commit", s.get("commit"))) for s in shards for c in s["cells"].values()})
     return {"config": config, "machine": shards[0]["machine"], "date": max(s["date"] for s in shards),
             "commit": commits[0] if len(commits) == 1 else commits,
             "cells": cells, "shard_files": [f.name for f in files]}

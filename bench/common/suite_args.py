@@ -1,7 +1,7 @@
 """`bench compare --retention-suite`: which answer-retention suite the `ret:` cells run
-(quality/retention_suites.py says what each asks). The wide suite's defaults replace only the
---retention-* values left at the bundled suite's defaults, so any can still be given. Also
-`--device`: the reference model's device (cuda runs the same cells on a GPU).
+(quality/retention_suites.py says what each asks, and its --retention-* defaults, which fill
+only the values not given). Also `--device`: the reference model's device (cuda runs the same
+cells on a GPU).
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ def add_suite_args(ap: argparse.ArgumentParser) -> None:
 
 
 def apply_suite(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
-    """The wide suite's defaults where the bundled ones were left; its kinds checked up front
-    (a bad kind would otherwise fail only when its cell runs, after the model loads)."""
+    """The suite's defaults where no --retention-* value was given (one equal to the bundled
+    suite's default stands: `--retention-seeds 0,1,2` of the wide suite runs seeds 0-2); the wide
+    suite's kinds checked up front (a bad kind would otherwise fail only when its cell runs,
+    after the model loads)."""
     if args.device != "cpu" and "fid" not in args.skip.split(","):
         # the fidelity capture (capture.py, model_scores.py) builds its token tensors on the host
         ap.error(f"--device {args.device}: fidelity cells run on the CPU only; add --skip fid")
+    for dest, value in suites.DEFAULTS[args.retention_suite].items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
     if args.retention_suite != "wide":
         return
-    for dest, value in suites.WIDE_DEFAULTS.items():
-        if getattr(args, dest) == ap.get_default(dest):
-            setattr(args, dest, value)
     bad = [f for f in args.retention_fillers.split(",") if f and f not in WIDE_KINDS]
     if bad:
         ap.error(f"--retention-fillers {bad}: the wide suite's kinds are {WIDE_KINDS}")

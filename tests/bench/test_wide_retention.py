@@ -73,27 +73,56 @@ def test_every_needle_is_in_the_context_once_at_its_depth(contexts):
 
 def test_document_questions_quote_a_unique_line_near_their_depth(contexts):
     for (kind, _), ctx in contexts.items():
-        body = _body(ctx)
-        lines = body.split("\n")
-        needle_lines = {x for x in lines if any(re.search(_whole(q.answers[0]), x)
-                                                for q in ctx.questions if q.kind != "doc")}
-        _, filler_at = filler_lines(body, needle_lines)
-        for q in (q for q in ctx.questions if q.kind == "doc"):
-            shown = q.question.split("The line reads: ", 1)[1].split()
-            at = [i for i, x in enumerate(lines) if x.split()[:len(shown)] == shown]
-            assert len(at) == 1, (kind, shown)  # its opening is the document's only one
-            at = at[0]
-            assert at in filler_at  # a line of the document, not a needle
-            assert tuple(lines[at].split()[len(shown):len(shown) + 2]) == q.answers
-            assert abs(_depth_of(lines, filler_at, at) - q.depth) <= 0.05, (kind, q.depth)
+        _check_doc_questions(kind, ctx)
+
+
+def test_every_kind_and_suite_seed_builds_at_4096(tok):
+    """Git's maintenance release notes repeat earlier entries word for word: relnotes seed 7 at
+    4096 tokens held one stretch twice, and no line near 25% depth had a unique opening."""
+    for kind in WIDE_KINDS:
+        for seed in range(20):
+            ctx = WideSpec(N_TOKENS, kind).make(tok, seed)
+            assert Counter((q.kind, q.depth) for q in ctx.questions) == {
+                (q, d): 1 for q in WIDE_QKINDS for d in WIDE_DEPTHS}, (kind, seed)
+    _check_doc_questions("relnotes", WideSpec(N_TOKENS, "relnotes").make(tok, 7))
+
+
+def test_the_bundled_dpkg_log_is_the_generators_output():
+    from ctxcache.quality.dpkglog_gen import dpkg_log
+    from ctxcache.quality.texts import builtin_text
+    log = dpkg_log()
+    assert builtin_text("dpkglog") == log
+    assert log == dpkg_log() and log != dpkg_log(seed=1)
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (startup|install|upgrade|configure|trigproc|status) \S.*",
+                            x) for x in log.splitlines())
+
+
+def _check_doc_questions(kind, ctx) -> None:
+    body = _body(ctx)
+    lines = body.split("\n")
+    needle_lines = {x for x in lines if any(re.search(_whole(q.answers[0]), x)
+                                            for q in ctx.questions if q.kind != "doc")}
+    _, filler_at = filler_lines(body, needle_lines)
+    for q in (q for q in ctx.questions if q.kind == "doc"):
+        shown = q.question.split("The line reads: ", 1)[1].split()
+        at = [i for i, x in enumerate(lines) if x.split()[:len(shown)] == shown]
+        assert len(at) == 1, (kind, shown)  # its opening is the document's only one
+        at = at[0]
+        assert at in filler_at  # a line of the document, not a needle
+        assert tuple(lines[at].split()[len(shown):len(shown) + 2]) == q.answers
+        assert abs(_depth_of(lines, filler_at, at) - q.depth) <= 0.05, (kind, q.depth)
 
 
 def test_the_wide_suite_defaults_and_refusals(capsys):
     args = parse_args(["--retention-suite", "wide", "--skip", "fid,task"])
-    assert args.ret_fillers == list(WIDE_KINDS) and args.ret_lengths == [2048] and args.ret_seeds == list(range(16))
+    assert args.ret_fillers == list(WIDE_KINDS) and args.ret_lengths == [2048] and args.ret_seeds == list(range(20))
     assert config_of(args)["retention"]["suite"] == "wide"
     assert "suite" not in config_of(parse_args([]))["retention"]  # old bundled shards still merge
     assert parse_args(["--retention-suite", "wide", "--retention-seeds", "7"]).ret_seeds == [7]
+    # a value equal to the bundled suite's default is still a value given
+    assert parse_args(["--retention-suite", "wide", "--retention-seeds", "0,1,2"]).ret_seeds == [0, 1, 2]
+    bundled = parse_args([])
+    assert (bundled.ret_lengths, bundled.ret_seeds, len(bundled.ret_fillers)) == ([2048, 4096, 6144], [0, 1, 2], 6)
     for argv, why in ((["--retention-suite", "wide", "--retention-fillers", "prose"], "wide suite's kinds"),
                       (["--device", "cuda"], "add --skip fid")):
         with pytest.raises(SystemExit):
@@ -122,8 +151,11 @@ def test_per_kind_and_per_depth_cells_merge_across_shards(tmp_path):
     for name, kind, lost in (("a", "relnotes", {0, 1, 9}), ("b", "zones", {1})):
         shard = {"bench": "compare", "config": config_of(args), "machine": {"cpu": "x"}, "commit": "c",
                  "date": "2026-11-28", "cells": {f"ret:4096:{kind}:0": {"rows": _cell_rows(kind, lost), "seconds": 1.0}}}
+        if kind == "relnotes":  # a cell that records its own commit (a resumed shard holds several)
+            shard["cells"][f"ret:4096:{kind}:0"]["commit"] = "a1"
         (shards / f"{name}.json").write_text(json.dumps(shard))
     paths = merge(argparse.Namespace(merge=str(shards), results=str(tmp_path / "out"), name=None))
+    assert json.loads(paths["json"].read_text())["commit"] == ["a1", "c"]
     rows = json.loads(paths["json"].read_text())["rows"]
     cs = next(r for r in rows if r["method"] == "csattention")["retention"]
     assert (cs["full_correct"], cs["vs_oracle_losses"], cs["kept"]) == (20, 4, 16 / 20)
@@ -137,3 +169,4 @@ def test_per_kind_and_per_depth_cells_merge_across_shards(tmp_path):
     assert cs["by_qkind"]["number"]["full_correct"] == 4  # questions 0 and 5 of each kind
     md = paths["md"].read_text()
     assert "Wide suite, by needle depth" in md and "| csattention | 0.05 | 0.800 (20) 0/4 p=0.12 |" in md
+    assert "| zones | 0.500 / 1.000 (2) 0/1 | 1.000 / 1.000 (2) 0/0 |" in md  # kind x depth
