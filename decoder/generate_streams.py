@@ -60,8 +60,11 @@ class GenerateStreams:
         self._empty = Loaded(empty_context(lm), False, 0.0)  # what a miss (MISS) decodes after
 
     def stream(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
-               t_request: float) -> Iterator[Chunk | Final]:
-        """deadline: time.monotonic() value or None. Raises ResourceExhausted when full."""
+               t_request: float, context: CachedContext | None = None) -> Iterator[Chunk | Final]:
+        """deadline: time.monotonic() value or None. Raises ResourceExhausted when full.
+        context: spec.context_id's artifact as its build made it, not yet in the store (a miss
+        that waited on that build): decoded from as a loaded one, bypassing the DRAM cache, which
+        holds only stored contexts."""
         if not self._slots.acquire(blocking=False):
             self.metrics.rejected.labels("Generate").inc()
             raise ResourceExhausted("too many concurrent Generate streams; retry later")
@@ -75,7 +78,7 @@ class GenerateStreams:
             return alive()
         try:
             with request_deadline(deadline):  # a cold load's object-store calls end by it too
-                yield from self._run(spec, alive_unless_closing, deadline, t_request)
+                yield from self._run(spec, alive_unless_closing, deadline, t_request, context)
         finally:
             self.metrics.streams.dec()
             with self._lock:
@@ -168,15 +171,15 @@ class GenerateStreams:
                                 f"plus {new_tokens} new ones")
 
     def _run(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
-             t0: float) -> Iterator[Chunk | Final]:
+             t0: float, context: CachedContext | None) -> Iterator[Chunk | Final]:
         config = self._config(spec.schedule)
         if spec.context_id == MISS:  # no cached context: all dense, as any server decodes
             config = replace(config, dense_layers=tuple(range(self.lm.args.n_layers)))
-        head = self._resident(spec.context_id)
+        head = None if context is not None else self._resident(spec.context_id)
         try:
-            seq, art, prompt, sampling, loaded = self._start(spec, config, head, alive, deadline)
+            seq, art, prompt, sampling, loaded = self._start(spec, config, head, alive, deadline, context)
         except ContextNotResident:  # its slot went to another context since: load it as any other
-            seq, art, prompt, sampling, loaded = self._start(spec, config, None, alive, deadline)
+            seq, art, prompt, sampling, loaded = self._start(spec, config, None, alive, deadline, context)
         self.metrics.decode_paths.labels(seq.path).inc()
         with self._lock:
             self.streams_by_path[seq.path] += 1
@@ -228,11 +231,13 @@ class GenerateStreams:
         return loaded
 
     def _start(self, spec: GenerateSpec, config: SparseConfig, head: Loaded[CachedContext] | None,
-               alive: Callable[[], bool], deadline: float | None) -> tuple:
+               alive: Callable[[], bool], deadline: float | None, given: CachedContext | None) -> tuple:
         """-> (sequence, artifact, prompt tokens, sampling, loaded) of a started stream; from
-        the resident head if given (ContextNotResident when that runner no longer holds it)."""
+        the resident head if given (ContextNotResident when that runner no longer holds it), else
+        from `given` (a build's artifact), else from the DRAM cache."""
         miss = spec.context_id == MISS
-        loaded = head or (self._empty if miss else self._acquire(spec.context_id))
+        loaded = head or (self._empty if miss else Loaded(given, False, 0.0) if given is not None
+                          else self._acquire(spec.context_id))
         ctx, art = loaded.value, loaded.value.artifact
         config = self._moded(config, art)
         placeholder = [{"role": r, "content": "x"} for r in ctx.roles]
