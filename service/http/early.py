@@ -53,6 +53,7 @@ async def built(made: Registered | None) -> Early | None:
         await asyncio.sleep(POLL_S)
     art = getattr(job, "artifact", None)
     if art is not None:  # (None again once the job is done: then it is READY or FAILED below)
+        log.info("a miss decodes from the build of %s while its store write goes on", made.context_id[:12])
         return Early(made, CachedContext(art, job.spec.roles, 0))
     await wait_for(job)
     return Early(made) if job is None or job.state == "ready" else None
