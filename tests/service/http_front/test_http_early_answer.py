@@ -153,7 +153,7 @@ def test_a_write_failing_after_the_early_answer_leaves_no_context_and_no_chunks(
     end = time.monotonic() + 10
     while not evicted and time.monotonic() < end:  # the runners keep no slot under its id
         time.sleep(0.02)
-    assert evicted == [cid]
+    assert evicted and set(evicted) == {cid}  # (the stream's end may look too)
     # the manifest never went up, and the layers' chunks that did are gone (abort, then GC)
     srv.backend.store.gc(grace_s=0)
     left = [p for p in shared.rglob("*") if p.is_file() and cid in str(p)]
