@@ -85,6 +85,14 @@ class GenerateStreams:
                 self.active -= 1
             self._slots.release()
 
+    def adopt(self, context_id: str, context: CachedContext, stored: Callable[[], bool]) -> bool:
+        """Hold a context a stream decoded from its build, once stored (stored() checks), as a
+        load would: the next stream of it is a DRAM hit, or starts from the slot it left."""
+        if not self.cache.offer(context_id, context, stored):
+            return False
+        self._remember_roles(context_id, context.roles)
+        return True
+
     def evict(self, context_id: str) -> int:
         """Drop a context from DRAM and from every runner's device memory; -> DRAM bytes freed."""
         self.evict_device(context_id)
@@ -223,12 +231,15 @@ class GenerateStreams:
         if not loaded.hit:
             self.metrics.bytes_loaded.inc(loaded.value.stored_bytes)
             self.metrics.load_seconds.observe(loaded.load_seconds)
+        self._remember_roles(context_id, loaded.value.roles)
+        return loaded
+
+    def _remember_roles(self, context_id: str, roles: tuple[str, ...]) -> None:
         with self._lock:
-            self._roles[context_id] = loaded.value.roles
+            self._roles[context_id] = roles
             self._roles.move_to_end(context_id)
             while len(self._roles) > _ROLES_KEPT:
                 self._roles.popitem(last=False)
-        return loaded
 
     def _start(self, spec: GenerateSpec, config: SparseConfig, head: Loaded[CachedContext] | None,
                alive: Callable[[], bool], deadline: float | None, given: CachedContext | None) -> tuple:

@@ -9,9 +9,11 @@ it: READY (visible to others) once its manifest lands, FAILED with nothing left 
 fails; an answer already given from the artifact stands. A fleet's remote build hands over no
 artifact: its miss waits for READY and loads it, as before.
 
-A runner keeps a context in a device slot by id, so a stream over an artifact whose write then
-failed must not leave a slot matched to that id (a later build of the same id would be served
-the old slot): `Unwritten` evicts it once both the stream and the write are over.
+Once the write ends, `Unwritten` settles what the stream left: stored, the artifact goes to the
+decoder's DRAM cache as a load would have put it (the first hit then starts from DRAM, or from
+the device slot the miss left, instead of loading it back); failed, the runners drop any slot
+matched to that id (a later build of the same id must not be served the old slot), once both
+the stream and the write are over.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ctxcache.decoder.cached_context import CachedContext
 from ctxcache.decoder.generate_streams import GenerateStreams
@@ -28,6 +30,7 @@ from ctxcache.decoder.stream_spec import Chunk, Final, GenerateSpec
 from ctxcache.service.http.autocache import Registered
 from ctxcache.service.rpc.calls import in_thread
 from ctxcache.service.rpc.servicer import wait_for
+from ctxcache.store import Manifest
 
 log = logging.getLogger("ctxcache.service.http")
 POLL_S = 0.01  # how often a waiting miss looks at its build (a coroutine: no thread is held)
@@ -60,10 +63,12 @@ async def built(made: Registered | None) -> Early | None:
 
 
 class Unwritten:
-    """Decodes misses from unwritten artifacts; evicts a failed write's context from the runners."""
+    """Decodes misses from unwritten artifacts; settles each once its write ends."""
 
-    def __init__(self, decoder: GenerateStreams, pool: ThreadPoolExecutor) -> None:
-        self.decoder, self.pool = decoder, pool
+    def __init__(self, decoder: GenerateStreams, pool: ThreadPoolExecutor,
+                 manifest: Callable[[str], Manifest | None]) -> None:
+        """manifest: the store's, by context id (None: not stored)."""
+        self.decoder, self.pool, self.manifest = decoder, pool, manifest
         self._watching: set[asyncio.Task] = set()
 
     def stream(self, spec: GenerateSpec, alive: Callable[[], bool], t0: float,
@@ -77,8 +82,8 @@ class Unwritten:
                 self._evict_if_failed(early)  # the write failed while this stream held its slot
 
     def watch(self, early: Early | None) -> None:
-        """On the event loop, for a stream over an unwritten artifact: evict once its write fails
-        after the stream ended (the stream's end covers a write that failed before)."""
+        """On the event loop, for a stream over an unwritten artifact: settle it once its write
+        ends (a write that failed before the stream ended is covered by the stream's end too)."""
         if early is None or early.context is None:
             return
         task = asyncio.get_running_loop().create_task(self._after_write(early))
@@ -87,7 +92,18 @@ class Unwritten:
 
     async def _after_write(self, early: Early) -> None:
         await wait_for(early.made.job)
-        await in_thread(self.pool, self._evict_if_failed, early)
+        await in_thread(self.pool, self._settle, early)
+
+    def _settle(self, early: Early) -> None:
+        cid = early.made.context_id
+        try:
+            if early.made.job.state != "ready":
+                self._evict_if_failed(early)
+            elif (m := self.manifest(cid)) is not None and early.context is not None:
+                context = replace(early.context, stored_bytes=m.stored_bytes)
+                self.decoder.adopt(cid, context, lambda: self.manifest(cid) is not None)
+        except Exception:  # noqa: BLE001 - a hint: the next stream of it loads it as any other
+            log.exception("context %s: settling a miss decoded from its build failed", cid[:12])
 
     def _evict_if_failed(self, early: Early) -> None:
         job = early.made.job

@@ -96,7 +96,7 @@ class Generation:
         self.prefixes = PrefixLookup(indexer)
         self.auto = AutoCache(indexer, self.prefixes, auto_cache_min_tokens)
         self.raw = RawPrefixes(indexer, self.prefixes.method, self.prefixes.params, auto_cache_min_tokens, TTL_S)
-        self.unwritten = Unwritten(decoder, pool)
+        self.unwritten = Unwritten(decoder, pool, indexer.backend.manifest)
 
     def _spec(self, req: SamplingBody, max_tokens: int | None, cid: str = _ANY_ID, default: int | None = None,
               **turn: Any) -> GenerateSpec:

@@ -121,9 +121,17 @@ def test_the_miss_answers_before_its_write_lands_and_a_hit_gives_its_tokens(serv
     assert srv.backend.manifest(cid) is None  # not READY (nor visible) until its manifest lands
     writes.open()
     wait_ready(srv, cid)
+    end = time.monotonic() + 10
+    while cid not in srv.decoder.cache:  # once stored, the DRAM cache holds the build's artifact
+        assert time.monotonic() < end, "the stored artifact was not kept in DRAM"
+        time.sleep(0.02)
+    gets: list[str] = []
+    real_get = srv.backend.store.get
+    srv.backend.store.get = lambda c, *a: gets.append(c) or real_get(c, *a)
     hit = ask(base, messages)
     assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 and context_of(hit) == cid
     assert hit["choices"][0]["token_ids"] == miss_ids
+    assert gets == []  # the first hit loaded nothing back from the store, as after a miss before
 
 
 def test_concurrent_misses_share_one_build_and_answer_before_the_write(server):
