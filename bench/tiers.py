@@ -25,7 +25,6 @@ import datetime
 import gc
 import json
 import os
-import re
 import statistics
 import tempfile
 import time
@@ -37,6 +36,7 @@ import torch
 
 from ctxcache.bench.common.fleet_servers import binary, private_s3
 from ctxcache.bench.common.reprefill import reprefill_seconds
+from ctxcache.bench.common.server_log import build_split
 from ctxcache.bench.common.report import add_out, commit, device_tag, machine_info, print_table, write_result
 from ctxcache.bench.common.serve_client import generate
 from ctxcache.client.server_process import running_server
@@ -188,20 +188,6 @@ def more_puts(client: Client, texts: list[str]) -> tuple[list[str], list[float]]
     for cid in cids:
         client.context.DeleteContext(pb.DeleteContextRequest(context_id=cid), metadata=client.metadata)
     return cids, puts
-
-
-_BUILT = re.compile(r"built (\w+): \d+ tokens in [\d.]+s \(build ([\d.]+)s, store write after it ([\d.]+)s\)")
-
-
-def build_split(log: Path, cids: list[str]) -> dict:
-    """Medians over these contexts' builds, from the server's log line of each: the build
-    (prefill, index, host copies) and what of the store write was left once it ended."""
-    text = log.read_text(errors="replace") if log.exists() else ""
-    found = [m for m in _BUILT.finditer(text) if m.group(1) in {c[:12] for c in cids}]
-    if not found:
-        return {"put_build_s": None, "put_write_after_build_s": None}
-    return {"put_build_s": statistics.median(float(m.group(2)) for m in found),
-            "put_write_after_build_s": statistics.median(float(m.group(3)) for m in found)}
 
 
 def kept_rows(path: Path, contexts: list[int]) -> list[dict]:

@@ -77,6 +77,21 @@ class ArtifactCache(Generic[T]):
             flight.done.set()
         return Loaded(flight.value, False, time.perf_counter() - t0)
 
+    def offer(self, key: str, value: T, still_valid: Callable[[], bool]) -> bool:
+        """Hold a value made outside a load (a build's artifact once stored) unless the key is
+        held or loading, or still_valid() says no, or an evict came after that check; -> held."""
+        with self._lock:
+            if key in self._items or key in self._flights:
+                return False
+            epoch = self._epoch.get(key, 0)
+        if not still_valid():  # (an evict follows its store delete: one after this bumps the epoch)
+            return False
+        with self._lock:
+            if key in self._items or key in self._flights or self._epoch.get(key, 0) != epoch:
+                return False
+            self._insert(key, value)
+            return key in self._items
+
     def _insert(self, key: str, value: T) -> None:
         size = self._size_of(value)
         if size > self.capacity:

@@ -60,8 +60,11 @@ class GenerateStreams:
         self._empty = Loaded(empty_context(lm), False, 0.0)  # what a miss (MISS) decodes after
 
     def stream(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
-               t_request: float) -> Iterator[Chunk | Final]:
-        """deadline: time.monotonic() value or None. Raises ResourceExhausted when full."""
+               t_request: float, context: CachedContext | None = None) -> Iterator[Chunk | Final]:
+        """deadline: time.monotonic() value or None. Raises ResourceExhausted when full.
+        context: spec.context_id's artifact as its build made it, not yet in the store (a miss
+        that waited on that build): decoded from as a loaded one, bypassing the DRAM cache, which
+        holds only stored contexts."""
         if not self._slots.acquire(blocking=False):
             self.metrics.rejected.labels("Generate").inc()
             raise ResourceExhausted("too many concurrent Generate streams; retry later")
@@ -75,12 +78,20 @@ class GenerateStreams:
             return alive()
         try:
             with request_deadline(deadline):  # a cold load's object-store calls end by it too
-                yield from self._run(spec, alive_unless_closing, deadline, t_request)
+                yield from self._run(spec, alive_unless_closing, deadline, t_request, context)
         finally:
             self.metrics.streams.dec()
             with self._lock:
                 self.active -= 1
             self._slots.release()
+
+    def adopt(self, context_id: str, context: CachedContext, stored: Callable[[], bool]) -> bool:
+        """Hold a context a stream decoded from its build, once stored (stored() checks), as a
+        load would: the next stream of it is a DRAM hit, or starts from the slot it left."""
+        if not self.cache.offer(context_id, context, stored):
+            return False
+        self._remember_roles(context_id, context.roles)
+        return True
 
     def evict(self, context_id: str) -> int:
         """Drop a context from DRAM and from every runner's device memory; -> DRAM bytes freed."""
@@ -168,15 +179,15 @@ class GenerateStreams:
                                 f"plus {new_tokens} new ones")
 
     def _run(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
-             t0: float) -> Iterator[Chunk | Final]:
+             t0: float, context: CachedContext | None) -> Iterator[Chunk | Final]:
         config = self._config(spec.schedule)
         if spec.context_id == MISS:  # no cached context: all dense, as any server decodes
             config = replace(config, dense_layers=tuple(range(self.lm.args.n_layers)))
-        head = self._resident(spec.context_id)
+        head = None if context is not None else self._resident(spec.context_id)
         try:
-            seq, art, prompt, sampling, loaded = self._start(spec, config, head, alive, deadline)
+            seq, art, prompt, sampling, loaded = self._start(spec, config, head, alive, deadline, context)
         except ContextNotResident:  # its slot went to another context since: load it as any other
-            seq, art, prompt, sampling, loaded = self._start(spec, config, None, alive, deadline)
+            seq, art, prompt, sampling, loaded = self._start(spec, config, None, alive, deadline, context)
         self.metrics.decode_paths.labels(seq.path).inc()
         with self._lock:
             self.streams_by_path[seq.path] += 1
@@ -220,19 +231,24 @@ class GenerateStreams:
         if not loaded.hit:
             self.metrics.bytes_loaded.inc(loaded.value.stored_bytes)
             self.metrics.load_seconds.observe(loaded.load_seconds)
+        self._remember_roles(context_id, loaded.value.roles)
+        return loaded
+
+    def _remember_roles(self, context_id: str, roles: tuple[str, ...]) -> None:
         with self._lock:
-            self._roles[context_id] = loaded.value.roles
+            self._roles[context_id] = roles
             self._roles.move_to_end(context_id)
             while len(self._roles) > _ROLES_KEPT:
                 self._roles.popitem(last=False)
-        return loaded
 
     def _start(self, spec: GenerateSpec, config: SparseConfig, head: Loaded[CachedContext] | None,
-               alive: Callable[[], bool], deadline: float | None) -> tuple:
+               alive: Callable[[], bool], deadline: float | None, given: CachedContext | None) -> tuple:
         """-> (sequence, artifact, prompt tokens, sampling, loaded) of a started stream; from
-        the resident head if given (ContextNotResident when that runner no longer holds it)."""
+        the resident head if given (ContextNotResident when that runner no longer holds it), else
+        from `given` (a build's artifact), else from the DRAM cache."""
         miss = spec.context_id == MISS
-        loaded = head or (self._empty if miss else self._acquire(spec.context_id))
+        loaded = head or (self._empty if miss else Loaded(given, False, 0.0) if given is not None
+                          else self._acquire(spec.context_id))
         ctx, art = loaded.value, loaded.value.artifact
         config = self._moded(config, art)
         placeholder = [{"role": r, "content": "x"} for r in ctx.roles]

@@ -51,6 +51,11 @@ class Job:
     token: CancelToken = field(default_factory=CancelToken)
     expected_blocks: int = 1  # transformer blocks the prefill runs (chunks x layers)
     n_layers: int = 1
+    # the built artifact while its store write goes on (None before, and once the job is done):
+    # a request waiting on this build for its own answer decodes from it instead of waiting for
+    # the write (these are the bytes the store keeps); the context is READY only once written
+    artifact: ContextArtifact | None = None
+    built: threading.Event = field(default_factory=threading.Event)  # artifact set, or the job done
 
     @property
     def progress(self) -> float:
@@ -257,6 +262,8 @@ class BuildQueue:
             release_build_memory(self.lm)
             job.token.check()  # a delete that arrived during the last layer wins over the write
             job.stage, t_built = 0.9, time.perf_counter()
+            job.artifact = art
+            job.built.set()
             manifest = self.backend.put(job.context_id, art, meta, writer)
             job.state, job.stage = "ready", 1.0
             self.metrics.builds.labels("ready").inc()
@@ -288,6 +295,8 @@ class BuildQueue:
             log.warning("build %s failed: %s: %s", job.context_id[:12], type(exc).__name__, exc)
         finally:
             self.metrics.build_seconds.observe(time.perf_counter() - t0)
+            job.artifact = None  # a failed job stays listed: it must not hold the artifact
+            job.built.set()
             job.done.set()
             with self._lock:
                 if job.state == "ready" or job.token.cancelled:  # a cancelled id is free to build again

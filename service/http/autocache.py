@@ -2,8 +2,8 @@
 longest leading messages of at least `--auto-cache-min-tokens` tokens submitted as a context of
 the caller's tenant (the server's default method and codec, so that the next request with those
 messages finds it: prefix.py computes the same id), with a TTL; the store's LRU bounds them as
-any other. The miss waits for that build and is then decoded over the context, the rest of the
-prompt prefilled, exactly as every later request with that prefix (a hit) is: the same coded K/V,
+any other. The miss waits for that build and is then decoded over the context (from the built
+artifact, while the store write goes on: early.py), the rest of the prompt prefilled, exactly as every later request with that prefix (a hit) is: the same coded K/V,
 the same selection, the same tokens, so caching never changes an answer (OpenAI's promise). A
 concurrent miss with the same prefix joins the build. Raw-text completions have no messages:
 their prefix is cut at a token block (raw_prefix.py).

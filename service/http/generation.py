@@ -4,7 +4,7 @@ A request becomes the same GenerateRequest the gRPC front receives and is valida
 code (convert.generate_spec), then decodes through the same GenerateStreams, in this process.
 Its context is named (`cached_content`) or found from its leading messages (prefix.py); on a
 miss, its long prefix is built as a context first and the answer decoded over it, as any later
-hit is (autocache.py). A streamed answer pulls its first event before the response starts, so a
+hit is (autocache.py), from the build's artifact while the store write goes on (early.py). A streamed answer pulls its first event before the response starts, so a
 failure before the first token (absent context, streams full) gets its real status, not a 200
 with an error inside.
 """
@@ -27,6 +27,7 @@ from ctxcache.errors import InvalidArgument
 from ctxcache.decoder.generate_streams import GenerateStreams
 from ctxcache.decoder.stream_spec import Chunk, Final, GenerateSpec
 from ctxcache.service.http.autocache import TTL_S, AutoCache, Registered
+from ctxcache.service.http.early import Early, Unwritten, built
 from ctxcache.service.http.prefix import PrefixLookup
 from ctxcache.service.http.raw_prefix import RawPrefixes
 from ctxcache.service.http.errors import error_body
@@ -34,7 +35,6 @@ from ctxcache.service.http.models import ServedModels
 from ctxcache.service.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
 from ctxcache.service.http.shapes import Completion
 from ctxcache.service.rpc.calls import in_thread, iterate_in_thread
-from ctxcache.service.rpc.servicer import wait_for
 from ctxcache.decoder.uncached import MISS
 
 _NAME = re.compile(r"(?:cachedContents/)?([0-9a-f]{64})")
@@ -80,15 +80,6 @@ def _refuse(req: SamplingBody, chat: bool) -> None:
             raise InvalidArgument(name, why)
 
 
-async def _ready(made: Registered | None) -> Registered | None:
-    """Wait for a miss's prefix to be READY; None if there is none or its build failed (the
-    prompt is then decoded alone, as a server with no cache would)."""
-    if made is None:
-        return None
-    await wait_for(made.job)
-    return made if made.job is None or made.job.state == "ready" else None
-
-
 def _proto(req: SamplingBody, cid: str, max_tokens: int, **turn: Any) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                  top_p=req.top_p or 0.0, max_tokens=max_tokens)
@@ -105,6 +96,7 @@ class Generation:
         self.prefixes = PrefixLookup(indexer)
         self.auto = AutoCache(indexer, self.prefixes, auto_cache_min_tokens)
         self.raw = RawPrefixes(indexer, self.prefixes.method, self.prefixes.params, auto_cache_min_tokens, TTL_S)
+        self.unwritten = Unwritten(decoder, pool, indexer.backend.manifest)
 
     def _spec(self, req: SamplingBody, max_tokens: int | None, cid: str = _ANY_ID, default: int | None = None,
               **turn: Any) -> GenerateSpec:
@@ -121,10 +113,12 @@ class Generation:
         chat = pb.ChatMessages(messages=[pb.ChatMessage(**m.plain()) for m in req.messages])
         spec = self._spec(req, req.max_completion_tokens or req.max_tokens, chat=chat)
         spec, made = await in_thread(self.pool, self._resolve_chat, caller, req.cached_content, spec)
-        made = await _ready(made)
-        if made is not None:  # decoded over its new context, as the next request with these messages will be
+        early = await built(made)
+        if early is not None:  # decoded over its new context, as the next request with these messages will be
+            made = early.made
             spec = replace(spec, context_id=made.context_id, turn=spec.turn[made.split:], prompt_tokens=())
-        return await self._answer(spec, Completion(model, spec.context_id, True, fresh=made is not None), req, t0)
+        shape = Completion(model, spec.context_id, True, fresh=early is not None)
+        return await self._answer(spec, shape, req, t0, early)
 
     def _resolve_chat(self, caller: Caller, reference: str | None,
                       spec: GenerateSpec) -> tuple[GenerateSpec, Registered | None]:
@@ -155,19 +149,21 @@ class Generation:
         if cid != MISS:
             await in_thread(self.pool, contexts.check_readable, self.indexer, caller, cid)
         tokens = await in_thread(self.pool, self.indexer.prompter.encode, req.prompt)
-        tenant, cached, made = caller.tenant or "", 0, None
+        tenant, cached, early = caller.tenant or "", 0, None
         if cid == MISS:
             match = await in_thread(self.pool, self.raw.find, tokens, tenant)
             if match is not None:
                 cid, cached = match.context_id, match.n_tokens
-            elif (made := await _ready(await in_thread(self.pool, self.raw.register, tokens, tenant))) is not None:
-                cid, cached = made.context_id, made.split
+            elif (early := await built(await in_thread(self.pool, self.raw.register, tokens, tenant))) is not None:
+                cid, cached = early.made.context_id, early.made.split
         spec = replace(spec, context_id=cid, prompt_tokens=tuple(tokens[cached:]))
-        return await self._answer(spec, Completion(model, cid, False, fresh=made is not None), req, t0)
+        return await self._answer(spec, Completion(model, cid, False, fresh=early is not None), req, t0, early)
 
-    async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody,
-                      t0: float) -> dict | AsyncIterator[str]:
-        events = iterate_in_thread(self.pool, lambda alive: self.decoder.stream(spec, alive, None, t0))
+    async def _answer(self, spec: GenerateSpec, shape: Completion, req: SamplingBody, t0: float,
+                      early: Early | None = None) -> dict | AsyncIterator[str]:
+        """early: a miss's prefix, decoded from its build's artifact while its write goes on."""
+        self.unwritten.watch(early)
+        events = iterate_in_thread(self.pool, lambda alive: self.unwritten.stream(spec, alive, t0, early))
         if not req.stream:
             ids: list[int] = []
             async for event in events:

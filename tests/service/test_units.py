@@ -96,6 +96,17 @@ def test_a_load_racing_an_evict_is_not_cached():
     assert "k" not in cache
 
 
+def test_an_offered_value_is_held_unless_held_loading_invalid_or_evicted_meanwhile():
+    """A build's artifact offered once stored (ArtifactCache.offer): an evict that comes after the
+    caller's store check (a Delete: store first, then DRAM) wins, as over a racing load."""
+    cache = ArtifactCache(100, lambda k: b"loaded", len)
+    assert not cache.offer("a", b"built", lambda: False) and "a" not in cache  # not stored (any more)
+    assert cache.offer("a", b"built", lambda: True) and cache.acquire("a").value == b"built"
+    assert not cache.offer("a", b"other", lambda: True) and cache.acquire("a").value == b"built"
+    assert not cache.offer("b", b"built", lambda: cache.evict("b") == 0) and "b" not in cache
+    assert not cache.offer("c", b"x" * 101, lambda: True) and "c" not in cache  # over the capacity
+
+
 def test_out_of_gpu_memory_is_resource_exhausted_in_one_line():
     import grpc
     import torch
