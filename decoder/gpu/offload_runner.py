@@ -9,33 +9,41 @@ index the new keys, select and re-rank on the GPU (the candidates' keys read fro
 attend through the slot caches (kernels.offload_attention: hits from HBM, the rest over PCIe).
 Rows of the bucket not stepped compute a throw-away token at their length, as in the fast
 runner. A context stays in its host slot after its stream (the next stream skips the load);
-a prompt's prefill copies each layer's K/V to the GPU for dense attention (not captured).
+a prompt's prefill copies each layer's K/V to the GPU for dense attention (not captured), a
+group of layers per decode step on the engine thread (`begin`), as the fast runner's admissions.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ctxcache.artifact import ContextArtifact
+from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.offload import SlotCache
 from ctxcache.decoder.gpu.offload_step import HostKVPool, HostPrefillAttention, OffloadSparseAttention
 from ctxcache.decoder.gpu.runner import serves_index
+from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.inflight import LaunchedStep, StepIO
 from ctxcache.decoder.reference_attention import SparseConfig
-from ctxcache.generation import prefill
+from ctxcache.generation import LayeredPrefill
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 from ctxcache.methods.csattention_refs import subspace_permutation
 from ctxcache.models.loader import LoadedModel
 
 ALIGN = 256  # slot lengths are multiples of this
 MAX_NEW = 512  # keys a stream may stream into its row's index overlay
+# a prompt's layers per chunk until its times are measured: a 32K prompt layer reads 128 MB of host
+# K/V (~3 ms at 40 GB/s); a step of 1-8 offloaded 32K streams took 42-280 ms (H200, stage 1)
+PREFILL_LAYERS = 4
+PREFILL_KIND = "prefill layer key"  # DeviceTimes: a prompt layer's device time per key it reads
 
 
 @dataclass(eq=False)
@@ -55,12 +63,15 @@ class OffloadRunner:
     name = "gpu-offload"
 
     def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, slots: int = 4,
-                 max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True) -> None:
-        """max_len 0: the model's length."""
+                 max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True,
+                 prefill_layers: int = PREFILL_LAYERS) -> None:
+        """max_len 0: the model's length. prefill_layers: a prompt's layers per chunk beside a
+        decode step until both times are measured (a GPU's first prefill; always on a CPU)."""
         a = lm.args
         max_len = max_len or a.max_seq_len
-        if slots < 1 or max_len < 2 or max_new < 1:
-            raise ValueError(f"offload slots={slots}, slot tokens={max_len}, max_new={max_new} must be >= 1, >= 2, >= 1")
+        if slots < 1 or max_len < 2 or max_new < 1 or prefill_layers < 1:
+            raise ValueError(f"offload slots={slots}, slot tokens={max_len}, max_new={max_new}, prefill_layers="
+                             f"{prefill_layers} must be >= 1, >= 2, >= 1, >= 1")
         # rounded as the fast runner's slots are: at a length of no alignment, Triton 3.6's LLVM
         # failed to compile the bf16 re-rank score kernel on the H100 (and took the server down)
         self.max_len = -(-max_len // ALIGN) * ALIGN
@@ -82,6 +93,9 @@ class OffloadRunner:
         self.io = StepIO(slots, self.device)
         self.lock = threading.Condition()  # the pool, tables and caches are shared: admissions and steps take turns
         self.loads = 0  # contexts copied into a host slot
+        self.prefill_layers = prefill_layers
+        self.times = DeviceTimes(self.device)
+        self._last_bucket = 0  # the batch size of the last launched step
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
@@ -92,8 +106,18 @@ class OffloadRunner:
     @torch.inference_mode()
     def admit(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
               max_new: int, check: Callable[[], None] = lambda: None) -> tuple[HostSlot, torch.Tensor]:
-        """Claim a host slot (waiting, running `check`, while all are busy), load the context
-        unless the slot holds it, prefill the prompt: -> (row, first logits [V])."""
+        """Begin, then run every prefill chunk in the caller's thread (the warm-up, tests)."""
+        slot, chunks = self.begin(context_id, art, prompt, config, max_new, check)
+        return slot, next(f for f in chunks if f is not None)
+
+    @torch.inference_mode()
+    def begin(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
+              max_new: int, check: Callable[[], None] = lambda: None) -> tuple[HostSlot, Iterator[torch.Tensor | None]]:
+        """Claim a host slot (waiting, running `check`, while all are busy) and load the context
+        unless the slot holds it; -> (row, chunks): each next() of chunks runs a group of the
+        prompt's layers under the runner's lock and gives None, the last the first logits [V].
+        The engine runs one chunk per decode step: offloaded streams decode on while one joins
+        (its whole prefill under the lock in the caller's thread stalled them: ITL p99 65x)."""
         if len(prompt) >= self.max_new:
             raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the {self.max_new}-key index overlay")
         with self.lock:
@@ -103,16 +127,23 @@ class OffloadRunner:
                     self._load(slot, context_id, art)
                 self._reset(slot)
                 if len(prompt) > 1:
-                    first = self._prefill(slot, prompt)
+                    # a step between chunks computes this idle row's throw-away token past the
+                    # prompt (its first decoded token's position), never over the prompt's keys
+                    self.pool.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx + len(prompt))
+                    chunks = self._prefill_chunks(slot, prompt)
                 elif prompt:  # one new token is a decode step
-                    first = self._step_rows([slot], prompt)[0]
+                    chunks = iter([self._step_rows([slot], prompt)[0]])
                 else:
-                    first = art.last_logits.to(self.device).float()
+                    chunks = iter([art.last_logits.to(self.device).float()])
             except BaseException:
-                slot.context_id, slot.busy = None, False
-                self.lock.notify_all()
+                self._forget(slot)
                 raise
-        return slot, first
+        return slot, chunks
+
+    def _forget(self, slot: HostSlot) -> None:
+        """A row whose load or prefill failed holds no context (call under the lock)."""
+        slot.context_id, slot.busy = None, False
+        self.lock.notify_all()
 
     def _claim(self, context_id: str, check: Callable[[], None]) -> HostSlot:
         """Its idle resident slot, else an empty one, else the least recently used idle one."""
@@ -158,13 +189,58 @@ class OffloadRunner:
         for c in self.caches:
             c.clear_row(slot.index)
 
-    def _prefill(self, slot: HostSlot, prompt: list[int]) -> torch.Tensor:
-        row = slot.index
-        attn = HostPrefillAttention([t.rows(row, row + 1) for t in self.tables], self._perm, self.config.budget,
-                                    bool(self.follow), self.config.dense_layers)
-        logits = prefill(self.lm.model, torch.tensor([prompt], device=self.device), self.pool.rows(row, row + 1), attn)
-        slot.length += len(prompt)
-        return logits[0].float()
+    def _prefill_chunks(self, slot: HostSlot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
+        """The prompt's prefill, a group of layers per next(). The decode steps run between two
+        chunks also step this idle row (a throw-away token after the prompt): after the last chunk
+        its follow state and streamed-key count are put back and its slot caches emptied (a step
+        may have cached prompt positions before their layer ran), as a prefill alone leaves them."""
+        row, span = slot.index, slot.n_ctx + len(prompt)
+        run: LayeredPrefill | None = None
+        attn: HostPrefillAttention | None = None
+        while True:
+            with self.lock, torch.inference_mode():
+                try:
+                    if run is None:
+                        attn = HostPrefillAttention([t.rows(row, row + 1) for t in self.tables], self._perm,
+                                                    self.config.budget, bool(self.follow), self.config.dense_layers,
+                                                    slot.n_ctx)
+                        tokens = torch.tensor([prompt], pin_memory=self.device.type == "cuda")
+                        run = LayeredPrefill(self.lm.model, tokens.to(self.device, non_blocking=True), slot.n_ctx,
+                                             self.pool.rows(row, row + 1, prompt_start=slot.n_ctx), attn)
+                    started, before = self.times.start(), run.layer
+                    logits = run.run(self._chunk_layers(span, before))
+                    self.times.stop(PREFILL_KIND, started, units=(run.layer - before) * span)
+                    if logits is not None:
+                        attn.restore_follow()
+                        for t in self.tables:  # a step's throw-away key counted one column more
+                            t.stream_count[row:row + 1].fill_(len(prompt))
+                        for c in self.caches:
+                            c.clear_row(row)
+                        slot.length += len(prompt)
+                except BaseException:
+                    self._forget(slot)
+                    raise
+            if logits is not None:
+                yield logits[0].float()
+                return
+            yield None
+
+    def _chunk_layers(self, span: int, done: int) -> int:
+        """Layers to run beside the next decode step, `done` run: as few even chunks as keep each
+        within PREFILL_SHARE of that step's device time (both measured: a prefill layer's time
+        per key it reads, a launched step's), else `prefill_layers`."""
+        per_key, step_ms = self.times.ms(PREFILL_KIND), self.times.ms(f"step {self._last_bucket}")
+        if per_key is None or step_ms is None:
+            return self.prefill_layers
+        left = self.lm.args.n_layers - done
+        chunks = max(1, math.ceil(left * per_key * span / (PREFILL_SHARE * step_ms)))
+        return -(-left // chunks)
+
+    def step_seconds(self) -> float | None:
+        """A launched step's device time lately (the engine queues the next one late in it)."""
+        with self.lock:
+            ms = self.times.ms(f"step {self._last_bucket}")
+        return None if ms is None else ms / 1e3
 
     # ---- decode -------------------------------------------------------------------------------
     def _decoder(self, bucket: int) -> GraphDecoder:
@@ -207,7 +283,10 @@ class OffloadRunner:
             index = [s.index for s in rows]
             tokens, advance = self.io.stage(bucket, index, host_tokens)
             dec = self._decoder(bucket)
+            started = self.times.start() if dec.graph is not None else None  # replays only (as GpuRunner)
             logits = dec.run(tokens)
+            self.times.stop(f"step {bucket}", started)
+            self._last_bucket = bucket
             dec.cache.lengths += advance
             for s in rows:
                 s.length += 1

@@ -43,20 +43,27 @@ class HostKVPool(KVCache):
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
         self.nbytes = pool.nbytes
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Rows' keys [B, Hkv, T, D] at consecutive positions pos [B, T] (reads pos on the host:
-        prompts and the CPU path only, never a captured step on a GPU)."""
-        t = pos.shape[1]
-        for b, start in enumerate(pos[:, 0].tolist()):
-            self.k[layer][b, :, start:start + t].copy_(k[b])
-            self.v[layer][b, :, start:start + t].copy_(v[b])
+    prompt_start: int | None = None  # a prompt's first position, known on the host (rows(): a prefill's view)
 
-    def rows(self, start: int, end: int) -> "HostKVPool":
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Rows' keys [B, Hkv, T, D] at consecutive positions pos [B, T], from prompt_start (else
+        read on the host: the CPU path only, never a captured step on a GPU), a head at a time
+        (each head's span is contiguous in the pinned pool: an asynchronous copy). A prefill chunk
+        reading the device, or copying synchronously, would wait for the decode step in flight."""
+        t = pos.shape[1]
+        starts = [self.prompt_start] * pos.shape[0] if self.prompt_start is not None else pos[:, 0].tolist()
+        for b, start in enumerate(starts):
+            for h in range(k.shape[1]):
+                self.k[layer][b, h, start:start + t].copy_(k[b, h], non_blocking=True)
+                self.v[layer][b, h, start:start + t].copy_(v[b, h], non_blocking=True)
+
+    def rows(self, start: int, end: int, prompt_start: int | None = None) -> "HostKVPool":
         view = HostKVPool.__new__(HostKVPool)
         view.k = [k[start:end] for k in self.k]
         view.v = [v[start:end] for v in self.v]
         view.lengths = self.lengths[start:end]
         view.nbytes = sum(t.nbytes for t in view.k + view.v)
+        view.prompt_start = prompt_start
         return view
 
 
@@ -85,13 +92,17 @@ class OffloadSparseAttention(GpuSparseAttention):
 
 
 class HostPrefillAttention:
-    """One row's prompt (T > 1 tokens): its keys indexed, then dense causal attention over the
-    row's K/V copied to the GPU a layer at a time, and follow seeded by the last query (as
-    GpuSparseAttention does over HBM). Not captured: it reads the prompt's span on the host."""
+    """One row's prompt (T > 1 tokens) after n_ctx context tokens, a layer at a time: its keys
+    indexed, then dense causal attention over the row's K/V copied to the GPU, and follow seeded
+    by the last query (as GpuSparseAttention does over HBM). Not captured. The engine runs its
+    layers in chunks, a decode step of the other rows between two: that step also computes this
+    idle row's throw-away token, which rewrites its follow state (put back by `restore_follow`)."""
 
     def __init__(self, tables: list[GpuDenseTables], perm: torch.Tensor | None, budget: Budget, follow: bool,
-                 dense_layers: tuple[int, ...]) -> None:
+                 dense_layers: tuple[int, ...], n_ctx: int) -> None:
         self.tables, self.perm, self.budget, self.follow, self.dense_layers = tables, perm, budget, follow, dense_layers
+        self.n_ctx = n_ctx
+        self._seeded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a layer's follow state, its seed)
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != 1 or q.shape[2] < 2:
@@ -100,10 +111,28 @@ class HostPrefillAttention:
         pos32 = pos.int()
         for i in range(pos.shape[1]):
             t.insert(cache.k[layer], pos32[:, i].contiguous(), self.perm)
-        span = int(pos.max()) + 1
-        k = cache.k[layer][:, :, :span].to(q.device, non_blocking=True)
-        v = cache.v[layer][:, :, :span].to(q.device, non_blocking=True)
+        span = self.n_ctx + q.shape[2]  # on the host: a device read would wait for the step in flight
+        k, v = to_device(cache.k[layer], span, q.device), to_device(cache.v[layer], span, q.device)
         out = causal_attention(q, k, v, pos)
         if self.follow and layer not in self.dense_layers:
             t.seed_follow(0, q[0, :, -1], k[0], self.budget)
+            self._seeded.append((t.follow_prev[0], t.follow_prev[0].clone()))
         return out
+
+    def restore_follow(self) -> None:
+        """Each seeded layer's follow state as its prefill left it."""
+        for state, seed in self._seeded:
+            state.copy_(seed)
+
+
+def to_device(host: torch.Tensor, span: int, device: torch.device) -> torch.Tensor:
+    """A one-row host slot's first `span` positions [1, Hkv, span, D] on `device`, a head at a
+    time: each head's span is contiguous in the pinned pool, so it goes by one asynchronous DMA
+    (the whole [:, :, :span] slice is strided, and torch copies a strided host tensor through a
+    pageable contiguous temporary first, a synchronous copy; ~64 MB a layer at 32K)."""
+    if host.device == device:
+        return host[:, :, :span]
+    out = torch.empty((1, host.shape[1], span, host.shape[3]), dtype=host.dtype, device=device)
+    for h in range(host.shape[1]):
+        out[:, h].copy_(host[:, h, :span], non_blocking=True)
+    return out
