@@ -37,6 +37,13 @@ class Metrics:
         # the offload runner (K/V in host memory): selected keys found in its GPU cache, over all selected
         self.offload_hit_rate = Gauge("ctxcache_offload_hit_rate", "offload runner: fraction of selected keys read "
                                       "from the GPU cache instead of host memory", registry=r)
+        # admission by capacity (serve --offload): contexts held in HBM slots and in host slots
+        self.resident_contexts = Gauge("ctxcache_resident_contexts", "contexts held in the GPU runner's HBM "
+                                       "slots", registry=r)
+        self.offloaded_contexts = Gauge("ctxcache_offloaded_contexts", "contexts held in the offload runner's "
+                                        "host slots (K/V in page-locked host memory)", registry=r)
+        self.offload_promotions = Counter("ctxcache_offload_promotions", "streams whose context moved from a host "
+                                          "slot to an HBM slot", registry=r)
         self.kernel_compiles_after_ready = Gauge("ctxcache_kernel_compiles_after_ready", "Triton kernels compiled "
                                                  "since warm-up ended (0 when every shape was built before SERVING)",
                                                  registry=r)

@@ -22,6 +22,7 @@ from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.decode_mode import check_mode, decode_path, resolve
 from ctxcache.decoder.engine import Engine
 from ctxcache.decoder.runner import ContextNotResident, Runner
+from ctxcache.decoder.scheduler import OFFLOADED, HeldSlot, Placement
 from ctxcache.models.loader import LoadedModel
 from ctxcache.decoder.artifact_cache import ArtifactCache, Loaded
 from ctxcache.decoder.cached_context import CachedContext
@@ -58,6 +59,8 @@ class GenerateStreams:
         self._lock = threading.Lock()
         self._roles: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # context id -> its roles
         self._empty = Loaded(empty_context(lm), False, 0.0)  # what a miss (MISS) decodes after
+        self.placement = Placement()  # resident or offloaded, where both runners take a stream
+        self.promotions = 0  # streams whose context moved from a host slot to an HBM slot
 
     def stream(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
                t_request: float, context: CachedContext | None = None) -> Iterator[Chunk | Final]:
@@ -171,18 +174,39 @@ class GenerateStreams:
                 return max(min(room, r.max_new - prompt), off_room)
         return off_room if off_room > 0 else 1 << 62
 
-    def _engine(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> Engine:
-        for engine in self.engines:
-            if engine.runner.accepts(art, config, new_tokens):
-                return engine
-        raise ResourceExhausted(f"no decode runner can hold a context of {art.n_tokens} tokens "
-                                f"plus {new_tokens} new ones")
+    def _engine(self, art: ContextArtifact, config: SparseConfig, new_tokens: int, context_id: str = "") -> Engine:
+        """The first engine whose runner takes the stream; where that is the fast runner and the
+        offload runner takes it too, the placement picks (offloaded when every HBM slot is busy)."""
+        fits = [e for e in self.engines if e.runner.accepts(art, config, new_tokens)]
+        if not fits:
+            raise ResourceExhausted(f"no decode runner can hold a context of {art.n_tokens} tokens "
+                                    f"plus {new_tokens} new ones")
+        off = next((e for e in fits[1:] if e.runner.name == "gpu-offload"), None)
+        if off is None or not hasattr(fits[0].runner, "serves"):
+            return fits[0]
+        host = _held(off.runner)
+        if self.placement.choose(context_id, _held(fits[0].runner), host) == OFFLOADED:
+            return off
+        if any(s.context_id == context_id and not s.busy for s in host):  # promoted: held one way
+            off.runner.evict(context_id)
+            self.metrics.offload_promotions.inc()
+            with self._lock:
+                self.promotions += 1
+        return fits[0]
+
+    def held_contexts(self) -> tuple[int, int]:
+        """(contexts held in the fast runners' HBM slots, in the offload runner's host slots)."""
+        runners = [e.runner for e in self.engines]
+        return (sum(len(_contexts(r)) for r in runners if hasattr(r, "serves")),
+                sum(len(_contexts(r)) for r in runners if r.name == "gpu-offload"))
 
     def _run(self, spec: GenerateSpec, alive: Callable[[], bool], deadline: float | None,
              t0: float, context: CachedContext | None) -> Iterator[Chunk | Final]:
         config = self._config(spec.schedule)
         if spec.context_id == MISS:  # no cached context: all dense, as any server decodes
             config = replace(config, dense_layers=tuple(range(self.lm.args.n_layers)))
+        else:
+            self.placement.used(spec.context_id)
         head = None if context is not None else self._resident(spec.context_id)
         try:
             seq, art, prompt, sampling, loaded = self._start(spec, config, head, alive, deadline, context)
@@ -267,7 +291,8 @@ class GenerateStreams:
                            stop_token_ids=self.prompter.stop_token_ids)
         _check(alive, deadline)
         # a miss has no context to keep in a slot: the reference runner (last) takes every prompt
-        engine = self.engines[-1] if miss else self._engine(art, config, len(prompt) + sampling.max_tokens)
+        engine = (self.engines[-1] if miss
+                  else self._engine(art, config, len(prompt) + sampling.max_tokens, spec.context_id))
         if head is not None and not hasattr(engine.runner, "resident_head"):
             raise ContextNotResident(spec.context_id)  # only a slot runner takes a head
         seq = engine.start(spec.context_id, art, prompt, config, sampling, lambda: _check(alive, deadline))
@@ -295,3 +320,13 @@ def _check(alive: Callable[[], bool], deadline: float | None) -> None:
         raise DeadlineExceeded("deadline exceeded while decoding")
     if not alive():
         raise Cancelled("the client cancelled the stream")
+
+
+def _held(runner: Runner) -> list[HeldSlot]:
+    """The runner's slots as placement sees them (read without its lock: a slot taken meanwhile
+    makes the stream wait for one, as before placement)."""
+    return [HeldSlot(s.context_id, s.busy, s.last_used) for s in runner.slots]
+
+
+def _contexts(runner: Runner) -> set[str]:
+    return {s.context_id for s in runner.slots if s.context_id is not None}
