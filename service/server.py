@@ -63,6 +63,8 @@ class CtxcacheServer:
                                        runners, d.max_batch, d.decode_mode)
         self.fleet = roles.FleetRuntime(config, self.backend, self.indexer, self.decoder)
         self.metrics.offload_hit_rate.set_function(self.decoder.offload_hit_rate)
+        self.metrics.resident_contexts.set_function(lambda: self.decoder.held_contexts()[0])
+        self.metrics.offloaded_contexts.set_function(lambda: self.decoder.held_contexts()[1])
         self.metrics.track_store_loads(self.backend.store)
         cap_to_slots(self.indexer, self.decoder.engines)
         self.auth = Auth(dict(s.tenant_tokens), s.auth_token)

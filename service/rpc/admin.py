@@ -112,6 +112,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         steps, rows = self.decoder.decode_counts()
         slots, slot_bytes = self.decoder.device_slots()
         hits, selected = self.decoder.offload_hits()
+        resident, offloaded = self.decoder.held_contexts()
         return apb.StatsResponse(
             contexts_ready=st.contexts, contexts_building=building, contexts_failed=failed,
             store_bytes=st.stored_bytes, store_budget_bytes=st.budget_bytes,
@@ -122,6 +123,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             footprint=codec_footprint(self.backend.store.list_manifests(limit=1 << 31)),
             decode_steps=steps, decode_rows=rows, device_slots=slots, device_slot_bytes=slot_bytes,
             offload_cache_hits=hits, offload_selected_keys=selected,
+            resident_contexts=resident, offloaded_contexts=offloaded,
+            offload_hit_rate=hits / selected if selected else 0.0, offload_promotions=self.decoder.promotions,
             decode_mode=describe(self.decoder.decode_mode, self.decoder.device_type),
             streams_by_decode_path=self.decoder.decode_streams())
 

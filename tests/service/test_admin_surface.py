@@ -1,5 +1,5 @@
 """What a benchmark or an operator reads from a running server without its code: a context's
-stored bytes by part (Describe), the decode engines' step counts (Stats), and a device-only
+stored bytes by part (Describe), the decode engines' step counts and held contexts (Stats), and a device-only
 Evict that keeps the DRAM copy (the warm tier)."""
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def test_stats_count_the_decode_steps_and_the_streams_they_stepped(start):
     after = client.admin.Stats(apb.StatsRequest())
     steps, rows = after.decode_steps - before.decode_steps, after.decode_rows - before.decode_rows
     assert 0 < steps <= final.usage.generated_tokens and rows == steps  # one stream: a batch of one
+    # no HBM or host slots on a CPU: every context decodes on the reference path
+    assert (after.resident_contexts, after.offloaded_contexts, after.offload_hit_rate) == (0, 0, 0.0)
 
 
 def test_device_only_evict_keeps_the_dram_copy(start):

@@ -1,6 +1,7 @@
 """On a GPU: a real server decodes with the fast runner (csattention) and the reference runner
 (every other method), from contexts it built on the GPU; the Final message names the path."""
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -123,6 +124,44 @@ def test_a_context_longer_than_a_slot_decodes_offloaded(tmp_path):
         assert final.decode_path == "gpu-offload" and final.usage.generated_tokens >= 1
         stats = client.admin.Stats(apb.StatsRequest())
         assert 0 <= stats.offload_cache_hits <= stats.offload_selected_keys and stats.offload_selected_keys > 0
+        assert stats.offload_hit_rate == pytest.approx(stats.offload_cache_hits / stats.offload_selected_keys)
+        assert (stats.resident_contexts, stats.offloaded_contexts) == (0, 1)
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_with_every_hbm_slot_streaming_a_context_is_served_offloaded_then_promoted(tmp_path):
+    """serve --offload, one HBM slot: while a stream holds it, a context that fits it decodes from
+    a host slot instead of waiting; used more lately than the slot's context once that stream
+    ended, its next stream takes the HBM slot (decoder/scheduler.Placement)."""
+    from ctxcache.client.gen.v1 import admin_pb2 as apb
+
+    cfg = tiny_config(tmp_path)
+    cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
+                  decoder=replace(cfg.decoder, gpu_slots=1, gpu_slot_tokens=1024, offload=True,
+                                  offload_slot_tokens=1024))
+    server, client = _serve(cfg, "cuda")
+
+    def ask(cid, max_tokens=4):
+        return client.generate(pb.GenerateRequest(context_id=cid, question="who is the keeper?",
+                                                  sampling=pb.SamplingParams(max_tokens=max_tokens)), timeout=300)
+    try:
+        a, b = (_put(client, f"the keeper is named {n} and the gate is blue. " * 6, "csattention") for n in "AB")
+        held = ask(a, max_tokens=480)  # still streaming when b asks (a tiny model steps in ~1 ms)
+        next(held)  # a streams in the one HBM slot
+        assert list(ask(b))[-1].final.decode_path == "gpu-offload"
+        stats = client.admin.Stats(apb.StatsRequest())
+        assert (stats.resident_contexts, stats.offloaded_contexts) == (1, 1)
+        held.cancel()
+        for _ in range(200):  # the engine releases a's slot after its next step
+            if client.admin.Stats(apb.StatsRequest()).active_streams == 0:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert list(ask(b))[-1].final.decode_path == "gpu-sparse"  # b: 2 streams, a: 1
+        stats = client.admin.Stats(apb.StatsRequest())
+        assert (stats.resident_contexts, stats.offloaded_contexts, stats.offload_promotions) == (1, 0, 1)
     finally:
         client.close()
         server.stop(0)
