@@ -167,6 +167,10 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
                      "hbm_gib": args.hbm_gb, "method_params": args.method_params, "index": index_name(args),
                      "ttft_p50_s": {k: statistics.median(v) for k, v in tiers.items()},
                      "ttft_p99_s": {k: pctl(v, 0.99) for k, v in tiers.items()}})
+        if args.offload and mode == "sparse":  # since the server started (every run of this length so far)
+            now = client.admin.Stats(apb.StatsRequest())
+            rows[-1].update(offload_hit_rate=now.offload_hit_rate, resident_contexts=now.resident_contexts,
+                            offloaded_contexts=now.offloaded_contexts)
         print(rows[-1], flush=True)
     if len(cids) >= 8:
         rows[-1]["admission"] = {**admission(client, cids[:8], args.tokens), "runner_prefill_ms": point.prefill_ms.get(mode)}
