@@ -54,6 +54,9 @@ class HostSlot:
     length: int = 0  # host copy of the row's cache length
     busy: bool = False
     last_used: float = 0.0
+    # after a prefill beside decode steps: puts back what their throw-away tokens changed in this
+    # idle row, run just before the row's first real step (a step may still come between)
+    settle: Callable[[], None] | None = None
 
 
 class OffloadRunner:
@@ -182,7 +185,7 @@ class OffloadRunner:
     def _reset(self, slot: HostSlot) -> None:
         """The row back to its context's end; its slot caches emptied (a new stream rewrites the
         positions after the context, whose cached rows would be stale)."""
-        slot.length = slot.n_ctx
+        slot.length, slot.settle = slot.n_ctx, None
         self.pool.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx)  # no host-scalar copy (a sync)
         for t in self.tables or ():
             t.reset_stream(slot.index)
@@ -191,9 +194,10 @@ class OffloadRunner:
 
     def _prefill_chunks(self, slot: HostSlot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
         """The prompt's prefill, a group of layers per next(). The decode steps run between two
-        chunks also step this idle row (a throw-away token after the prompt): after the last chunk
-        its follow state and streamed-key count are put back and its slot caches emptied (a step
-        may have cached prompt positions before their layer ran), as a prefill alone leaves them."""
+        chunks, and after the last until the stream joins the batch, also step this idle row (a
+        throw-away token after the prompt): before its first real step its follow state and
+        streamed-key count are put back and its slot caches emptied (a step may have cached
+        prompt positions before their layer ran), as a prefill alone leaves them."""
         row, span = slot.index, slot.n_ctx + len(prompt)
         run: LayeredPrefill | None = None
         attn: HostPrefillAttention | None = None
@@ -211,12 +215,8 @@ class OffloadRunner:
                     logits = run.run(self._chunk_layers(span, before))
                     self.times.stop(PREFILL_KIND, started, units=(run.layer - before) * span)
                     if logits is not None:
-                        attn.restore_follow()
-                        for t in self.tables:  # a step's throw-away key counted one column more
-                            t.stream_count[row:row + 1].fill_(len(prompt))
-                        for c in self.caches:
-                            c.clear_row(row)
                         slot.length += len(prompt)
+                        slot.settle = self._settler(row, len(prompt), attn)
                 except BaseException:
                     self._forget(slot)
                     raise
@@ -224,6 +224,21 @@ class OffloadRunner:
                 yield logits[0].float()
                 return
             yield None
+
+    def _settler(self, row: int, prompt: int, attn: HostPrefillAttention) -> Callable[[], None]:
+        def settle() -> None:
+            attn.restore_follow()
+            for t in self.tables:  # a throw-away key counted one column more
+                t.stream_count[row:row + 1].fill_(prompt)
+            for c in self.caches:
+                c.clear_row(row)
+        return settle
+
+    def _settle(self, rows: list[HostSlot]) -> None:
+        for s in rows:
+            if s.settle is not None:
+                s.settle()
+                s.settle = None
 
     def _chunk_layers(self, span: int, done: int) -> int:
         """Layers to run beside the next decode step, `done` run: as few even chunks as keep each
@@ -264,6 +279,7 @@ class OffloadRunner:
             return self._step_rows(rows, tokens)
 
     def _step_rows(self, rows: list[HostSlot], tokens: list[int]) -> torch.Tensor:
+        self._settle(rows)
         bucket = self._bucket(rows)
         tok, advance = [0] * bucket, [0] * bucket
         for s, t in zip(rows, tokens):
@@ -279,6 +295,7 @@ class OffloadRunner:
     def launch(self, rows: list[HostSlot], host_tokens: list[int | None]) -> LaunchedStep:
         """One greedy step queued without waiting for the device (GpuRunner.launch)."""
         with self.lock:
+            self._settle(rows)
             bucket = self._bucket(rows)
             index = [s.index for s in rows]
             tokens, advance = self.io.stage(bucket, index, host_tokens)
