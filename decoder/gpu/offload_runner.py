@@ -30,6 +30,7 @@ from ctxcache.decoder.gpu.offload import SlotCache
 from ctxcache.decoder.gpu.offload_step import HostKVPool, HostPrefillAttention, OffloadSparseAttention
 from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE
+from ctxcache.decoder.gpu.slot_rows import SlotRows
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.inflight import LaunchedStep, StepIO
 from ctxcache.decoder.reference_attention import SparseConfig
@@ -59,7 +60,7 @@ class HostSlot:
     settle: Callable[[], None] | None = None
 
 
-class OffloadRunner:
+class OffloadRunner(SlotRows):
     """Serves CSAttention contexts (the server's parameters) the runners before it refused for
     room, up to `max_len` tokens with the question and answer, `slots` streams at once."""
 
@@ -142,24 +143,6 @@ class OffloadRunner:
                 self._forget(slot)
                 raise
         return slot, chunks
-
-    def _forget(self, slot: HostSlot) -> None:
-        """A row whose load or prefill failed holds no context (call under the lock)."""
-        slot.context_id, slot.busy = None, False
-        self.lock.notify_all()
-
-    def _claim(self, context_id: str, check: Callable[[], None]) -> HostSlot:
-        """Its idle resident slot, else an empty one, else the least recently used idle one."""
-        while True:
-            idle = [s for s in self.slots if not s.busy]
-            pick = (next((s for s in idle if s.context_id == context_id), None)
-                    or next((s for s in idle if s.context_id is None), None)
-                    or min(idle, key=lambda s: s.last_used, default=None))
-            if pick is not None:
-                pick.busy = True
-                return pick
-            check()
-            self.lock.wait(timeout=0.05)
 
     def _load(self, slot: HostSlot, context_id: str, art: ContextArtifact) -> None:
         """Each layer's K/V decoded on the GPU (coded K/V cross PCIe as codes), its rows derived
@@ -269,28 +252,6 @@ class OffloadRunner:
             dec = self._decoders[bucket] = GraphDecoder(self.lm.model, self.pool.rows(0, bucket), attn, self.use_graph)
         return dec
 
-    def _bucket(self, rows: list[HostSlot]) -> int:
-        return next(b for b in self.buckets if b > max(s.index for s in rows))
-
-    @torch.inference_mode()
-    def step(self, rows: list[HostSlot], tokens: list[int]) -> torch.Tensor:
-        """One batched step of the given rows: -> logits [len(rows), V]."""
-        with self.lock:
-            return self._step_rows(rows, tokens)
-
-    def _step_rows(self, rows: list[HostSlot], tokens: list[int]) -> torch.Tensor:
-        self._settle(rows)
-        bucket = self._bucket(rows)
-        tok, advance = [0] * bucket, [0] * bucket
-        for s, t in zip(rows, tokens):
-            tok[s.index], advance[s.index] = t, 1
-        dec = self._decoder(bucket)
-        logits = dec.run(torch.tensor(tok, device=self.device))
-        dec.cache.lengths += torch.tensor(advance, device=self.device)
-        for s in rows:
-            s.length += 1
-        return logits[[s.index for s in rows]]  # a copy: the graph's buffer is reused
-
     @torch.inference_mode()
     def launch(self, rows: list[HostSlot], host_tokens: list[int | None]) -> LaunchedStep:
         """One greedy step queued without waiting for the device (GpuRunner.launch)."""
@@ -320,14 +281,6 @@ class OffloadRunner:
             self._reset(row)  # an idle row's throw-away tokens land at its context's end
             row.busy, row.last_used = False, time.monotonic()
             self.lock.notify_all()
-
-    def evict(self, context_id: str) -> bool:
-        """Forget the context's idle host slots (a busy one serves its stream, then is reloaded)."""
-        with self.lock:
-            held = [s for s in self.slots if s.context_id == context_id]
-            for s in held:
-                s.context_id = None if not s.busy else f"evicted:{context_id}"
-            return bool(held)
 
     def capacity(self) -> tuple[int, int]:
         return 0, 0  # no HBM slots: its contexts' K/V are in host memory

@@ -31,6 +31,7 @@ from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.warm_up import warm_up_runner
 from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.prefill_graph import Capturing, PrefillGraphs, Replay
+from ctxcache.decoder.gpu.slot_rows import SlotRows
 from ctxcache.decoder.gpu.slot_load import OverlappedPrefill, SlotLoader
 from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
                                                layers_per_chunk, padded_length, prompt_input)
@@ -63,7 +64,7 @@ class Slot:
     head: ResidentHead | None = None  # the resident context's head
 
 
-class GpuRunner:
+class GpuRunner(SlotRows):
     """params None: dense mode. Serves streams whose context fits a slot with room for their
     question and answer (`max_new` tokens streamed into the index at most)."""
 
@@ -168,11 +169,6 @@ class GpuRunner:
                       1e3 * (time.perf_counter() - t0), 1e3 * (t_lock - t0))
         return slot, chunks
 
-    def _forget(self, slot: Slot) -> None:
-        """A row whose load or prefill failed holds no context (call under the lock)."""
-        slot.context_id, slot.busy = None, False
-        self.lock.notify_all()
-
     def _per_chunk(self, tokens: int) -> int:
         return layers_per_chunk(tokens, self.lm.args.n_layers, self.prefill_token_layers)
 
@@ -254,20 +250,6 @@ class GpuRunner:
         chunks = max(1, math.ceil(left * layer_ms / (PREFILL_SHARE * step_ms)))
         return -(-left // chunks)
 
-    def _claim(self, context_id: str, check: Callable[[], None]) -> Slot:
-        """A slot for the context: its idle resident slot, else an empty one, else the least
-        recently used idle one; waits (running `check`) while every slot is busy."""
-        while True:
-            idle = [s for s in self.slots if not s.busy]
-            pick = (next((s for s in idle if s.context_id == context_id), None)
-                    or next((s for s in idle if s.context_id is None), None)
-                    or min(idle, key=lambda s: s.last_used, default=None))
-            if pick is not None:
-                pick.busy = True
-                return pick
-            check()
-            self.lock.wait(timeout=0.05)
-
     def _load(self, slot: Slot, context_id: str, art: ContextArtifact,
               then: Callable[[int], None] | None = None) -> None:
         """The context into the slot's row, layer by layer; `then(layer)` (the prompt's prefill)
@@ -316,11 +298,6 @@ class GpuRunner:
         return dec
 
     @torch.inference_mode()
-    def step(self, rows: list[Slot], tokens: list[int]) -> torch.Tensor:
-        with self.lock:
-            return self._step_rows(rows, tokens)
-
-    @torch.inference_mode()
     def launch(self, rows: list[Slot], host_tokens: list[int | None]) -> LaunchedStep:
         """Queue one greedy step without waiting for the device: a row's input is its token of
         the previous launched step (on the device) or host_tokens' entry where not None."""
@@ -340,21 +317,6 @@ class GpuRunner:
                 s.length += 1
             return self.io.finish(logits, advance, index, [self.cache_full(s) for s in rows])
 
-    def _bucket(self, rows: list[Slot]) -> int:
-        return next(b for b in self.buckets if b > max(s.index for s in rows))
-
-    def _step_rows(self, rows: list[Slot], tokens: list[int]) -> torch.Tensor:
-        bucket = self._bucket(rows)
-        tok, advance = [0] * bucket, [0] * bucket
-        for s, t in zip(rows, tokens):
-            tok[s.index], advance[s.index] = t, 1
-        dec = self._decoder(bucket)
-        logits = dec.run(torch.tensor(tok, device=self.device))
-        dec.cache.lengths += torch.tensor(advance, device=self.device)
-        for s in rows:
-            s.length += 1
-        return logits[[s.index for s in rows]]  # a copy: the graph's buffer is reused
-
     def warm_up(self, arts: list[ContextArtifact]) -> None:
         """Every kernel compiled and every bucket's graph captured before serving (warm_up.py)."""
         warm_up_runner(self, arts)
@@ -371,18 +333,6 @@ class GpuRunner:
             self._reset(row)
             row.busy, row.last_used = False, time.monotonic()
             self.lock.notify_all()
-
-    def evict(self, context_id: str) -> bool:
-        """Forget the context's idle slots (a busy one keeps serving its stream and is reloaded
-        for the next); -> whether any slot held it."""
-        with self.lock:
-            held = [s for s in self.slots if s.context_id == context_id]
-            for s in held:
-                if not s.busy:
-                    s.context_id = None
-                else:
-                    s.context_id = f"evicted:{context_id}"  # never matched again: the next stream reloads
-            return bool(held)
 
     def capacity(self) -> tuple[int, int]:
         return len(self.slots), self.slot_bytes

@@ -1,0 +1,76 @@
+"""What the fast runner and the offload runner share about their slots: claiming one for a
+context, forgetting one, evicting a context, and one bucketed step of graph replays over the
+given rows. A runner brings `slots` (each with index, context_id, busy, last_used, length), a
+`lock` (threading.Condition), `buckets`, `device`, `_decoder(bucket)`, and may override
+`_settle(rows)`, which runs before a step touches the rows (the offload runner puts a joined
+row's state back there)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class SlotRows:
+    slots: list[Any]
+    lock: Any
+    buckets: list[int]
+    device: torch.device
+
+    def _decoder(self, bucket: int) -> Any:
+        raise NotImplementedError
+
+    def _settle(self, rows: list[Any]) -> None:
+        """Before a step reads the rows (nothing by default)."""
+
+    def _forget(self, slot: Any) -> None:
+        """A row whose load or prefill failed holds no context (call under the lock)."""
+        slot.context_id, slot.busy = None, False
+        self.lock.notify_all()
+
+    def _claim(self, context_id: str, check: Callable[[], None]) -> Any:
+        """A slot for the context: its idle resident slot, else an empty one, else the least
+        recently used idle one; waits (running `check`) while every slot is busy."""
+        while True:
+            idle = [s for s in self.slots if not s.busy]
+            pick = (next((s for s in idle if s.context_id == context_id), None)
+                    or next((s for s in idle if s.context_id is None), None)
+                    or min(idle, key=lambda s: s.last_used, default=None))
+            if pick is not None:
+                pick.busy = True
+                return pick
+            check()
+            self.lock.wait(timeout=0.05)
+
+    def evict(self, context_id: str) -> bool:
+        """Forget the context's idle slots (a busy one keeps serving its stream and is reloaded
+        for the next); -> whether any slot held it."""
+        with self.lock:
+            held = [s for s in self.slots if s.context_id == context_id]
+            for s in held:  # a busy one's id is never matched again: the next stream reloads
+                s.context_id = None if not s.busy else f"evicted:{context_id}"
+            return bool(held)
+
+    def _bucket(self, rows: list[Any]) -> int:
+        return next(b for b in self.buckets if b > max(s.index for s in rows))
+
+    @torch.inference_mode()
+    def step(self, rows: list[Any], tokens: list[int]) -> torch.Tensor:
+        """One batched step of the given rows: -> logits [len(rows), V]."""
+        with self.lock:
+            return self._step_rows(rows, tokens)
+
+    def _step_rows(self, rows: list[Any], tokens: list[int]) -> torch.Tensor:
+        self._settle(rows)
+        bucket = self._bucket(rows)
+        tok, advance = [0] * bucket, [0] * bucket
+        for s, t in zip(rows, tokens):
+            tok[s.index], advance[s.index] = t, 1
+        dec = self._decoder(bucket)
+        logits = dec.run(torch.tensor(tok, device=self.device))
+        dec.cache.lengths += torch.tensor(advance, device=self.device)
+        for s in rows:
+            s.length += 1
+        return logits[[s.index for s in rows]]  # a copy: the graph's buffer is reused
