@@ -32,7 +32,7 @@ from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE
 from ctxcache.decoder.gpu.slot_rows import SlotRows
 from ctxcache.decoder.gpu.selector import GpuDenseTables
-from ctxcache.decoder.inflight import LaunchedStep, StepIO
+from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import LayeredPrefill
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
@@ -251,24 +251,6 @@ class OffloadRunner(SlotRows):
             attn.dense_layers = self.config.dense_layers
             dec = self._decoders[bucket] = GraphDecoder(self.lm.model, self.pool.rows(0, bucket), attn, self.use_graph)
         return dec
-
-    @torch.inference_mode()
-    def launch(self, rows: list[HostSlot], host_tokens: list[int | None]) -> LaunchedStep:
-        """One greedy step queued without waiting for the device (GpuRunner.launch)."""
-        with self.lock:
-            self._settle(rows)
-            bucket = self._bucket(rows)
-            index = [s.index for s in rows]
-            tokens, advance = self.io.stage(bucket, index, host_tokens)
-            dec = self._decoder(bucket)
-            started = self.times.start() if dec.graph is not None else None  # replays only (as GpuRunner)
-            logits = dec.run(tokens)
-            self.times.stop(f"step {bucket}", started)
-            self._last_bucket = bucket
-            dec.cache.lengths += advance
-            for s in rows:
-                s.length += 1
-            return self.io.finish(logits, advance, index, [self.cache_full(s) for s in rows])
 
     def cache_full(self, row: HostSlot) -> bool:
         return row.length >= self.max_len or row.length - row.n_ctx >= self.max_new

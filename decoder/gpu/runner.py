@@ -35,7 +35,7 @@ from ctxcache.decoder.gpu.slot_rows import SlotRows
 from ctxcache.decoder.gpu.slot_load import OverlappedPrefill, SlotLoader
 from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
                                                layers_per_chunk, padded_length, prompt_input)
-from ctxcache.decoder.inflight import LaunchedStep, StepIO
+from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.decoder.runner import ContextNotResident
@@ -296,26 +296,6 @@ class GpuRunner(SlotRows):
                                           a.head_dim, self.cache.max_len)
             dec = self._decoders[bucket] = GraphDecoder(self.lm.model, view, attn, self.use_graph)
         return dec
-
-    @torch.inference_mode()
-    def launch(self, rows: list[Slot], host_tokens: list[int | None]) -> LaunchedStep:
-        """Queue one greedy step without waiting for the device: a row's input is its token of
-        the previous launched step (on the device) or host_tokens' entry where not None."""
-        with self.lock:
-            bucket = self._bucket(rows)
-            index = [s.index for s in rows]
-            tokens, advance = self.io.stage(bucket, index, host_tokens)
-            dec = self._decoder(bucket)
-            # replays only: a bucket's first run captures its graph (seconds in the warm-up), and
-            # an estimate holding that held the engine's next launches back for a whole run
-            started = self.times.start() if dec.graph is not None else None
-            logits = dec.run(tokens)
-            self.times.stop(f"step {bucket}", started)
-            self._last_bucket = bucket
-            dec.cache.lengths += advance
-            for s in rows:
-                s.length += 1
-            return self.io.finish(logits, advance, index, [self.cache_full(s) for s in rows])
 
     def warm_up(self, arts: list[ContextArtifact]) -> None:
         """Every kernel compiled and every bucket's graph captured before serving (warm_up.py)."""

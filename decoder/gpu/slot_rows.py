@@ -1,7 +1,8 @@
 """What the fast runner and the offload runner share about their slots: claiming one for a
 context, forgetting one, evicting a context, and one bucketed step of graph replays over the
 given rows. A runner brings `slots` (each with index, context_id, busy, last_used, length), a
-`lock` (threading.Condition), `buckets`, `device`, `_decoder(bucket)`, and may override
+`lock` (threading.Condition), `buckets`, `device`, `_decoder(bucket)`, `io` (inflight.StepIO), `times`
+(device_times.DeviceTimes), `cache_full(row)`, and may override
 `_settle(rows)`, which runs before a step touches the rows (the offload runner puts a joined
 row's state back there)."""
 
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ctxcache.decoder.inflight import LaunchedStep
+
 
 class SlotRows:
     slots: list[Any]
@@ -19,7 +22,14 @@ class SlotRows:
     buckets: list[int]
     device: torch.device
 
+    io: Any
+    times: Any
+    _last_bucket: int
+
     def _decoder(self, bucket: int) -> Any:
+        raise NotImplementedError
+
+    def cache_full(self, row: Any) -> bool:
         raise NotImplementedError
 
     def _settle(self, rows: list[Any]) -> None:
@@ -61,6 +71,27 @@ class SlotRows:
         """One batched step of the given rows: -> logits [len(rows), V]."""
         with self.lock:
             return self._step_rows(rows, tokens)
+
+    @torch.inference_mode()
+    def launch(self, rows: list[Any], host_tokens: list[int | None]) -> LaunchedStep:
+        """Queue one greedy step without waiting for the device: a row's input is its token of
+        the previous launched step (on the device) or host_tokens' entry where not None."""
+        with self.lock:
+            self._settle(rows)
+            bucket = self._bucket(rows)
+            index = [s.index for s in rows]
+            tokens, advance = self.io.stage(bucket, index, host_tokens)
+            dec = self._decoder(bucket)
+            # replays only: a bucket's first run captures its graph (seconds in the warm-up), and
+            # an estimate holding that held the engine's next launches back for a whole run
+            started = self.times.start() if dec.graph is not None else None
+            logits = dec.run(tokens)
+            self.times.stop(f"step {bucket}", started)
+            self._last_bucket = bucket
+            dec.cache.lengths += advance
+            for s in rows:
+                s.length += 1
+            return self.io.finish(logits, advance, index, [self.cache_full(s) for s in rows])
 
     def _step_rows(self, rows: list[Any], tokens: list[int]) -> torch.Tensor:
         self._settle(rows)
