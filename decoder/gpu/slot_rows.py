@@ -25,12 +25,8 @@ class SlotRows:
     io: Any
     times: Any
     _last_bucket: int
-
-    def _decoder(self, bucket: int) -> Any:
-        raise NotImplementedError
-
-    def cache_full(self, row: Any) -> bool:
-        raise NotImplementedError
+    _decoder: Callable[[int], Any]  # the bucket's GraphDecoder (each runner's own)
+    cache_full: Callable[[Any], bool]
 
     def _settle(self, rows: list[Any]) -> None:
         """Before a step reads the rows (nothing by default)."""
