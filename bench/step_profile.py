@@ -11,8 +11,6 @@ built artifact per length shared by every row (each row its own slot and tables)
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -20,7 +18,7 @@ import torch
 
 from ctxcache.bench.common.gpu import gpu_cli
 from ctxcache.bench.common.report import print_table, write_result
-from ctxcache.bench.common.serve_limits import copy_bandwidth
+from ctxcache.bench.common.serve_limits import copy_bandwidth, median_step_s
 from ctxcache.bench.serve import build_times
 from ctxcache.decoder.gpu.runner import GpuRunner
 from ctxcache.decoder.reference_attention import SparseConfig
@@ -43,22 +41,14 @@ def per_step(events: Iterable[tuple[str, float]], steps: int, top: int = 0) -> l
 def profile_steps(runner: GpuRunner, rows: list, steps: int = 5, repeats: int = 20) -> dict:
     """The step's median wall time, then its kernels over `steps` profiled steps."""
     from torch.profiler import ProfilerActivity, profile
+    step_s = median_step_s(runner, rows, repeats)
     toks = [7] * len(rows)
-    for _ in range(3):
-        runner.step(rows, toks)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        runner.step(rows, toks)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             runner.step(rows, toks)
         torch.cuda.synchronize()
     kernels = per_step(((e.name, e.device_time_total) for e in prof.events() if e.device_type.name == "CUDA"), steps)
-    return {"step_ms": 1e3 * statistics.median(times), "kernels_ms": sum(k["us"] for k in kernels) / 1e3,
+    return {"step_ms": 1e3 * step_s, "kernels_ms": sum(k["us"] for k in kernels) / 1e3,
             "launches": sum(k["launches"] for k in kernels), "kernels": kernels}
 
 

@@ -72,18 +72,8 @@ def runner_steps_ms(lm: LoadedModel, art, params: CSAttentionParams | None, conf
         rows = [runner.admit(f"c{i}", art, [5] * 20, config, 64)[0] for i in range(max(streams))]
         prefill = 1e3 * statistics.median(_timed_admission(runner, rows[0], art, config) for _ in range(repeats))
         for s in streams:
-            batch, toks = rows[:s], [7] * s
-            for _ in range(3):
-                runner.step(batch, toks)
-            times = []
-            for _ in range(repeats):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                runner.step(batch, toks)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            out[s] = 1e3 * statistics.median(times)
-            for r in batch:  # back to the context's end: every repeat steps the same positions
+            out[s] = 1e3 * median_step_s(runner, rows[:s], repeats)
+            for r in rows[:s]:  # back to the context's end: every repeat steps the same positions
                 runner.release(r)
                 runner.admit(r.context_id, art, [5] * 20, config, 64)
     finally:
@@ -91,6 +81,21 @@ def runner_steps_ms(lm: LoadedModel, art, params: CSAttentionParams | None, conf
         gc.collect()
         torch.cuda.empty_cache()
     return out, prefill
+
+
+def median_step_s(runner: GpuRunner, rows: list, repeats: int = 20) -> float:
+    """The median wall time of the runner's step over `rows` (after 3 untimed steps), seconds."""
+    toks = [7] * len(rows)
+    for _ in range(3):
+        runner.step(rows, toks)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.step(rows, toks)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _timed_admission(runner: GpuRunner, row, art, config: SparseConfig) -> float:
