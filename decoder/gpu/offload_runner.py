@@ -275,5 +275,5 @@ class OffloadRunner(SlotRows):
 
     def warm_up(self, arts: list[ContextArtifact]) -> None:
         """Every kernel compiled and every bucket's graph captured before serving."""
-        from ctxcache.decoder.gpu.warm_up import warm_up_offload
-        warm_up_offload(self, arts)
+        from ctxcache.decoder.gpu.warm_up import warm_up_runner
+        warm_up_runner(self, arts)

@@ -18,12 +18,15 @@ _log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def warm_up_runner(runner: GpuRunner, arts: list[ContextArtifact]) -> None:
-    """Each artifact loaded into every slot under prompts of 16 and 17 tokens (padded to 16 and
-    32: the prefill's two shapes of graph; one token is a decode step), then per bucket one
-    launched and one synchronous step."""
+def warm_up_runner(runner: GpuRunner | OffloadRunner, arts: list[ContextArtifact]) -> None:
+    """Each artifact loaded into every slot under prompts of 16 and 17 tokens (the fast runner's
+    prefill graphs pad them to 16 and 32; the offload runner's eager prefill passes Triton lengths
+    that differ by divisibility; one token is a decode step), then per bucket one launched and
+    one synchronous step (the first captures its graph); the fast runner's replayed prefill
+    graph is then checked against its eager prefill."""
     ids = [f"warm-up:{i}" for i in range(len(runner.slots))]
     arts = [art for art in arts if runner.accepts(art, runner.config, 17 + 8)]  # slots too small skip them
+    check = hasattr(runner, "prefill_graphs")  # the fast runner replays captured prefills; the offload runner has none
     for a, art in enumerate(arts):
         rows, first = [], None
         try:
@@ -35,32 +38,8 @@ def warm_up_runner(runner: GpuRunner, arts: list[ContextArtifact]) -> None:
             for b in runner.buckets if a == 0 else ():
                 runner.launch(rows[:b], [5] * b).result()
                 runner.step(rows[:b], [5] * b)
-            if a == 0:
+            if a == 0 and check:
                 _check_prefill_graph(runner, ids[0], art, rows, first)
-        finally:
-            for row in rows:
-                runner.release(row)
-            for cid in ids:
-                runner.evict(cid)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-@torch.inference_mode()
-def warm_up_offload(runner: OffloadRunner, arts: list[ContextArtifact]) -> None:
-    """The offload runner's shapes: each artifact loaded into every host slot under prompts of
-    16 and 17 tokens (its prefill is eager: the lengths it passes Triton differ by divisibility),
-    then per bucket one launched and one synchronous step (the first captures its graph)."""
-    ids = [f"warm-up:{i}" for i in range(len(runner.slots))]
-    arts = [art for art in arts if runner.accepts(art, runner.config, 17 + 8)]
-    for a, art in enumerate(arts):
-        rows = []
-        try:
-            for i, cid in enumerate(ids):
-                rows.append(runner.admit(cid, art, list(range(3, 3 + (16, 17)[(a + i) % 2])), runner.config, 8)[0])
-            for b in runner.buckets if a == 0 else ():
-                runner.launch(rows[:b], [5] * b).result()
-                runner.step(rows[:b], [5] * b)
         finally:
             for row in rows:
                 runner.release(row)
