@@ -31,7 +31,7 @@ from ctxcache.decoder.gpu.offload_step import HostKVPool, HostPrefillAttention, 
 from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE
 from ctxcache.decoder.gpu.slot_rows import SlotRows
-from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.gpu.selector import GpuDenseTables, stack_follow
 from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import LayeredPrefill
@@ -161,6 +161,7 @@ class OffloadRunner(SlotRows):
             if self.tables is None:
                 self.tables = [GpuDenseTables.empty(len(self.slots), restored, self.max_len, self.max_new, self.device,
                                                     self.params.follows) for _ in art.layers]
+                self.follow_state = stack_follow(self.tables)
             self.tables[layer].load_row(row, restored, n)
         slot.context_id, slot.n_ctx = context_id, n
         self.loads += 1
@@ -178,12 +179,12 @@ class OffloadRunner(SlotRows):
     def _prefill_chunks(self, slot: HostSlot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
         """The prompt's prefill, a group of layers per next(). The decode steps run between two
         chunks, and after the last until the stream joins the batch, also step this idle row (a
-        throw-away token after the prompt): before its first real step its follow state and
-        streamed-key count are put back and its slot caches emptied (a step may have cached
-        prompt positions before their layer ran), as a prefill alone leaves them."""
+        throw-away token after the prompt; SlotRows puts its follow state back after each): before
+        its first real step its streamed-key count is put back and its slot caches emptied (a
+        step may have cached prompt positions before their layer ran), as a prefill alone leaves
+        them."""
         row, span = slot.index, slot.n_ctx + len(prompt)
         run: LayeredPrefill | None = None
-        attn: HostPrefillAttention | None = None
         while True:
             with self.lock, torch.inference_mode():
                 try:
@@ -199,7 +200,7 @@ class OffloadRunner(SlotRows):
                     self.times.stop(PREFILL_KIND, started, units=(run.layer - before) * span)
                     if logits is not None:
                         slot.length += len(prompt)
-                        slot.settle = self._settler(row, len(prompt), attn)
+                        slot.settle = self._settler(row, len(prompt))
                 except BaseException:
                     self._forget(slot)
                     raise
@@ -208,9 +209,8 @@ class OffloadRunner(SlotRows):
                 return
             yield None
 
-    def _settler(self, row: int, prompt: int, attn: HostPrefillAttention) -> Callable[[], None]:
+    def _settler(self, row: int, prompt: int) -> Callable[[], None]:
         def settle() -> None:
-            attn.restore_follow()
             for t in self.tables:  # a throw-away key counted one column more
                 t.stream_count[row:row + 1].fill_(prompt)
             for c in self.caches:

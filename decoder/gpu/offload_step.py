@@ -96,13 +96,12 @@ class HostPrefillAttention:
     indexed, then dense causal attention over the row's K/V copied to the GPU, and follow seeded
     by the last query (as GpuSparseAttention does over HBM). Not captured. The engine runs its
     layers in chunks, a decode step of the other rows between two: that step also computes this
-    idle row's throw-away token, which rewrites its follow state (put back by `restore_follow`)."""
+    idle row's throw-away token (SlotRows puts the row's follow state back after it)."""
 
     def __init__(self, tables: list[GpuDenseTables], perm: torch.Tensor | None, budget: Budget, follow: bool,
                  dense_layers: tuple[int, ...], n_ctx: int) -> None:
         self.tables, self.perm, self.budget, self.follow, self.dense_layers = tables, perm, budget, follow, dense_layers
         self.n_ctx = n_ctx
-        self._seeded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a layer's follow state, its seed)
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != 1 or q.shape[2] < 2:
@@ -116,13 +115,7 @@ class HostPrefillAttention:
         out = causal_attention(q, k, v, pos)
         if self.follow and layer not in self.dense_layers:
             t.seed_follow(0, q[0, :, -1], k[0], self.budget)
-            self._seeded.append((t.follow_prev[0], t.follow_prev[0].clone()))
         return out
-
-    def restore_follow(self) -> None:
-        """Each seeded layer's follow state as its prefill left it."""
-        for state, seed in self._seeded:
-            state.copy_(seed)
 
 
 def to_device(host: torch.Tensor, span: int, device: torch.device) -> torch.Tensor:

@@ -36,7 +36,7 @@ from ctxcache.decoder.gpu.slot_load import OverlappedPrefill, SlotLoader
 from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
                                                layers_per_chunk, padded_length, prompt_input)
 from ctxcache.decoder.inflight import StepIO
-from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.gpu.selector import GpuDenseTables, stack_follow
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.decoder.runner import ContextNotResident
 from ctxcache.generation import LayeredPrefill
@@ -266,6 +266,7 @@ class GpuRunner(SlotRows):
                 if self.tables is None:
                     self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len, self.max_new,
                                                         self.device, self.params.follows) for _ in art.layers]
+                    self.follow_state = stack_follow(self.tables)
                 self.tables[layer].load_row(row, tables, n)
 
         # coded K/V (the default int8) cross PCIe as codes and are decoded in HBM, a layer at a

@@ -252,6 +252,18 @@ class GpuDenseTables:
         return self._seed
 
 
+def stack_follow(tables: list[GpuDenseTables]) -> torch.Tensor | None:
+    """Every layer's follow_prev made a view of one [layers, B, Hkv, F] tensor (None without
+    follow): a row's state across all layers is then one slice (SlotRows puts it back after a
+    step that did not step the row)."""
+    if tables[0].follow_prev is None:
+        return None
+    state = torch.stack([t.follow_prev for t in tables])
+    for t, layer_state in zip(tables, state):
+        t.follow_prev = layer_state
+    return state
+
+
 def follow_state(rows: int, n_kv: int, follow: int, device: torch.device | str) -> torch.Tensor:
     """GpuDenseTables.follow_prev for rows that follow nothing yet."""
     return torch.full((rows, n_kv, follow), -1, dtype=torch.int32, device=device)

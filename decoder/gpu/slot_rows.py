@@ -4,7 +4,8 @@ given rows. A runner brings `slots` (each with index, context_id, busy, last_use
 `lock` (threading.Condition), `buckets`, `device`, `_decoder(bucket)`, `io` (inflight.StepIO), `times`
 (device_times.DeviceTimes), `cache_full(row)`, and may override
 `_settle(rows)`, which runs before a step touches the rows (the offload runner puts a joined
-row's state back there)."""
+row's state back there), and sets `follow_state` (selector.stack_follow) when it allocates its
+tables."""
 
 from __future__ import annotations
 
@@ -27,9 +28,27 @@ class SlotRows:
     _last_bucket: int
     _decoder: Callable[[int], Any]  # the bucket's GraphDecoder (each runner's own)
     cache_full: Callable[[Any], bool]
+    follow_state: torch.Tensor | None = None  # [layers, slots, Hkv, F]: every layer's follow_prev
 
     def _settle(self, rows: list[Any]) -> None:
         """Before a step reads the rows (nothing by default)."""
+
+    def _unstepped(self, rows: list[Any], bucket: int) -> Callable[[], None]:
+        """A step computes a throw-away token for the rows of its bucket it does not step, and
+        its re-rank rewrites their follow state: the state of a stream holding such a row (one
+        decoding while another's one-token question is admitted by a step, or one whose
+        question's prefill runs a chunk of layers between steps) is copied first; -> what puts
+        it back after the step (stream order: before any later step reads it)."""
+        stepped = {s.index for s in rows}
+        held = [s.index for s in self.slots if s.busy and s.index < bucket and s.index not in stepped]
+        if self.follow_state is None or not held:
+            return lambda: None
+        kept = [(self.follow_state[:, i], self.follow_state[:, i].clone()) for i in held]
+
+        def put_back() -> None:
+            for state, before in kept:
+                state.copy_(before)
+        return put_back
 
     def _forget(self, slot: Any) -> None:
         """A row whose load or prefill failed holds no context (call under the lock)."""
@@ -81,7 +100,9 @@ class SlotRows:
             # replays only: a bucket's first run captures its graph (seconds in the warm-up), and
             # an estimate holding that held the engine's next launches back for a whole run
             started = self.times.start() if dec.graph is not None else None
+            put_back = self._unstepped(rows, bucket)
             logits = dec.run(tokens)
+            put_back()
             self.times.stop(f"step {bucket}", started)
             self._last_bucket = bucket
             dec.cache.lengths += advance
@@ -96,7 +117,9 @@ class SlotRows:
         for s, t in zip(rows, tokens):
             tok[s.index], advance[s.index] = t, 1
         dec = self._decoder(bucket)
+        put_back = self._unstepped(rows, bucket)
         logits = dec.run(torch.tensor(tok, device=self.device))
+        put_back()
         dec.cache.lengths += torch.tensor(advance, device=self.device)
         for s in rows:
             s.length += 1
