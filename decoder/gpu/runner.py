@@ -7,7 +7,8 @@ stream on that context resets the row to the context's length and skips the load
 are reused least recently used first. A step runs the model over the first `bucket` rows
 (buckets 1, 2, 4, ... up to `slots`, one CUDA graph each, captured on first use); rows of the
 bucket that are not stepped compute a throw-away token at their current position (past any
-resident context, overwritten by their next real step) and do not advance.
+resident context, overwritten by their next real step) and do not advance; a busy row's follow
+state is put back after such a step (SlotRows._unstepped).
 
 Sparse mode: CSAttention's GPU selector + split-K attention per layer (GpuSparseAttention);
 dense mode: split-K attention over every cached key (the same engine with every layer dense).
