@@ -30,17 +30,18 @@ def k_buffer_bytes(args: ModelArgs, slots: int, max_len: int, dtype_bytes: int) 
     return args.n_layers * slots * args.n_kv_heads * max_len * args.head_dim * dtype_bytes
 
 
-def k_buffers(args: ModelArgs, slots: int, max_len: int, dtype: torch.dtype,
-              device: torch.device) -> list[torch.Tensor]:
-    """Zeroed K buffers [slots, Hkv, max_len, D] per layer; ValueError (one line naming both
-    sizes and the flags) when they do not fit the GPU's free memory."""
-    need = k_buffer_bytes(args, slots, max_len, torch.empty((), dtype=dtype).element_size())
+def k_buffers(args: ModelArgs, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+              rows_bytes: int = 0) -> list[torch.Tensor]:
+    """Zeroed K buffers [slots, Hkv, max_len, D] per layer; ValueError (one line naming the
+    sizes and the flags) when they and `rows_bytes` (the slots' index rows, allocated at the
+    first load) do not fit the GPU's free memory."""
+    k = k_buffer_bytes(args, slots, max_len, torch.empty((), dtype=dtype).element_size())
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
-        if need > free:
-            raise ValueError(f"offload K in HBM: {slots} host slots x {max_len} tokens need {need / 2**30:.2f} GiB, "
-                             f"the GPU has {free / 2**30:.2f} GiB free: fewer --offload-slots, shorter "
-                             f"--offload-slot-tokens, or --offload-k host")
+        if k + rows_bytes > free:
+            raise ValueError(f"offload K in HBM: {slots} host slots x {max_len} tokens need {k / 2**30:.2f} GiB of K "
+                             f"+ {rows_bytes / 2**30:.2f} GiB of index rows, the GPU has {free / 2**30:.2f} GiB free: "
+                             f"fewer --offload-slots, shorter --offload-slot-tokens, or --offload-k host")
     return [torch.zeros(slots, args.n_kv_heads, max_len, args.head_dim, dtype=dtype, device=device)
             for _ in range(args.n_layers)]
 

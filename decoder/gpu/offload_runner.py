@@ -28,6 +28,7 @@ import torch
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.graph import GraphDecoder
+from ctxcache.decoder.gpu.capacity import slot_bytes
 from ctxcache.decoder.gpu.offload import SlotCache
 from ctxcache.decoder.gpu.offload_k import PcieCounter, k_buffers
 from ctxcache.decoder.gpu.offload_step import HostKVPool, HostPrefillAttention, OffloadSparseAttention
@@ -90,7 +91,9 @@ class OffloadRunner(SlotRows):
         self.pool = HostKVPool(a.n_layers, slots, a.n_kv_heads, self.max_len, a.head_dim, dtype, self.device,
                                keys=not k_hbm)
         self.k_hbm = k_hbm
-        self.k = k_buffers(a, slots, self.max_len, dtype, self.device) if k_hbm else None
+        e = dtype.itemsize
+        rows = slots * (slot_bytes(a, params, self.max_len, max_new, e) - slot_bytes(a, None, self.max_len, max_new, e))
+        self.k = k_buffers(a, slots, self.max_len, dtype, self.device, rows) if k_hbm else None
         self.kv = self.pool.with_k(self.k) if k_hbm else self.pool  # what steps and prefills read and write
         self.slots = [HostSlot(i) for i in range(slots)]
         self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
