@@ -40,7 +40,8 @@ from ctxcache.bench.common.report import (add_out, commit, device_tag, machine_i
 from ctxcache.bench.common.reprefill import reprefill_seconds
 from ctxcache.client.server_process import running_server
 from ctxcache.bench.common.serve_client import admission, concurrent_rate, generate, pctl
-from ctxcache.bench.common.serve_limits import copy_bandwidth, floor_ms, row_bytes, runner_steps_ms, weight_bytes
+from ctxcache.bench.common.serve_limits import (copy_bandwidth, floor_ms, h2d_gb_per_s, row_bytes, runner_steps_ms,
+                                                weight_bytes)
 from ctxcache.quality.texts import text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb
@@ -227,7 +228,6 @@ def points_on_the_model(args, contexts: list[int], streams: list[int]) -> list[P
     bandwidth = copy_bandwidth(args.device)
     h2d = None
     if args.offload and args.device == "cuda":
-        from ctxcache.bench.tiers import h2d_gb_per_s  # here: tiers imports this module
         h2d = h2d_gb_per_s()
     points = []
     for n in contexts:
