@@ -11,8 +11,9 @@ HBM, or the host without k_hbm), attend through the slot caches (kernels.offload
 hits from HBM, the rest over PCIe). `pcie` counts the bytes that cross PCIe (pcie_bytes).
 Rows of the bucket not stepped compute a throw-away token at their length, as in the fast
 runner. A context stays in its host slot after its stream (the next stream skips the load);
-a prompt's prefill copies each layer's K/V to the GPU for dense attention (not captured), a
-group of layers per decode step on the engine thread (`begin`), as the fast runner's admissions.
+a prompt's prefill copies each layer's V (K too without k_hbm) to the GPU for dense attention
+(not captured), a group of layers per decode step on the engine thread (`begin`), as the fast
+runner's admissions.
 """
 
 from __future__ import annotations
