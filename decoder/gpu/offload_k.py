@@ -1,7 +1,7 @@
 """The offload runner's K in HBM and its PCIe byte count.
 
-K buffers: each host slot's context's K, bf16 exactly as in the host pool ([slots, Hkv, max_len,
-D] per layer on the GPU), so the selection's re-rank and the attention read K from HBM and
+K buffers: each host slot's context's K exactly as decoded ([slots, Hkv, max_len, D] per layer on
+the GPU; the host pool then holds V alone), so the selection's re-rank and the attention read K from HBM and
 only V crosses PCIe: the selected keys' V that the GPU slot cache misses, and the sinks' and
 recent window's V. A slot's buffer is filled when its context loads (its K is decoded on the
 GPU, so the copy is device to device) and kept while the context stays in its host slot: a
