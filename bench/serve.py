@@ -10,7 +10,9 @@ With --hbm-gb, both modes get the same HBM for resident contexts (`serve --gpu-m
 each holds as many slots as fit its mode's bytes per context, is measured at its own maximum
 too, and the capacity table compares each mode's best aggregate tok/s. With --offload the sparse
 server has one small slot and `--offload` with a host slot per stream (`--offload-slots`), so every
-context decodes with its K/V in host memory, all streams in one batched step.
+context decodes with its V in host memory (and K, with `--offload-k host`), all streams in one
+batched step; its rows add the bytes over PCIe per step (admin Stats, over the measured runs) and
+the link's pinned host -> device rate measured here (bench tiers' h2d_gb_per_s).
 The server runs as a user runs it (`python -m ctxcache.service serve` on a free port, ready on
 gRPC health) and is read through its API alone (admin Evict for the tiers); the prefill, build
 and re-prefill rows run on this process's own copy of the model first, freed before a server
@@ -38,7 +40,8 @@ from ctxcache.bench.common.report import (add_out, commit, device_tag, machine_i
 from ctxcache.bench.common.reprefill import reprefill_seconds
 from ctxcache.client.server_process import running_server
 from ctxcache.bench.common.serve_client import admission, concurrent_rate, generate, pctl
-from ctxcache.bench.common.serve_limits import copy_bandwidth, floor_ms, row_bytes, runner_steps_ms, weight_bytes
+from ctxcache.bench.common.serve_limits import (copy_bandwidth, floor_ms, h2d_gb_per_s, row_bytes, runner_steps_ms,
+                                                weight_bytes)
 from ctxcache.quality.texts import text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb
@@ -65,6 +68,7 @@ class Point:
     weights: int  # bytes every step reads once
     bandwidth: float  # the card's measured copy bandwidth, bytes/s
     row_bytes: dict[str, int]  # per mode: K/V-side bytes one step reads per row
+    h2d_gb_per_s: float | None = None  # with --offload on a GPU: the pinned host -> device copy rate
 
 
 def context_text(tokenizer, n_tokens: int, seed: int) -> str:
@@ -103,7 +107,8 @@ def server_flags(args, mode: str, point: Point, data: Path) -> list[str]:
     sizing = ["--gpu-memory-gb", str(args.hbm_gb)] if args.hbm_gb else ["--gpu-slots", str(slots)]
     tokens = slot_tokens(point.n_ctx, args)
     if args.offload and mode == "sparse":  # one small slot: every context decodes offloaded, a host slot a stream
-        sizing = ["--gpu-slots", "1", "--offload", "--offload-slots", str(slots), "--offload-slot-tokens", str(tokens)]
+        sizing = ["--gpu-slots", "1", "--offload", "--offload-slots", str(slots), "--offload-slot-tokens", str(tokens),
+                  "--offload-k", args.offload_k]
         tokens = 1024
     return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
             "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb), "--decode-mode", mode,
@@ -155,6 +160,7 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
         # a first round puts the contexts in their slots (loads, not decoding: the median of three
         # with it was the slower of two decoding rounds), then the measured rounds
         first = concurrent_rate(client, cids[:s], args.tokens)
+        before = client.admin.Stats(apb.StatsRequest())
         runs = [concurrent_rate(client, cids[:s], args.tokens) for _ in range(args.rate_repeats)]
         agg, per, path, _, _ = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median run
         name = ("csattention-offload" if args.offload else "csattention") if mode == "sparse" else "dense"
@@ -170,12 +176,24 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
         if args.offload and mode == "sparse":  # since the server started (every run of this length so far)
             now = client.admin.Stats(apb.StatsRequest())
             rows[-1].update(offload_hit_rate=now.offload_hit_rate, resident_contexts=now.resident_contexts,
-                            offloaded_contexts=now.offloaded_contexts)
+                            offloaded_contexts=now.offloaded_contexts, offload_k=args.offload_k,
+                            **pcie_of(before, now, point.h2d_gb_per_s))
         print(rows[-1], flush=True)
     if len(cids) >= 8:
         rows[-1]["admission"] = {**admission(client, cids[:8], args.tokens), "runner_prefill_ms": point.prefill_ms.get(mode)}
         print(rows[-1]["admission"], flush=True)
     return rows, build
+
+
+def pcie_of(before, now, h2d_gb_per_s: float | None) -> dict:
+    """The offload runner's bytes over PCIe per step over the measured runs (steps of every row
+    of the bucket, the warm-up and loading round excluded), and what the link's measured rate
+    makes of them."""
+    steps = now.offload_steps - before.offload_steps
+    per_step = (now.offload_pcie_bytes - before.offload_pcie_bytes) / steps if steps else None
+    ms = per_step / (h2d_gb_per_s * 1e9) * 1e3 if per_step is not None and h2d_gb_per_s else None
+    return {"pcie_bytes_per_step": per_step, "offload_steps": steps, "h2d_gb_per_s": h2d_gb_per_s,
+            "pcie_ms_per_step_at_h2d": ms}
 
 
 def limits_of(point: Point, mode: str, s: int, agg: float, per: float, gaps: list[float]) -> dict:
@@ -208,6 +226,9 @@ def points_on_the_model(args, contexts: list[int], streams: list[int]) -> list[P
     server starts; the copy is freed on return, so a server's weights and slots fit beside it."""
     lm = load_model(args.model, getattr(torch, args.dtype), args.device)
     bandwidth = copy_bandwidth(args.device)
+    h2d = None
+    if args.offload and args.device == "cuda":
+        h2d = h2d_gb_per_s()
     points = []
     for n in contexts:
         fit = {mode: mode_streams(lm, n, args, mode, streams) for mode in args.modes.split(",")}
@@ -221,7 +242,7 @@ def points_on_the_model(args, contexts: list[int], streams: list[int]) -> list[P
                   for mode in fit} if args.device == "cuda" else {})
         runner_ms, prefill_ms = {m: a[0] for m, a in alone.items()}, {m: a[1] for m, a in alone.items()}
         points.append(Point(n, fit, texts, reprefill, build, runner_ms, prefill_ms, weight_bytes(lm), bandwidth,
-                            {mode: row_bytes(lm.args, params[mode], config, n, elem) for mode in params}))
+                            {mode: row_bytes(lm.args, params[mode], config, n, elem) for mode in params}, h2d))
         del art
     return points
 
@@ -258,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                          "per stream, as many as the free memory holds")
     ap.add_argument("--offload", action="store_true",
                     help="the sparse server decodes every context with its K/V in host memory (serve --offload)")
+    ap.add_argument("--offload-k", choices=("hbm", "host"), default="hbm",
+                    help="with --offload: each context's K in HBM (serve --offload-k hbm) or read from the host")
     ap.add_argument("--method-params", default="{}", help="CSAttention parameters of the server (JSON)")
     ap.add_argument("--drop-page-cache", action="store_true", help="cold TTFT after dropping the OS page cache (root)")
     add_out(ap, what="the result JSON and PNG")
@@ -295,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                  "ttft_hot", "ttft_warm", "ttft_cold", "ttft_reprefill"])
     print_table(rows, ["context", "streams", "mode", "runner_step_ms", "served_step_ms", "served_of_runner",
                        "floor_ms", "floor_fraction", "itl_p50_ms", "itl_p99_ms"])
+    if args.offload:
+        print_table([r for r in rows if "pcie_bytes_per_step" in r],
+                    ["context", "streams", "mode", "offload_k", "pcie_bytes_per_step", "h2d_gb_per_s",
+                     "pcie_ms_per_step_at_h2d", "served_step_ms", "offload_hit_rate"])
     print_table([{"context": r["context"], "mode": r["mode"], **r["admission"]} for r in rows if "admission" in r],
                 ["context", "mode", "joiner_ttft_p50_ms", "joiner_ttft_p99_ms", "others_itl_p50_ms",
                  "others_itl_p99_during_ms", "others_itl_p99_during_over_p50", "runner_prefill_ms"])
@@ -381,8 +408,9 @@ def mode_slots(lm, n_ctx: int, args, mode: str) -> int:
         return 1 << 30
     params = make_method("csattention", json.loads(args.method_params)).params if mode == "sparse" else None
     each = slot_bytes(lm.args, params, slot_tokens(n_ctx, args), MAX_NEW, lm.model.lm_head.weight.element_size())
-    if args.offload and mode == "sparse":  # an offloaded stream keeps its index on the GPU, its K/V on the host
-        each -= slot_bytes(lm.args, None, slot_tokens(n_ctx, args), MAX_NEW, lm.model.lm_head.weight.element_size())
+    if args.offload and mode == "sparse":  # an offloaded stream keeps its index (and K, --offload-k hbm) on the GPU
+        kv = slot_bytes(lm.args, None, slot_tokens(n_ctx, args), MAX_NEW, lm.model.lm_head.weight.element_size())
+        each -= kv // 2 if args.offload_k == "hbm" else kv
     # the driver's free memory plus what the caching allocator holds unused (the load's fp32 copies),
     # with this process's weights loaded: the server's process holds the same once these are freed
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()

@@ -39,6 +39,7 @@ from ctxcache.bench.common.reprefill import reprefill_seconds
 from ctxcache.bench.common.server_log import build_split
 from ctxcache.bench.common.report import add_out, commit, device_tag, machine_info, print_table, write_result
 from ctxcache.bench.common.serve_client import generate
+from ctxcache.bench.common.serve_limits import h2d_gb_per_s
 from ctxcache.client.server_process import running_server
 from ctxcache.bench.serve import context_text, put_all
 from ctxcache.client import Client
@@ -47,21 +48,6 @@ from ctxcache.models.loader import load_model
 
 GiB = 1 << 30
 TIERS = ("hbm", "dram", "local", "local_cold", "object", "object_cold")
-
-
-def h2d_gb_per_s(gib: int = 2) -> float:
-    """Pinned host -> device copy rate (median of 5 after 2 warm-ups)."""
-    src = torch.empty(gib << 30, dtype=torch.uint8).pin_memory()
-    dst = torch.empty_like(src, device="cuda")
-    times = []
-    for _ in range(7):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    del src, dst
-    return (gib << 30) / statistics.median(times[2:]) / 1e9
 
 
 def on_the_model(args, contexts: list[int]) -> tuple[dict[int, dict], list[list[str]], float]:

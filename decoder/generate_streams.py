@@ -126,6 +126,11 @@ class GenerateStreams:
         counts = [e.runner.offload_hits() for e in self.engines]
         return sum(h for h, _ in counts), sum(s for _, s in counts)
 
+    def offload_pcie(self) -> tuple[int, int]:
+        """(bytes over PCIe, steps) of the offload runner's decode steps since start (0, 0 without one)."""
+        counts = [e.runner.pcie_bytes() for e in self.engines if hasattr(e.runner, "pcie_bytes")]
+        return sum(b for b, _ in counts), sum(s for _, s in counts)
+
     def offload_hit_rate(self) -> float:
         hits, selected = self.offload_hits()
         return hits / selected if selected else 0.0

@@ -156,6 +156,9 @@ class DecoderSettings:
     offload: bool = False
     offload_slots: int = 4  # offloaded streams decoded together (host slots in one page-locked pool)
     offload_slot_tokens: int = 0  # tokens per host slot; 0: the model's length
+    # "hbm": each host slot's K also in HBM (the re-rank and attention read it there; V alone
+    # crosses PCIe); "host": K read over PCIe too (stage 1, no HBM for K)
+    offload_k: str = "hbm"
     # on a GPU, warm up in a child process first (service/warm_up_check.py): a compiler crash is
     # then one line instead of the server's death by signal. Off until its cost (a second model
     # load and warm-up) is measured on a GPU
@@ -174,6 +177,8 @@ class DecoderSettings:
                              f"{self.default_max_tokens}, max_tokens_limit={self.max_tokens_limit} invalid")
         if self.max_batch < 1:
             raise ValueError(f"decoder.max_batch={self.max_batch} must be >= 1")
+        if self.offload_k not in ("hbm", "host"):
+            raise ValueError(f"decoder.offload_k={self.offload_k!r} must be 'hbm' or 'host'")
         if self.offload_slots < 1 or self.offload_slot_tokens < 0:
             raise ValueError(f"decoder.offload_slots={self.offload_slots} must be >= 1 and offload_slot_tokens="
                              f"{self.offload_slot_tokens} >= 0")

@@ -110,3 +110,18 @@ def _timed_admission(runner: GpuRunner, row, art, config: SparseConfig) -> float
 def gaps_ms(arrivals: list[float]) -> list[float]:
     """Inter-token gaps (ms) of one stream from its token arrival times (s)."""
     return [1e3 * (b - a) for a, b in zip(arrivals, arrivals[1:])]
+
+
+def h2d_gb_per_s(gib: int = 2) -> float:
+    """Pinned host -> device copy rate (median of 5 after 2 warm-ups)."""
+    src = torch.empty(gib << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    times = []
+    for _ in range(7):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return (gib << 30) / statistics.median(times[2:]) / 1e9

@@ -7,7 +7,11 @@ those reads: slot[b, h, j] >= 0 says selected key j sits in cache slot slot[b, h
 slot < 0 says it is a miss, read from the host and written into cache slot -slot - 1 (slots
 written this step are never read this step, decoder/gpu/offload.plan_slots guarantees it,
 so the kernel has no read/write race). Sinks and the recent window (36 rows) are read from
-the host. Same virtual key list, split and merge as sparse_attention._split_kernel."""
+the host. Same virtual key list, split and merge as sparse_attention._split_kernel.
+
+K in HBM (k_cache None: the offload runner's stage 2): every key's K is read from k_host, here
+an HBM buffer of the context's exact K, and the slot cache holds V alone, so only the misses'
+V rows and the static rows' V cross PCIe."""
 
 from __future__ import annotations
 
@@ -23,16 +27,21 @@ from ctxcache.kernels.split_k_attention import (INTERPRET, empty_partial, group_
 def offload_attention_ref(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int,
                           recent: int) -> torch.Tensor:
     """Reference: the attention reads hits from the cache and the rest from the host, and the
-    misses' rows are copied into their cache slots (in place). Returns [B, Hq, D]."""
+    misses' rows are copied into their cache slots (in place); k_cache None: K read from k_host
+    alone, the cache holds V. Returns [B, Hq, D]."""
     kh, vh = k_host.to(q.device).clone(), v_host.to(q.device).clone()
     for b in range(q.shape[0]):
         for h in range(k_host.shape[1]):
             for j in range(int(k_sel[b])):
                 p, s = int(idx[b, h, j]), int(slot[b, h, j])
                 if s >= 0:  # a hit is whatever the cache holds
-                    kh[b, h, p], vh[b, h, p] = k_cache[b, h, s].to(kh), v_cache[b, h, s].to(vh)
+                    vh[b, h, p] = v_cache[b, h, s].to(vh)
+                    if k_cache is not None:
+                        kh[b, h, p] = k_cache[b, h, s].to(kh)
                 else:
-                    k_cache[b, h, -s - 1], v_cache[b, h, -s - 1] = k_host[b, h, p], v_host[b, h, p]
+                    v_cache[b, h, -s - 1] = v_host[b, h, p]
+                    if k_cache is not None:
+                        k_cache[b, h, -s - 1] = k_host[b, h, p]
     return sparse_attention_ref(q, kh, vh, idx, k_sel, n, sinks, recent)
 
 
@@ -41,7 +50,7 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
                     HKV, G, SINKS, RECENT, scale_log2,
                     sq_b, sq_h, sk_b, sk_h, sk_s, sc_b, sc_h, sc_s, si_b, si_h,
                     SPLITS: tl.constexpr, IEEE: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    BLOCK_N: tl.constexpr, K_HBM: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row // HKV
@@ -69,14 +78,18 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
         hoff = host_base + pos[:, None].to(tl.int64) * sk_s + offs_d[None, :]
         coff = cache_base + cslot[:, None] * sc_s + offs_d[None, :]
         # two masked loads: only the rows each source owns cross PCIe or HBM
-        kb = tl.where(hit[:, None], tl.load(kc_ptr + coff, mask=hit[:, None], other=0.0),
-                      tl.load(kh_ptr + hoff, mask=from_host[:, None], other=0.0))
+        if K_HBM:  # every key's K from its HBM buffer
+            kb = tl.load(kh_ptr + hoff, mask=valid[:, None], other=0.0)
+        else:
+            kb = tl.where(hit[:, None], tl.load(kc_ptr + coff, mask=hit[:, None], other=0.0),
+                          tl.load(kh_ptr + hoff, mask=from_host[:, None], other=0.0))
         vb = tl.where(hit[:, None], tl.load(vc_ptr + coff, mask=hit[:, None], other=0.0),
                       tl.load(vh_ptr + hoff, mask=from_host[:, None], other=0.0))
         miss = is_sel & (slot < 0)
         dst = tl.where(miss, -slot - 1, 0).to(tl.int64)
         doff = cache_base + dst[:, None] * sc_s + offs_d[None, :]
-        tl.store(kc_ptr + doff, kb, mask=miss[:, None])
+        if not K_HBM:
+            tl.store(kc_ptr + doff, kb, mask=miss[:, None])
         tl.store(vc_ptr + doff, vb, mask=miss[:, None])
         m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
     store_partial(o_ws, ml_ws, row * SPLITS + split, m_i, l_i, acc, G, G_PAD, D)
@@ -85,8 +98,11 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
 def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int, recent: int,
                       splits: int = 16, out=None, ws=None, block_n: int = 64) -> torch.Tensor:
     """q [B, Hq, D] (GPU); k/v_host [B, Hkv, S, D] pinned host (or any memory the kernel can
-    address); k/v_cache [B, Hkv, C, D] GPU slots; idx, slot [B, Hkv, K_max] int32 with equal
-    strides; k_sel, n [B] int32. Misses are written into the cache. -> [B, Hq, D]."""
+    address); k/v_cache [B, Hkv, C, D] GPU slots (k_cache None: K in HBM, read from k_host, the
+    cache holds V); idx, slot [B, Hkv, K_max] int32 with equal strides; k_sel, n [B] int32.
+    Misses are written into the cache. -> [B, Hq, D]."""
+    k_hbm = k_cache is None
+    k_cache = v_cache if k_hbm else k_cache  # never read or written with K_HBM
     b, hq, d = q.shape
     hkv = k_host.shape[1]
     if (k_host.shape[:2] != (b, hkv) or v_host.shape != k_host.shape or k_cache.shape[:2] != (b, hkv)
@@ -108,5 +124,6 @@ def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, 
         q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, ws[0], ws[1],
         hkv, g, sinks, recent, d ** -0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), *k_host.stride()[:3], *k_cache.stride()[:3], idx.stride(0), idx.stride(1),
-        SPLITS=splits, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n)
+        SPLITS=splits, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n,
+        K_HBM=k_hbm)
     return merge_partials(ws, out, hkv, splits)

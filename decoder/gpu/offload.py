@@ -35,11 +35,12 @@ class SlotCache:
 
     @classmethod
     def empty(cls, batch: int, n_kv: int, capacity: int, n_max: int, head_dim: int, dtype: torch.dtype,
-              device: torch.device | str) -> "SlotCache":
+              device: torch.device | str, keys: bool = True) -> "SlotCache":
+        """keys False: V alone (K is read from an HBM buffer); k is then [B, Hkv, 0, D]."""
         dev = dict(device=device)
         counts = torch.zeros(2, dtype=torch.int64, **dev)  # hits, selected (views below)
         i32 = dict(dtype=torch.int32, **dev)
-        return cls(torch.zeros(batch, n_kv, capacity, head_dim, dtype=dtype, **dev),
+        return cls(torch.zeros(batch, n_kv, capacity if keys else 0, head_dim, dtype=dtype, **dev),
                    torch.zeros(batch, n_kv, capacity, head_dim, dtype=dtype, **dev),
                    torch.full((batch, n_kv, capacity), -1, **i32), torch.full((batch, n_kv, n_max + 1), -1, **i32),
                    counts[0], counts[1],

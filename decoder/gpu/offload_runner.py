@@ -2,15 +2,18 @@
 memory, all its streams in one batched step.
 
 Host slots: `slots` rows of `max_len` tokens in one page-locked pool (offload_step.HostKVPool);
-on the GPU, per row, CSAttention's int8 rows (GpuDenseTables, as a fast-runner slot has) and
-per layer a slot cache of the keys selected lately (offload.SlotCache). A step runs the model
-once over a bucket of rows (1, 2, 4, ... slots, a CUDA graph each, captured in the warm-up):
-index the new keys, select and re-rank on the GPU (the candidates' keys read from the host),
-attend through the slot caches (kernels.offload_attention: hits from HBM, the rest over PCIe).
+on the GPU, per row, CSAttention's int8 rows (GpuDenseTables, as a fast-runner slot has), the
+context's K (k_hbm, the default: offload_k.k_buffers, filled at the load) and per layer a slot
+cache of the V (K too without k_hbm) of the keys selected lately (offload.SlotCache). A step
+runs the model once over a bucket of rows (1, 2, 4, ... slots, a CUDA graph each, captured in
+the warm-up): index the new keys, select and re-rank on the GPU (the candidates' K read from
+HBM, or the host without k_hbm), attend through the slot caches (kernels.offload_attention:
+hits from HBM, the rest over PCIe). `pcie` counts the bytes that cross PCIe (pcie_bytes).
 Rows of the bucket not stepped compute a throw-away token at their length, as in the fast
 runner. A context stays in its host slot after its stream (the next stream skips the load);
-a prompt's prefill copies each layer's K/V to the GPU for dense attention (not captured), a
-group of layers per decode step on the engine thread (`begin`), as the fast runner's admissions.
+a prompt's prefill copies each layer's V (K too without k_hbm) to the GPU for dense attention
+(not captured), a group of layers per decode step on the engine thread (`begin`), as the fast
+runner's admissions.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import torch
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.graph import GraphDecoder
+from ctxcache.decoder.gpu.capacity import slot_bytes
 from ctxcache.decoder.gpu.offload import SlotCache
+from ctxcache.decoder.gpu.offload_k import PcieCounter, k_buffers
 from ctxcache.decoder.gpu.offload_step import HostKVPool, HostPrefillAttention, OffloadSparseAttention
 from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE
@@ -68,9 +73,11 @@ class OffloadRunner(SlotRows):
 
     def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, slots: int = 4,
                  max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True,
-                 prefill_layers: int = PREFILL_LAYERS) -> None:
+                 prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True) -> None:
         """max_len 0: the model's length. prefill_layers: a prompt's layers per chunk beside a
-        decode step until both times are measured (a GPU's first prefill; always on a CPU)."""
+        decode step until both times are measured (a GPU's first prefill; always on a CPU).
+        k_hbm: every host slot's K also in HBM (ValueError when it does not fit); else read from
+        the host (stage 1: the re-rank's candidates' K cross PCIe every step)."""
         a = lm.args
         max_len = max_len or a.max_seq_len
         if slots < 1 or max_len < 2 or max_new < 1 or prefill_layers < 1:
@@ -82,13 +89,19 @@ class OffloadRunner(SlotRows):
         self.lm, self.params, self.config, self.max_new = lm, params, config, max_new
         self.device = lm.model.lm_head.weight.device
         dtype = lm.model.lm_head.weight.dtype
-        self.pool = HostKVPool(a.n_layers, slots, a.n_kv_heads, self.max_len, a.head_dim, dtype, self.device)
+        self.pool = HostKVPool(a.n_layers, slots, a.n_kv_heads, self.max_len, a.head_dim, dtype, self.device,
+                               keys=not k_hbm)
+        self.k_hbm = k_hbm
+        e = dtype.itemsize
+        rows = slots * (slot_bytes(a, params, self.max_len, max_new, e) - slot_bytes(a, None, self.max_len, max_new, e))
+        self.k = k_buffers(a, slots, self.max_len, dtype, self.device, rows) if k_hbm else None
+        self.kv = self.pool.with_k(self.k) if k_hbm else self.pool  # what steps and prefills read and write
         self.slots = [HostSlot(i) for i in range(slots)]
         self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
         self.tables: list[GpuDenseTables] | None = None  # made at the first load (shaped like its tables)
         k_max = config.budget.top_k(self.max_len)
-        self.caches = [SlotCache.empty(slots, a.n_kv_heads, k_max, self.max_len, a.head_dim, dtype, self.device)
-                       for _ in range(a.n_layers)]
+        self.caches = [SlotCache.empty(slots, a.n_kv_heads, k_max, self.max_len, a.head_dim, dtype, self.device,
+                                       keys=not k_hbm) for _ in range(a.n_layers)]
         self.follow = params.follows if params.candidates(k_max, self.max_len) > k_max else 0
         self._perm = (None if params.layout == "contiguous"
                       else subspace_permutation(a.head_dim, params.subspaces, params.layout).to(self.device))
@@ -100,6 +113,9 @@ class OffloadRunner(SlotRows):
         self.prefill_layers = prefill_layers
         self.times = DeviceTimes(self.device)
         self._last_bucket = 0  # the batch size of the last launched step
+        dense = len({i for i in config.dense_layers if i < a.n_layers})
+        self.pcie = PcieCounter(a.head_dim * dtype.itemsize, a.n_kv_heads, config.budget, params.rerank,
+                                a.n_layers - dense, dense, k_hbm)
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
@@ -146,15 +162,16 @@ class OffloadRunner(SlotRows):
 
     def _load(self, slot: HostSlot, context_id: str, art: ContextArtifact) -> None:
         """Each layer's K/V decoded on the GPU (coded K/V cross PCIe as codes), its rows derived
-        there, the K/V copied into the host slot."""
+        there, the V copied into the host slot, the K into the slot's HBM buffer (k_hbm: a device
+        copy, the decoded K exactly) or the host slot."""
         n, row = art.n_tokens, slot.index
         slot.context_id = None
         method = CSAttention(self.params)
         for layer, la in enumerate(art.layers):
-            k = torch.empty(la.kv_shape, dtype=self.pool.k[layer].dtype, device=self.device)
+            k = torch.empty(la.kv_shape, dtype=self.pool.v[layer].dtype, device=self.device)
             v = torch.empty_like(k)
             la.kv_into(k, v)
-            self.pool.k[layer][row, :, :n].copy_(k)
+            self.kv.k[layer][row, :, :n].copy_(k)
             self.pool.v[layer][row, :, :n].copy_(v)
             stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
             restored = method.restore(stored, k)
@@ -194,10 +211,11 @@ class OffloadRunner(SlotRows):
                                                     slot.n_ctx)
                         tokens = torch.tensor([prompt], pin_memory=self.device.type == "cuda")
                         run = LayeredPrefill(self.lm.model, tokens.to(self.device, non_blocking=True), slot.n_ctx,
-                                             self.pool.rows(row, row + 1, prompt_start=slot.n_ctx), attn)
+                                             self.kv.rows(row, row + 1, prompt_start=slot.n_ctx), attn)
                     started, before = self.times.start(), run.layer
                     logits = run.run(self._chunk_layers(span, before))
                     self.times.stop(PREFILL_KIND, started, units=(run.layer - before) * span)
+                    self.pcie.prefilled(span, run.layer - before)
                     if logits is not None:
                         slot.length += len(prompt)
                         slot.settle = self._settler(row, len(prompt))
@@ -218,6 +236,9 @@ class OffloadRunner(SlotRows):
         return settle
 
     def _settle(self, rows: list[HostSlot]) -> None:
+        """Before each step (SlotRows calls it first): joined rows' state put back, and the step's
+        PCIe bytes counted over its whole bucket (rows not stepped compute a throw-away token)."""
+        self.pcie.step([s.length + 1 for s in self.slots[:self._bucket(rows)]])
         for s in rows:
             if s.settle is not None:
                 s.settle()
@@ -247,9 +268,9 @@ class OffloadRunner(SlotRows):
             a = self.lm.args
             attn = OffloadSparseAttention(self.params, [t.rows(0, bucket) for t in self.tables],
                                           [c.rows(0, bucket) for c in self.caches], self.config.budget, bucket,
-                                          a.n_heads, a.n_kv_heads, a.head_dim, self.max_len)
+                                          a.n_heads, a.n_kv_heads, a.head_dim, self.max_len, self.k_hbm)
             attn.dense_layers = self.config.dense_layers
-            dec = self._decoders[bucket] = GraphDecoder(self.lm.model, self.pool.rows(0, bucket), attn, self.use_graph)
+            dec = self._decoders[bucket] = GraphDecoder(self.lm.model, self.kv.rows(0, bucket), attn, self.use_graph)
         return dec
 
     def cache_full(self, row: HostSlot) -> bool:
@@ -272,6 +293,13 @@ class OffloadRunner(SlotRows):
         throw-away tokens count too."""
         hits, selected = torch.stack([torch.stack((c.hits, c.selected)) for c in self.caches]).sum(0).tolist()
         return hits, selected  # one device read, not two a layer
+
+    def pcie_bytes(self) -> tuple[int, int]:
+        """(bytes over PCIe, steps) since start, of the decode steps: the selected keys' V the slot
+        caches missed (K too without k_hbm), the static rows and new keys (offload_k.PcieCounter);
+        a prompt's prefill copies are in `pcie.prefill`. One device read."""
+        hits, selected = self.offload_hits()
+        return self.pcie.total(selected - hits), self.pcie.steps
 
     def warm_up(self, arts: list[ContextArtifact]) -> None:
         """Every kernel compiled and every bucket's graph captured before serving."""

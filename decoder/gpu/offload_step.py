@@ -33,13 +33,14 @@ class HostKVPool(KVCache):
     fused_prompt_write = False
 
     def __init__(self, n_layers: int, slots: int, n_kv: int, max_len: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, keys: bool = True) -> None:
+        """keys False: V alone (K lives in HBM buffers, `with_k`); k is then empty."""
         if slots < 1 or max_len < 2:
             raise ValueError(f"offload slots={slots} must be >= 1 and slot tokens={max_len} >= 2")
         # one registration for the whole pool: page-locking is paid per call (~0.4 s per GB)
-        pool = pinned_exact((n_layers, 2, slots, n_kv, max_len, head_dim), dtype)
-        self.k = [pool[i, 0] for i in range(n_layers)]
-        self.v = [pool[i, 1] for i in range(n_layers)]
+        pool = pinned_exact((n_layers, 1 + int(keys), slots, n_kv, max_len, head_dim), dtype)
+        self.k = [pool[i, 0] for i in range(n_layers)] if keys else []
+        self.v = [pool[i, int(keys)] for i in range(n_layers)]
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
         self.nbytes = pool.nbytes
 
@@ -57,6 +58,14 @@ class HostKVPool(KVCache):
                 self.k[layer][b, h, start:start + t].copy_(k[b, h], non_blocking=True)
                 self.v[layer][b, h, start:start + t].copy_(v[b, h], non_blocking=True)
 
+    def with_k(self, k: list[torch.Tensor]) -> "HostKVPool":
+        """A view reading and writing K in `k` (offload_k.k_buffers: HBM, shaped as the pool's K,
+        so every kernel's strides hold) and V in this pool."""
+        view = self.rows(0, self.v[0].shape[0])
+        view.k = list(k)
+        view.nbytes = sum(t.nbytes for t in view.k + view.v)
+        return view
+
     def rows(self, start: int, end: int, prompt_start: int | None = None) -> "HostKVPool":
         view = HostKVPool.__new__(HostKVPool)
         view.k = [k[start:end] for k in self.k]
@@ -69,15 +78,20 @@ class HostKVPool(KVCache):
 
 class OffloadSparseAttention(GpuSparseAttention):
     """GpuSparseAttention over a batch of host slots: the same selection and re-rank (its
-    candidates' keys read from the host), attention through each layer's GPU slot cache
-    (kernels.offload_attention: hits from HBM, the rest from the host, misses cached)."""
+    candidates' keys read from the cache's K: HBM buffers with k_hbm, else the host), attention
+    through each layer's GPU slot cache (kernels.offload_attention: hits from HBM, the rest from
+    the host, misses cached; with k_hbm the cache holds V and K is read from its buffer)."""
 
     def __init__(self, params: CSAttentionParams, tables: list[GpuDenseTables], caches: list[SlotCache],
-                 budget: Budget, batch: int, n_heads: int, n_kv: int, head_dim: int, max_len: int) -> None:
-        # fp32 re-rank scores: the 16-bit keys' score kernel failed to compile (LLVM "Cannot select
-        # v2f16") at SmolLM2's shapes on the H100; this path is PCIe-bound, the exact order costs nothing
-        super().__init__(params, tables, budget, batch, n_heads, n_kv, head_dim, max_len, rerank_key16=False)
-        self.caches = caches
+                 budget: Budget, batch: int, n_heads: int, n_kv: int, head_dim: int, max_len: int,
+                 k_hbm: bool = False) -> None:
+        # K on the host: fp32 re-rank scores (the 16-bit keys' score kernel failed to compile, LLVM
+        # "Cannot select v2f16", at SmolLM2's shapes on the H100, forced on; the path is PCIe-bound,
+        # the exact order costs nothing). K in HBM: the fast runner's choice, so the re-rank
+        # orders the candidates as a resident slot's does (the same greedy tokens)
+        super().__init__(params, tables, budget, batch, n_heads, n_kv, head_dim, max_len,
+                         rerank_key16=None if k_hbm else False)
+        self.caches, self.k_hbm = caches, k_hbm
         self.offload_splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent)
 
     def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
@@ -87,8 +101,9 @@ class OffloadSparseAttention(GpuSparseAttention):
                 k: torch.Tensor) -> torch.Tensor:
         c = self.caches[layer]
         slot = plan_slots(c, idx.contiguous(), k)
-        return offload_attention(q, cache.k[layer], cache.v[layer], c.k, c.v, idx.contiguous(), slot, k, n,
-                                 self.budget.sinks, self.budget.recent, splits=self.offload_splits)
+        return offload_attention(q, cache.k[layer], cache.v[layer], None if self.k_hbm else c.k, c.v,
+                                 idx.contiguous(), slot, k, n, self.budget.sinks, self.budget.recent,
+                                 splits=self.offload_splits)
 
 
 class HostPrefillAttention:

@@ -88,6 +88,10 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
                    help="with --offload: tokens per host slot (default 0: the model's length); the slots are "
                         "page-locked at start: 2 x layers x KV heads x head_dim x 2 bytes a token each "
                         "(Llama-3.1-8B bf16: 128 KiB a token, 16 GiB a 128K slot)")
+    p.add_argument("--offload-k", choices=("hbm", "host"), default="hbm",
+                   help="with --offload: hbm (default) keeps each host slot's K in HBM too (64 KiB a token at "
+                        "Llama-3.1-8B bf16; refused at start when it does not fit), so only V crosses PCIe; host "
+                        "reads K over PCIe too")
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:

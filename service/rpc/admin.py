@@ -113,6 +113,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         slots, slot_bytes = self.decoder.device_slots()
         hits, selected = self.decoder.offload_hits()
         resident, offloaded = self.decoder.held_contexts()
+        pcie, offload_steps = self.decoder.offload_pcie()
         return apb.StatsResponse(
             contexts_ready=st.contexts, contexts_building=building, contexts_failed=failed,
             store_bytes=st.stored_bytes, store_budget_bytes=st.budget_bytes,
@@ -125,6 +126,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             offload_cache_hits=hits, offload_selected_keys=selected,
             resident_contexts=resident, offloaded_contexts=offloaded,
             offload_hit_rate=hits / selected if selected else 0.0, offload_promotions=self.decoder.promotions,
+            offload_pcie_bytes=pcie, offload_steps=offload_steps,
             decode_mode=describe(self.decoder.decode_mode, self.decoder.device_type),
             streams_by_decode_path=self.decoder.decode_streams())
 

@@ -48,3 +48,17 @@ def test_a_server_that_cannot_start_is_one_error_with_its_reason(tmp_path):
     with pytest.raises(RuntimeError, match="exited with 2 before serving.*invalid choice"):
         with running_server(["--decode-mode", "bogus"], tmp_path / "serve.log"):
             pass
+
+
+def test_bench_serve_reports_pcie_bytes_per_step_over_the_measured_runs():
+    """Stats before and after the measured runs: the offload runner's bytes over their steps,
+    and the time the measured host -> device rate gives them."""
+    from types import SimpleNamespace
+
+    from ctxcache.bench.serve import pcie_of
+    before = SimpleNamespace(offload_steps=10, offload_pcie_bytes=5_000_000)
+    now = SimpleNamespace(offload_steps=110, offload_pcie_bytes=5_000_000 + 100 * 40_000_000)
+    got = pcie_of(before, now, 50.0)
+    assert got["pcie_bytes_per_step"] == 40_000_000 and got["offload_steps"] == 100
+    assert abs(got["pcie_ms_per_step_at_h2d"] - 0.8) < 1e-9 and got["h2d_gb_per_s"] == 50.0
+    assert pcie_of(now, now, None)["pcie_bytes_per_step"] is None

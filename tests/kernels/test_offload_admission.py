@@ -142,5 +142,5 @@ def test_steps_beside_a_prefill_leave_its_row_as_a_lone_prefill_does(four_layers
                     assert torch.equal(getattr(got_t, name)[0], getattr(want_t, name)[0]), (layer, name)
         torch.testing.assert_close(joined.tables[layer].new_scores[0, ..., :span - 150],
                                    alone.tables[layer].new_scores[0, ..., :span - 150], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(joined.pool.k[layer][0, :, :span], alone.pool.k[layer][0, :, :span],
+        torch.testing.assert_close(joined.kv.k[layer][0, :, :span], alone.kv.k[layer][0, :, :span],
                                    rtol=1e-5, atol=1e-5)

@@ -56,6 +56,37 @@ def test_offload_matches_reference(device, dtype, splits):
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # misses landed in their slots
 
 
+def test_k_in_hbm_reads_k_from_its_buffer_and_caches_v_alone(device):
+    """k_cache None (the offload runner with K in HBM): every K from k_host (here the GPU
+    buffer), hits' V from the cache, misses' V written to their slots; equals the reference."""
+    b, hq, hkv, s, d, kmax, cap = 2, 8, 2, 300, 32, 40, 48
+    q = torch.randn(b, hq, d, device=device)
+    kh = torch.randn(b, hkv, s, d, device=device)  # K in HBM
+    vh = _host((b, hkv, s, d), torch.float32)
+    n = torch.tensor([290, 120], dtype=torch.int32)
+    idx = torch.stack([torch.stack([torch.randperm(80)[:kmax] + 4 for _ in range(hkv)]) for _ in range(b)]).int()
+    k_sel = torch.tensor([40, 25], dtype=torch.int32)
+    slot = _plan(b, hkv, kmax, cap, n_hit=15)
+    vc = torch.randn(b, hkv, cap, d, device=device)
+    vc_ref = vc.clone()
+    ref = offload_attention_ref(q.double(), kh.double(), vh.double(), None, vc_ref, idx, slot, k_sel, n, 4, 16)
+    out = offload_attention(q, kh, vh, None, vc, idx.to(device), slot.to(device), k_sel.to(device), n.to(device),
+                            4, 16, splits=4, block_n=16)
+    assert _rel(out, ref) < 1e-5
+    assert torch.equal(vc.cpu(), vc_ref.cpu())  # misses' V landed in their slots
+    # the cache's V for hits is what attention used: with K read from its buffer, a hit whose
+    # cache slot holds the true V gives the dense-truth answer (as a hit with K and V cached did)
+    vc2 = torch.zeros(b, hkv, cap, d, device=device)
+    for i in range(b):
+        for h in range(hkv):
+            for j in range(15):
+                vc2[i, h, int(slot[i, h, j])] = vh[i, h, int(idx[i, h, j])].to(device)
+    truth = sparse_attention_ref(q.double().cpu(), kh.double().cpu(), vh.double(), idx, k_sel, n, 4, 16)
+    out2 = offload_attention(q, kh, vh, None, vc2, idx.to(device), slot.to(device), k_sel.to(device), n.to(device),
+                             4, 16, splits=2, block_n=16)
+    assert _rel(out2, truth) < 1e-5
+
+
 def test_hits_come_from_the_cache(device):
     """Hit rows are read from the GPU slots: garbage in their host rows changes nothing."""
     b, hq, hkv, s, d, kmax = 1, 4, 1, 200, 32, 20

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ctxcache.client import Client
-from ctxcache.client.gen.v1 import context_pb2 as pb
+from ctxcache.client.gen.v1 import admin_pb2 as apb, context_pb2 as pb
 from ctxcache.models.loader import load_model
 from ctxcache.service.server import create_server
 from service_helpers import tiny_config
@@ -38,16 +38,18 @@ def _generate(client: Client, cid: str, tokens: int) -> pb.Final:
     return list(client.generate(req, timeout=600))[-1].final
 
 
-@pytest.mark.parametrize("mode", ["sparse", "dense", "offload"])
+@pytest.mark.parametrize("mode", ["sparse", "dense", "offload", "offload-k-host"])
 def test_no_kernel_compiles_after_serving(tmp_path, mode):
     """offload: one GPU slot of 128 tokens, so every context (about 160-570 tokens: past the GPU
     slot, inside the 768 of a host slot) decodes from the host slots, 1 to 8 streams in one
-    batched step (8 host slots)."""
+    batched step (8 host slots), K in HBM (or, offload-k-host, read from the host); admin Stats
+    then counts their steps' PCIe bytes."""
     cfg = tiny_config(tmp_path)
-    offload = mode == "offload"
+    offload = mode.startswith("offload")
     cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
                   decoder=replace(cfg.decoder, gpu_slots=1 if offload else 8, gpu_slot_tokens=128 if offload else 1024,
-                                  decode_mode="sparse" if offload else mode, offload=offload, offload_slots=8))
+                                  decode_mode="sparse" if offload else mode, offload=offload, offload_slots=8,
+                                  offload_k="host" if mode == "offload-k-host" else "hbm"))
     server, port = create_server(cfg, load_model("random:tiny", device="cuda"))
     client = Client(f"127.0.0.1:{port}")
     try:
@@ -59,8 +61,10 @@ def test_no_kernel_compiles_after_serving(tmp_path, mode):
         for streams in range(1, 9):
             with ThreadPoolExecutor(streams) as pool:
                 finals = list(pool.map(lambda c: _generate(client, c, 6), cids[:streams]))
-            assert all(f.decode_path == f"gpu-{mode}" for f in finals)
+            assert all(f.decode_path == ("gpu-offload" if offload else f"gpu-{mode}") for f in finals)
         assert server.compiles.after_ready() == 0, server.compiles.names
+        stats = client.admin.Stats(apb.StatsRequest())
+        assert (stats.offload_steps > 0 and stats.offload_pcie_bytes > 0) == offload
     finally:
         client.close()
         server.stop(0)

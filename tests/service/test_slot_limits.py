@@ -73,3 +73,5 @@ def test_offload_settings_are_validated():
         DecoderSettings(offload_slots=0)
     with pytest.raises(ValueError, match="offload_slot_tokens=-1"):
         DecoderSettings(offload_slot_tokens=-1)
+    with pytest.raises(ValueError, match="offload_k='gpu'"):
+        DecoderSettings(offload_k="gpu")

@@ -78,7 +78,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint", "decode_steps", "decode_rows", "device_slots", "device_slot_bytes", "offload_cache_hits", "offload_selected_keys", "decode_mode", "streams_by_decode_path", "resident_contexts", "offloaded_contexts", "offload_hit_rate", "offload_promotions")
+    __slots__ = ("contexts_ready", "contexts_building", "contexts_failed", "store_bytes", "store_budget_bytes", "dram_cache_bytes", "dram_cache_entries", "active_streams", "build_queue", "registry", "registry_available", "model_id", "footprint", "decode_steps", "decode_rows", "device_slots", "device_slot_bytes", "offload_cache_hits", "offload_selected_keys", "decode_mode", "streams_by_decode_path", "resident_contexts", "offloaded_contexts", "offload_hit_rate", "offload_promotions", "offload_pcie_bytes", "offload_steps")
     class StreamsByDecodePathEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,8 @@ class StatsResponse(_message.Message):
     OFFLOADED_CONTEXTS_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_PCIE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_STEPS_FIELD_NUMBER: _ClassVar[int]
     contexts_ready: int
     contexts_building: int
     contexts_failed: int
@@ -136,7 +138,9 @@ class StatsResponse(_message.Message):
     offloaded_contexts: int
     offload_hit_rate: float
     offload_promotions: int
-    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ..., decode_steps: _Optional[int] = ..., decode_rows: _Optional[int] = ..., device_slots: _Optional[int] = ..., device_slot_bytes: _Optional[int] = ..., offload_cache_hits: _Optional[int] = ..., offload_selected_keys: _Optional[int] = ..., decode_mode: _Optional[str] = ..., streams_by_decode_path: _Optional[_Mapping[str, int]] = ..., resident_contexts: _Optional[int] = ..., offloaded_contexts: _Optional[int] = ..., offload_hit_rate: _Optional[float] = ..., offload_promotions: _Optional[int] = ...) -> None: ...
+    offload_pcie_bytes: int
+    offload_steps: int
+    def __init__(self, contexts_ready: _Optional[int] = ..., contexts_building: _Optional[int] = ..., contexts_failed: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_budget_bytes: _Optional[int] = ..., dram_cache_bytes: _Optional[int] = ..., dram_cache_entries: _Optional[int] = ..., active_streams: _Optional[int] = ..., build_queue: _Optional[int] = ..., registry: _Optional[str] = ..., registry_available: _Optional[bool] = ..., model_id: _Optional[str] = ..., footprint: _Optional[_Iterable[_Union[CodecFootprint, _Mapping]]] = ..., decode_steps: _Optional[int] = ..., decode_rows: _Optional[int] = ..., device_slots: _Optional[int] = ..., device_slot_bytes: _Optional[int] = ..., offload_cache_hits: _Optional[int] = ..., offload_selected_keys: _Optional[int] = ..., decode_mode: _Optional[str] = ..., streams_by_decode_path: _Optional[_Mapping[str, int]] = ..., resident_contexts: _Optional[int] = ..., offloaded_contexts: _Optional[int] = ..., offload_hit_rate: _Optional[float] = ..., offload_promotions: _Optional[int] = ..., offload_pcie_bytes: _Optional[int] = ..., offload_steps: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("context_id",)

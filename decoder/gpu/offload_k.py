@@ -1,0 +1,94 @@
+"""The offload runner's K in HBM and its PCIe byte count.
+
+K buffers: each host slot's context's K exactly as decoded ([slots, Hkv, max_len, D] per layer on
+the GPU; the host pool then holds V alone), so the selection's re-rank and the attention read K from HBM and
+only V crosses PCIe: the selected keys' V that the GPU slot cache misses, and the sinks' and
+recent window's V. A slot's buffer is filled when its context loads (its K is decoded on the
+GPU, so the copy is device to device) and kept while the context stays in its host slot: a
+hot context pays no copy; a new context loaded into the least recently used host slot
+overwrites that slot's buffer (the slot's claim is the eviction).
+
+PcieCounter: what a step moves over PCIe, in bytes. The misses are counted on the device
+(the slot caches' hits and selected keys); the rest is arithmetic on the host per step from
+each row's length, as the kernels read it: the static rows, dense layers' whole rows, the
+re-rank's candidates' K (K on the host only) and the step's new key written back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ctxcache.methods import Budget
+from ctxcache.models.config import ModelArgs
+
+
+def k_buffer_bytes(args: ModelArgs, slots: int, max_len: int, dtype_bytes: int) -> int:
+    """HBM of the K buffers: every layer's K of `slots` host slots of `max_len` tokens."""
+    return args.n_layers * slots * args.n_kv_heads * max_len * args.head_dim * dtype_bytes
+
+
+def k_buffers(args: ModelArgs, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+              rows_bytes: int = 0) -> list[torch.Tensor]:
+    """Zeroed K buffers [slots, Hkv, max_len, D] per layer; ValueError (one line naming the
+    sizes and the flags) when they and `rows_bytes` (the slots' index rows, allocated at the
+    first load) do not fit the GPU's free memory."""
+    k = k_buffer_bytes(args, slots, max_len, torch.empty((), dtype=dtype).element_size())
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if k + rows_bytes > free:
+            raise ValueError(f"offload K in HBM: {slots} host slots x {max_len} tokens need {k / 2**30:.2f} GiB of K "
+                             f"+ {rows_bytes / 2**30:.2f} GiB of index rows, the GPU has {free / 2**30:.2f} GiB free: "
+                             f"fewer --offload-slots, shorter --offload-slot-tokens, or --offload-k host")
+    return [torch.zeros(slots, args.n_kv_heads, max_len, args.head_dim, dtype=dtype, device=device)
+            for _ in range(args.n_layers)]
+
+
+@dataclass
+class PcieCounter:
+    """Bytes over PCIe since start: `host` the host-side arithmetic per step, `steps` the steps
+    counted, `prefill` the prompts' prefills' K/V copies (not a step's); the misses come from
+    the device counters when read (`total`)."""
+
+    key_bytes: int  # one key's K or V row of one KV head: D x dtype bytes
+    n_kv: int
+    budget: Budget
+    rerank: float  # the re-rank's candidates per chosen key (1: no re-rank)
+    sparse_layers: int
+    dense_layers: int
+    k_hbm: bool
+    host: int = 0
+    steps: int = 0
+    prefill: int = 0
+
+    @property
+    def per_key(self) -> int:
+        """Bytes a key's row of one KV head moves: V, or K and V with K on the host."""
+        return self.key_bytes * (1 if self.k_hbm else 2)
+
+    def step(self, lengths: list[int]) -> None:
+        """One step over rows whose key counts, after the step's key is written, are `lengths`."""
+        v = k = 0  # rows of every KV head read or written over PCIe
+        for n in lengths:
+            lo = min(self.budget.sinks, n)
+            hi = max(lo, n - self.budget.recent)
+            # the static rows, the dense layers' every row, the step's new key written to the host
+            rows = self.sparse_layers * (lo + n - hi) + self.dense_layers * n + self.sparse_layers + self.dense_layers
+            v += rows
+            if not self.k_hbm:  # K of those rows too, and the new key's K read back by the index insert
+                k += rows + self.sparse_layers + self.dense_layers
+                if self.rerank > 1:  # the re-rank's candidates' K, read from the host
+                    top = min(max(1, math.ceil(n * self.budget.keep)), hi - lo)
+                    k += self.sparse_layers * min(hi - lo, math.ceil(top * self.rerank - 1e-9))
+        self.host += (v + k) * self.n_kv * self.key_bytes
+        self.steps += 1
+
+    def prefilled(self, span: int, layers: int) -> None:
+        """A prompt's `layers` copied the row's first `span` positions to the GPU (V, or K and V)."""
+        self.prefill += layers * span * self.n_kv * self.per_key
+
+    def total(self, misses: int) -> int:
+        """Every counted step's bytes, given the selected keys (per KV head) the slot caches missed."""
+        return self.host + misses * self.per_key
