@@ -8,11 +8,12 @@ distinct contexts (as many as the GPU's slots hold). Build rows: the prefill alo
 indexer's prefill + tables up to the artifact in host memory, and PutContext until READY.
 With --hbm-gb, both modes get the same HBM for resident contexts (`serve --gpu-memory-gb`):
 each holds as many slots as fit its mode's bytes per context, is measured at its own maximum
-too, and the capacity table compares each mode's best aggregate tok/s. With --offload the sparse
-server has one small slot and `--offload` with a host slot per stream (`--offload-slots`), so every
+too, and the capacity table compares each mode's best aggregate tok/s. Mode `offload`: a sparse
+server with one small slot and `--offload` with a host slot per stream (`--offload-slots`), so every
 context decodes with its V in host memory (and K, with `--offload-k host`), all streams in one
-batched step; its rows add the bytes over PCIe per step (admin Stats, over the measured runs) and
-the link's pinned host -> device rate measured here (bench tiers' h2d_gb_per_s).
+batched step; its rows add the bytes over PCIe per step (admin Stats, over the measured runs), the
+link's pinned host -> device rate measured here, and its aggregate over the resident sparse row's
+of the same run (`--modes sparse,offload,dense`).
 The server runs as a user runs it (`python -m ctxcache.service serve` on a free port, ready on
 gRPC health) and is read through its API alone (admin Evict for the tiers); the prefill, build
 and re-prefill rows run on this process's own copy of the model first, freed before a server
@@ -53,6 +54,9 @@ from ctxcache.methods import make_method
 from ctxcache.models.loader import load_model
 
 GiB = 1 << 30
+# --modes: the server's decode mode and the rows' name (offload: sparse, its contexts in host slots)
+DECODE_MODE = {"sparse": "sparse", "offload": "sparse", "dense": "dense"}
+ROW_NAME = {"sparse": "csattention", "offload": "csattention-offload", "dense": "dense"}
 
 
 @dataclass
@@ -106,12 +110,12 @@ def server_flags(args, mode: str, point: Point, data: Path) -> list[str]:
     slots = max(point.streams[mode])
     sizing = ["--gpu-memory-gb", str(args.hbm_gb)] if args.hbm_gb else ["--gpu-slots", str(slots)]
     tokens = slot_tokens(point.n_ctx, args)
-    if args.offload and mode == "sparse":  # one small slot: every context decodes offloaded, a host slot a stream
+    if mode == "offload":  # one small slot: every context decodes offloaded, a host slot a stream
         sizing = ["--gpu-slots", "1", "--offload", "--offload-slots", str(slots), "--offload-slot-tokens", str(tokens),
                   "--offload-k", args.offload_k]
         tokens = 1024
     return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
-            "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb), "--decode-mode", mode,
+            "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb), "--decode-mode", DECODE_MODE[mode],
             "--max-streams", str(max(16, slots)), "--gpu-slot-tokens", str(tokens),
             "--method-params", args.method_params, *sizing]
 
@@ -152,7 +156,7 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
              "put_seconds": statistics.median(puts)}
     stats = client.admin.Stats(apb.StatsRequest())
     streams = point.streams[mode]
-    if args.device == "cuda" and not (args.offload and mode == "sparse") and stats.device_slots != max(streams):
+    if args.device == "cuda" and mode != "offload" and stats.device_slots != max(streams):
         raise RuntimeError(f"{mode}: the server holds {stats.device_slots} slots, this bench sized {max(streams)}")
     tiers = {**ttft_tiers(client, cids[0], args.repeats, args.drop_page_cache), "reprefill": point.reprefill}
     rows = []
@@ -163,7 +167,7 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
         before = client.admin.Stats(apb.StatsRequest())
         runs = [concurrent_rate(client, cids[:s], args.tokens) for _ in range(args.rate_repeats)]
         agg, per, path, _, _ = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median run
-        name = ("csattention-offload" if args.offload else "csattention") if mode == "sparse" else "dense"
+        name = ROW_NAME[mode]
         rows.append({"context": point.n_ctx, "streams": s, "mode": name,
                      "decode_path": path, "aggregate_tokens_per_s": agg, "per_stream_tokens_per_s": per,
                      "aggregate_runs": [r[0] for r in runs], "run_starts": [r[4] for r in runs],
@@ -173,7 +177,7 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
                      "hbm_gib": args.hbm_gb, "method_params": args.method_params, "index": index_name(args),
                      "ttft_p50_s": {k: statistics.median(v) for k, v in tiers.items()},
                      "ttft_p99_s": {k: pctl(v, 0.99) for k, v in tiers.items()}})
-        if args.offload and mode == "sparse":  # since the server started (every run of this length so far)
+        if mode == "offload":  # since the server started (every run of this length so far)
             now = client.admin.Stats(apb.StatsRequest())
             rows[-1].update(offload_hit_rate=now.offload_hit_rate, resident_contexts=now.resident_contexts,
                             offloaded_contexts=now.offloaded_contexts, offload_k=args.offload_k,
@@ -227,7 +231,7 @@ def points_on_the_model(args, contexts: list[int], streams: list[int]) -> list[P
     lm = load_model(args.model, getattr(torch, args.dtype), args.device)
     bandwidth = copy_bandwidth(args.device)
     h2d = None
-    if args.offload and args.device == "cuda":
+    if "offload" in args.modes.split(",") and args.device == "cuda":
         h2d = h2d_gb_per_s()
     points = []
     for n in contexts:
@@ -235,11 +239,12 @@ def points_on_the_model(args, contexts: list[int], streams: list[int]) -> list[P
         texts = [context_text(lm.tokenizer, n, 1000 * n + i) for i in range(max(max(s) for s in fit.values()))]
         build, art = build_times(lm, n, json.loads(args.method_params))
         reprefill = [reprefill_seconds(lm, n + 20, 4096) for _ in range(args.repeats)]  # + the question
-        params = {"sparse": make_method("csattention", json.loads(args.method_params)).params, "dense": None}
+        sparse = make_method("csattention", json.loads(args.method_params)).params
+        params = {"sparse": sparse, "offload": sparse, "dense": None}
         config = SparseConfig.from_schedule("0.05-step-1")
         elem = lm.model.lm_head.weight.element_size()
         alone = ({mode: runner_steps_ms(lm, art, params[mode], config, fit[mode], slot_tokens(n, args))
-                  for mode in fit} if args.device == "cuda" else {})
+                  for mode in fit if mode != "offload"} if args.device == "cuda" else {})  # resident runners
         runner_ms, prefill_ms = {m: a[0] for m, a in alone.items()}, {m: a[1] for m, a in alone.items()}
         points.append(Point(n, fit, texts, reprefill, build, runner_ms, prefill_ms, weight_bytes(lm), bandwidth,
                             {mode: row_bytes(lm.args, params[mode], config, n, elem) for mode in params}, h2d))
@@ -277,10 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hbm-gb", type=float, default=0.0,
                     help="HBM for resident contexts, the same for every mode (serve --gpu-memory-gb); 0: a slot "
                          "per stream, as many as the free memory holds")
-    ap.add_argument("--offload", action="store_true",
-                    help="the sparse server decodes every context with its K/V in host memory (serve --offload)")
     ap.add_argument("--offload-k", choices=("hbm", "host"), default="hbm",
-                    help="with --offload: each context's K in HBM (serve --offload-k hbm) or read from the host")
+                    help="mode offload: each context's K in HBM (serve --offload-k hbm) or read from the host")
     ap.add_argument("--method-params", default="{}", help="CSAttention parameters of the server (JSON)")
     ap.add_argument("--drop-page-cache", action="store_true", help="cold TTFT after dropping the OS page cache (root)")
     add_out(ap, what="the result JSON and PNG")
@@ -288,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     streams = sorted(int(x) for x in args.streams.split(","))
     modes = args.modes.split(",")
-    if any(m not in ("sparse", "dense") for m in modes):
-        ap.error(f"--modes {args.modes!r}: each must be sparse or dense")
+    if any(m not in ROW_NAME for m in modes):
+        ap.error(f"--modes {args.modes!r}: each must be sparse, offload or dense")
     points = points_on_the_model(args, contexts, streams)
     gc.collect()
     if torch.cuda.is_available():
@@ -308,17 +311,18 @@ def main(argv: list[str] | None = None) -> int:
     stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
     rows, builds = [{**r, **stamp} for r in rows], [{**b, **stamp} for b in builds]
     rows, builds = keep_other_lengths(Path(args.out) / f"serve_{device_tag(info)}.json", args, contexts, rows, builds)
-    capacity = best_per_mode(rows)
+    capacity, offload = best_per_mode(rows), offload_over_resident(rows)
     out = write_result("serve", {"device": (info.get("gpu") or {}).get("name") or info["cpu"], "model": args.model,
                                  "dtype": args.dtype, "tokens_per_stream": args.tokens, "rows": rows,
-                                 "build": builds, "capacity": capacity}, args.out)
+                                 "build": builds, "capacity": capacity, "offload": offload}, args.out)
     plot(rows, out.with_suffix(".png"))
     print_table([{**r, **{f"ttft_{k}": v for k, v in r["ttft_p50_s"].items()}} for r in rows],
                 ["context", "streams", "mode", "aggregate_tokens_per_s", "per_stream_tokens_per_s",
                  "ttft_hot", "ttft_warm", "ttft_cold", "ttft_reprefill"])
     print_table(rows, ["context", "streams", "mode", "runner_step_ms", "served_step_ms", "served_of_runner",
                        "floor_ms", "floor_fraction", "itl_p50_ms", "itl_p99_ms"])
-    if args.offload:
+    if offload:
+        print_table(offload, ["context", "streams", "offload_k", "agg_offloaded_over_resident"])
         print_table([r for r in rows if "pcie_bytes_per_step" in r],
                     ["context", "streams", "mode", "offload_k", "pcie_bytes_per_step", "h2d_gb_per_s",
                      "pcie_ms_per_step_at_h2d", "served_step_ms", "offload_hit_rate"])
@@ -330,6 +334,17 @@ def main(argv: list[str] | None = None) -> int:
                            "over_dense"])
     print(f"wrote {out}")
     return 0
+
+
+def offload_over_resident(rows: list[dict]) -> list[dict]:
+    """Per length, stream count and index: the offloaded aggregate tok/s over the resident sparse
+    one, both rows of this run (rows kept from earlier runs carry another commit)."""
+    key = lambda r: (r["context"], r["streams"], r.get("index"), r.get("commit"))  # noqa: E731
+    resident = {key(r): r for r in rows if r["mode"] == ROW_NAME["sparse"]}
+    return [{"context": r["context"], "streams": r["streams"], "index": r.get("index"), "offload_k": r.get("offload_k"),
+             "agg_offloaded_over_resident": r["aggregate_tokens_per_s"] / resident[key(r)]["aggregate_tokens_per_s"]}
+            for r in rows if r["mode"] == ROW_NAME["offload"] and key(r) in resident
+            and resident[key(r)]["aggregate_tokens_per_s"]]
 
 
 def index_name(args) -> str:
@@ -406,9 +421,9 @@ def mode_slots(lm, n_ctx: int, args, mode: str) -> int:
     (every stream count on a CPU); the server sizes --gpu-memory-gb the same way."""
     if args.device != "cuda":
         return 1 << 30
-    params = make_method("csattention", json.loads(args.method_params)).params if mode == "sparse" else None
+    params = make_method("csattention", json.loads(args.method_params)).params if mode != "dense" else None
     each = slot_bytes(lm.args, params, slot_tokens(n_ctx, args), MAX_NEW, lm.model.lm_head.weight.element_size())
-    if args.offload and mode == "sparse":  # an offloaded stream keeps its index (and K, --offload-k hbm) on the GPU
+    if mode == "offload":  # an offloaded stream keeps its index (and K, --offload-k hbm) on the GPU
         kv = slot_bytes(lm.args, None, slot_tokens(n_ctx, args), MAX_NEW, lm.model.lm_head.weight.element_size())
         each -= kv // 2 if args.offload_k == "hbm" else kv
     # the driver's free memory plus what the caching allocator holds unused (the load's fp32 copies),

@@ -32,12 +32,17 @@ def test_bench_service_reads_parts_and_batches_from_the_api(tmp_path):
     assert got["llama_cpp"] == {"tokens_per_s": None, "via": "only for the bundled smollm2 GGUF, not random:tiny"}
 
 
-def test_bench_serve_measures_every_tier_in_both_modes_on_one_store(tmp_path):
+def test_bench_serve_measures_every_tier_in_every_mode_on_one_store(tmp_path):
     from ctxcache.bench import serve
-    assert serve.main([*TINY, "--contexts", "300", "--streams", "1,2", "--tokens", "4", "--out", str(tmp_path)]) == 0
+    assert serve.main([*TINY, "--contexts", "300", "--streams", "1,2", "--tokens", "4", "--modes", "sparse,offload,dense",
+                       "--out", str(tmp_path)]) == 0
     got = _result(tmp_path, "serve")
     assert [(r["mode"], r["streams"]) for r in got["rows"]] == [
-        ("csattention", 1), ("csattention", 2), ("dense", 1), ("dense", 2)]
+        ("csattention", 1), ("csattention", 2), ("csattention-offload", 1), ("csattention-offload", 2),
+        ("dense", 1), ("dense", 2)]
+    rate = {(r["mode"], r["streams"]): r["aggregate_tokens_per_s"] for r in got["rows"]}
+    assert [(o["streams"], o["agg_offloaded_over_resident"]) for o in got["offload"]] == [
+        (s, rate["csattention-offload", s] / rate["csattention", s]) for s in (1, 2)]
     for row in got["rows"]:
         assert set(row["ttft_p50_s"]) == {"hot", "warm", "cold", "reprefill"} and row["aggregate_tokens_per_s"] > 0
     (build,) = got["build"]
