@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from ctxcache.artifact import ContextArtifact
+from ctxcache.landing import wait_landed
 from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.decode_mode import check_mode, decode_path, resolve
 from ctxcache.decoder.engine import Engine
@@ -251,6 +252,9 @@ class GenerateStreams:
 
     def _acquire(self, context_id: str) -> Loaded[CachedContext]:
         loaded = self.cache.acquire(context_id)  # NOT_FOUND / DATA_LOSS before any token
+        landing = loaded.value.artifact.landing
+        if landing is not None:  # still arriving: a failed download leaves DRAM (its waits raise)
+            landing.on_fail(lambda _: self.cache.evict(context_id))
         self.metrics.cache_lookups.labels("hit" if loaded.hit else "miss").inc()
         if not loaded.hit:
             self.metrics.bytes_loaded.inc(loaded.value.stored_bytes)
@@ -295,6 +299,8 @@ class GenerateStreams:
                   else self._engine(art, config, len(prompt) + sampling.max_tokens, spec.context_id))
         if head is not None and not hasattr(engine.runner, "resident_head"):
             raise ContextNotResident(spec.context_id)  # only a slot runner takes a head
+        if not getattr(engine.runner, "takes_landing", False):
+            wait_landed(art)  # only a slot loader reads an artifact a layer at a time as it lands
         seq = engine.start(spec.context_id, art, prompt, config, sampling, lambda: _check(alive, deadline))
         seq.path = decode_path(seq.path, len(config.dense_layers) == self.lm.args.n_layers)
         if head is not None:
