@@ -16,6 +16,7 @@ not decode included), so a damaged chunk still answers before any token.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 CONTEXT = -1  # the context-wide chunks' layer (tokens, last_logits): every layer waits for them
@@ -34,6 +35,8 @@ class Landing:
         for la in self._layer_of:
             self._left[la] += 1
         self._cond = threading.Condition()
+        self._started = time.perf_counter()
+        self.seconds: float | None = None  # from the hand-over to the download's good end
         self._finished = False
         self._error: BaseException | None = None  # what waits raise (set after the callbacks ran)
         self._failing: BaseException | None = None
@@ -49,6 +52,7 @@ class Landing:
         """The download ended well: every chunk (those not decoded too) was read and checked."""
         with self._cond:
             self._finished = True
+            self.seconds = time.perf_counter() - self._started
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:

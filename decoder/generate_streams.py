@@ -258,7 +258,8 @@ class GenerateStreams:
         self.metrics.cache_lookups.labels("hit" if loaded.hit else "miss").inc()
         if not loaded.hit:
             self.metrics.bytes_loaded.inc(loaded.value.stored_bytes)
-            self.metrics.load_seconds.observe(loaded.load_seconds)
+            if landing is None:  # a landing load's time is known at its end (_load_seconds)
+                self.metrics.load_seconds.observe(loaded.load_seconds)
         self._remember_roles(context_id, loaded.value.roles)
         return loaded
 
@@ -318,7 +319,17 @@ class GenerateStreams:
             self.metrics.tokens_per_second.observe(tps)
         full = text.tokenizer.decode(text.ids, skip_special_tokens=True)
         return Final(full[:text.emitted] if text.stopped else full, reason, art.n_tokens, len(prompt), n,
-                     ttft, tps, loaded.load_seconds, now - t0, loaded.hit, path)
+                     ttft, tps, self._load_seconds(loaded), now - t0, loaded.hit, path)
+
+    def _load_seconds(self, loaded: Loaded[CachedContext]) -> float:
+        """The store -> DRAM time: for a download handed over as it landed, up to its hand-over
+        plus the landing (ended by the first token: the slot load waits for it)."""
+        landing = loaded.value.artifact.landing
+        if loaded.hit or landing is None or landing.seconds is None:
+            return loaded.load_seconds
+        total = loaded.load_seconds + landing.seconds
+        self.metrics.load_seconds.observe(total)
+        return total
 
 
 def _check(alive: Callable[[], bool], deadline: float | None) -> None:
