@@ -128,8 +128,8 @@ class GpuRunner(SlotRows):
         None, the last gives the first logits [V]. The engine runs one chunk per decode step."""
         if len(prompt) >= self.max_new:
             raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the {self.max_new}-key index overlay")
-        t0 = time.perf_counter()
         land_ahead(art, check)  # most of a landing download outside the lock (slot_load.py)
+        t0 = time.perf_counter()
         with self.lock:
             t_lock = time.perf_counter()
             slot = self._claim(context_id, check)

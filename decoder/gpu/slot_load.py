@@ -49,7 +49,7 @@ class SlotLoader:
         host (an empty dict is passed). An artifact still landing (art.landing) is read a
         layer at a time as each lands, in this thread; its download's error is raised here."""
         then = then or (lambda layer: None)
-        n, landing = art.n_tokens, art.landing
+        n, landing = art.n_tokens, getattr(art, "landing", None)
         wait = landing.wait if landing is not None else (lambda layer: None)
         if self.side is None:
             for layer, la in enumerate(art.layers):
@@ -158,7 +158,7 @@ def land_ahead(art: ContextArtifact, check: Callable[[], None] = lambda: None) -
     POLL_S) until a landing artifact's layers up to the last n_layers / LOCKED_SHARE have
     landed; raises its download's error if it failed first (no slot was touched); at once for
     any other artifact."""
-    landing = art.landing
+    landing = getattr(art, "landing", None)
     if landing is None:
         return
     layer = len(art.layers) - 1 - len(art.layers) // LOCKED_SHARE
