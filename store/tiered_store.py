@@ -237,7 +237,13 @@ class TieredStore:
         mine.append(art)
         with self._lock:
             self._landing[context_id] = art
-        start()
+        try:
+            start()
+        except BaseException as exc:  # e.g. the store closed meanwhile: its waiters must not hang
+            with self._lock:
+                self._landing.pop(context_id, None)
+            art.landing.fail(exc)
+            raise
         return art
 
     def _landed(self, context_id: str, art: ContextArtifact, got: Fetched | BaseException, t0: float) -> None:
