@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ctxcache.kv_codec import CodedKV
+from ctxcache.landing import Landing
 
 # 2: tables hold the method's compact state (SparseMethod.persist; CSAttention: no dense rows),
 #    K/V stored by a per-context codec (kv_codec). 1: every table stored, K/V lossless.
@@ -105,6 +106,7 @@ class ContextArtifact:
     last context token (so generation may start with no new prompt); method/method_params:
     the sparse method (`ctxcache.methods.make_method`) that built `tables`.
     Layers hold what the method persists; `SparseMethod.restore` derives the rest at load.
+    `landing` is no field of the context (the store writes none of it): see below.
     """
 
     model_id: str
@@ -117,6 +119,9 @@ class ContextArtifact:
     kv_dtype: str = "float16"
     kv_codec: str = "lossless"  # how the store encodes k/v (KV_CODECS); decoded to kv_dtype
     format_version: int = FORMAT_VERSION
+    # set while the layers still arrive from the object store (ctxcache/landing.py): tensors are
+    # read only after landing.wait(layer); not stored, not compared
+    landing: Landing | None = field(default=None, compare=False, repr=False)
 
     @property
     def n_tokens(self) -> int:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from ctxcache.artifact import ContextArtifact
+from ctxcache.landing import wait_landed
 from ctxcache.decoder import SparseConfig
 from ctxcache.decoder.decode_mode import check_mode, decode_path, resolve
 from ctxcache.decoder.engine import Engine
@@ -256,10 +257,14 @@ class GenerateStreams:
 
     def _acquire(self, context_id: str) -> Loaded[CachedContext]:
         loaded = self.cache.acquire(context_id)  # NOT_FOUND / DATA_LOSS before any token
+        landing = loaded.value.artifact.landing
+        if landing is not None:  # still arriving: a failed download leaves DRAM (its waits raise)
+            landing.on_fail(lambda _: self.cache.evict(context_id))
         self.metrics.cache_lookups.labels("hit" if loaded.hit else "miss").inc()
         if not loaded.hit:
             self.metrics.bytes_loaded.inc(loaded.value.stored_bytes)
-            self.metrics.load_seconds.observe(loaded.load_seconds)
+            if landing is None:  # a landing load's time is known at its end (_load_seconds)
+                self.metrics.load_seconds.observe(loaded.load_seconds)
         self._remember_roles(context_id, loaded.value.roles)
         return loaded
 
@@ -300,6 +305,8 @@ class GenerateStreams:
                   else self._engine(art, config, len(prompt) + sampling.max_tokens, spec.context_id))
         if head is not None and not hasattr(engine.runner, "resident_head"):
             raise ContextNotResident(spec.context_id)  # only a slot runner takes a head
+        if not getattr(engine.runner, "takes_landing", False):
+            wait_landed(art)  # only a slot loader reads an artifact a layer at a time as it lands
         seq = engine.start(spec.context_id, art, prompt, config, sampling, lambda: _check(alive, deadline))
         seq.path = decode_path(seq.path, len(config.dense_layers) == self.lm.args.n_layers)
         if head is not None:
@@ -317,7 +324,17 @@ class GenerateStreams:
             self.metrics.tokens_per_second.observe(tps)
         full = text.tokenizer.decode(text.ids, skip_special_tokens=True)
         return Final(full[:text.emitted] if text.stopped else full, reason, art.n_tokens, len(prompt), n,
-                     ttft, tps, loaded.load_seconds, now - t0, loaded.hit, path)
+                     ttft, tps, self._load_seconds(loaded), now - t0, loaded.hit, path)
+
+    def _load_seconds(self, loaded: Loaded[CachedContext]) -> float:
+        """The store -> DRAM time: for a download handed over as it landed, up to its hand-over
+        plus the landing (ended by the first token: the slot load waits for it)."""
+        landing = loaded.value.artifact.landing
+        if loaded.hit or landing is None or landing.seconds is None:
+            return loaded.load_seconds
+        total = loaded.load_seconds + landing.seconds
+        self.metrics.load_seconds.observe(total)
+        return total
 
 
 def _check(alive: Callable[[], bool], deadline: float | None) -> None:

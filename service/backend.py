@@ -90,15 +90,22 @@ class Backend:
 
     def load(self, cid: str) -> CachedContext:
         """Store -> DRAM for the decoder; NOT_FOUND if absent, CorruptArtifact -> DATA_LOSS
-        (the context marked DAMAGED first)."""
+        (the context marked DAMAGED first). From the object store the artifact comes back as
+        it lands (TieredStore.get_landing): its readers wait for its layers."""
+        get = getattr(self.store, "get_landing", self.store.get)  # an object store download lands
         try:
             m = self.store.manifest(cid)
-            art = self.store.get(cid) if m is not None else None
+            art = get(cid) if m is not None else None
         except CorruptArtifact as exc:  # a chunk, or the manifest
             self.mark_damaged(cid, str(exc))
             raise
         if m is None or art is None:
             raise NotFound(f"context {cid} not found")
+        if art.landing is not None:  # a chunk that fails its check after this returned
+            def damaged(exc: BaseException) -> None:
+                if isinstance(exc, CorruptArtifact):
+                    self.mark_damaged(cid, str(exc))
+            art.landing.on_fail(damaged)
         roles = tuple(m.labels.get(ROLES_LABEL, "system").split(","))
         return CachedContext(art, roles, m.stored_bytes)
 

@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ctxcache.artifact import ContextArtifact, LayerArtifact
+from ctxcache.landing import wait_landed
 from ctxcache.store.lmdb.artifact_store import ArtifactStore
 from ctxcache.store.artifact_writer import landed
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
@@ -34,6 +35,7 @@ from ctxcache.store.layout import QUERY_CHUNK
 from ctxcache.store.load_stats import LoadSnapshot, LoadStats
 from ctxcache.store.manifest import ContextMeta, Manifest
 from ctxcache.store.object.object_config import ObjectStoreConfig
+from ctxcache.store.object.object_landing import fetch_landing
 from ctxcache.store.object.object_store import Fetched, ObjectArtifactStore
 from ctxcache.store.object.object_writer import ObjectWriter
 from ctxcache.store.read_through import Presence, SingleFlight, TieredConfig
@@ -41,6 +43,7 @@ from ctxcache.store.read_through import Presence, SingleFlight, TieredConfig
 __all__ = ["TieredConfig", "TieredStore", "open_store"]
 
 log = logging.getLogger("ctxcache.store.tiered")
+LANDING_THREADS = 8  # downloads landing at once (each reads its chunks on the tier's own pool)
 
 
 class TieredStore:
@@ -55,7 +58,9 @@ class TieredStore:
         # than the download from a local folder: bench tiers); until then a load decodes
         # from the downloaded bytes held here
         self._filler = ThreadPoolExecutor(1, "ctxfill")
+        self._lander = ThreadPoolExecutor(LANDING_THREADS, "ctxland")  # landing downloads (get_landing)
         self._filling: dict[str, Fetched] = {}
+        self._landing: dict[str, ContextArtifact] = {}  # downloads handed over, still landing
 
     # ---- what the service reads --------------------------------------------------------------------
     @property
@@ -110,6 +115,7 @@ class TieredStore:
         the local LMDB's, a download not yet written there, and the last word of the object store."""
         with self._lock:
             self._filling.pop(context_id, None)
+            self._landing.pop(context_id, None)
         self._presence.forget(context_id)
         return self.local.delete(context_id)
 
@@ -150,6 +156,18 @@ class TieredStore:
     def get(self, context_id: str, with_queries: bool = False) -> ContextArtifact | None:
         """The artifact, or None if absent / expired / deleted. CorruptArtifact (DATA_LOSS) if
         an object fails its check; StoreUnavailable if only the object store could answer."""
+        art = self._get(context_id, with_queries)
+        wait_landed(art)  # a download another caller started landing
+        return art
+
+    def get_landing(self, context_id: str) -> ContextArtifact | None:
+        """As get(context_id), but a download from the object store is handed over once its
+        manifest is read, its `landing` set (ctxcache/landing.py): a slot load copies each
+        layer as it lands. The download's errors (CorruptArtifact, StoreUnavailable) are raised
+        by the landing's waits; its bookkeeping (the local copy, the stats) follows its end."""
+        return self._get(context_id, False)
+
+    def _get(self, context_id: str, with_queries: bool) -> ContextArtifact | None:
         t0 = time.perf_counter()
         try:
             art = self.local.get(context_id, with_queries)
@@ -169,7 +187,10 @@ class TieredStore:
         return self._shared_get(context_id, with_queries)
 
     def _shared_get(self, context_id: str, with_queries: bool) -> ContextArtifact | None:
-        art, joined = self._flights.run((context_id, with_queries), lambda: self._download(context_id, with_queries))
+        # without queries every download lands (a plain get waits for it): one download of a
+        # context, landing or not, whichever way its callers ask
+        download = self._download if with_queries else self._download_landing
+        art, joined = self._flights.run((context_id, with_queries), lambda: download(context_id, with_queries))
         if joined:
             self.loads.count("shared_downloads")
         return art
@@ -190,6 +211,60 @@ class TieredStore:
         self.loads.hit("object", f.nbytes, time.perf_counter() - t0)
         self._mark_use(context_id)
         return art
+
+    def _download_landing(self, context_id: str, with_queries: bool) -> ContextArtifact | None:
+        """_download's artifact handed over as it lands (object_landing.py); the bytes of a
+        put or download not yet in the local copy decode at once, as there."""
+        with self._lock:
+            filling = context_id in self._filling
+            art = self._landing.get(context_id)
+        if filling:
+            return self._download(context_id, with_queries)
+        if art is not None:  # still landing: a caller after its hand-over shares it too
+            self.loads.count("shared_downloads")
+            return art
+        t0, mine = time.perf_counter(), []  # mine: the artifact, known before its download starts
+        try:
+            got = fetch_landing(self.shared, context_id, self._lander.submit,
+                                lambda result: self._landed(context_id, mine[0], result, t0))
+        except BaseException as exc:
+            self._count_failure(exc)
+            raise
+        if got is None:
+            self.loads.count("misses")
+            return None
+        art, start = got
+        mine.append(art)
+        with self._lock:
+            self._landing[context_id] = art
+        try:
+            start()
+        except BaseException as exc:  # e.g. the store closed meanwhile: its waiters must not hang
+            with self._lock:
+                self._landing.pop(context_id, None)
+            art.landing.fail(exc)
+            raise
+        return art
+
+    def _landed(self, context_id: str, art: ContextArtifact, got: Fetched | BaseException, t0: float) -> None:
+        """A landing download's end (on its thread): what _download does after its fetch."""
+        with self._lock:
+            if self._landing.get(context_id) is art:
+                del self._landing[context_id]
+        if isinstance(got, BaseException):
+            self._count_failure(got)
+            return
+        self._fill_later(got)
+        self._presence.confirm(context_id)
+        self.loads.hit("object", got.nbytes, time.perf_counter() - t0)
+        self._mark_use(context_id)
+
+    def _count_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, StoreUnavailable):
+            self.loads.count("unavailable")
+            self._presence.mark_down()
+        elif isinstance(exc, CorruptArtifact):
+            self.loads.count("corrupt")
 
     def _fetch(self, context_id: str, with_queries: bool) -> tuple[Fetched, ContextArtifact] | None:
         try:  # all chunks: the local copy is whole; decoded as they arrive
@@ -266,6 +341,7 @@ class TieredStore:
                        map_used_bytes=local.map_used_bytes)
 
     def close(self) -> None:
+        self._lander.shutdown(wait=True)
         self._filler.shutdown(wait=True)
         self._presence.close()
         self.shared.close()

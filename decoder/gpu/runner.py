@@ -33,7 +33,7 @@ from ctxcache.decoder.gpu.warm_up import warm_up_runner
 from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.prefill_graph import Capturing, PrefillGraphs, Replay
 from ctxcache.decoder.gpu.slot_rows import SlotRows
-from ctxcache.decoder.gpu.slot_load import OverlappedPrefill, SlotLoader
+from ctxcache.decoder.gpu.slot_load import OverlappedPrefill, SlotLoader, land_ahead
 from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
                                                layers_per_chunk, padded_length, prompt_input)
 from ctxcache.decoder.inflight import StepIO
@@ -68,6 +68,8 @@ class Slot:
 class GpuRunner(SlotRows):
     """params None: dense mode. Serves streams whose context fits a slot with room for their
     question and answer (`max_new` tokens streamed into the index at most)."""
+
+    takes_landing = True  # begin() loads an artifact still landing a layer at a time (slot_load.py)
 
     def __init__(self, lm: LoadedModel, params: CSAttentionParams | None, config: SparseConfig, slots: int,
                  max_len: int, max_new: int = MAX_NEW, use_graph: bool = True,
@@ -127,6 +129,7 @@ class GpuRunner(SlotRows):
         None, the last gives the first logits [V]. The engine runs one chunk per decode step."""
         if len(prompt) >= self.max_new:
             raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the {self.max_new}-key index overlay")
+        land_ahead(art, check)  # most of a landing download outside the lock (slot_load.py)
         t0 = time.perf_counter()
         with self.lock:
             t_lock = time.perf_counter()

@@ -66,6 +66,10 @@ class SubsetSink:
         if i in self._at:
             self.decoder.put(self._at[i], buf)
 
+    def position(self, i: int) -> int | None:
+        """Fetch index i's place among the decoded chunks (None: not decoded)."""
+        return self._at.get(i)
+
 
 def _read_buffer(use: ChunkSink | None, i: int, info: ChunkInfo) -> memoryview:
     """Where chunk i is read to: its tensor where the sink can take it in place, else fresh
@@ -238,16 +242,17 @@ class ObjectArtifactStore:
         self._live()
         return self._read_manifest(context_id)
 
-    def fetch(self, context_id: str, with_queries: bool = True, sink: Sink | None = None) -> Fetched | None:
+    def fetch(self, context_id: str, with_queries: bool = True, sink: Sink | None = None,
+              first: Manifest | None = None) -> Fetched | None:
         """The manifest and its chunks' stored bytes, every chunk checked (config.verify_on_load)
         as it arrives. A write replaced or deleted mid-fetch is read again once / None. sink:
         sink(manifest, chunks) -> what takes each checked chunk on the thread that read it,
         while the others are still arriving (a load decodes there), and may give the memory a
-        chunk is read into (its tensor: no copy)."""
+        chunk is read into (its tensor: no copy). first: the manifest, read already."""
         self._live()
         how = self.config.verify_on_load
         for attempt in range(2):
-            m = self._read_manifest(context_id)
+            m = first if attempt == 0 and first is not None else self._read_manifest(context_id)
             if m is None:
                 return None
             chunks = tuple(c for c in m.chunks if with_queries or c.name != QUERY_CHUNK)
