@@ -98,7 +98,8 @@ def test_pcie_bytes_of_a_known_step(k_hbm):
     lm = load_model("random:tiny", seed=3, device=DEVICE)
     method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 1.0})
     art = _artifacts(method, (150,))[0]
-    r = OffloadRunner(lm, method.params, CONFIG, slots=1, max_len=320, max_new=32, k_hbm=k_hbm)
+    # no graph: a capture runs the step twice more first (its warm-up), each counted (H200)
+    r = OffloadRunner(lm, method.params, CONFIG, slots=1, max_len=320, max_new=32, k_hbm=k_hbm, use_graph=False)
     row, first = r.admit("c", art, [], CONFIG, 8)
     assert r.pcie_bytes() == (0, 0)
     r.step([row], [int(first.argmax())])
@@ -129,31 +130,28 @@ def test_k_buffers_that_do_not_fit_are_refused_in_one_line(monkeypatch):
     OffloadRunner(lm, method.params, CONFIG, slots=3, max_len=512, k_hbm=False)  # no K buffers: nothing to fit
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the resident runner's kernels and graphs")
-def test_offloaded_greedy_tokens_equal_the_resident_ones_for_64_steps():
-    """Random Llama-3.1-8B bf16 (GQA groups of 4: 16-bit re-rank keys, the default index), two
-    contexts of ~1.5K tokens with questions: 64 greedy tokens each from the resident fast runner
-    and from the offload runner with K in HBM, in one batched step each."""
+def test_offloaded_greedy_tokens_equal_the_resident_ones():
+    """A random fp32 model (64 greedy tokens on a GPU): two contexts with questions, the second
+    admitted while the first decodes, from the resident fast runner and from the offload runner
+    with K in HBM, each in one batched step, with the default re-rank (4x candidates, follow).
+    fp32: on random Llama-3.1-8B in bf16 the fast runner's own logits differ from the reference's
+    by up to 2 (logit std 1.3) within 4 steps (H200), so no two paths agree on its greedy tokens."""
     from ctxcache.decoder.gpu.runner import GpuRunner
-    lm = load_model("random:llama-3.1-8b", torch.bfloat16, "cuda")
-    method = make_method("csattention", {})
-    cfg = IndexerConfig(kv_dtype="bfloat16", progress=False)
-    arts = [build_artifact(lm, torch.randint(3, 20000, (n,), generator=torch.Generator().manual_seed(n)), method, cfg)
-            for n in (1500, 1333)]
+    steps = 64 if torch.cuda.is_available() else 4  # interpreted on a CPU: 4 steps, ~40 s
+    lm = load_model("random:tiny", seed=3, device=DEVICE)
+    method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 4.0})
+    arts = _artifacts(method, (200, 170))
     prompts = ([11, 12, 13, 14, 15], [21, 22])
-    config = SparseConfig.from_schedule("0.05-step-1")
     tokens = {}
-    for name, runner in (("resident", GpuRunner(lm, method.params, config, 2, 2048)),
-                         ("offloaded", OffloadRunner(lm, method.params, config, slots=2, max_len=2048))):
+    for name, runner in (("resident", GpuRunner(lm, method.params, CONFIG, 2, 384, max_new=steps + 8)),
+                         ("offloaded", OffloadRunner(lm, method.params, CONFIG, slots=2, max_len=384,
+                                                     max_new=steps + 8))):
         eng = Engine(runner)
         try:
-            seqs = [eng.start(f"c{i}", a, p, config, SamplingParams(max_tokens=64))
+            seqs = [eng.start(f"c{i}", a, p, CONFIG, SamplingParams(max_tokens=steps))
                     for i, (a, p) in enumerate(zip(arts, prompts))]
             tokens[name] = [[t for t, _ in s.tokens(lambda: None)] for s in seqs]
         finally:
             eng.close()
-        del runner, eng
-        torch.cuda.empty_cache()
-    assert [len(t) for t in tokens["offloaded"]] == [64, 64]
+    assert [len(t) for t in tokens["offloaded"]] == [steps, steps]
     assert tokens["offloaded"] == tokens["resident"]
