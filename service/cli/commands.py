@@ -58,7 +58,7 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                                 offload_slots=getattr(args, "offload_slots", 4),
                                 offload_slot_tokens=getattr(args, "offload_slot_tokens", 0),
                                 offload_k=getattr(args, "offload_k", "hbm"),
-                                warm_up_check=getattr(args, "warm_up_check", False),
+                                warm_up_check=getattr(args, "warm_up_check", True),
                                 **_gpu_slots(args)),
         fleet=FleetSettings(getattr(args, "role", "all"), getattr(args, "build_lease", 10.0),
                             getattr(args, "heartbeat", 2.0), gc_interval_s=getattr(args, "gc_interval", 600.0),

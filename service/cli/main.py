@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or env CTXCACHE_ALLOW_UNAUTHENTICATED=1)")
     p.add_argument("--no-access-log", action="store_true",
                    help="no access-log line per RPC (method, context id, status, duration) on stderr")
-    p.add_argument("--warm-up-check", action="store_true", help="GPU: warm up first in a child process, so that a "
-                   "kernel compiler crash stops the start with one line (a second model load and warm-up)")
+    p.add_argument("--warm-up-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPU: warm up first in a child process, so that a kernel compiler crash stops the start with "
+                        "one line (a second model load; the server's own warm-up then compiles nothing)")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", type=Path, default=None, help="the certificate's private key (PEM)")
     _fleet_flags(p)

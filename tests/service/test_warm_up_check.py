@@ -68,10 +68,10 @@ def test_a_normal_child_returns_and_the_server_starts(gpu_like, tmp_path, caplog
     assert len(checked) == 1 and re.search(r"warmed up in \d+\.\d s \(0 kernel compilations\)", checked[0]), checked
 
 
-def test_without_the_flag_no_child_runs(gpu_like, tmp_path, monkeypatch, caplog):
+def test_with_no_warm_up_check_no_child_runs(gpu_like, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(warm_up_check.FAULT_ENV, "abort")  # a child would die: none runs
     caplog.set_level(logging.INFO, "ctxcache.service")
-    args = cli.build_parser().parse_args([*SERVE, "--data", str(tmp_path / "s")])
+    args = cli.build_parser().parse_args([*SERVE, "--data", str(tmp_path / "s"), "--no-warm-up-check"])
     server, port = create_server(service_config(args, 0))
     server.stop(0)
     assert port > 0 and not any("warm-up check" in r.getMessage() for r in caplog.records)
@@ -90,9 +90,9 @@ def test_only_a_gpu_server_that_decodes_checks(tmp_path):
                                   store=dataclasses.replace(gpu.store, object_store_uri="file:///o"))
     assert not warm_up_check.needed(indexer)  # an indexer decodes nothing
     args = cli.build_parser().parse_args([*SERVE, "--device", "cuda"])
-    assert not service_config(args, 0).decoder.warm_up_check  # off by default until timed on a GPU
-    args = cli.build_parser().parse_args([*SERVE, "--device", "cuda", "--warm-up-check"])
-    assert service_config(args, 0).decoder.warm_up_check
+    assert service_config(args, 0).decoder.warm_up_check  # on by default
+    args = cli.build_parser().parse_args([*SERVE, "--device", "cuda", "--no-warm-up-check"])
+    assert not service_config(args, 0).decoder.warm_up_check
 
 
 def test_the_line_names_the_kernel_the_compiler_died_in(monkeypatch, tmp_path):
