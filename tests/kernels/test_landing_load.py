@@ -25,6 +25,7 @@ from ctxcache.store import CorruptArtifact, StoreConfig
 from ctxcache.store.object import object_layout as lay
 from ctxcache.store.object.object_config import ObjectStoreConfig
 from ctxcache.store.tiered_store import TieredStore, open_store
+from landing_helpers import hold_layer
 
 CONFIG = SparseConfig(Budget(0.1, 2, 8))
 PROMPT = list(range(40, 57))
@@ -45,19 +46,6 @@ def worker(tmp_path: Path, name: str) -> TieredStore:
                        ObjectStoreConfig())
     assert isinstance(store, TieredStore)
     return store
-
-
-def hold_layer(store: TieredStore, layer: int) -> threading.Event:
-    inner = store.shared.tier.inner
-    get_into, gate = inner.get_into, threading.Event()
-
-    def slow(key: str, out: memoryview) -> int | None:
-        if key.rsplit("/", 1)[-1].startswith(f"{layer}."):
-            assert gate.wait(20), "the held layer was never released"
-        return get_into(key, out)
-
-    inner.get_into = slow
-    return gate
 
 
 def slot_state(runner: GpuRunner, n: int) -> list[torch.Tensor]:

@@ -12,20 +12,12 @@ from ctxcache.decoder.gpu.offload_runner import OffloadRunner
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.decoder.runner import ReferenceRunner
 from ctxcache.generation import SamplingParams
-from ctxcache.indexer import IndexerConfig, build_artifact
 from ctxcache.methods import Budget, make_method
 from ctxcache.models.loader import load_model
+from test_offload_runner import _artifacts
 
 CONFIG = SparseConfig(Budget(0.1, 2, 8))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _artifacts(method, lengths):
-    cpu_lm = load_model("random:tiny", seed=3)
-    cfg = IndexerConfig(kv_dtype="float32", progress=False)
-    return [build_artifact(cpu_lm, torch.randint(0, cpu_lm.args.vocab_size, (n,),
-                                                 generator=torch.Generator().manual_seed(n)), method, cfg)
-            for n in lengths]
 
 
 def _decoded_k(art, layer):

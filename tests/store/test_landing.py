@@ -14,6 +14,7 @@ from ctxcache.landing import Landing, wait_landed
 from ctxcache.store import CorruptArtifact
 from ctxcache.store.object import object_layout as lay
 from ctxcache.store.tiered_store import TieredStore, open_store
+from landing_helpers import hold_layer
 from store_helpers import assert_same, make_artifact
 from test_tiered_store import FAST, SMALL
 
@@ -65,20 +66,6 @@ def worker(tmp_path: Path, name: str, uri: str) -> TieredStore:
     store = open_store(tmp_path / name, SMALL, uri, FAST)
     assert isinstance(store, TieredStore)
     return store
-
-
-def hold_layer(store: TieredStore, layer: int) -> threading.Event:
-    """The store's reads of `layer`'s chunks wait until the returned event is set."""
-    inner = store.shared.tier.inner
-    get_into, gate = inner.get_into, threading.Event()
-
-    def slow(key: str, out: memoryview) -> int | None:
-        if key.rsplit("/", 1)[-1].startswith(f"{layer}."):
-            assert gate.wait(10), "the held layer was never released"
-        return get_into(key, out)
-
-    inner.get_into = slow
-    return gate
 
 
 def test_a_download_is_handed_over_before_its_last_layer_arrives_and_lands_bit_exact(
