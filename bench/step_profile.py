@@ -1,12 +1,13 @@
 """Where a decode step's time goes: the fast runner's step (GpuRunner.step, graph replay, no
 engine or gRPC) at each context length, batch and mode, broken down by kernel with
-torch.profiler, beside the step's wall time and the card's copy bandwidth.
+torch.profiler, beside the step's wall time and the card's copy bandwidth. Mode `offload`: the
+offload runner's step (OffloadRunner, a host slot a row: V over PCIe), its PCIe bytes a step.
 
 Why: a step that is slow for its bytes is slow either inside its kernels or between them; the
 per-kernel time summed against the step says which (issue 46's H200 profile at 32K x 8: kernels
 busy 10.3 of a 10.45 ms step, so the cost was inside them). Random Llama-3.1-8B weights, one
 built artifact per length shared by every row (each row its own slot and tables).
-`ctxcache bench step_profile [--contexts 32768] [--batches 1,8] [--modes sparse,dense] [--out DIR]`."""
+`ctxcache bench step_profile [--contexts 32768] [--batches 1,8] [--modes sparse,dense,offload] [--out DIR]`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ctxcache.bench.common.gpu import gpu_cli
 from ctxcache.bench.common.report import print_table, write_result
 from ctxcache.bench.common.serve_limits import copy_bandwidth, median_step_s
 from ctxcache.bench.serve import build_times
+from ctxcache.decoder.gpu.offload_runner import OffloadRunner
 from ctxcache.decoder.gpu.runner import GpuRunner
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.methods import make_method
@@ -54,26 +56,34 @@ def profile_steps(runner: GpuRunner, rows: list, steps: int = 5, repeats: int = 
 
 def main(argv: list[str] | None = None) -> int:
     def extra(ap: argparse.ArgumentParser) -> None:
-        ap.add_argument("--modes", default="sparse,dense", help="comma-separated: sparse (csattention), dense")
+        ap.add_argument("--modes", default="sparse,dense",
+                        help="comma-separated: sparse (csattention), dense, offload (csattention, V in host slots)")
         ap.add_argument("--top", type=int, default=12, help="kernels printed per row (the JSON keeps all)")
     args = gpu_cli("ctxcache bench step_profile", "32768", argv, extra, __doc__)
     if args is None:
         return 2
     modes = args.modes.split(",")
-    if any(m not in ("sparse", "dense") for m in modes):
-        print(f"ctxcache bench step_profile: error: --modes {args.modes!r}: sparse and/or dense", flush=True)
+    if any(m not in ("sparse", "dense", "offload") for m in modes):
+        print(f"ctxcache bench step_profile: error: --modes {args.modes!r}: sparse, dense or offload", flush=True)
         return 2
     lm = load_model("random:llama-3.1-8b", torch.bfloat16, "cuda")
     config = SparseConfig.from_schedule("0.05-step-1")
-    params = {"sparse": make_method("csattention", {}).params, "dense": None}
+    sparse = make_method("csattention", {}).params
+    params = {"sparse": sparse, "dense": None, "offload": sparse}
     rows_out, top = [], []
     for n in args.contexts:
         _, art = build_times(lm, n, {})
         for mode in modes:
             for b in args.batches:
-                runner = GpuRunner(lm, params[mode], config, b, n + 512)
+                runner = (OffloadRunner(lm, sparse, config, slots=b, max_len=n + 512) if mode == "offload"
+                          else GpuRunner(lm, params[mode], config, b, n + 512))
                 rows = [runner.admit(f"c{i}", art, [5] * 20, config, 64)[0] for i in range(b)]
+                runner.step(rows, [7] * b)  # the bucket's graph captured first (its warm-up runs count too)
+                before = runner.pcie_bytes() if mode == "offload" else None
                 got = profile_steps(runner, rows)
+                if before is not None:  # over the timed and profiled steps
+                    moved, steps = (now - was for now, was in zip(runner.pcie_bytes(), before))
+                    got["pcie_bytes_per_step"] = moved / steps if steps else None
                 rows_out.append({"context": n, "mode": mode, "batch": b, **got})
                 top += [{"context": n, "mode": mode, "batch": b, **k} for k in got["kernels"][:args.top]]
                 del runner, rows
@@ -81,6 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         del art
     path = write_result("step_profile", {"copy_gb_per_s": copy_bandwidth("cuda") / 1e9, "rows": rows_out}, args.out)
     print_table(top, ["context", "mode", "batch", "kernel", "launches", "us"])
-    print_table(rows_out, ["context", "mode", "batch", "step_ms", "kernels_ms", "launches"])
+    print_table(rows_out, ["context", "mode", "batch", "step_ms", "kernels_ms", "launches", "pcie_bytes_per_step"])
     print(f"wrote {path}")
     return 0
