@@ -96,11 +96,15 @@ def test_a_damaged_chunk_in_the_last_layer_fails_the_landing_after_the_early_lay
         key = next(k for k in lay.chunk_keys(m) if k.endswith(f"/{LAYERS - 1}.v"))
         data = a.shared.tier.get(key)
         a.shared.tier.put(key, data[:9] + bytes([data[9] ^ 4]) + data[10:])
+        # the damaged layer's reads wait until layer 0 is handed over: the download's chunks
+        # land in any order, and a check failing first fails every wait not yet answered
+        release = hold_layer(b, LAYERS - 1)
         got = b.get_landing("c1")
         assert got is not None
         told: list[BaseException] = []
         got.landing.on_fail(told.append)
         got.landing.wait(0, timeout=10)  # an intact early layer is handed over
+        release.set()
         with pytest.raises(CorruptArtifact, match="checksum"):
             got.landing.wait(LAYERS - 1, timeout=10)
         assert isinstance(told[0], CorruptArtifact)
