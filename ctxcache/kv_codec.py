@@ -82,7 +82,7 @@ def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str) -> list[tuple[str, t
     if codec == "lossless":
         return [("k", k), ("v", v)]
     if codec == "int8":
-        kq, ks = _quantize_keys(k)
+        kq, ks = quantize_keys(k)
         vq, vs = _quantize(v.float(), dim=-1)
         return [("k", kq), ("k" + SCALE_SUFFIX, ks), ("v", vq), ("v" + SCALE_SUFFIX, vs[..., 0])]
     if codec == "int4":
@@ -100,12 +100,8 @@ def decode_kv(parts: dict[str, torch.Tensor], codec: str, dtype: torch.dtype) ->
     if codec == "lossless":
         return parts["k"].to(dtype), parts["v"].to(dtype)
     if codec == "int8":
-        kq, ks = parts["k"], parts["k" + SCALE_SUFFIX]  # [Hkv, N, D], [Hkv, ceil(N/G), D]
-        n = kq.shape[1]
-        k = (kq.float().unflatten(1, (-1, KEY_GROUP)) if n % KEY_GROUP == 0 else _grouped(kq.float()))
-        k = (k * ks.float()[:, :, None]).flatten(1, 2)[:, :n]
         v = parts["v"].float() * parts["v" + SCALE_SUFFIX].float()[..., None]
-        return k.to(dtype), v.to(dtype)
+        return dequantize_keys(parts["k"], parts["k" + SCALE_SUFFIX], dtype), v.to(dtype)
     if codec == "int4":
         k, v = (_unpack4(parts[x]).float() * parts[x + SCALE_SUFFIX].float()[..., None]
                 + parts[x + MIN_SUFFIX].float()[..., None] for x in ("k", "v"))
@@ -121,10 +117,18 @@ def _grouped(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)).unflatten(1, (-1, KEY_GROUP))
 
 
-def _quantize_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> int8 [Hkv, N, D], fp16 scales [Hkv, ceil(N/G), D] (per channel per token group)."""
+def quantize_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codec's keys: k [Hkv, N, D] -> int8 [Hkv, N, D], fp16 scales [Hkv, ceil(N/G), D]
+    (per channel per group of KEY_GROUP tokens from position 0; the last group may be short)."""
     q, scale = _quantize(_grouped(k.float()), dim=2)
     return q.flatten(1, 2)[:, :k.shape[1]].contiguous(), scale[:, :, 0]
+
+
+def dequantize_keys(kq: torch.Tensor, ks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of quantize_keys: int8 [Hkv, N, D] and scales [Hkv, ceil(N/G), D] -> keys of dtype."""
+    n = kq.shape[1]
+    k = (kq.float().unflatten(1, (-1, KEY_GROUP)) if n % KEY_GROUP == 0 else _grouped(kq.float()))
+    return (k * ks.float()[:, :, None]).flatten(1, 2)[:, :n].to(dtype)
 
 
 def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,7 +64,7 @@ from ctxcache.methods.base import Capabilities, LayerState, MethodParams, ParamE
 from ctxcache.methods.budget import fp16_rank, outside_region, topk_in_region
 from ctxcache.methods.csattention_lean import lean_state
 from ctxcache.methods.csattention_params import CSAttentionParams
-from ctxcache.methods.csattention_refs import exact_rerank, promote_successors, subspace_permutation
+from ctxcache.methods.csattention_refs import exact_rerank, int8_coded_keys, promote_successors, subspace_permutation
 from ctxcache.methods.csattention_rows import DERIVED, ROW_KEYS, dense_row_bytes, dense_rows, routed_rows, row_keys
 from ctxcache.methods.int8_tables import int_dot_scores
 from ctxcache.methods.kmeans import kmeans
@@ -77,7 +77,7 @@ class CSAttention(SparseMethod):
     name = "csattention"
     Params = CSAttentionParams
     caps = Capabilities(uses_queries=True, streaming=True, gpu_decode=True)
-    search_params = frozenset({"rerank", "follow"})
+    search_params = frozenset({"rerank", "follow", "rerank_k"})
 
     def check_model(self, head_dim: int) -> None:
         try:
@@ -222,7 +222,8 @@ class CSAttention(SparseMethod):
             return found
         n = keys.shape[1]
         others = outside_region(lo, hi, n, found.device).expand(found.shape[0], -1)
-        chosen = exact_rerank(q, keys, found, k, others, ordered=bool(follow))
+        scored = keys if self.params.rerank_k == "bf16" else int8_coded_keys(keys, state.extra)
+        chosen = exact_rerank(q, scored, found, k, others, ordered=bool(follow))
         if follow:
             state.extra["follow_prev"] = chosen[:, :follow]
         return chosen

@@ -20,6 +20,7 @@ _CHOICES = {
     "group_combine": ("sum", "max", "softmax"),
     "routing": ("head", "group"),
     "table_dtype": ("auto", "float16", "int8"),
+    "rerank_k": ("bf16", "int8"),
 }
 
 
@@ -33,7 +34,7 @@ class CSAttentionParams(MethodParams):
         "kmeans_batch": (1, 1 << 20), "max_queries": (1, 1 << 20), "backoff_cos": (-1.0, 1.0),
         "backoff_tau": (1, 64), "seed": (0, (1 << 31) - 1), "rerank": (1.0, MAX_RERANK),
         "follow": (0, 1024)}
-    QUIET_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"follow"})
+    QUIET_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"follow", "rerank_k"})
     subspaces: int = 16  # m (DESIGN.md: 16 x 16 keeps the answers of 8 x 128 at a quarter of the rows)
     centroids: int = 16  # C per subspace
     list_fraction: float = 1.0  # alpha: lists keep L = ceil(alpha * N) keys (1.0: dense layout)
@@ -60,6 +61,12 @@ class CSAttentionParams(MethodParams):
     # retention suite's measured choice (module docstring); contexts stored before it existed
     # keep their ids (QUIET_DEFAULTS) and decode with it (a search parameter, not the index's)
     follow: int = 128
+    # the keys the re-rank scores the candidates with: "bf16", the cache's own (bf16 on the GPU);
+    # "int8", the cache's keys as the artifact's int8 codec stores them (kv_codec.quantize_keys:
+    # per channel per 128-token group, decoded), half the bytes the GPU re-rank reads. The
+    # attention over the kept keys reads the cache's keys either way. A search parameter (issue 46
+    # stage 3; the module docstring of methods/csattention.py gives its answer-retention gate)
+    rerank_k: str = "bf16"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -100,7 +107,7 @@ class CSAttentionParams(MethodParams):
     def gpu_selectable(self) -> bool:
         """Whether the GPU path computes exactly this selection (no backoff, summed group; follow
         with the dense layout only; the exact re-rank in kernels/rerank.Reranker)."""
-        return (self.backoff_cos <= -1.0 and self.group_combine == "sum"
+        return (self.backoff_cos <= -1.0 and self.group_combine == "sum" and self.rerank_k == "bf16"
                 and (self.follows == 0 or self.list_fraction == 1.0)
                 and self.weighting in ("unit", "qnorm") and self.scoring in ("absolute", "relative", "expected"))
 

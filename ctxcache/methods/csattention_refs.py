@@ -1,12 +1,18 @@
 """CSAttention's torch references that the GPU path matches, beside the estimate: the subspace
 split of the head dimension (the selector's layout), the exact re-rank of the candidates
-(kernels/rerank.py) and the promotion of the keys after the last step's (kernels/follow.py)."""
+(kernels/rerank.py), the int8-coded keys it may score with, and the promotion of the keys after
+the last step's (kernels/follow.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ctxcache.kv_codec import KEY_GROUP, dequantize_keys, quantize_keys
 from ctxcache.models.attention import select_keys
+
+CODED_MEMO = "rerank_k8"  # a stream's LayerState.extra entry: its decoded whole key groups
 
 
 def exact_rerank(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, k: int,
@@ -24,6 +30,29 @@ def exact_rerank(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, k: int
     score = logits.softmax(-1)[..., :cand.shape[1]].sum(1)  # [Hkv, c]
     best = torch.topk(score, min(k, cand.shape[-1]), dim=-1, sorted=ordered).indices
     return torch.gather(cand, 1, best)
+
+
+def int8_coded_keys(keys: torch.Tensor, memo: dict[str, Any] | None = None) -> torch.Tensor:
+    """keys [Hkv, n, D] as the int8 codec stores a cache of n keys, decoded to keys' dtype
+    (kv_codec.quantize_keys: per channel per KEY_GROUP tokens from position 0, the last group
+    over the keys it has): what the re-rank scores with rerank_k="int8". memo (one stream's
+    LayerState.extra): the whole groups decoded by earlier calls, reused; a cache's keys do not
+    change, and only the last, partial group's scales move as keys are appended."""
+    n = keys.shape[1]
+    whole = n // KEY_GROUP * KEY_GROUP
+    done = memo.get(CODED_MEMO) if memo is not None else None
+    have = 0 if done is None else done.shape[1]
+    if have < whole:  # slices start on a group boundary, so their groups are the cache's
+        new = _coded(keys[:, have:whole])
+        done = new if done is None else torch.cat([done, new], dim=1)
+        if memo is not None:
+            memo[CODED_MEMO] = done
+    parts = [done[:, :whole]] if whole else []
+    return torch.cat(parts + [_coded(keys[:, whole:n])], dim=1) if n > whole else parts[0]
+
+
+def _coded(keys: torch.Tensor) -> torch.Tensor:
+    return dequantize_keys(*quantize_keys(keys), keys.dtype)
 
 
 def promote_successors(rank: torch.Tensor, prev: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
