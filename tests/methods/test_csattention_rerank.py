@@ -7,7 +7,7 @@ import torch
 
 from ctxcache.methods import Budget, make_method
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
-from ctxcache.methods.csattention_refs import exact_rerank, promote_successors
+from ctxcache.methods.csattention_refs import exact_rerank, int8_coded_keys, promote_successors
 from ctxcache.methods.oracle import Oracle
 
 from tests.methods.helpers import make_qkv
@@ -169,10 +169,51 @@ def test_follow_at_its_default_leaves_the_parameters_and_so_the_context_id_as_be
 
     before = {**CSAttentionParams().to_dict()}
     from dataclasses import fields
-    assert set(before) == {f.name for f in fields(CSAttentionParams)} - {"follow"}  # the dict ids hashed before
+    assert set(before) == {f.name for f in fields(CSAttentionParams)} - {"follow", "rerank_k"}  # the dict ids hashed before
     assert CSAttentionParams.from_dict(before) == CSAttentionParams()
     assert CSAttentionParams(follow=8).to_dict()["follow"] == 8
     assert CSAttentionParams.from_dict(CSAttentionParams(follow=8).to_dict()) == CSAttentionParams(follow=8)
     ids = {context_id_for("m", "t", "c", "float16", 1, "csattention", p.to_dict(), [1, 2, 3])
            for p in (CSAttentionParams(), CSAttentionParams(follow=128), CSAttentionParams(follow=0))}
     assert len(ids) == 2 and CSAttentionParams().follow == 128
+
+
+def test_int8_coded_keys_are_the_codecs_decoded_keys_at_every_length():
+    from ctxcache.kv_codec import KEY_GROUP, decode_kv, encode_kv
+
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3 * KEY_GROUP + 45, 16, generator=gen) * torch.rand(16, generator=gen) * 4
+    memo: dict = {}
+    for n in (7, KEY_GROUP, KEY_GROUP + 1, 2 * KEY_GROUP + 3, 3 * KEY_GROUP, 3 * KEY_GROUP + 45):  # a stream's steps
+        k = keys[:, :n]
+        want = decode_kv(dict(encode_kv(k, k, "int8")), "int8", k.dtype)[0]  # the codec over the cache of n keys
+        assert torch.equal(int8_coded_keys(k, memo), want) and torch.equal(int8_coded_keys(k), want)
+        assert memo.get("rerank_k8", k[:, :0]).shape[1] == n // KEY_GROUP * KEY_GROUP  # whole groups only
+    assert not torch.equal(int8_coded_keys(keys), keys)
+
+
+def test_rerank_k_int8_scores_the_candidates_with_the_coded_keys(qkv):
+    q, k, v, q_dec = qkv
+    keys = k.clone()
+    keys[:, 1] = 400.0  # a sink's outlier flattens its group's channels in int8: the codes change the ranking
+    bf16 = CSAttention(CSAttentionParams(centroids=8))
+    int8 = CSAttention(CSAttentionParams(centroids=8, rerank_k="int8"))
+    tables = _tables(bf16.params, q, k, v)  # rerank_k changes only the search: same tables
+    lo, hi = BUDGET.region(keys.shape[1])
+    kk = BUDGET.top_k(keys.shape[1])
+    got = int8.search(int8.open(tables), q_dec, keys, lo, hi, kk)
+    # the same estimate and candidates; only the re-rank's keys are the codec's
+    want = bf16.search(bf16.open(tables), q_dec, int8_coded_keys(keys), lo, hi, kk)
+    plain = bf16.search(bf16.open(tables), q_dec, keys, lo, hi, kk)
+    assert torch.equal(got, want)
+    assert [set(r.tolist()) for r in got] != [set(r.tolist()) for r in plain]
+
+
+def test_rerank_k_is_validated_a_search_parameter_and_not_yet_gpu_selectable():
+    with pytest.raises(ValueError, match="rerank_k='fp8'"):
+        make_method("csattention", {"rerank_k": "fp8"})
+    assert "rerank_k" in CSAttention.search_params
+    assert "rerank_k" not in CSAttentionParams().to_dict()  # the default keeps the context ids
+    assert CSAttentionParams(rerank_k="int8").to_dict()["rerank_k"] == "int8"
+    # the fast runner's re-rank reads the cache's bf16 K: it must not serve int8's selection as its own
+    assert CSAttentionParams().gpu_selectable and not CSAttentionParams(rerank_k="int8").gpu_selectable
