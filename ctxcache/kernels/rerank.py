@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ctxcache.kernels.sync import INTERPRET
+from ctxcache.kv_codec import KEY_GROUP, dequantize_keys
 from ctxcache.kernels.follow import write_follow
 from ctxcache.kernels.topk import _keys16, blocks16, radix_topk, workspace
 from ctxcache.kernels.topk_pair import radix_topk_pair
@@ -42,13 +43,18 @@ NEG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity" for running
 
 
 def rerank_ref(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, kc: torch.Tensor, lo: torch.Tensor,
-               hi: torch.Tensor, n: torch.Tensor, k_max: int, sinks: int, recent: int) -> torch.Tensor:
+               hi: torch.Tensor, n: torch.Tensor, k_max: int, sinks: int, recent: int,
+               key_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Batched torch reference: of row b's first kc[b] candidates cand [B, Hkv, KC], the keys
     with the largest group-summed attention probability, softmax over the candidates plus the
     keys outside [lo, hi) (sinks and recent window). q [B, Hq, D], keys [B, Hkv, L, D] ->
-    [B, Hkv, k_max] int32, best first (row b reads its first k[b])."""
+    [B, Hkv, k_max] int32, best first (row b reads its first k[b]). key_scales [B, Hkv,
+    ceil(L/G), D] (CSAttention's rerank_k="int8"): keys are the int8 codec's codes
+    (kv_codec.quantize_keys per row), scored decoded to q's dtype."""
     b, hkv, n_cand = cand.shape
     d = keys.shape[-1]
+    if key_scales is not None:
+        keys = dequantize_keys(keys.flatten(0, 1), key_scales.flatten(0, 1), q.dtype).view(keys.shape)
     slot = torch.arange(n_cand, device=cand.device)
     cand_ok = (slot[None] < kc[:, None])[:, None]  # [B, 1, KC]
     cand_pos = torch.where(cand_ok, cand.long(), 0)
@@ -74,10 +80,11 @@ def _others(lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int,
 
 
 @triton.jit
-def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_ptr, part_ptr,
-                   HKV, KC, NSPLIT, sq_b, sq_h, sk_b, sk_h, sk_n, sc_b, sc_h, scale,
+def _logits_kernel(q_ptr, k_ptr, ks_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_ptr, part_ptr,
+                   HKV, KC, NSPLIT, sq_b, sq_h, sk_b, sk_h, sk_n, ss_b, ss_h, ss_g, sc_b, sc_h, scale,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                   SINKS: tl.constexpr, RECENT: tl.constexpr, OB: tl.constexpr, IEEE: tl.constexpr):
+                   SINKS: tl.constexpr, RECENT: tl.constexpr, OB: tl.constexpr, IEEE: tl.constexpr,
+                   K8: tl.constexpr, KGROUP: tl.constexpr):
     r = tl.program_id(0)
     split = tl.program_id(1)
     b = r // HKV
@@ -88,13 +95,14 @@ def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_
     gmask = offs_g < G
     q = tl.load(q_ptr + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
     kbase = k_ptr + b.to(tl.int64) * sk_b + h * sk_h
+    sbase = ks_ptr + b.to(tl.int64) * ss_b + h * ss_h  # K8: the keys' scales [groups, D]
     m_i = tl.full([GP], NEG, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     for start in range(split * BLOCK, kc, NSPLIT * BLOCK):
         slots = start + tl.arange(0, BLOCK)
         ok = slots < kc
         pos = tl.load(cand_ptr + b * sc_b + h * sc_h + slots, mask=ok, other=0)
-        keys = tl.load(kbase + pos.to(tl.int64)[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        keys = _load_keys(kbase, sbase, pos, ok, offs_d, sk_n, ss_g, q.dtype, K8, KGROUP)
         s = _dot(q, keys, IEEE) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         tl.store(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :], s,
@@ -109,7 +117,7 @@ def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_
         j = tl.arange(0, OB)
         pos = tl.where(j < SINKS, j, hi + j - SINKS)
         ok = tl.where(j < SINKS, j < lo, (j < SINKS + RECENT) & (pos < n))
-        keys = tl.load(kbase + pos.to(tl.int64)[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        keys = _load_keys(kbase, sbase, pos, ok, offs_d, sk_n, ss_g, q.dtype, K8, KGROUP)
         s = tl.where(ok[None, :], _dot(q, keys, IEEE) * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
@@ -117,6 +125,21 @@ def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_
     part = part_ptr + ((r * NSPLIT + split) * GP + offs_g) * 2
     tl.store(part, m_i)
     tl.store(part + 1, l_i)
+
+
+@triton.jit
+def _load_keys(kbase, sbase, pos, ok, offs_d, sk_n, ss_g, dtype: tl.constexpr, K8: tl.constexpr,
+               KGROUP: tl.constexpr):
+    """The keys at positions pos [BLOCK] -> [BLOCK, D]: the cache's own, or (K8) the int8 codec's
+    codes times their per-channel scale of the position's KGROUP-token group, rounded to the
+    query's dtype as kv_codec.dequantize_keys rounds (half the bytes; a row's scales are
+    ceil(L/KGROUP) x D fp16, 64 KB at 32K, so candidates of one group share them in L2)."""
+    p = pos.to(tl.int64)[:, None]
+    keys = tl.load(kbase + p * sk_n + offs_d[None, :], mask=ok[:, None], other=0)
+    if K8:
+        sc = tl.load(sbase + (p // KGROUP) * ss_g + offs_d[None, :], mask=ok[:, None], other=0.0)
+        keys = (keys.to(tl.float32) * sc.to(tl.float32)).to(dtype)
+    return keys
 
 
 @triton.jit
@@ -207,19 +230,26 @@ class Reranker:
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, kc: torch.Tensor, k: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int, recent: int,
-                 follow_out: torch.Tensor | None = None, kf: torch.Tensor | None = None) -> torch.Tensor:
+                 follow_out: torch.Tensor | None = None, kf: torch.Tensor | None = None,
+                 key_scales: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, D], keys [B, Hkv, L, D] (stride 1 in D), cand [B, Hkv, >= kc_max] int32,
         kc, k, lo, hi, n [B] int32 -> key positions [B, Hkv, k_max] int32 (row b: its first k[b]).
         follow_out [B, Hkv, F] int32 (with kf [B] int32 <= min(F, k)): gets row b's kf[b] best
-        candidates' positions, in any order, then -1."""
+        candidates' positions, in any order, then -1. key_scales [B, Hkv, ceil(L/KEY_GROUP), D]
+        fp16 (stride 1 in D; CSAttention's rerank_k="int8"): keys are then the int8 codec's codes
+        (kv_codec.quantize_keys), read instead of the cache's 16-bit keys (rerank_ref's key_scales)."""
         b, hkv, _, d = keys.shape
         rows = b * hkv
         ob = max(16, triton.next_power_of_2(sinks + recent))
+        k8 = key_scales is not None
+        _check_keys(keys, key_scales)
+        ks = key_scales if k8 else keys  # an unread pointer when the keys are 16-bit
         _logits_kernel[(rows, self.splits)](
-            q, keys, cand, kc, lo, hi, n, self.logits, self.part, hkv, self.kc_max, self.splits,
-            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), cand.stride(0), cand.stride(1),
+            q, keys, ks, cand, kc, lo, hi, n, self.logits, self.part, hkv, self.kc_max, self.splits,
+            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+            ks.stride(0), ks.stride(1), ks.stride(2), cand.stride(0), cand.stride(1),
             d ** -0.5, G=self.group, GP=self.gp, D=d, BLOCK=BLOCK, SINKS=sinks, RECENT=recent, OB=ob,
-            IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=4)
+            IEEE=q.dtype == torch.float32 or INTERPRET, K8=k8, KGROUP=KEY_GROUP, num_warps=4)
         # bf16 / fp16 models rank by 16-bit keys (two radix launches; near-ties within ~0.3% may
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
         key16 = (q.dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
@@ -241,3 +271,16 @@ class Reranker:
             write_follow(cand, self.follow_slots, kf, follow_out)
         radix_topk(out, self.zero, kc, k, self.slots, self.ws, block=self.topk_block)
         return torch.gather(cand[:, :, :self.kc_max], 2, self.slots.long())
+
+
+def _check_keys(keys: torch.Tensor, key_scales: torch.Tensor | None) -> None:
+    """int8 keys come with their scales, [B, Hkv, ceil(L/KEY_GROUP), D] and stride 1 in D."""
+    if key_scales is None:
+        if keys.dtype == torch.int8:
+            raise ValueError("int8 keys need their key_scales (kv_codec.quantize_keys)")
+        return
+    b, hkv, n, d = keys.shape
+    want = (b, hkv, triton.cdiv(n, KEY_GROUP), d)
+    if keys.dtype != torch.int8 or tuple(key_scales.shape) != want or key_scales.stride(-1) != 1:
+        raise ValueError(f"keys {keys.dtype} {tuple(keys.shape)} with key_scales {tuple(key_scales.shape)} "
+                         f"(stride {key_scales.stride(-1)} in D): need int8 keys and scales {want}, stride 1")
