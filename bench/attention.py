@@ -20,6 +20,7 @@ import torch
 
 from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.kernels.rerank import Reranker
+from ctxcache.kv_codec import quantize_keys
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.kernels.topk import radix_topk
 from ctxcache.kernels.split_k_attention import choose_splits, region, sparse_decode_attention
@@ -185,6 +186,11 @@ def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: fl
     def rerank_only():
         rr(q, k, cand, kc, kk, lo, hi, nt, budget.sinks, budget.recent, tables.follow_prev, kf)
 
+    k8, ks = (t.unflatten(0, k.shape[:2]) for t in quantize_keys(k.flatten(0, 1)))  # rerank_k="int8"'s K
+
+    def rerank_int8k():
+        rr(q, k8, cand, kc, kk, lo, hi, nt, budget.sinks, budget.recent, tables.follow_prev, kf, key_scales=ks)
+
     def total():
         idx = rr(q, k, sel.select(q, tables, lo, hi, kc), kc, kk, lo, hi, nt, budget.sinks, budget.recent,
                  tables.follow_prev, kf)
@@ -192,11 +198,11 @@ def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: fl
     tag = f"_rerank{rerank:g}"
     rows = []
     for name, fn in {"cs_dense_select": lambda: sel.select(q, tables, lo, hi, kc), "cs_rerank_only": rerank_only,
-                     "csattention_dense": total}.items():
+                     "cs_rerank_int8k_only": rerank_int8k, "csattention_dense": total}.items():
         g = capture(fn)
         rows.append({**base, "method": name + tag, "time_us": time_us(g.replay), "rerank": rerank, "follow": f,
                      "candidates": kc_max, "top_k": k_max, "tables_shared_across_batch_rows": shared})
-    del tables, sel, cand
+    del tables, sel, cand, k8, ks
     torch.cuda.empty_cache()
     return rows
 
@@ -255,7 +261,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         for m, us in t.items():  # the re-rank variants (--rerank)
             if m.startswith("csattention_dense_rerank"):
                 tag = m.removeprefix("csattention_dense_")
-                row.update({f"cs_{tag}_us": us, f"{tag}_only_us": t.get(f"cs_rerank_only_{tag}"), f"speedup_{tag}": dense / us})
+                row.update({f"cs_{tag}_us": us, f"{tag}_only_us": t.get(f"cs_rerank_only_{tag}"), f"speedup_{tag}": dense / us,
+                            f"{tag}_int8k_only_us": t.get(f"cs_rerank_int8k_only_{tag}")})
         out.append(row)
     return out
 
@@ -300,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                           "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
     for r in args.rerank:
         tag = f"rerank{r:g}"
-        print_table(summary, ["context", "batch", "sdpa_us", "cs_g16_int8_us", f"{tag}_only_us", f"cs_{tag}_us",
-                              f"speedup_{tag}"])
+        print_table(summary, ["context", "batch", "sdpa_us", "cs_g16_int8_us", f"{tag}_only_us",
+                              f"{tag}_int8k_only_us", f"cs_{tag}_us", f"speedup_{tag}"])
     png = plot_lines(path.with_suffix(".png"), {
         f"batch {b}": [(s["context"], s["speedup_g16_int8"]) for s in summary if s["batch"] == b and s["speedup_g16_int8"]]
         for b in args.batches}, "context (tokens)", "x SDPA (one layer)", "CSAttention step vs SDPA flash")
