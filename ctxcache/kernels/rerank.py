@@ -22,7 +22,16 @@ Four launches with 16-bit keys, all graph-capturable (lengths come from the devi
 Measured on the H100 at 32K batch 1 (time_us per piece): logits 17.7 us, fp32 scores + the
 four-pass fp32 radix Top-K 10.4 + 50.8 us, 16-bit keys' Top-K 28.7 us.
 Reading the candidates' keys (rerank x K keys, K only) is the cost: a third of the K/V bytes a
-dense step reads at rerank 4 and keep 5% would be 20% of K."""
+dense step reads at rerank 4 and keep 5% would be 20% of K.
+int8 K (`key_scales`, CSAttention's rerank_k="int8", issue 46 stage 3): the logits read the int8
+codec's codes and their per-channel scales of each key's 128-token group. Half the bytes, no
+faster: H200, bench attention's re-rank alone (logits + scores + Top-K, us) at 32K x 1 / x 8,
+128K x 1 / x 8: 16-bit K 34.7 / 71.7 / 55.1 / 189.3, int8 K with the codec's scales 37.7 / 91.6 /
+61.5 / 268.8; one scale per key instead (not the codec) 85.0 / 247.8 at x 8; int8 codes without
+any scale (a bound on the gain) 35.8 / 71.5 / 58.6 / 189.1.
+The gathers of scattered candidate rows are bound by their count, not their bytes, so the
+resident runner keeps reading 16-bit K; an int8 K pays where 16-bit K is not on the GPU at all
+(the offload runner, DESIGN.md)."""
 
 from __future__ import annotations
 
