@@ -40,6 +40,10 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   did not). The candidates' keys count as read (`search_reads`): 4K keys' K + K keys' K/V per step
   instead of K keys' K/V. On the GPU the selector proposes the candidates and
   `kernels/rerank.Reranker` re-ranks them in the captured step (Triton).
+- `rerank_k="bf16"` (default): re-rank with the cache's K; "int8" (issue 46 stage 3), with K as
+  the int8 codec stores it. Wide suite, seeds 0-5: the same answers (0.971 of 204, every kind
+  alike; 0 W / 0 L vs bf16; results/compare_rerank_k_int8_cpu.md), but no faster on the H200
+  (kernels/rerank.py): the GPU keeps bf16 (`gpu_selectable` False for "int8").
 - `follow=128` (default; with a re-rank): each step the successors of the previous step's 128
   best re-ranked keys per KV head (the prompt's dense last query seeds the first step) take
   candidate slots ahead of the estimate's, same count and bytes. A head copying a number
