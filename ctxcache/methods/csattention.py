@@ -41,7 +41,7 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   instead of K keys' K/V. On the GPU the selector proposes the candidates and
   `kernels/rerank.Reranker` re-ranks them in the captured step (Triton).
 - `rerank_k="bf16"` (default): re-rank with the cache's K; "int8" (issue 46 stage 3), with K as
-  the int8 codec stores it. Wide suite, seeds 0-5: the same answers (0.971 of 204, every kind
+  the int8 codec stores it. Wide suite, seeds 0-9: the same answers (0.973 of 328, every kind
   alike; 0 W / 0 L vs bf16; results/compare_rerank_k_int8_cpu.md), but no faster on the H200
   (kernels/rerank.py): the GPU keeps bf16 (`gpu_selectable` False for "int8").
 - `follow=128` (default; with a re-rank): each step the successors of the previous step's 128
