@@ -43,7 +43,7 @@ def test_keys_outside_the_alphabet_are_refused(tmp_path: Path) -> None:
 
 def test_get_into_reads_an_object_in_ranges_into_given_memory(tier_uri: str, monkeypatch) -> None:
     """A load reads each chunk straight into memory it owns (its tensor): ranges in parallel,
-    each on its own handle; a size other than the one expected fills nothing and says the size."""
+    on one handle per object; a size other than the one expected fills nothing and says the size."""
     import numpy as np
 
     from ctxcache.store.tiers import arrow
