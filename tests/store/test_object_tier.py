@@ -64,6 +64,28 @@ def test_get_into_reads_an_object_in_ranges_into_given_memory(tier_uri: str, mon
     assert sorted(seen) == [(0, len(blob)), (1, None)] and outs[0].tobytes() == blob
 
 
+def test_a_batch_reads_object_by_object_in_the_order_given(tier_uri: str, monkeypatch) -> None:
+    """One pool of ranged reads, objects submitted in order (a load's layer 0 lands first): on
+    one thread each object is opened, read whole and handed over before the next is opened."""
+    import numpy as np
+
+    from ctxcache.store.tiers import arrow
+
+    monkeypatch.setattr(arrow, "RANGE_BYTES", 4096)
+    tier = open_tier(tier_uri, TierConfig(read_threads=1))
+    blobs = [os.urandom(4096 * 3 + i) for i in range(4)]
+    keys = [f"v1/o/{i}" for i in range(4)]
+    tier.put_many(list(zip(keys, blobs)))
+    events: list[tuple[str, object]] = []
+    real_open = tier.open_object
+    tier.open_object = lambda key: events.append(("open", key)) or real_open(key)  # type: ignore[method-assign]
+    outs = [memoryview(np.zeros(len(b), np.uint8)) for b in blobs]
+    assert tier.get_many_into(keys, outs, lambda i, n: events.append(("then", i))) == [len(b) for b in blobs]
+    assert events == [e for i, k in enumerate(keys) for e in (("open", k), ("then", i))]
+    assert [o.tobytes() for o in outs] == blobs
+    tier.close()
+
+
 def test_objects_round_trip_bit_exact(tier_uri: str) -> None:
     tier = open_tier(tier_uri)
     blobs = {"v1/a/empty": b"", "v1/a/small": os.urandom(1000), "v1/b/big": os.urandom((17 << 20) + 12345)}  # 3 ranged reads, the last partial
