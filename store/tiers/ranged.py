@@ -28,6 +28,7 @@ class ObjectRead:
         self._lock = threading.Lock()
         self._opened = False
         self._handle: Any = None
+        self._error: OSError | None = None
         self.size: int | None = None  # the object's size; None: absent
         self._left = n_ranges
 
@@ -35,13 +36,17 @@ class ObjectRead:
         """The open handle, or None when there is nothing to read (absent, or not the size
         expected: the caller is told the size and reads nothing)."""
         with self._lock:
-            if not self._opened:  # an error leaves it unopened; the batch fails on that error
+            if not self._opened:
                 try:
                     self._handle = open_fn(self.key)
                     self.size = self._handle.size()
                 except FileNotFoundError:
                     self._handle, self.size = None, None
+                except OSError as exc:  # the batch fails on it; its other ranges do not ask again
+                    self._error = exc
                 self._opened = True
+            if self._error is not None:
+                raise OSError(str(self._error))
             return self._handle if self.size == len(self.out) else None
 
     def gone(self) -> None:

@@ -86,6 +86,29 @@ def test_a_batch_reads_object_by_object_in_the_order_given(tier_uri: str, monkey
     tier.close()
 
 
+def test_an_object_that_cannot_be_opened_is_asked_once_and_unavailable(tmp_path: Path, monkeypatch) -> None:
+    """Its ranges waiting on the open do not each ask the store again (a failing store sees one
+    request per object, not one per range)."""
+    import numpy as np
+
+    from ctxcache.store.tiers import arrow
+
+    monkeypatch.setattr(arrow, "RANGE_BYTES", 4096)
+    tier = open_tier(f"file://{tmp_path}", TierConfig(read_threads=4))
+    opens: list[str] = []
+
+    def refused(key: str) -> object:
+        opens.append(key)
+        time.sleep(0.1)  # the object's other ranges wait on this open meanwhile
+        raise OSError("connection refused")
+    tier.open_object = refused  # type: ignore[method-assign]
+    with pytest.raises(StoreUnavailable, match="v1/o/x: connection refused"):
+        tier.get_many_into(["v1/o/x"], [memoryview(np.zeros(4 * 4096, np.uint8))], lambda i, n: None)
+    time.sleep(0.2)  # any range still running has finished
+    assert opens == ["v1/o/x"]
+    tier.close()
+
+
 def test_objects_round_trip_bit_exact(tier_uri: str) -> None:
     tier = open_tier(tier_uri)
     blobs = {"v1/a/empty": b"", "v1/a/small": os.urandom(1000), "v1/b/big": os.urandom((17 << 20) + 12345)}  # 3 ranged reads, the last partial
