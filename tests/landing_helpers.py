@@ -10,12 +10,12 @@ from ctxcache.store.tiered_store import TieredStore
 def hold_layer(store: TieredStore, layer: int, timeout_s: float = 20.0) -> threading.Event:
     """The store's reads of `layer`'s chunks wait until the returned event is set."""
     inner = store.shared.tier.inner
-    get_into, gate = inner.get_into, threading.Event()
+    open_object, gate = inner.open_object, threading.Event()
 
-    def slow(key: str, out: memoryview) -> int | None:
+    def slow(key: str) -> object:  # a chunk's ranges are read once it is open (store/tiers/ranged.py)
         if key.rsplit("/", 1)[-1].startswith(f"{layer}."):
             assert gate.wait(timeout_s), "the held layer was never released"
-        return get_into(key, out)
+        return open_object(key)
 
-    inner.get_into = slow
+    inner.open_object = slow
     return gate

@@ -7,10 +7,13 @@ raises (refused connection, timeout, a server error) becomes StoreUnavailable he
 from __future__ import annotations
 
 import concurrent.futures as cf
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from ctxcache.store.errors import StoreUnavailable
+from ctxcache.store.tiers import ranged
 from ctxcache.store.tiers.base import ObjectInfo, ObjectTier, TierConfig, check_key
 
 # an object larger than this is read as ranges of it, in parallel: a 32 MB chunk from SeaweedFS
@@ -18,16 +21,16 @@ from ctxcache.store.tiers.base import ObjectInfo, ObjectTier, TierConfig, check_
 # a time). On an H200 host (2.2 GB: 64 objects of 32 MB and 64 of 1 MB, SeaweedFS on the same
 # machine) ranges of one shared handle came at 1.0 GB/s, most of the GIL's time spent zeroing a
 # fresh bytearray per object; one handle per 8 MB range read into memory given by the caller
-# (`get_into`) at 4.7 GB/s, 16 MB ranges 4.0, 4 MB ranges on 64 threads 3.6, whole objects 3.3
+# (`get_into`) at 4.7 GB/s, 16 MB ranges 4.0, 4 MB ranges on 64 threads 3.6, whole objects 3.3.
+# Now one handle per object, each range a positional read on it (ranged.py: no HEAD per range)
 RANGE_BYTES = 8 << 20
-RANGE_THREADS = 32
 
 
 class ArrowTier(ObjectTier):
     def __init__(self, uri: str, config: TierConfig, fs: Any, root: str) -> None:
         super().__init__(uri, config)
         self.fs, self.root = fs, root.rstrip("/")
-        self._ranges = cf.ThreadPoolExecutor(RANGE_THREADS, f"tier-{self.scheme}-range")
+        self._ranges = cf.ThreadPoolExecutor(config.read_threads, f"tier-{self.scheme}-range")
 
     def path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
@@ -50,32 +53,34 @@ class ArrowTier(ObjectTier):
             size = got
         raise self.unavailable("get", key, OSError("the object kept changing size while it was read"))
 
-    def get_into(self, key: str, out: memoryview) -> int | None:
-        """Read key's object straight into out, each range on its own handle (a handle's reads
-        share its position), in parallel -> the object's size (out is filled only when that is
-        len(out)); None if absent."""
-        n = len(out)
-        try:
-            sizes = [f.result() for f in [self._ranges.submit(self._read_range, key, out, off)
-                                          for off in range(0, max(n, 1), RANGE_BYTES)]]
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise self.unavailable("get", key, exc) from None
-        return next((s for s in sizes if s != n), n)
+    def open_object(self, key: str) -> Any:
+        """key's handle for positional reads (pyarrow NativeFile; S3: one HEAD, which gives its
+        size); FileNotFoundError if absent."""
+        return self.fs.open_input_file(self.path(key))
 
-    def _read_range(self, key: str, out: memoryview, offset: int) -> int:
-        """out[offset:offset + RANGE_BYTES] from the object -> its size (a size other than
-        len(out) reads nothing)."""
-        with self.fs.open_input_file(self.path(key)) as f:
-            size = f.size()
-            if size != len(out):
-                return size
-            end = min(offset + RANGE_BYTES, size)
-            f.seek(offset)
-            if f.readinto(out[offset:end]) != end - offset:
-                raise OSError(f"short ranged read at {offset} of {key}")
-            return size
+    def get_into(self, key: str, out: memoryview) -> int | None:
+        """Read key's object straight into out, in ranges in parallel -> the object's size (out
+        is filled only when that is len(out)); None if absent."""
+        return self.get_many_into([key], [out], lambda i, size: None)[0]
+
+    def get_many_into(self, keys: Sequence[str], outs: Sequence[memoryview],
+                      then: Callable[[int, int | None], None]) -> list[int | None]:
+        """Every object's ranges on one pool, object by object in the order given (ranged.py);
+        then(i, size) on the thread that read object i's last range."""
+        if self._pool is None:
+            raise StoreUnavailable(f"object store {self.uri} is closed")
+        objs, steps = ranged.plan(keys, outs, RANGE_BYTES)
+
+        def one(obj: ranged.ObjectRead, offset: int) -> None:
+            try:
+                last = ranged.read_range(obj, offset, RANGE_BYTES, self.open_object)
+            except OSError as exc:
+                raise self.unavailable("get", obj.key, exc) from None
+            if last:
+                then(obj.i, obj.size)
+
+        self.wait_all("get", [self._ranges.submit(one, obj, off) for obj, off in steps], len(objs))
+        return [obj.size for obj in objs]
 
     def close(self) -> None:
         self._ranges.shutdown(wait=False, cancel_futures=True)

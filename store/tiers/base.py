@@ -28,14 +28,18 @@ _KEY = re.compile(r"[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*")
 @dataclass(frozen=True)
 class TierConfig:
     threads: int = 16  # concurrent requests of one batch
+    # ranged reads in flight of a load's chunks (pyarrow tiers: one pool, chunks in order); 32
+    # of 8 MB read 4.7 GB/s from SeaweedFS on an H200 host (16 cores), 64 of 4 MB 3.6
+    read_threads: int = 32
     deadline_s: float = 30.0  # one batch (a whole artifact's chunks) must finish within this
     connect_timeout_s: float = 2.0  # S3: TCP connect
     request_timeout_s: float = 10.0  # S3: one request without progress
     max_attempts: int = 2  # S3: tries per request (the SDK's retries; keep the deadline bounded)
 
     def __post_init__(self) -> None:
-        if self.threads < 1 or self.max_attempts < 1:
-            raise ValueError(f"threads={self.threads} and max_attempts={self.max_attempts} must be >= 1")
+        if self.threads < 1 or self.read_threads < 1 or self.max_attempts < 1:
+            raise ValueError(f"threads={self.threads}, read_threads={self.read_threads} and "
+                             f"max_attempts={self.max_attempts} must be >= 1")
         for name in ("deadline_s", "connect_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
@@ -136,7 +140,11 @@ class ObjectTier(ABC):
     def _batch(self, op: str, fn: Callable[[T], object], items: Sequence[T]) -> list:
         if self._pool is None:
             raise StoreUnavailable(f"object store {self.uri} is closed")
-        futures = [self._pool.submit(fn, it) for it in items]
+        return self.wait_all(op, [self._pool.submit(fn, it) for it in items], len(items))
+
+    def wait_all(self, op: str, futures: Sequence[cf.Future], n_objects: int) -> list:
+        """Every future's result within deadline_s; the first error, or StoreUnavailable past the
+        deadline, cancels those not started and is raised."""
         done, pending = cf.wait(futures, timeout=self.config.deadline_s, return_when=cf.FIRST_EXCEPTION)
         for f in done:
             if f.exception() is not None:
@@ -146,7 +154,7 @@ class ObjectTier(ABC):
         if pending:
             for p in pending:
                 p.cancel()
-            raise StoreUnavailable(f"object store {self.uri}: {op} of {len(items)} objects did not finish "
+            raise StoreUnavailable(f"object store {self.uri}: {op} of {n_objects} objects did not finish "
                                    f"within {self.config.deadline_s:g} s ({len(pending)} outstanding)")
         return [f.result() for f in futures]
 

@@ -5,6 +5,7 @@ landed artifact is the stored one bit for bit; a damaged chunk in a late layer f
 
 from __future__ import annotations
 
+import collections
 import threading
 from pathlib import Path
 
@@ -134,3 +135,50 @@ def test_a_caller_after_the_hand_over_shares_the_download_still_landing(tmp_path
         b.flush()
         assert b.load_stats().tiers["object"].hits == 1
         assert b.get_landing("c1").landing is None  # landed: now from the local copy
+
+
+# ---- the download's requests -------------------------------------------------------------------
+class CountingFs:
+    """A pyarrow filesystem that counts the calls that stat an object (S3: a HEAD each)."""
+
+    STATS = ("open_input_file", "open_input_stream", "get_file_info")
+
+    def __init__(self, fs: object) -> None:
+        self.fs, self.stats = fs, collections.Counter()
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.fs, name)
+        if name not in self.STATS:
+            return attr
+
+        def counted(path: object, *args: object, **kwargs: object) -> object:
+            self.stats[str(path)] += 1
+            return attr(path, *args, **kwargs)
+        return counted
+
+
+def test_a_landing_download_stats_each_chunk_once_not_each_range_and_lands_bit_exact(
+        tier_uri: str, monkeypatch) -> None:
+    """A chunk is read as ranges; only its open asks the store for its size (S3: a HEAD), once
+    per chunk: every range after it is one ranged read on that handle."""
+    from ctxcache.store.object.object_landing import fetch_landing
+    from ctxcache.store.object.object_store import ObjectArtifactStore
+    from ctxcache.store.tiers import arrow
+
+    art = make_artifact(7, n=384, layers=LAYERS, d=32)
+    with ObjectArtifactStore(tier_uri) as s:
+        m = s.put("c1", art)
+        monkeypatch.setattr(arrow, "RANGE_BYTES", 4096)
+        ranges = sum(-(-c.stored_bytes // 4096) for c in m.chunks)
+        assert ranges >= 2 * len(m.chunks)  # most chunks are several ranges
+        fs = CountingFs(s.tier.inner.fs)
+        s.tier.inner.fs = fs
+        got = fetch_landing(s, "c1", lambda fn, *a: threading.Thread(target=fn, args=a).start())
+        assert got is not None
+        landed, start = got
+        start()
+        wait_landed(landed)
+        assert_same(landed, art)
+        chunk_paths = {s.tier.inner.path(k) for k in lay.chunk_keys(m)}
+        stats = {p: n for p, n in fs.stats.items() if p != s.tier.inner.path(lay.manifest_key("c1"))}
+        assert set(stats) == chunk_paths and set(stats.values()) == {1}, f"stats of a chunk: up to {max(stats.values())}"

@@ -220,17 +220,17 @@ def test_a_load_decodes_each_chunk_as_it_arrives_and_keeps_every_fetched_chunk(t
         s.put("c1", art)
         slow_key = chunk_objects(s, "c1")[-1]
         inner = s.tier.inner
-        real_get_into = inner.get_into
+        real_open = inner.open_object
         decoded_before_slow: list[bool] = []
         slow_done = threading.Event()
 
-        def get_into(key: str, out):  # noqa: ANN001, ANN202
+        def open_object(key: str):  # noqa: ANN202 - a chunk's ranges are read once it is open
             if key == slow_key:
                 time.sleep(0.3)
-                got = real_get_into(key, out)
+                got = real_open(key)
                 slow_done.set()
                 return got
-            return real_get_into(key, out)
+            return real_open(key)
 
         real_put = chunk_io.ChunkDecoder.put
 
@@ -238,7 +238,7 @@ def test_a_load_decodes_each_chunk_as_it_arrives_and_keeps_every_fetched_chunk(t
             decoded_before_slow.append(not slow_done.is_set())
             return real_put(self, i, buf)
 
-        monkeypatch.setattr(inner, "get_into", get_into)
+        monkeypatch.setattr(inner, "open_object", open_object)
         monkeypatch.setattr(chunk_io.ChunkDecoder, "put", put)
         f, got = s.fetch_decoded("c1", fetch_queries=True, decode_queries=False)
         assert slow_done.is_set() and any(decoded_before_slow) and not all(decoded_before_slow)
