@@ -37,7 +37,10 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   over the candidates' keys picks the K (`exact_rerank`, the oracle's group criterion). On the
   answer-retention suite (bench compare, SmolLM2, keep 5%) the estimate alone lost exact copies
   the oracle kept (a number's last digit dropped, at 10-50% depth); rerank 4 kept them (rerank 2
-  did not). The candidates' keys count as read (`search_reads`): 4K keys' K + K keys' K/V per step
+  did not). With follow on the wide suite (2048 tokens, seeds 0-9; compare_rerank_candidates_cpu):
+  rerank 3 1 W / 2 L against rerank 4, every kind within noise; rerank 2 3 W / 8 L (copy errors
+  again). The re-rank's GPU time goes with its candidate rows, not their bytes (an int8 K was no
+  faster), so rerank 3 is the next default to time. The candidates' keys count as read (`search_reads`): 4K keys' K + K keys' K/V per step
   instead of K keys' K/V. On the GPU the selector proposes the candidates and
   `kernels/rerank.Reranker` re-ranks them in the captured step (Triton).
 - `follow=128` (default; with a re-rank): each step the successors of the previous step's 128
