@@ -151,10 +151,8 @@ class OffloadRunner(SlotRows):
                     # prompt (its first decoded token's position), never over the prompt's keys
                     self.pool.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx + len(prompt))
                     chunks = self._prefill_chunks(slot, prompt)
-                elif prompt:  # one new token is a decode step
-                    chunks = iter([self._step_rows([slot], prompt)[0]])
                 else:
-                    chunks = iter([art.last_logits.to(self.device).float()])
+                    chunks = self._without_prefill(slot, prompt, art)
             except BaseException:
                 self._forget(slot)
                 raise

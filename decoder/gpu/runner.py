@@ -161,10 +161,8 @@ class GpuRunner(SlotRows):
                         chunks = iter([overlap.logits[0]])
                     else:
                         chunks = self._prefill_chunks(slot, prompt)
-                elif prompt:  # one new token is a decode step, as on the reference path
-                    chunks = iter([self._step_rows([slot], prompt)[0]])
                 else:
-                    chunks = iter([art.last_logits.to(self.device).float()])
+                    chunks = self._without_prefill(slot, prompt, art)
             except BaseException:
                 self._forget(slot)
                 raise

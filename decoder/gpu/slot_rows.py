@@ -9,7 +9,7 @@ tables."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +49,13 @@ class SlotRows:
             for state, before in kept:
                 state.copy_(before)
         return put_back
+
+    def _without_prefill(self, slot: Any, prompt: list[int], art: Any) -> Iterator[torch.Tensor]:
+        """A prompt of one token is a decode step of the slot (as on the reference path); no
+        prompt: the context's own last logits."""
+        if prompt:
+            return iter([self._step_rows([slot], prompt)[0]])
+        return iter([art.last_logits.to(self.device).float()])
 
     def _forget(self, slot: Any) -> None:
         """A row whose load or prefill failed holds no context (call under the lock)."""

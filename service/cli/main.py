@@ -79,15 +79,16 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
                    help="GPU: HBM for resident contexts (K/V, and the index when sparse); the slots are as "
                         "many as it holds in the decode mode (`admin stats` shows them); not with --gpu-slots")
     p.add_argument("--offload", action="store_true",
-                   help="GPU, sparse: a context longer than a slot decodes with its K/V in pinned host memory "
-                        "(the index and a cache of the selected keys on the GPU) instead of the slow reference path")
+                   help="GPU, sparse: a context longer than a slot (or past the busy slots) decodes with its V in "
+                        "pinned host memory (the index, K and a cache of the selected keys' V on the GPU) instead of "
+                        "the slow reference path")
     p.add_argument("--gpu-slot-tokens", type=int, default=33792, help="GPU: tokens per slot (context + question + answer)")
     p.add_argument("--offload-slots", type=int, default=4,
                    help="with --offload: offloaded streams decoded together in one batched step (host slots)")
     p.add_argument("--offload-slot-tokens", type=int, default=0,
                    help="with --offload: tokens per host slot (default 0: the model's length); the slots are "
-                        "page-locked at start: 2 x layers x KV heads x head_dim x 2 bytes a token each "
-                        "(Llama-3.1-8B bf16: 128 KiB a token, 16 GiB a 128K slot)")
+                        "page-locked at start: V, layers x KV heads x head_dim x 2 bytes a token each (Llama-3.1-8B "
+                        "bf16: 64 KiB a token, 8 GiB a 128K slot; K too with --offload-k host)")
     p.add_argument("--offload-k", choices=("hbm", "host"), default="hbm",
                    help="with --offload: hbm (default) keeps each host slot's K in HBM too (64 KiB a token at "
                         "Llama-3.1-8B bf16; refused at start when it does not fit), so only V crosses PCIe; host "
