@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,8 @@ from ctxcache.methods import SparseMethod, make_method
 from ctxcache.models.attention import QueryCapture
 from ctxcache.models.loader import LoadedModel
 from ctxcache.store.artifact_writer import ArtifactWriter
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -83,8 +87,10 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     cache = lm.model.new_cache(1, max_len=n)
     bounded = 0 < config.capture_queries < n
     capture = QueryCapture(args.n_layers, keep=query_positions(n, config.capture_queries, CAPTURE_TAIL) if bounded else None)
+    started = time.perf_counter()
     with tqdm(total=n, desc="prefill", unit="tok", disable=not config.progress) as bar:
         logits = prefill(lm.model, ids[None].to(device), cache, capture, config.chunk, bar.update)
+    prefilled = _synced_now(device)
     dtype = _DTYPES[config.kv_dtype]
     layers = []
     # the method builds where the keys are (SparseMethod.build_layers: on a GPU for CSAttention);
@@ -103,11 +109,21 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
         # waits for them, not the build); a lossy codec's K/V held decoded is encoded at finish
         if writer is not None and (config.coded_kv or config.kv_codec == "lossless"):
             writer.add_layer(layer, layers[-1], config.kv_codec, host_copies_mark(device))
+    indexed = _synced_now(device)
     wait_for_host_copies(device)
+    # the build's phases, for bench tiers' PutContext split (a sync each: the next phase waits anyway)
+    log.info("build phases: prefill %.3fs, index and encode %.3fs, host copies after %.3fs",
+             prefilled - started, indexed - prefilled, time.perf_counter() - indexed)
     return ContextArtifact(
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
         method_params=method.params.to_dict(), tokens=ids.cpu(), last_logits=logits[0].float().cpu(),
         layers=layers, kv_dtype=config.kv_dtype, kv_codec=config.kv_codec)
+
+
+def _synced_now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _kept_queries(q: torch.Tensor, keep: int) -> torch.Tensor:
