@@ -54,11 +54,30 @@ def profile_steps(runner: GpuRunner, rows: list, steps: int = 5, repeats: int = 
             "launches": sum(k["launches"] for k in kernels), "kernels": kernels}
 
 
+def greedy_steps(runner: OffloadRunner, rows: list, steps: int = 32) -> dict:
+    """`steps` steps fed their own greedy tokens (a repeated token keeps one selection, which
+    the slot caches always hit): the caches' hit rate, PCIe bytes and wall time a step."""
+    import statistics
+    import time
+    tokens, times = [7] * len(rows), []
+    (hits0, sel0), (bytes0, steps0) = runner.offload_hits(), runner.pcie_bytes()
+    for _ in range(steps):
+        start = time.perf_counter()
+        tokens = runner.step(rows, tokens).argmax(-1).tolist()  # the host read waits for the step
+        times.append(time.perf_counter() - start)
+    (hits, sel), (moved, done) = runner.offload_hits(), runner.pcie_bytes()
+    return {"greedy_hit_rate": (hits - hits0) / max(1, sel - sel0),
+            "greedy_pcie_bytes_per_step": (moved - bytes0) / max(1, done - steps0),
+            "greedy_step_ms": 1e3 * statistics.median(times)}
+
+
 def main(argv: list[str] | None = None) -> int:
     def extra(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--modes", default="sparse,dense",
                         help="comma-separated: sparse (csattention), dense, offload (csattention, V in host slots)")
         ap.add_argument("--top", type=int, default=12, help="kernels printed per row (the JSON keeps all)")
+        ap.add_argument("--v-cache", default="4", type=lambda x: [float(v) for v in x.split(",") if v],
+                        help="mode offload: each slot cache's V rows in selections (OffloadRunner v_cache), comma-separated")
     args = gpu_cli("ctxcache bench step_profile", "32768", argv, extra, __doc__)
     if args is None:
         return 2
@@ -71,26 +90,29 @@ def main(argv: list[str] | None = None) -> int:
     sparse = make_method("csattention", {}).params
     params = {"sparse": sparse, "dense": None, "offload": sparse}
     rows_out, top = [], []
+    runs = [(m, vc) for m in modes for vc in (args.v_cache if m == "offload" else [None])]
     for n in args.contexts:
         _, art = build_times(lm, n, {})
-        for mode in modes:
+        for mode, v_cache in runs:
             for b in args.batches:
-                runner = (OffloadRunner(lm, sparse, config, slots=b, max_len=n + 512) if mode == "offload"
+                runner = (OffloadRunner(lm, sparse, config, slots=b, max_len=n + 512, v_cache=v_cache) if mode == "offload"
                           else GpuRunner(lm, params[mode], config, b, n + 512))
-                rows = [runner.admit(f"c{i}", art, [5] * 20, config, 64)[0] for i in range(b)]
+                rows = [runner.admit(f"c{i}", art, [5 + i] * 20, config, 96)[0] for i in range(b)]
+                greedy = greedy_steps(runner, rows) if mode == "offload" else {}
                 runner.step(rows, [7] * b)  # the bucket's graph captured first (its warm-up runs count too)
                 before = runner.pcie_bytes() if mode == "offload" else None
                 got = profile_steps(runner, rows)
                 if before is not None:  # over the timed and profiled steps
                     moved, steps = (now - was for now, was in zip(runner.pcie_bytes(), before))
                     got["pcie_bytes_per_step"] = moved / steps if steps else None
-                rows_out.append({"context": n, "mode": mode, "batch": b, **got})
+                rows_out.append({"context": n, "mode": mode, "batch": b, "v_cache": v_cache, **greedy, **got})
                 top += [{"context": n, "mode": mode, "batch": b, **k} for k in got["kernels"][:args.top]]
                 del runner, rows
                 torch.cuda.empty_cache()
         del art
     path = write_result("step_profile", {"copy_gb_per_s": copy_bandwidth("cuda") / 1e9, "rows": rows_out}, args.out)
     print_table(top, ["context", "mode", "batch", "kernel", "launches", "us"])
-    print_table(rows_out, ["context", "mode", "batch", "step_ms", "kernels_ms", "launches", "pcie_bytes_per_step"])
+    print_table(rows_out, ["context", "mode", "batch", "v_cache", "step_ms", "kernels_ms", "launches", "pcie_bytes_per_step",
+                           "greedy_hit_rate", "greedy_pcie_bytes_per_step", "greedy_step_ms"])
     print(f"wrote {path}")
     return 0

@@ -159,6 +159,9 @@ class DecoderSettings:
     # "hbm": each host slot's K also in HBM (the re-rank and attention read it there; V alone
     # crosses PCIe); "host": K read over PCIe too (stage 1, no HBM for K)
     offload_k: str = "hbm"
+    # V rows each host slot's GPU cache holds, per layer and KV head, as a multiple of the
+    # selection: > 1 keeps keys that recent steps selected (decoder/gpu/offload.plan_slots)
+    offload_v_cache: float = 4.0
     # on a GPU, warm up in a child process first (service/warm_up_check.py): a compiler crash is
     # then one line instead of the server's death by signal. Its cost is a second process and
     # model load: the child fills Triton's cache, so the server's own warm-up compiles nothing
@@ -180,6 +183,8 @@ class DecoderSettings:
             raise ValueError(f"decoder.max_batch={self.max_batch} must be >= 1")
         if self.offload_k not in ("hbm", "host"):
             raise ValueError(f"decoder.offload_k={self.offload_k!r} must be 'hbm' or 'host'")
+        if not 1.0 <= self.offload_v_cache <= 64.0:
+            raise ValueError(f"decoder.offload_v_cache={self.offload_v_cache} must be in [1, 64]")
         if self.offload_slots < 1 or self.offload_slot_tokens < 0:
             raise ValueError(f"decoder.offload_slots={self.offload_slots} must be >= 1 and offload_slot_tokens="
                              f"{self.offload_slot_tokens} >= 0")

@@ -15,7 +15,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _plan_kernel(idx_ptr, ksel_ptr, slot_of_ptr, tag_ptr, busy_ptr, free_ptr, stamp_ptr, out_ptr, count_ptr,
+def _plan_kernel(idx_ptr, ksel_ptr, slot_of_ptr, tag_ptr, busy_ptr, free_ptr, stamp_ptr, ring_ptr, out_ptr, count_ptr,
                  HKV, KMAX, CAP, NSLOT,  # NSLOT = N + 1: slot_of's row length
                  BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -35,12 +35,17 @@ def _plan_kernel(idx_ptr, ksel_ptr, slot_of_ptr, tag_ptr, busy_ptr, free_ptr, st
         n_hit += tl.sum(hit.to(tl.int32), axis=0)
     tl.debug_barrier()
     n_free = 0
-    for s0 in range(0, CAP, BLOCK):  # pass 2: free slots, in slot order
-        s = s0 + offs
-        free = (s < CAP) & (tl.load(busy_ptr + r64 * CAP + s, mask=s < CAP, other=0) != stamp)
-        rank = n_free + tl.cumsum(free.to(tl.int32), axis=0) - 1
-        tl.store(free_ptr + r64 * CAP + rank, s, mask=free)
-        n_free += tl.sum(free.to(tl.int32), axis=0)
+    ring = tl.load(ring_ptr + row)
+    # pass 2: free slots, those unused last step first (the least recent tier), each tier in ring
+    # order from the pointer; busy holds each slot's last step of use (a hit or a fill)
+    for tier in tl.static_range(2):
+        for s0 in range(0, CAP, BLOCK):
+            s = (ring + s0 + offs) % CAP
+            used = tl.load(busy_ptr + r64 * CAP + s, mask=s0 + offs < CAP, other=stamp)
+            free = (s0 + offs < CAP) & ((used < stamp - 1) if tier == 0 else (used == stamp - 1))
+            rank = n_free + tl.cumsum(free.to(tl.int32), axis=0) - 1
+            tl.store(free_ptr + r64 * CAP + rank, s, mask=free)
+            n_free += tl.sum(free.to(tl.int32), axis=0)
     tl.debug_barrier()
     n_miss = 0
     for j0 in range(0, KMAX, BLOCK):  # pass 3: misses take free slots, in selection order
@@ -57,27 +62,30 @@ def _plan_kernel(idx_ptr, ksel_ptr, slot_of_ptr, tag_ptr, busy_ptr, free_ptr, st
         tl.store(slot_of_ptr + r64 * NSLOT + old, -1, mask=miss & (old >= 0))
         tl.store(slot_of_ptr + r64 * NSLOT + pos, dst, mask=miss)
         tl.store(tag_ptr + r64 * CAP + dst, pos, mask=miss)
+        tl.store(busy_ptr + r64 * CAP + dst, stamp, mask=miss)
         res = tl.where(miss, -dst - 1, held)
         tl.store(out_ptr + r64 * KMAX + j, tl.where(j < KMAX, res, 0), mask=j < KMAX)
         n_miss += tl.sum(miss.to(tl.int32), axis=0)
     tl.store(stamp_ptr + row, stamp)
+    last = tl.load(free_ptr + r64 * CAP + tl.maximum(n_miss - 1, 0))
+    tl.store(ring_ptr + row, tl.where(n_miss > 0, (last + 1) % CAP, ring))
     tl.atomic_add(count_ptr, n_hit.to(tl.int64))
     tl.atomic_add(count_ptr + 1, k.to(tl.int64))
 
 
 def plan_slots_kernel(idx: torch.Tensor, k_sel: torch.Tensor, slot_of: torch.Tensor, tag: torch.Tensor,
-                      busy: torch.Tensor, free: torch.Tensor, stamp: torch.Tensor, counts: torch.Tensor,
-                      out: torch.Tensor, block: int = 1024) -> torch.Tensor:
+                      busy: torch.Tensor, free: torch.Tensor, stamp: torch.Tensor, ring: torch.Tensor,
+                      counts: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """idx [B, Hkv, K] int32 (contiguous), k_sel [B] int32; slot_of [B, Hkv, N+1], tag, busy,
-    free [B, Hkv, C] int32; stamp [B * Hkv] int32; counts [2] int64 (+= hits, selected).
+    free [B, Hkv, C] int32; stamp, ring [B * Hkv] int32; counts [2] int64 (+= hits, selected).
     Writes out [B, Hkv, K] int32 (s >= 0 hit slot, -s-1 miss slot) and updates the cache."""
     bsz, hkv, kmax = idx.shape
     cap = tag.shape[-1]
-    for t in (idx, slot_of, tag, busy, free, out):
+    for t in (idx, slot_of, tag, busy, free, ring, out):
         if not t.is_contiguous() or t.dtype != torch.int32:
             raise ValueError("plan_slots_kernel needs contiguous int32 buffers")
     if kmax > cap or out.shape != idx.shape or busy.shape != tag.shape or free.shape != tag.shape:
         raise ValueError(f"shapes disagree: idx {tuple(idx.shape)}, tag {tuple(tag.shape)}, out {tuple(out.shape)}")
-    _plan_kernel[(bsz * hkv,)](idx, k_sel, slot_of, tag, busy, free, stamp, out, counts,
+    _plan_kernel[(bsz * hkv,)](idx, k_sel, slot_of, tag, busy, free, stamp, ring, out, counts,
                                hkv, kmax, cap, slot_of.shape[-1], BLOCK=block)
     return out

@@ -32,6 +32,7 @@ class SlotCache:
     hits: torch.Tensor      # [] int64 running count of selected keys read from the cache
     selected: torch.Tensor  # [] int64 running count of selected keys
     scratch: tuple[torch.Tensor, ...] = ()  # kernel plan: busy, free [B, Hkv, C]; stamp [B*Hkv]; counts [2]
+    ring: torch.Tensor | None = None  # [B, Hkv] int32: the slot the next miss takes first (kernels/slot_plan.py)
 
     @classmethod
     def empty(cls, batch: int, n_kv: int, capacity: int, n_max: int, head_dim: int, dtype: torch.dtype,
@@ -45,7 +46,7 @@ class SlotCache:
                    torch.full((batch, n_kv, capacity), -1, **i32), torch.full((batch, n_kv, n_max + 1), -1, **i32),
                    counts[0], counts[1],
                    (torch.zeros(batch, n_kv, capacity, **i32), torch.zeros(batch, n_kv, capacity, **i32),
-                    torch.zeros(batch * n_kv, **i32), counts))
+                    torch.zeros(batch * n_kv, **i32), counts), torch.zeros(batch, n_kv, **i32))
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -56,13 +57,14 @@ class SlotCache:
         busy, free, stamp, counts = self.scratch
         return SlotCache(self.k[start:end], self.v[start:end], self.tag[start:end], self.slot_of[start:end],
                          self.hits, self.selected,
-                         (busy[start:end], free[start:end], stamp[start * hkv:end * hkv], counts))
+                         (busy[start:end], free[start:end], stamp[start * hkv:end * hkv], counts), self.ring[start:end])
 
     def clear_row(self, row: int) -> None:
         """Row `row` holds nothing: a new stream (or context) reuses positions whose K/V it may
         rewrite, so rows cached for them would be stale."""
         self.tag[row].fill_(-1)
         self.slot_of[row].fill_(-1)
+        self.ring[row].zero_()
 
     def hit_rate(self) -> float:
         return float(self.hits) / max(1, int(self.selected))
@@ -73,14 +75,17 @@ def plan_slots(cache: SlotCache, idx: torch.Tensor, k_sel: torch.Tensor, out: to
     """plan_slots_ref in one Triton launch (kernels/slot_plan.py); same result and updates."""
     busy, free, stamp, counts = cache.scratch
     out = torch.empty_like(idx) if out is None else out
-    return plan_slots_kernel(idx.contiguous(), k_sel, cache.slot_of, cache.tag, busy, free, stamp, counts, out, block)
+    return plan_slots_kernel(idx.contiguous(), k_sel, cache.slot_of, cache.tag, busy, free, stamp, cache.ring.view(-1),
+                             counts, out, block)
 
 
 def plan_slots_ref(cache: SlotCache, idx: torch.Tensor, k_sel: torch.Tensor) -> torch.Tensor:
     """Slot plan for selection idx [B, Hkv, K] (first k_sel[b] valid) -> slot [B, Hkv, K] int32:
     s >= 0 a hit in slot s; -s-1 the slot a miss is written to. Miss slots are taken from the
     slots that no hit of this step uses, so a kernel never reads a slot it also writes, and
-    the cache's bookkeeping (tag, slot_of) is updated here for the new contents."""
+    the cache's bookkeeping (tag, slot_of, the stamps, ring) is updated here for the new contents.
+    The slots no step used since the one before last serve first, then last step's, each in ring
+    order from the row's pointer, which then moves past the last miss's slot."""
     bsz, hkv, kmax = idx.shape
     cap, n_dummy = cache.tag.shape[-1], cache.slot_of.shape[-1] - 1
     if kmax > cap:
@@ -90,14 +95,24 @@ def plan_slots_ref(cache: SlotCache, idx: torch.Tensor, k_sel: torch.Tensor) -> 
     held = cache.slot_of.gather(-1, pos)
     hit = valid & (held >= 0)
     miss = valid & ~hit
-    # slots kept by a hit are busy; the rest, in slot order, serve the misses in selection order
-    busy = torch.zeros(bsz, hkv, cap + 1, dtype=torch.bool, device=idx.device)
-    busy.scatter_(-1, torch.where(hit, held.long(), cap), True)
-    free = ~busy[..., :cap]
-    free_rank = free.long().cumsum(-1) - 1
-    order = torch.full((bsz, hkv, cap + 1), cap, dtype=torch.long, device=idx.device)
-    order.scatter_(-1, torch.where(free, free_rank, cap), torch.arange(cap, device=idx.device).expand(bsz, hkv, cap))
+    # each slot's last step of use (the kernel's busy stamps): hits use theirs now; the rest serve
+    # the misses in selection order, those unused last step first, each tier in ring order
+    busy, _, stamps, _ = cache.scratch
+    stamp = stamps.view(bsz, hkv).long() + 1
+    used = torch.cat([busy.long(), torch.zeros_like(busy[..., :1]).long()], -1)
+    used.scatter_(-1, torch.where(hit, held.long(), cap), stamp[..., None].expand(bsz, hkv, kmax))
+    ring_slots = (cache.ring.long()[..., None] + torch.arange(cap, device=idx.device)) % cap
+    used_ring = used[..., :cap].gather(-1, ring_slots)
+    ahead = torch.arange(cap, device=idx.device) + cap * (used_ring == stamp[..., None] - 1)  # old tier first
+    key = torch.where(used_ring < stamp[..., None], ahead, 3 * cap)  # busy slots last, never taken
+    order = ring_slots.gather(-1, key.argsort(dim=-1, stable=True))
     dst = order.gather(-1, (miss.long().cumsum(-1) - 1).clamp(min=0))
+    n_miss = miss.long().sum(-1, keepdim=True)
+    last = order.gather(-1, (n_miss - 1).clamp(min=0))[..., 0]
+    cache.ring.copy_(torch.where(n_miss[..., 0] > 0, (last + 1) % cap, cache.ring.long()).int())
+    used.scatter_(-1, torch.where(miss, dst, cap), stamp[..., None].expand(bsz, hkv, kmax))
+    busy.copy_(used[..., :cap].int())
+    stamps.copy_(stamp.view(-1).int())
     # evict what the miss slots held, then record the new holders
     dst_m = torch.where(miss, dst, cap)
     old = torch.cat([cache.tag, torch.full_like(cache.tag[..., :1], -1)], -1).gather(-1, dst_m)

@@ -34,7 +34,7 @@ from ctxcache.decoder.gpu.offload import SlotCache
 from ctxcache.decoder.gpu.offload_k import PcieCounter, k_buffers
 from ctxcache.decoder.gpu.offload_step import HostKVPool, HostPrefillAttention, OffloadSparseAttention
 from ctxcache.decoder.gpu.runner import serves_index
-from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE
+from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE, ResidentHead
 from ctxcache.decoder.gpu.slot_rows import SlotRows
 from ctxcache.decoder.gpu.selector import GpuDenseTables, stack_follow
 from ctxcache.decoder.inflight import StepIO
@@ -60,6 +60,7 @@ class HostSlot:
     length: int = 0  # host copy of the row's cache length
     busy: bool = False
     last_used: float = 0.0
+    head: ResidentHead | None = None  # the held context's head: its next stream skips the DRAM tier
     # after a prefill beside decode steps: puts back what their throw-away tokens changed in this
     # idle row, run just before the row's first real step (a step may still come between)
     settle: Callable[[], None] | None = None
@@ -73,13 +74,16 @@ class OffloadRunner(SlotRows):
 
     def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, slots: int = 4,
                  max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True,
-                 prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True) -> None:
+                 prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True, v_cache: float = 4.0) -> None:
         """max_len 0: the model's length. prefill_layers: a prompt's layers per chunk beside a
         decode step until both times are measured (a GPU's first prefill; always on a CPU).
         k_hbm: every host slot's K also in HBM (ValueError when it does not fit); else read from
-        the host (stage 1: the re-rank's candidates' K cross PCIe every step)."""
+        the host (stage 1: the re-rank's candidates' K cross PCIe every step). v_cache: each slot's
+        GPU cache of V rows (K too without k_hbm) per layer and KV head, in selections."""
         a = lm.args
         max_len = max_len or a.max_seq_len
+        if not 1.0 <= v_cache <= 64.0:
+            raise ValueError(f"offload v_cache={v_cache} must be in [1, 64] (selections a slot cache holds)")
         if slots < 1 or max_len < 2 or max_new < 1 or prefill_layers < 1:
             raise ValueError(f"offload slots={slots}, slot tokens={max_len}, max_new={max_new}, prefill_layers="
                              f"{prefill_layers} must be >= 1, >= 2, >= 1, >= 1")
@@ -100,7 +104,8 @@ class OffloadRunner(SlotRows):
         self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
         self.tables: list[GpuDenseTables] | None = None  # made at the first load (shaped like its tables)
         k_max = config.budget.top_k(self.max_len)
-        self.caches = [SlotCache.empty(slots, a.n_kv_heads, k_max, self.max_len, a.head_dim, dtype, self.device,
+        cached = min(self.max_len, math.ceil(v_cache * k_max))
+        self.caches = [SlotCache.empty(slots, a.n_kv_heads, cached, self.max_len, a.head_dim, dtype, self.device,
                                        keys=not k_hbm) for _ in range(a.n_layers)]
         self.follow = params.follows if params.candidates(k_max, self.max_len) > k_max else 0
         self._perm = (None if params.layout == "contiguous"
@@ -141,7 +146,7 @@ class OffloadRunner(SlotRows):
         if len(prompt) >= self.max_new:
             raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the {self.max_new}-key index overlay")
         with self.lock:
-            slot = self._claim(context_id, check)
+            slot = self._claim(context_id, check, art)
             try:
                 if slot.context_id != context_id:
                     self._load(slot, context_id, art)
@@ -178,7 +183,7 @@ class OffloadRunner(SlotRows):
                                                     self.params.follows) for _ in art.layers]
                 self.follow_state = stack_follow(self.tables)
             self.tables[layer].load_row(row, restored, n)
-        slot.context_id, slot.n_ctx = context_id, n
+        slot.context_id, slot.n_ctx, slot.head = context_id, n, ResidentHead.of(art)
         self.loads += 1
 
     def _reset(self, slot: HostSlot) -> None:

@@ -39,7 +39,6 @@ from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYE
 from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.gpu.selector import GpuDenseTables, stack_follow
 from ctxcache.decoder.reference_attention import SparseConfig
-from ctxcache.decoder.runner import ContextNotResident
 from ctxcache.generation import LayeredPrefill
 from ctxcache.methods import make_method
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
@@ -133,11 +132,7 @@ class GpuRunner(SlotRows):
         t0 = time.perf_counter()
         with self.lock:
             t_lock = time.perf_counter()
-            slot = self._claim(context_id, check)
-            if slot.context_id != context_id and isinstance(art, ResidentHead):
-                slot.busy = False  # untouched: whatever it holds stays resident
-                self.lock.notify_all()
-                raise ContextNotResident(context_id)
+            slot = self._claim(context_id, check, art)
             try:
                 loaded = slot.context_id != context_id
                 overlap = None
@@ -327,7 +322,3 @@ class GpuRunner(SlotRows):
         """Context ids held in HBM (busy or idle)."""
         return [s.context_id for s in self.slots if s.context_id is not None]
 
-    def resident_head(self, context_id: str) -> ResidentHead | None:
-        """The head of the context if a slot holds it (a stream may then start from the head)."""
-        with self.lock:
-            return next((s.head for s in self.slots if s.context_id == context_id), None)

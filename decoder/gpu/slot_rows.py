@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from ctxcache.decoder.gpu.slot_prefill import ResidentHead
 from ctxcache.decoder.inflight import LaunchedStep
+from ctxcache.decoder.runner import ContextNotResident
 
 
 class SlotRows:
@@ -62,19 +64,28 @@ class SlotRows:
         slot.context_id, slot.busy = None, False
         self.lock.notify_all()
 
-    def _claim(self, context_id: str, check: Callable[[], None]) -> Any:
+    def _claim(self, context_id: str, check: Callable[[], None], art: Any = None) -> Any:
         """A slot for the context: its idle resident slot, else an empty one, else the least
-        recently used idle one; waits (running `check`) while every slot is busy."""
+        recently used idle one; waits (running `check`) while every slot is busy. ContextNotResident
+        where `art` is a head (ResidentHead) and no slot holds the context any more (nothing to load)."""
         while True:
             idle = [s for s in self.slots if not s.busy]
             pick = (next((s for s in idle if s.context_id == context_id), None)
                     or next((s for s in idle if s.context_id is None), None)
                     or min(idle, key=lambda s: s.last_used, default=None))
+            if pick is not None and pick.context_id != context_id and isinstance(art, ResidentHead):
+                raise ContextNotResident(context_id)  # untouched: whatever it holds stays
             if pick is not None:
                 pick.busy = True
                 return pick
             check()
             self.lock.wait(timeout=0.05)
+
+    def resident_head(self, context_id: str) -> Any:
+        """The head (slot_prefill.ResidentHead) of the context if a slot holds it: a stream may
+        start from it, skipping the DRAM tier and the store behind it."""
+        with self.lock:
+            return next((s.head for s in self.slots if s.context_id == context_id), None)
 
     def evict(self, context_id: str) -> bool:
         """Forget the context's idle slots (a busy one keeps serving its stream and is reloaded

@@ -141,6 +141,22 @@ def test_plan_slots_keeps_cache_consistent(device, block):
         prev = [[set(int(x) for x in c.tag.cpu()[i, h] if x >= 0) for h in range(hkv)] for i in range(b)]
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_a_cache_of_two_selections_evicts_the_least_recently_used(device, use_kernel):
+    """Capacity 2 K: keys selected two steps ago are still held, and a miss evicts keys no step
+    used lately, not those hit last step (in slot order step 2's misses took step 1's slots)."""
+    c = SlotCache.empty(1, 1, 8, 16, 4, torch.float32, device)
+    k_sel = torch.tensor([4], dtype=torch.int32, device=device)
+    plan = (lambda idx: plan_slots(c, idx, k_sel)) if use_kernel else (lambda idx: plan_slots_ref(c, idx, k_sel))
+    hits = []
+    for keys in ([0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3], [8, 9, 10, 11], [0, 1, 2, 3], [4, 5, 6, 7]):
+        slot = plan(torch.tensor([[keys]], dtype=torch.int32, device=device)).cpu()
+        hits.append(int((slot >= 0).sum()))
+    # step 3's misses took 4-7's slots (unused since step 1), so 0-3 hit again and 4-7 miss
+    assert hits == [0, 0, 4, 0, 4, 0]
+    assert int(c.hits) == 8 and int(c.selected) == 24
+
+
 class _FixedSelector:
     """Returns a preset selection (the selection kernels have their own tests)."""
 

@@ -61,3 +61,32 @@ def test_a_resident_context_skips_the_dram_tier(lm):
         assert third == first and loads == ["c", "c"] and runner.loads == 2
     finally:
         streams.close()
+
+
+def test_an_offloaded_context_held_in_a_host_slot_skips_the_dram_tier(lm):
+    """The offload runner's held contexts start from their head too: a bench round of 8 streams
+    on 8 offloaded 32K contexts reloaded the 5 that an 8 GB DRAM tier could not hold (issue 47)."""
+    from ctxcache.decoder.gpu.offload_runner import OffloadRunner
+    method = make_method("csattention", {"subspaces": 4, "centroids": 16})
+    ctx = torch.randint(0, lm.args.vocab_size, (96,), generator=torch.Generator().manual_seed(2))
+    art = build_artifact(lm, ctx, method, IndexerConfig(kv_dtype="float32", progress=False))
+    loads: list[str] = []
+
+    def load(cid: str) -> CachedContext:
+        loads.append(cid)
+        return CachedContext(art, ("user",), 1)
+    cache = ArtifactCache[CachedContext](1 << 30, load, CachedContext.nbytes)
+    runner = OffloadRunner(lm, method.params, SparseConfig.from_schedule(SCHEDULE), slots=1, max_len=256, max_new=32)
+    streams = GenerateStreams(lm, Prompter(ByteTokenizer()), cache, 4, SCHEDULE, Metrics(),
+                              [runner, ReferenceRunner(lm)], decode_mode="sparse")
+    try:
+        first, final = _generate(streams)
+        assert loads == ["c"] and final.decode_path == "gpu-offload" and len(first) == 2
+        cache.evict("c")  # out of DRAM, still in its host slot
+        again, final = _generate(streams)
+        assert again == first and loads == ["c"] and final.cache_hit and runner.loads == 1
+        streams.evict_device("c")  # the host slot forgets it: the next stream loads through DRAM
+        third, _ = _generate(streams)
+        assert third == first and loads == ["c", "c"] and runner.loads == 2
+    finally:
+        streams.close()
