@@ -10,7 +10,7 @@ built artifact per length shared by every row (each row its own slot and tables)
 `ctxcache bench step_profile [--contexts 32768] [--batches 1,8] [--modes sparse,dense,offload] [--out DIR]`.
 
 `--admit [--repeats 5]`: instead of steps, an offloaded context's hot admission of a 20-token
-question at each context, the serial host copy against the pipelined one (bench/admit_profile.py):
+question at each context, the serial host copy against the pipelined one (bench/common/admit_profile.py):
 wall ms, bytes from the host, copies' and kernels' busy ms and their overlap, beside the link's
 measured host -> device rate; writes admit_profile_<device>.json."""
 
@@ -24,7 +24,7 @@ import torch
 
 from ctxcache.bench.common.gpu import gpu_cli
 from ctxcache.bench.common.report import print_table, write_result
-from ctxcache.bench.admit_profile import admit_rows
+from ctxcache.bench.common.admit_profile import admit_rows
 from ctxcache.bench.common.serve_limits import copy_bandwidth, h2d_gb_per_s, median_step_s
 from ctxcache.bench.serve import build_times
 from ctxcache.decoder.gpu.offload_runner import OffloadRunner

@@ -3,7 +3,7 @@ events (unions of intervals, so concurrent copies or kernels are not counted twi
 
 from types import SimpleNamespace
 
-from ctxcache.bench.admit_profile import busy, device_activity, merged, overlap
+from ctxcache.bench.common.admit_profile import busy, device_activity, merged, overlap
 
 
 def test_intervals_merge_and_overlap():
