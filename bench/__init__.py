@@ -22,7 +22,7 @@ BENCHMARKS = {
     "attention": ("GPU", "per-layer decode attention: dense SDPA vs CSAttention selection + sparse attention"),
     "prefill": ("GPU", "per-layer question prefill on a resident context: SDPA vs packed attention, follow seed, index insert"),
     "decode": ("GPU", "whole-model decode tokens/s dense vs CSAttention; index build time; TTFT"),
-    "step_profile": ("GPU", "the fast runner's decode step by kernel (torch.profiler), sparse and dense, beside its wall time"),
+    "step_profile": ("GPU", "the fast runner's decode step by kernel (torch.profiler), sparse and dense, beside its wall time; --admit: an offloaded hot admission, serial vs pipelined host copy"),
     "offload": ("GPU", "decode attention over KV in pinned host memory vs dense on GPU and host"),
     "serve": ("any", "the product path: a real server + gRPC client, sparse vs dense mode, TTFT tiers, tok/s"),
     "http": ("CPU", "the OpenAI-compatible HTTP front vs gRPC on one server: TTFT and tok/s, by reference and automatic"),

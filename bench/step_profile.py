@@ -7,7 +7,12 @@ Why: a step that is slow for its bytes is slow either inside its kernels or betw
 per-kernel time summed against the step says which (issue 46's H200 profile at 32K x 8: kernels
 busy 10.3 of a 10.45 ms step, so the cost was inside them). Random Llama-3.1-8B weights, one
 built artifact per length shared by every row (each row its own slot and tables).
-`ctxcache bench step_profile [--contexts 32768] [--batches 1,8] [--modes sparse,dense,offload] [--out DIR]`."""
+`ctxcache bench step_profile [--contexts 32768] [--batches 1,8] [--modes sparse,dense,offload] [--out DIR]`.
+
+`--admit [--repeats 5]`: instead of steps, an offloaded context's hot admission of a 20-token
+question at each context, the serial host copy against the pipelined one (bench/common/admit_profile.py):
+wall ms, bytes from the host, copies' and kernels' busy ms and their overlap, beside the link's
+measured host -> device rate; writes admit_profile_<device>.json."""
 
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import torch
 
 from ctxcache.bench.common.gpu import gpu_cli
 from ctxcache.bench.common.report import print_table, write_result
-from ctxcache.bench.common.serve_limits import copy_bandwidth, median_step_s
+from ctxcache.bench.common.admit_profile import admit_rows
+from ctxcache.bench.common.serve_limits import copy_bandwidth, h2d_gb_per_s, median_step_s
 from ctxcache.bench.serve import build_times
 from ctxcache.decoder.gpu.offload_runner import OffloadRunner
 from ctxcache.decoder.gpu.runner import GpuRunner
@@ -78,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--top", type=int, default=12, help="kernels printed per row (the JSON keeps all)")
         ap.add_argument("--v-cache", default="4", type=lambda x: [float(v) for v in x.split(",") if v],
                         help="mode offload: each slot cache's V rows in selections (OffloadRunner v_cache), comma-separated")
+        ap.add_argument("--admit", action="store_true",
+                        help="profile an offloaded hot admission (20-token question) per context, serial vs pipelined "
+                             "host copy, instead of decode steps")
+        ap.add_argument("--repeats", type=int, default=5, help="--admit: timed admissions per row (median)")
     args = gpu_cli("ctxcache bench step_profile", "32768", argv, extra, __doc__)
     if args is None:
         return 2
@@ -88,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model("random:llama-3.1-8b", torch.bfloat16, "cuda")
     config = SparseConfig.from_schedule("0.05-step-1")
     sparse = make_method("csattention", {}).params
+    if args.admit:
+        return admissions(lm, sparse, config, args)
     params = {"sparse": sparse, "dense": None, "offload": sparse}
     rows_out, top = [], []
     runs = [(m, vc) for m in modes for vc in (args.v_cache if m == "offload" else [None])]
@@ -114,5 +126,29 @@ def main(argv: list[str] | None = None) -> int:
     print_table(top, ["context", "mode", "batch", "kernel", "launches", "us"])
     print_table(rows_out, ["context", "mode", "batch", "v_cache", "step_ms", "kernels_ms", "launches", "pcie_bytes_per_step",
                            "greedy_hit_rate", "greedy_pcie_bytes_per_step", "greedy_step_ms"])
+    print(f"wrote {path}")
+    return 0
+
+
+def admissions(lm, sparse, config: SparseConfig, args: argparse.Namespace) -> int:
+    """--admit: each context's hot admission, serial and pipelined copy, profiled."""
+    link = h2d_gb_per_s()
+    rows_out, top = [], []
+    for n in args.contexts:
+        _, art = build_times(lm, n, {})
+        runner = OffloadRunner(lm, sparse, config, slots=1, max_len=n + 512)
+        rows, events = admit_rows(runner, art, n, link, args.repeats)
+        rows_out += rows
+        for row, (mode, ev) in zip(rows, events):
+            kernels = per_step(ev, 1)
+            row["kernels"] = kernels
+            top += [{"context": n, "copy": mode, **k} for k in kernels[:args.top]]
+        del runner, art
+        torch.cuda.empty_cache()
+    path = write_result("admit_profile", {"h2d_gb_per_s": link, "rows": rows_out}, args.out)
+    print_table(top, ["context", "copy", "kernel", "launches", "us"])
+    print_table(rows_out, ["context", "copy", "admit_ms", "h2d_bytes", "h2d_ms_at_link", "link_h2d_gb_per_s",
+                           "h2d_busy_ms", "h2d_gb_per_s_achieved", "kernels_busy_ms", "overlap_ms", "device_span_ms",
+                           "copy_streams", "kernel_streams"])
     print(f"wrote {path}")
     return 0

@@ -49,7 +49,7 @@ def k_buffers(args: ModelArgs, slots: int, max_len: int, dtype: torch.dtype, dev
 @dataclass
 class PcieCounter:
     """Bytes over PCIe since start: `host` the host-side arithmetic per step, `steps` the steps
-    counted, `prefill` the prompts' prefills' K/V copies (not a step's); the misses come from
+    counted, `prefill` the prompts' prefills' host -> device K/V bytes (not a step's); the misses come from
     the device counters when read (`total`)."""
 
     key_bytes: int  # one key's K or V row of one KV head: D x dtype bytes
@@ -85,9 +85,10 @@ class PcieCounter:
         self.host += (v + k) * self.n_kv * self.key_bytes
         self.steps += 1
 
-    def prefilled(self, span: int, layers: int) -> None:
-        """A prompt's `layers` copied the row's first `span` positions to the GPU (V, or K and V)."""
-        self.prefill += layers * span * self.n_kv * self.per_key
+    def prefill_bytes(self, span: int, layers: int) -> int:
+        """What a serial prefill's `layers` copy: the row's first `span` positions (V, or K and V);
+        a pipelined one copies the context's alone (offload_prefill.PrefillFetch.h2d_bytes)."""
+        return layers * span * self.n_kv * self.per_key
 
     def total(self, misses: int) -> int:
         """Every counted step's bytes, given the selected keys (per KV head) the slot caches missed."""

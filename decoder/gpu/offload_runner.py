@@ -12,8 +12,8 @@ hits from HBM, the rest over PCIe). `pcie` counts the bytes that cross PCIe (pci
 Rows of the bucket not stepped compute a throw-away token at their length, as in the fast
 runner. A context stays in its host slot after its stream (the next stream skips the load);
 a prompt's prefill copies each layer's V (K too without k_hbm) to the GPU for dense attention
-(not captured), a group of layers per decode step on the engine thread (`begin`), as the fast
-runner's admissions.
+(not captured), a layer ahead on a copy stream (offload_prefill.PrefillFetch), a group of layers
+per decode step on the engine thread (`begin`), as the fast runner's admissions.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.capacity import slot_bytes
 from ctxcache.decoder.gpu.offload import SlotCache
 from ctxcache.decoder.gpu.offload_k import PcieCounter, k_buffers
-from ctxcache.decoder.gpu.offload_step import HostKVPool, HostPrefillAttention, OffloadSparseAttention
+from ctxcache.decoder.gpu.offload_prefill import CopyLane, HostPrefillAttention, InlineLane, PrefillFetch, StreamLane
+from ctxcache.decoder.gpu.offload_step import HostKVPool, OffloadSparseAttention
 from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE, ResidentHead
 from ctxcache.decoder.gpu.slot_rows import SlotRows
@@ -74,12 +75,16 @@ class OffloadRunner(SlotRows):
 
     def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, slots: int = 4,
                  max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True,
-                 prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True, v_cache: float = 4.0) -> None:
+                 prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True, v_cache: float = 4.0,
+                 pipelined_prefill: bool = True) -> None:
         """max_len 0: the model's length. prefill_layers: a prompt's layers per chunk beside a
         decode step until both times are measured (a GPU's first prefill; always on a CPU).
         k_hbm: every host slot's K also in HBM (ValueError when it does not fit); else read from
         the host (stage 1: the re-rank's candidates' K cross PCIe every step). v_cache: each slot's
-        GPU cache of V rows (K too without k_hbm) per layer and KV head, in selections."""
+        GPU cache of V rows (K too without k_hbm) per layer and KV head, in selections.
+        pipelined_prefill: a prompt's host K/V copied a layer ahead on a copy stream; False:
+        serially on the compute stream (the same logits, slower; kept to compare, bench
+        step_profile --admit)."""
         a = lm.args
         max_len = max_len or a.max_seq_len
         if not 1.0 <= v_cache <= 64.0:
@@ -116,6 +121,10 @@ class OffloadRunner(SlotRows):
         self.lock = threading.Condition()  # the pool, tables and caches are shared: admissions and steps take turns
         self.loads = 0  # contexts copied into a host slot
         self.prefill_layers = prefill_layers
+        self.pipelined_prefill = pipelined_prefill
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # a prefill's copy lane (tests give one that lands its copies late, or early)
+        self.prefill_lane: Callable[[], CopyLane] = (lambda: StreamLane(side)) if side is not None else InlineLane
         self.times = DeviceTimes(self.device)
         self._last_bucket = 0  # the batch size of the last launched step
         dense = len({i for i in config.dense_layers if i < a.n_layers})
@@ -203,25 +212,23 @@ class OffloadRunner(SlotRows):
         its first real step its streamed-key count is put back and its slot caches emptied (a
         step may have cached prompt positions before their layer ran), as a prefill alone leaves
         them."""
-        row, span = slot.index, slot.n_ctx + len(prompt)
+        span = slot.n_ctx + len(prompt)
         run: LayeredPrefill | None = None
+        fetch: PrefillFetch | None = None
         while True:
             with self.lock, torch.inference_mode():
                 try:
                     if run is None:
-                        attn = HostPrefillAttention([t.rows(row, row + 1) for t in self.tables], self._perm,
-                                                    self.config.budget, bool(self.follow), self.config.dense_layers,
-                                                    slot.n_ctx)
-                        tokens = torch.tensor([prompt], pin_memory=self.device.type == "cuda")
-                        run = LayeredPrefill(self.lm.model, tokens.to(self.device, non_blocking=True), slot.n_ctx,
-                                             self.kv.rows(row, row + 1, prompt_start=slot.n_ctx), attn)
+                        run, fetch = self._prefill_run(slot, prompt)
                     started, before = self.times.start(), run.layer
                     logits = run.run(self._chunk_layers(span, before))
                     self.times.stop(PREFILL_KIND, started, units=(run.layer - before) * span)
-                    self.pcie.prefilled(span, run.layer - before)
+                    layers = run.layer - before
+                    self.pcie.prefill += (fetch.h2d_bytes(layers) if fetch is not None
+                                          else self.pcie.prefill_bytes(span, layers))
                     if logits is not None:
                         slot.length += len(prompt)
-                        slot.settle = self._settler(row, len(prompt))
+                        slot.settle = self._settler(slot.index, len(prompt))
                 except BaseException:
                     self._forget(slot)
                     raise
@@ -229,6 +236,21 @@ class OffloadRunner(SlotRows):
                 yield logits[0].float()
                 return
             yield None
+
+    def _prefill_run(self, slot: HostSlot, prompt: list[int]) -> tuple[LayeredPrefill, PrefillFetch | None]:
+        """The row's prefill at its first layer; with pipelined_prefill its host K/V's first
+        two layers already queued on the copy lane."""
+        row, span = slot.index, slot.n_ctx + len(prompt)
+        view = self.kv.rows(row, row + 1, prompt_start=slot.n_ctx)
+        fetch = None
+        if self.pipelined_prefill:
+            host = [[v] + ([] if self.k_hbm else [k]) for k, v in zip(view.k, view.v)]
+            fetch = PrefillFetch(host, slot.n_ctx, span, self.prefill_lane(), self.device)
+            view.tap = fetch.write_prompt
+        attn = HostPrefillAttention([t.rows(row, row + 1) for t in self.tables], self._perm, self.config.budget,
+                                    bool(self.follow), self.config.dense_layers, slot.n_ctx, fetch)
+        tokens = torch.tensor([prompt], pin_memory=self.device.type == "cuda")
+        return LayeredPrefill(self.lm.model, tokens.to(self.device, non_blocking=True), slot.n_ctx, view, attn), fetch
 
     def _settler(self, row: int, prompt: int) -> Callable[[], None]:
         def settle() -> None:

@@ -1,5 +1,5 @@
 """The offload runner's device state and attention: host slots of K/V in one page-locked pool,
-a batched decode step over them, and one row's prompt prefill.
+and a batched decode step over them (a row's prompt prefill: offload_prefill).
 
 The pool is the fast runner's slot cache moved to the host: [slots, Hkv, max_len, D] per layer,
 every layer of K and V one page-locked allocation, so row b of a batch is at a fixed offset
@@ -9,6 +9,8 @@ sequence for the whole bucket, with no host sync, so a CUDA graph per bucket hol
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -20,7 +22,6 @@ from ctxcache.kernels.offload_attention import offload_attention
 from ctxcache.kernels.split_k_attention import choose_splits
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
-from ctxcache.models.attention import causal_attention
 from ctxcache.models.kv_cache import KVCache
 
 
@@ -45,6 +46,8 @@ class HostKVPool(KVCache):
         self.nbytes = pool.nbytes
 
     prompt_start: int | None = None  # a prompt's first position, known on the host (rows(): a prefill's view)
+    # a prefill's view: also given each layer's prompt keys on the device (offload_prefill.PrefillFetch)
+    tap: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Rows' keys [B, Hkv, T, D] at consecutive positions pos [B, T], from prompt_start (else
@@ -57,6 +60,8 @@ class HostKVPool(KVCache):
             for h in range(k.shape[1]):
                 self.k[layer][b, h, start:start + t].copy_(k[b, h], non_blocking=True)
                 self.v[layer][b, h, start:start + t].copy_(v[b, h], non_blocking=True)
+        if self.tap is not None:
+            self.tap(layer, k, v)
 
     def with_k(self, k: list[torch.Tensor]) -> "HostKVPool":
         """A view reading and writing K in `k` (offload_k.k_buffers: HBM, shaped as the pool's K,
@@ -104,43 +109,3 @@ class OffloadSparseAttention(GpuSparseAttention):
         return offload_attention(q, cache.k[layer], cache.v[layer], None if self.k_hbm else c.k, c.v,
                                  idx.contiguous(), slot, k, n, self.budget.sinks, self.budget.recent,
                                  splits=self.offload_splits)
-
-
-class HostPrefillAttention:
-    """One row's prompt (T > 1 tokens) after n_ctx context tokens, a layer at a time: its keys
-    indexed, then dense causal attention over the row's K/V copied to the GPU, and follow seeded
-    by the last query (as GpuSparseAttention does over HBM). Not captured. The engine runs its
-    layers in chunks, a decode step of the other rows between two: that step also computes this
-    idle row's throw-away token (SlotRows puts the row's follow state back after it)."""
-
-    def __init__(self, tables: list[GpuDenseTables], perm: torch.Tensor | None, budget: Budget, follow: bool,
-                 dense_layers: tuple[int, ...], n_ctx: int) -> None:
-        self.tables, self.perm, self.budget, self.follow, self.dense_layers = tables, perm, budget, follow, dense_layers
-        self.n_ctx = n_ctx
-
-    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
-        if q.shape[0] != 1 or q.shape[2] < 2:
-            raise ValueError(f"a one-row prompt of >= 2 tokens, not q {tuple(q.shape)}")
-        t = self.tables[layer]
-        pos32 = pos.int()
-        for i in range(pos.shape[1]):
-            t.insert(cache.k[layer], pos32[:, i].contiguous(), self.perm)
-        span = self.n_ctx + q.shape[2]  # on the host: a device read would wait for the step in flight
-        k, v = to_device(cache.k[layer], span, q.device), to_device(cache.v[layer], span, q.device)
-        out = causal_attention(q, k, v, pos)
-        if self.follow and layer not in self.dense_layers:
-            t.seed_follow(0, q[0, :, -1], k[0], self.budget)
-        return out
-
-
-def to_device(host: torch.Tensor, span: int, device: torch.device) -> torch.Tensor:
-    """A one-row host slot's first `span` positions [1, Hkv, span, D] on `device`, a head at a
-    time: each head's span is contiguous in the pinned pool, so it goes by one asynchronous DMA
-    (the whole [:, :, :span] slice is strided, and torch copies a strided host tensor through a
-    pageable contiguous temporary first, a synchronous copy; ~64 MB a layer at 32K)."""
-    if host.device == device:
-        return host[:, :, :span]
-    out = torch.empty((1, host.shape[1], span, host.shape[3]), dtype=host.dtype, device=device)
-    for h in range(host.shape[1]):
-        out[:, h].copy_(host[:, h, :span], non_blocking=True)
-    return out

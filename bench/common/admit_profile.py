@@ -1,0 +1,120 @@
+"""`bench step_profile --admit`: an offloaded context's hot admission (a 20-token question on a
+context its host slot already holds) timed and profiled, the serial host copy against the
+pipelined one (offload_prefill: V copied a layer ahead on its own stream).
+
+Why: issue 47's hot TTFT target is <= 50 ms at 32K; the admission's V (2.2 GB at Llama-3.1-8B
+bf16) crosses PCIe at ~41 ms and its compute takes ~21 ms, so it meets the target only when the
+two overlap. Per admission: its wall time (the runner's admit, synchronised), the bytes it
+copied from the host (`pcie.prefill`), and from torch.profiler the time the host -> device
+copies were busy, the time kernels were busy, and how much of the two coincided (the overlap),
+beside the link's measured rate (what the copies alone would take)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable
+
+import torch
+
+from ctxcache.artifact import ContextArtifact
+from ctxcache.decoder.gpu.offload_runner import OffloadRunner
+
+QUESTION = [5] * 20  # a question's tokens (the issue's 20-30)
+
+
+def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(start, end) intervals -> their union as disjoint sorted intervals."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def busy(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of intervals."""
+    return sum(e - s for s, e in merged(intervals))
+
+
+def overlap(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]) -> float:
+    """Length of the time both a's union and b's union cover."""
+    ua, ub, total, j = merged(a), merged(b), 0.0, 0
+    for s, e in ua:
+        while j < len(ub) and ub[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(ub) and ub[k][0] < e:
+            total += min(e, ub[k][1]) - max(s, ub[k][0])
+            k += 1
+    return total
+
+
+def device_activity(events) -> dict:
+    """Kineto events -> ms the host -> device copies and the kernels were busy, both at once,
+    and from the first to the last device event of any kind; the copies' and kernels' stream ids."""
+    copies, kernels, every, copy_streams, kernel_streams = [], [], [], set(), set()
+    for e in events:
+        if e.device_type().name != "CUDA":
+            continue
+        span = (e.start_ns() / 1e6, e.end_ns() / 1e6)
+        every.append(span)
+        if "HtoD" in e.name():
+            copies.append(span)
+            copy_streams.add(e.device_resource_id())
+        elif "Memcpy" not in e.name() and "Memset" not in e.name():
+            kernels.append(span)
+            kernel_streams.add(e.device_resource_id())
+    return {"h2d_busy_ms": busy(copies), "kernels_busy_ms": busy(kernels), "overlap_ms": overlap(copies, kernels),
+            "device_span_ms": max(e for _, e in every) - min(s for s, _ in every) if every else 0.0,
+            "copy_streams": sorted(copy_streams), "kernel_streams": sorted(kernel_streams)}
+
+
+def hot_admit_ms(runner: OffloadRunner, art: ContextArtifact, repeats: int) -> tuple[float, int]:
+    """Median wall ms of `repeats` hot admissions (each released after) and the bytes each
+    copied from the host."""
+    times, moved = [], 0
+    for _ in range(repeats):
+        before = runner.pcie.prefill
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        row, _ = runner.admit("hot", art, QUESTION, runner.config, 64)
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+        moved = runner.pcie.prefill - before
+        runner.release(row)
+    return statistics.median(times), moved
+
+
+def profile_admit(runner: OffloadRunner, art: ContextArtifact) -> tuple[dict, list[tuple[str, float]]]:
+    """One hot admission under torch.profiler: its device activity and its (kernel, us) events."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        row, _ = runner.admit("hot", art, QUESTION, runner.config, 64)
+        torch.cuda.synchronize()
+    runner.release(row)
+    events = prof.profiler.kineto_results.events()
+    kernels = [(e.name(), e.duration_ns() / 1e3) for e in events if e.device_type().name == "CUDA"]
+    return device_activity(events), kernels
+
+
+def admit_rows(runner: OffloadRunner, art: ContextArtifact, n: int, h2d_gb_per_s: float,
+               repeats: int) -> tuple[list[dict], list[tuple[str, list[tuple[str, float]]]]]:
+    """The serial and the pipelined hot admission at context n: a row each, and each one's events."""
+    runner.release(runner.admit("hot", art, QUESTION, runner.config, 64)[0])  # the load (cold), then hot ones
+    rows, kernels = [], []
+    for pipelined in (False, True):
+        runner.pipelined_prefill = pipelined
+        hot_admit_ms(runner, art, 2)  # first uses of this path
+        wall, moved = hot_admit_ms(runner, art, repeats)
+        activity, events = profile_admit(runner, art)
+        copy_ms = moved / (h2d_gb_per_s * 1e6) if h2d_gb_per_s else None
+        mode = "pipelined" if pipelined else "serial"
+        rows.append({"context": n, "copy": mode, "admit_ms": wall, "h2d_bytes": moved,
+                     "h2d_ms_at_link": copy_ms, "h2d_gb_per_s_achieved": moved / (activity["h2d_busy_ms"] * 1e6)
+                     if activity["h2d_busy_ms"] else None, "link_h2d_gb_per_s": h2d_gb_per_s, **activity})
+        kernels.append((mode, events))
+    return rows, kernels
