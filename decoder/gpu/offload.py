@@ -64,6 +64,12 @@ class SlotCache:
         rewrite, so rows cached for them would be stale."""
         self.tag[row].fill_(-1)
         self.slot_of[row].fill_(-1)
+        # and its eviction order as new (stamps, ring): steps beside a prefill that rewound it
+        # must leave the slots its misses take as a lone prefill does
+        busy, _, stamp, _ = self.scratch
+        hkv = self.tag.shape[1]
+        busy[row].zero_()
+        stamp[row * hkv:(row + 1) * hkv].zero_()
         self.ring[row].zero_()
 
     def hit_rate(self) -> float:
