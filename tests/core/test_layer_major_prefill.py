@@ -17,14 +17,27 @@ def tiny():
 
 @pytest.mark.parametrize("n, chunk, cached", [(300, 64, 0), (257, 100, 0), (90, 1024, 0), (200, 48, 37)])
 def test_layer_major_is_bitwise_the_chunk_major_prefill(tiny, n, chunk, cached):
+    _check_bitwise(tiny, n, chunk, cached)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_a_gpu_layer_major_is_bitwise_the_chunk_major_prefill(dtype):
+    """The fused rope/K-V write kernel and CUDA SDPA: the same chunks give the same bits."""
+    model = load_model("random:tiny", dtype, "cuda").model
+    _check_bitwise(model, 900, 256, 0)
+    _check_bitwise(model, 300, 128, 100)
+
+
+def _check_bitwise(tiny, n: int, chunk: int, cached: int) -> None:
     torch.manual_seed(n)
-    ids = torch.randint(0, tiny.args.vocab_size, (1, cached + n))
+    ids = torch.randint(0, tiny.args.vocab_size, (1, cached + n)).to(tiny.lm_head.weight.device)
     runs = []
     for layer_major in (False, True):
-        cache = tiny.new_cache(1, 512)
+        cache = tiny.new_cache(1, 1024)
         if cached:  # appended after a row that already holds tokens
             prefill(tiny, ids[:, :cached], cache, dense_attention, chunk)
-        capture = QueryCapture(tiny.args.n_layers, keep=torch.arange(0, cached + n, 3))
+        capture = QueryCapture(tiny.args.n_layers, keep=torch.arange(0, n, 3))
         if layer_major:
             run = LayerMajorPrefill(tiny, ids[:, cached:], cache, capture, chunk)
             assert list(run.layers()) == list(range(tiny.args.n_layers))
