@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from ctxcache.host_copy import host_copies_mark, to_host, wait_for_host_copies
 from ctxcache.kv_codec import CodedKV
 from ctxcache.methods import SparseMethod, make_method
 from ctxcache.models.attention import QueryCapture
+from ctxcache.models.kv_cache import KVCache
 from ctxcache.models.loader import LoadedModel
 from ctxcache.store.artifact_writer import ArtifactWriter
 
@@ -132,7 +134,7 @@ class _KVHandOver:
     host as soon as its prefill ends, handed to the writer then (its tables follow once built:
     a CSAttention GPU build clusters 8 layers at a time)."""
 
-    def __init__(self, cache, n: int, dtype: torch.dtype, config: IndexerConfig,
+    def __init__(self, cache: KVCache, n: int, dtype: torch.dtype, config: IndexerConfig,
                  writer: ArtifactWriter | None, device: torch.device) -> None:
         self.cache, self.n, self.dtype, self.device = cache, n, dtype, device
         self.codec = config.kv_codec if config.coded_kv else "lossless"
@@ -156,7 +158,7 @@ class _KVHandOver:
             self.writer.add_layer(layer, full, self.kv_codec, host_copies_mark(self.device))
 
 
-def _timed(layers, total: list[float], device: torch.device):
+def _timed(layers: Iterator[int], total: list[float], device: torch.device) -> Iterator[int]:
     """`layers` (a LayerMajorPrefill's), adding each layer's run to total[0] (synced on a GPU:
     for the build's phase log only, and the index build that follows reads the layer anyway)."""
     it = iter(layers)
