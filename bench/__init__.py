@@ -28,6 +28,7 @@ BENCHMARKS = {
     "http": ("CPU", "the OpenAI-compatible HTTP front vs gRPC on one server: TTFT and tok/s, by reference and automatic"),
     "tiers": ("any", "a context's TTFT from HBM, DRAM, the local store (page cache, dropped), the object store vs re-prefill"),
     "object_read": ("any", "the object tier's read of a load's chunks (SeaweedFS here) beside bare ranged GETs: GB/s, CPU/GB"),
+    "object_write": ("any", "a put's chunk uploads through the S3 tier (SeaweedFS here) by pyarrow IO thread count: GB/s"),
     "fleet": ("any", "indexer + decoders on Redis and S3: cold load from the object store vs re-prefill; tok/s of 1 vs N decoders"),
 }
 

@@ -65,6 +65,11 @@ class LayerArtifact:
     def kv_shape(self) -> tuple[int, ...]:
         return tuple(self._k.shape) if self._k is not None else self.coded.shape
 
+    def with_tables(self, tables: dict[str, torch.Tensor], queries: torch.Tensor | None = None) -> "LayerArtifact":
+        """This layer's K/V (the same tensors, decoded or coded) with these tables and queries:
+        a build hands a layer's K/V to the store before its tables are built."""
+        return LayerArtifact(self._k, self._v, tables, queries, self.coded)
+
     def coded_as(self, codec: str) -> CodedKV:
         """The K/V as `codec` stores them: the layer's own codes when it holds that codec's,
         else encoded here from the decoded k, v (on their device)."""

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from ctxcache.artifact import KV_CODECS, ContextArtifact, LayerArtifact
-from ctxcache.generation import prefill
+from ctxcache.generation import LayerMajorPrefill
 from ctxcache.host_copy import host_copies_mark, to_host, wait_for_host_copies
 from ctxcache.kv_codec import CodedKV
 from ctxcache.methods import SparseMethod, make_method
 from ctxcache.models.attention import QueryCapture
+from ctxcache.models.kv_cache import KVCache
 from ctxcache.models.loader import LoadedModel
 from ctxcache.store.artifact_writer import ArtifactWriter
 
@@ -88,36 +90,85 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     bounded = 0 < config.capture_queries < n
     capture = QueryCapture(args.n_layers, keep=query_positions(n, config.capture_queries, CAPTURE_TAIL) if bounded else None)
     started = time.perf_counter()
-    with tqdm(total=n, desc="prefill", unit="tok", disable=not config.progress) as bar:
-        logits = prefill(lm.model, ids[None].to(device), cache, capture, config.chunk, bar.update)
-    prefilled = _synced_now(device)
-    dtype = _DTYPES[config.kv_dtype]
+    # layer-major: layer l's K/V and queries are final before layer l + 1 runs, so its K/V go
+    # to the writer (and its table build runs) while later layers prefill
+    run = LayerMajorPrefill(lm.model, ids[None].to(device), cache, capture, config.chunk)
+    kv = _KVHandOver(cache, n, _DTYPES[config.kv_dtype], config, writer, device)
+    prefill_s = [0.0]  # the prefill's own time, without the index work between its layers
+
+    def inputs():
+        with tqdm(total=args.n_layers, desc="prefill", unit="layer", disable=not config.progress) as bar:
+            for layer in _timed(run.layers(), prefill_s, device):
+                bar.update(1)
+                kv.hand_over(layer)
+                # the method builds where the keys are (SparseMethod.build_layers: on a GPU for
+                # CSAttention); each layer's queries are read only when its build needs them
+                yield capture.queries(layer), cache.k[layer][0, :, :n], cache.v[layer][0, :, :n]
+
+    built = method.build_layers(inputs(), args.n_layers)
     layers = []
-    # the method builds where the keys are (SparseMethod.build_layers: on a GPU for CSAttention);
-    # each layer's queries are read only when its build needs them
-    inputs = ((capture.queries(layer), cache.k[layer][0, :, :n], cache.v[layer][0, :, :n])
-              for layer in range(args.n_layers))
-    built = method.build_layers(inputs, args.n_layers)
     for layer in tqdm(range(args.n_layers), desc=f"index ({method.name})", unit="layer",
                       disable=not config.progress):
         tables = method.persist(next(built))
         kept = _kept_queries(capture.queries(layer), config.store_queries) if config.store_queries else None
-        layers.append(_kv_layer(cache.k[layer][0, :, :n], cache.v[layer][0, :, :n], dtype,
-                                config.kv_codec if config.coded_kv else "lossless", tables, kept))
+        layers.append(kv.with_tables(layer, tables, kept))
         capture.chunks[layer] = []  # free the queries as we go
-        # handed over once it holds what the store keeps (its host copies still landing: the writer
-        # waits for them, not the build); a lossy codec's K/V held decoded is encoded at finish
-        if writer is not None and (config.coded_kv or config.kv_codec == "lossless"):
-            writer.add_layer(layer, layers[-1], config.kv_codec, host_copies_mark(device))
+        kv.hand_over_tables(layer, layers[-1])
+    if next(built, None) is not None:  # (drawing past the last layer also ends the prefill: its logits)
+        raise RuntimeError(f"{method.name} built more layers than the model's {args.n_layers}")
     indexed = _synced_now(device)
     wait_for_host_copies(device)
-    # the build's phases, for bench tiers' PutContext split (a sync each: the next phase waits anyway)
-    log.info("build phases: prefill %.3fs, index and encode %.3fs, host copies after %.3fs",
-             prefilled - started, indexed - prefilled, time.perf_counter() - indexed)
+    # the build's phases, for bench tiers' PutContext split (the prefill's blocks alone; the
+    # index work ran between its layers)
+    log.info("build phases: prefill %.3fs, index and encode %.3fs (between and after the layers), host copies "
+             "after %.3fs", prefill_s[0], indexed - started - prefill_s[0], time.perf_counter() - indexed)
+    logits = run.logits
     return ContextArtifact(
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
         method_params=method.params.to_dict(), tokens=ids.cpu(), last_logits=logits[0].float().cpu(),
         layers=layers, kv_dtype=config.kv_dtype, kv_codec=config.kv_codec)
+
+
+class _KVHandOver:
+    """Each layer's K/V, encoded by the context's codec where the build runs and queued to the
+    host as soon as its prefill ends, handed to the writer then (its tables follow once built:
+    a CSAttention GPU build clusters 8 layers at a time)."""
+
+    def __init__(self, cache: KVCache, n: int, dtype: torch.dtype, config: IndexerConfig,
+                 writer: ArtifactWriter | None, device: torch.device) -> None:
+        self.cache, self.n, self.dtype, self.device = cache, n, dtype, device
+        self.codec = config.kv_codec if config.coded_kv else "lossless"
+        self.kv_codec = config.kv_codec
+        # a lossy codec's K/V held decoded are encoded at finish, so nothing is handed over early
+        self.writer = writer if config.coded_kv or config.kv_codec == "lossless" else None
+        self.layers: dict[int, LayerArtifact] = {}
+
+    def hand_over(self, layer: int) -> None:
+        k, v = self.cache.k[layer][0, :, :self.n], self.cache.v[layer][0, :, :self.n]
+        self.layers[layer] = _kv_layer(k, v, self.dtype, self.codec, {}, None)
+        if self.writer is not None:  # its host copies still landing: the writer waits for them, not the build
+            self.writer.add_layer(layer, self.layers[layer], self.kv_codec, host_copies_mark(self.device))
+
+    def with_tables(self, layer: int, tables: dict, queries: torch.Tensor | None) -> LayerArtifact:
+        return self.layers.pop(layer).with_tables(tables, queries)  # the K/V tensors the writer holds
+
+    def hand_over_tables(self, layer: int, full: LayerArtifact) -> None:
+        """The layer again, whole: the writer stores what it was not handed yet (tables, queries)."""
+        if self.writer is not None:
+            self.writer.add_layer(layer, full, self.kv_codec, host_copies_mark(self.device))
+
+
+def _timed(layers: Iterator[int], total: list[float], device: torch.device) -> Iterator[int]:
+    """`layers` (a LayerMajorPrefill's), adding each layer's run to total[0] (synced on a GPU:
+    for the build's phase log only, and the index build that follows reads the layer anyway)."""
+    it = iter(layers)
+    while True:
+        t0 = _synced_now(device)
+        layer = next(it, None)
+        if layer is None:
+            return
+        total[0] += _synced_now(device) - t0
+        yield layer
 
 
 def _synced_now(device: torch.device) -> float:

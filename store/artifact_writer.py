@@ -32,7 +32,9 @@ class ArtifactWriter(Protocol):
     def add_layer(self, index: int, layer: LayerArtifact, kv_codec: str,
                   ready: Callable[[], None] = landed) -> None:
         """Layer `index` of the artifact `finish` will get (the same tensors); `ready()` returns
-        once its host tensors hold their data (a GPU build's copies are asynchronous)."""
+        once its host tensors hold their data (a GPU build's copies are asynchronous). A layer
+        may be handed over again as it fills (a build hands its K/V as its prefill ends, then the
+        layer with its tables): chunks already handed over (the same tensors) are not stored twice."""
 
     def finish(self, artifact: ContextArtifact) -> Manifest:
         """Store the rest and commit; raises (after `abort`) if any part failed."""

@@ -96,7 +96,9 @@ class ObjectWriter:
     def add_layer(self, index: int, layer: LayerArtifact, kv_codec: str,
                   ready: Callable[[], None] = landed) -> None:
         for slot, t in layer_chunks(index, layer, kv_codec):
-            self._submit(slot, t, ready)
+            job = self._jobs.get(slot)
+            if job is None or job[0] is not t:  # a layer handed over again uploads only what is new
+                self._submit(slot, t, ready)
 
     def _submit(self, slot: Slot, t: torch.Tensor, ready: Callable[[], None]) -> None:
         self._raise_if_failed()

@@ -60,6 +60,27 @@ def test_a_finish_given_other_tensors_than_handed_over_stores_the_finished_ones(
         assert sorted(chunk_keys_now(s)) == sorted(lay.chunk_keys(s.manifest("c1")))
 
 
+def test_a_layer_handed_over_again_uploads_only_its_new_chunks(tier_uri: str) -> None:
+    """A build hands a layer's K/V as its prefill ends, then the layer with its tables."""
+    art = make_artifact(25, n=128, layers=2, d=32)
+    puts: list[str] = []
+    with ObjectArtifactStore(tier_uri) as s:
+        put = s.tier.inner.put
+
+        def counted(key: str, data) -> None:  # noqa: ANN001
+            puts.append(key)
+            put(key, data)
+        s.tier.inner.put = counted
+        w = s.writer("c1")
+        for i, layer in enumerate(art.layers):
+            w.add_layer(i, layer.with_tables({}), art.kv_codec)  # the K/V alone
+            w.add_layer(i, layer, art.kv_codec)
+        m = w.finish(art)
+        chunks = [k for k in puts if k.startswith(lay.CHUNKS)]
+        assert sorted(chunks) == sorted(lay.chunk_keys(m))  # each once
+        assert_same(s.get("c1"), art)
+
+
 class GatedTier:
     """Holds every chunk PUT until `gate` is set (an object store slower than the build)."""
 
