@@ -94,11 +94,11 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     # to the writer (and its table build runs) while later layers prefill
     run = LayerMajorPrefill(lm.model, ids[None].to(device), cache, capture, config.chunk)
     kv = _KVHandOver(cache, n, _DTYPES[config.kv_dtype], config, writer, device)
-    prefill_s = [0.0]  # the prefill's own time, without the index work between its layers
+    clock = _LayerClock(device)
 
     def inputs():
         with tqdm(total=args.n_layers, desc="prefill", unit="layer", disable=not config.progress) as bar:
-            for layer in _timed(run.layers(), prefill_s, device):
+            for layer in clock.timed(run.layers()):
                 bar.update(1)
                 kv.hand_over(layer)
                 # the method builds where the keys are (SparseMethod.build_layers: on a GPU for
@@ -121,7 +121,7 @@ def build_artifact(lm: LoadedModel, tokens: list[int] | torch.Tensor, method: Sp
     # the build's phases, for bench tiers' PutContext split (the prefill's blocks alone; the
     # index work ran between its layers)
     log.info("build phases: prefill %.3fs, index and encode %.3fs (between and after the layers), host copies "
-             "after %.3fs", prefill_s[0], indexed - started - prefill_s[0], time.perf_counter() - indexed)
+             "after %.3fs", clock.seconds(), indexed - started - clock.seconds(), time.perf_counter() - indexed)
     logits = run.logits
     return ContextArtifact(
         model_id=lm.model_id, model_args=args.to_dict(), method=method.name,
@@ -158,17 +158,37 @@ class _KVHandOver:
             self.writer.add_layer(layer, full, self.kv_codec, host_copies_mark(self.device))
 
 
-def _timed(layers: Iterator[int], total: list[float], device: torch.device) -> Iterator[int]:
-    """`layers` (a LayerMajorPrefill's), adding each layer's run to total[0] (synced on a GPU:
-    for the build's phase log only, and the index build that follows reads the layer anyway)."""
-    it = iter(layers)
-    while True:
-        t0 = _synced_now(device)
-        layer = next(it, None)
-        if layer is None:
-            return
-        total[0] += _synced_now(device) - t0
-        yield layer
+class _LayerClock:
+    """The prefill's own time, its layers' runs summed without the index work between them: CUDA
+    events on a GPU (no sync: the index build's launches queue behind the layer as before),
+    wall time on a CPU. For the build's phase log."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple] = []
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def timed(self, layers: Iterator[int]) -> Iterator[int]:
+        it = iter(layers)
+        while True:
+            start = self._mark()
+            layer = next(it, None)
+            if layer is None:
+                return
+            self.spans.append((start, self._mark()))
+            yield layer
+
+    def seconds(self) -> float:
+        """Call once the device is synced."""
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
+        return sum(b - a for a, b in self.spans)
 
 
 def _synced_now(device: torch.device) -> float:
