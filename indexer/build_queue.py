@@ -59,7 +59,8 @@ class Job:
 
     @property
     def progress(self) -> float:
-        """Queued 0; prefill 0.1..0.7 by blocks run; indexing 0.7..0.9 by layers; writing 0.9; 1."""
+        """Queued 0; 0.1..0.9: prefill blocks run (0.6) and layers indexed (0.2), which interleave
+        (a layer is indexed once its prefill ends); writing 0.9; 1."""
         if self.stage != 0.1:
             return self.stage
         t = self.token

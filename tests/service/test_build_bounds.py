@@ -90,10 +90,12 @@ def test_progress_moves_through_the_build(start):
     info = client.put(slow_put("abc " * 150, False), timeout=10).context
     seen = set()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not any(0.7 <= p < 1.0 for p in seen):
+    while time.monotonic() < deadline and not any(0.1 < p < 1.0 for p in seen):
         seen.add(round(client.context.GetContext(pb.GetContextRequest(context_id=info.context_id), timeout=5).progress, 2))
         time.sleep(0.05)
-    assert any(0.7 <= p < 1.0 for p in seen), sorted(seen)  # the prefill counted, indexing under way
+    # past queued (0.1) while the slow index build runs: the blocks prefilled counted (a layer-major
+    # build indexes a layer as soon as its prefill ends, so its progress need not reach 0.7 first)
+    assert any(0.1 < p < 1.0 for p in seen), sorted(seen)
 
 
 def test_evict_cancels_a_running_build(start):
