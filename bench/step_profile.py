@@ -17,6 +17,8 @@ measured host -> device rate; writes admit_profile_<device>.json."""
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -63,8 +65,6 @@ def profile_steps(runner: GpuRunner, rows: list, steps: int = 5, repeats: int = 
 def greedy_steps(runner: OffloadRunner, rows: list, steps: int = 32) -> dict:
     """`steps` steps fed their own greedy tokens (a repeated token keeps one selection, which
     the slot caches always hit): the caches' hit rate, PCIe bytes and wall time a step."""
-    import statistics
-    import time
     tokens, times = [7] * len(rows), []
     (hits0, sel0), (bytes0, steps0) = runner.offload_hits(), runner.pcie_bytes()
     for _ in range(steps):
