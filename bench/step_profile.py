@@ -12,7 +12,8 @@ built artifact per length shared by every row (each row its own slot and tables)
 `--admit [--repeats 5]`: instead of steps, an offloaded context's hot admission of a 20-token
 question at each context, the serial host copy against the pipelined one (bench/common/admit_profile.py):
 wall ms, bytes from the host, copies' and kernels' busy ms and their overlap, beside the link's
-measured host -> device rate; writes admit_profile_<device>.json."""
+measured host -> device rate, and one admission's host functions by own time (cProfile: where a
+launch-bound admission spends its host time); writes admit_profile_<device>.json."""
 
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 def admissions(lm, sparse, config: SparseConfig, args: argparse.Namespace) -> int:
     """--admit: each context's hot admission, serial and pipelined copy, profiled."""
     link = h2d_gb_per_s()
-    rows_out, top = [], []
+    rows_out, top, host = [], [], []
     for n in args.contexts:
         _, art = build_times(lm, n, {})
         runner = OffloadRunner(lm, sparse, config, slots=1, max_len=n + 512)
@@ -143,12 +144,14 @@ def admissions(lm, sparse, config: SparseConfig, args: argparse.Namespace) -> in
             kernels = per_step(ev, 1)
             row["kernels"] = kernels
             top += [{"context": n, "copy": mode, **k} for k in kernels[:args.top]]
+            host += [{"context": n, "copy": mode, **f} for f in row["host_functions"][:args.top]]
         del runner, art
         torch.cuda.empty_cache()
     path = write_result("admit_profile", {"h2d_gb_per_s": link, "rows": rows_out}, args.out)
     print_table(top, ["context", "copy", "kernel", "launches", "us"])
+    print_table(host, ["context", "copy", "function", "calls", "own_ms", "cum_ms"])
     print_table(rows_out, ["context", "copy", "admit_ms", "h2d_bytes", "h2d_ms_at_link", "link_h2d_gb_per_s",
                            "h2d_busy_ms", "h2d_gb_per_s_achieved", "kernels_busy_ms", "overlap_ms", "device_span_ms",
-                           "copy_streams", "kernel_streams"])
+                           "host_enqueue_ms_cprofile", "copy_streams", "kernel_streams"])
     print(f"wrote {path}")
     return 0

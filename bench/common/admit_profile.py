@@ -11,6 +11,8 @@ beside the link's measured rate (what the copies alone would take)."""
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import statistics
 import time
 from collections.abc import Iterable
@@ -101,6 +103,25 @@ def profile_admit(runner: OffloadRunner, art: ContextArtifact) -> tuple[dict, li
     return device_activity(events), kernels
 
 
+def host_profile(runner: OffloadRunner, art: ContextArtifact, top: int = 25) -> tuple[float, list[dict]]:
+    """One hot admission under cProfile: its host wall ms (cProfile's own overhead included) and
+    the `top` functions by their own time, with calls (a launch-bound admission shows its launch
+    sites here, which the device profile cannot attribute)."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    row, _ = runner.admit("hot", art, QUESTION, runner.config, 64)
+    prof.disable()
+    host_ms = 1e3 * (time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    runner.release(row)
+    stats = pstats.Stats(prof).stats
+    funcs = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return host_ms, [{"function": f"{path.rsplit('/', 2)[-1]}:{line}:{name}", "calls": calls,
+                      "own_ms": 1e3 * own, "cum_ms": 1e3 * cum} for (path, line, name), (_, calls, own, cum, _) in funcs]
+
+
 def admit_rows(runner: OffloadRunner, art: ContextArtifact, n: int, h2d_gb_per_s: float,
                repeats: int) -> tuple[list[dict], list[tuple[str, list[tuple[str, float]]]]]:
     """The serial and the pipelined hot admission at context n: a row each, and each one's events."""
@@ -111,10 +132,12 @@ def admit_rows(runner: OffloadRunner, art: ContextArtifact, n: int, h2d_gb_per_s
         hot_admit_ms(runner, art, 2)  # first uses of this path
         wall, moved = hot_admit_ms(runner, art, repeats)
         activity, events = profile_admit(runner, art)
+        host_ms, host_funcs = host_profile(runner, art)
         copy_ms = moved / (h2d_gb_per_s * 1e6) if h2d_gb_per_s else None
         mode = "pipelined" if pipelined else "serial"
         rows.append({"context": n, "copy": mode, "admit_ms": wall, "h2d_bytes": moved,
                      "h2d_ms_at_link": copy_ms, "h2d_gb_per_s_achieved": moved / (activity["h2d_busy_ms"] * 1e6)
-                     if activity["h2d_busy_ms"] else None, "link_h2d_gb_per_s": h2d_gb_per_s, **activity})
+                     if activity["h2d_busy_ms"] else None, "link_h2d_gb_per_s": h2d_gb_per_s, **activity,
+                     "host_enqueue_ms_cprofile": host_ms, "host_functions": host_funcs})
         kernels.append((mode, events))
     return rows, kernels

@@ -57,9 +57,12 @@ class HostKVPool(KVCache):
         t = pos.shape[1]
         starts = [self.prompt_start] * pos.shape[0] if self.prompt_start is not None else pos[:, 0].tolist()
         for b, start in enumerate(starts):
-            for h in range(k.shape[1]):
-                self.k[layer][b, h, start:start + t].copy_(k[b, h], non_blocking=True)
-                self.v[layer][b, h, start:start + t].copy_(v[b, h], non_blocking=True)
+            for dst, src in ((self.k[layer], k), (self.v[layer], v)):
+                if dst.device == src.device:  # K in HBM (with_k): one strided device copy
+                    dst[b, :, start:start + t].copy_(src[b], non_blocking=True)
+                    continue
+                for h in range(src.shape[1]):
+                    dst[b, h, start:start + t].copy_(src[b, h], non_blocking=True)
         if self.tap is not None:
             self.tap(layer, k, v)
 
