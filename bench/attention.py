@@ -9,9 +9,8 @@ table_dtype, scored by integer dot products).
 Each variant is captured in a CUDA graph and timed by replay (median, L2 flushed). The timed
 rows run the decoder's own configs (GpuSelector's score and Top-K shapes, GpuSparseAttention's
 ATTN_CFG). The launch-shape sweeps that chose those configs were deleted with their probe
-(bench/attention_tune.py, git history). --fused-merge also times the split-K attention merging
-its partials in the same launch (rows *_fused beside the two-launch ones, same inputs).
-`ctxcache bench attention [--contexts 8192,...] [--batches 1,8] [--fused-merge] [--out DIR]`."""
+(bench/attention_tune.py, git history).
+`ctxcache bench attention [--contexts 8192,...] [--batches 1,8] [--out DIR]`."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.kernels.rerank import Reranker
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.kernels.topk import radix_topk
-from ctxcache.kernels.split_k_attention import choose_splits, partial_workspace, region, sparse_decode_attention
+from ctxcache.kernels.split_k_attention import choose_splits, region, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 
@@ -49,14 +48,8 @@ def step_inputs(n: int, batch: int, budget: Budget, dev: str) -> tuple[torch.Ten
     return q, k, v, nt, lo, hi, kk
 
 
-def fused_ws(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, ...]:
-    """The fused merge's workspace with its counters, made (and zeroed) before any capture."""
-    return partial_workspace(q.shape[0], HQ, HKV, splits, D, q.device, counters=True)
-
-
 def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev: str,
-              list_layout: bool = False, shared: bool = False, reranks: tuple[float, ...] = (),
-              fused: bool = False) -> list[dict]:
+              list_layout: bool = False, shared: bool = False, reranks: tuple[float, ...] = ()) -> list[dict]:
     q, k, v, nt, lo, hi, kk = step_inputs(n, batch, budget, dev)
     base = {"context": n, "batch": batch}
     rows = []
@@ -67,17 +60,12 @@ def bench_one(n: int, batch: int, params: CSAttentionParams, budget: Budget, dev
     sd = choose_splits(batch * HKV, n)
     g = capture(lambda: sparse_decode_attention(q, k, v, nt, splits=sd))
     rows.append({**base, "method": "dense_splitk", "time_us": time_us(g.replay), "splits": sd})
-    if fused:
-        ws = fused_ws(q, sd)
-        g = capture(lambda: sparse_decode_attention(q, k, v, nt, splits=sd, ws=ws, fused_merge=True))
-        rows.append({**base, "method": "dense_splitk_fused", "time_us": time_us(g.replay), "splits": sd})
     if list_layout:
         rows += bench_list(q, k, v, nt, lo, hi, kk, params, budget, base)
     for suffix, variant in DENSE_VARIANTS.items():
-        rows += bench_dense(q, k, v, nt, lo, hi, kk, budget, base, suffix, *variant, shared=shared,
-                            fused=fused and suffix == "")
+        rows += bench_dense(q, k, v, nt, lo, hi, kk, budget, base, suffix, *variant, shared=shared)
     for r in reranks:
-        rows += bench_rerank(q, k, v, nt, lo, hi, kk, budget, base, r, shared, fused)
+        rows += bench_rerank(q, k, v, nt, lo, hi, kk, budget, base, r, shared)
     del k, v
     torch.cuda.empty_cache()
     return rows
@@ -115,22 +103,17 @@ def attn_splits(batch: int, top_k: int, budget: Budget, cfg: dict = ATTN_CFG) ->
 
 
 def attend(q, k, v, nt, idx, kk, budget: Budget, splits: int, pdl: bool = False, cfg: dict = ATTN_CFG,
-           pre_wait: bool = True, fused_ws: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-    """The sparse attention as GpuSparseAttention launches it (ATTN_CFG, or a swept shape);
-    fused_ws given: merged in the same launch, whatever cfg says; else as cfg says (two launches
-    unless cfg["fused_merge"], then on a fresh workspace whose counters each call zeroes)."""
-    fused = fused_ws is not None or cfg.get("fused_merge", False)
+           pre_wait: bool = True) -> torch.Tensor:
+    """The sparse attention as GpuSparseAttention launches it (ATTN_CFG, or a swept shape)."""
     return sparse_decode_attention(q, k, v, nt, idx, kk, budget.sinks, budget.recent, splits=splits,
                                    block_n=cfg["block_n"], num_warps=cfg["num_warps"],
-                                   num_stages=cfg["num_stages"], pdl=pdl, pre_wait=pre_wait, ws=fused_ws,
-                                   fused_merge=fused)
+                                   num_stages=cfg["num_stages"], pdl=pdl, pre_wait=pre_wait)
 
 
 def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str, routing: str,
-                score_keys: str, score_dtype: str, shared: bool = False, fused: bool = False) -> list[dict]:
+                score_keys: str, score_dtype: str, shared: bool = False) -> list[dict]:
     """Dense-layout selection (broken down) + sparse attention, one variant; `shared`: one
-    table for every batch row (stride 0) instead of one per row; fused: the attention alone
-    also with the fused merge (cs_sparse_attn_fused)."""
+    table for every batch row (stride 0) instead of one per row."""
     batch, n = q.shape[0], k.shape[2]
     params = CSAttentionParams(routing=routing, rerank=1.0)  # list_fraction = 1: the dense layout
     tables = batch_dense_tables(batch, n, params, q.device, score_dtype, shared=shared)
@@ -151,19 +134,12 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     def attn():  # PDL as the decoder launches it (GpuSparseAttention)
         attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl)
 
-    ws = fused_ws(q, ss) if fused else None
-
-    def attn_fused():
-        attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl, fused_ws=ws)
-
     def total():
         attend(q, k, v, nt, sel.select(q, tables, lo, hi, kk), kk, budget, ss, sel.pdl)
     parts = {"cs_dense_score": lambda: sel.route_dense(q, tables, lo, hi, kk), "cs_dense_topk": topk_only,
              "cs_dense_select": lambda: sel.select(q, tables, lo, hi, kk), "csattention_dense": total}
     if suffix == "":
         parts["cs_sparse_attn"] = attn
-    if fused:
-        parts["cs_sparse_attn_fused"] = attn_fused
     rows = []
     for name, fn in parts.items():
         g = capture(fn)
@@ -175,7 +151,7 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
         if name == "cs_dense_topk":
             row["note"] = ("Top-K after pass 0 (16-bit keys: pass 1 + collect; fp32: passes 1-3 + collect) "
                            "+ a copy restoring the workspace (4 KB per row + block histograms)")
-        if name in ("csattention_dense", "cs_sparse_attn", "cs_sparse_attn_fused"):
+        if name in ("csattention_dense", "cs_sparse_attn"):
             row.update(top_k=int(kk[0]), splits=ss, dense_cfg=dict(sel.dense_cfg), attn_cfg=dict(ATTN_CFG),
                        topk_block=sel.topk_block, topk_warps=sel.topk_warps)
         rows.append(row)
@@ -184,14 +160,12 @@ def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str
     return rows
 
 
-def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: float, shared: bool,
-                 fused: bool = False) -> list[dict]:
+def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: float, shared: bool) -> list[dict]:
     """The default variant (group routing, int8 tables) with CSAttention's exact re-rank, as
     GpuSparseAttention runs it: the selector proposes ceil(rerank * K) candidates (the default
     follow: led by the successors of the last step's best keys, seeded here at random positions),
     the Reranker keeps the K best by exact group attention (and records its best for the next
-    step), then the sparse attention; fused: the whole also with the fused merge
-    (csattention_fused_rerank*)."""
+    step), then the sparse attention."""
     batch, n = q.shape[0], k.shape[2]
     params = CSAttentionParams(routing="group", rerank=rerank)
     k_max = int(kk[0])
@@ -211,18 +185,14 @@ def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: fl
     def rerank_only():
         rr(q, k, cand, kc, kk, lo, hi, nt, budget.sinks, budget.recent, tables.follow_prev, kf)
 
-    def total(ws: tuple[torch.Tensor, ...] | None = None):
+    def total():
         idx = rr(q, k, sel.select(q, tables, lo, hi, kc), kc, kk, lo, hi, nt, budget.sinks, budget.recent,
                  tables.follow_prev, kf)
-        attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl, fused_ws=ws)
+        attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl)
     tag = f"_rerank{rerank:g}"
-    parts = {"cs_dense_select": lambda: sel.select(q, tables, lo, hi, kc), "cs_rerank_only": rerank_only,
-             "csattention_dense": total}
-    if fused:
-        ws = fused_ws(q, ss)
-        parts["csattention_fused"] = lambda: total(ws)
     rows = []
-    for name, fn in parts.items():
+    for name, fn in {"cs_dense_select": lambda: sel.select(q, tables, lo, hi, kc), "cs_rerank_only": rerank_only,
+                     "csattention_dense": total}.items():
         g = capture(fn)
         rows.append({**base, "method": name + tag, "time_us": time_us(g.replay), "rerank": rerank, "follow": f,
                      "candidates": kc_max, "top_k": k_max, "tables_shared_across_batch_rows": shared})
@@ -275,8 +245,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         t = {r["method"]: r["time_us"] for r in rows if r["context"] == n and r["batch"] == b}
         dense = next(v for m, v in t.items() if m.startswith("dense_sdpa"))
         row = {"context": n, "batch": b, "sdpa_us": dense, "splitk_us": t["dense_splitk"],
-               "attn_us": t.get("cs_sparse_attn"), "splitk_fused_us": t.get("dense_splitk_fused"),
-               "attn_fused_us": t.get("cs_sparse_attn_fused")}
+               "attn_us": t.get("cs_sparse_attn")}
         for suffix in DENSE_VARIANTS:
             tag = suffix or "_h32"
             row[f"select{tag}_us"] = t.get(f"cs_dense_select{suffix}")
@@ -286,10 +255,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         for m, us in t.items():  # the re-rank variants (--rerank)
             if m.startswith("csattention_dense_rerank"):
                 tag = m.removeprefix("csattention_dense_")
-                fused = t.get(f"csattention_fused_{tag}")  # --fused-merge
-                row.update({f"cs_{tag}_us": us, f"{tag}_only_us": t.get(f"cs_rerank_only_{tag}"),
-                            f"speedup_{tag}": dense / us, f"cs_{tag}_fused_us": fused,
-                            f"speedup_{tag}_fused": dense / fused if fused else None})
+                row.update({f"cs_{tag}_us": us, f"{tag}_only_us": t.get(f"cs_rerank_only_{tag}"), f"speedup_{tag}": dense / us})
         out.append(row)
     return out
 
@@ -303,9 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--rerank", default="4", type=lambda x: tuple(float(r) for r in x.split(",") if r),
                         help="comma-separated re-rank factors to time with the default variant "
                              "(candidates = factor x K; CSAttention's default is 4; '' for none)")
-        ap.add_argument("--fused-merge", action="store_true",
-                        help="also time the split-K attention merging its partials in the same launch (rows "
-                             "*_fused beside the two-launch ones; ATTN_CFG's fused_merge is the decoder's choice)")
     args = gpu_cli("ctxcache bench attention", "8192,16384,32768,65536,131072", argv, extra, __doc__)
     if args is None:
         return 2
@@ -314,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for b in args.batches:
         for n in args.contexts:
-            rows += bench_one(n, b, params, budget, "cuda", args.list_layout, args.share_tables, args.rerank,
-                              args.fused_merge)
+            rows += bench_one(n, b, params, budget, "cuda", args.list_layout, args.share_tables, args.rerank)
             print([(r["method"], round(r["time_us"], 1)) for r in rows if r["context"] == n and r["batch"] == b],
                   flush=True)
     if args.list_layout:
@@ -327,7 +289,6 @@ def main(argv: list[str] | None = None) -> int:
     shared = "one table shared by every batch row (stride 0)" if args.share_tables else "each batch row its own tables"
     path = write_result("attention", {
         "tables_shared_across_batch_rows": args.share_tables, "l2_flush": flush_mode(), "keep": args.keep,
-        "fused_merge_timed": args.fused_merge,
         "attn_cfg": ATTN_CFG, "variants": DENSE_VARIANTS, "crossover_context": cross, "summary": summary,
         "rows": rows}, args.out)
     print_table([r for r in rows if r["method"].startswith(("topk", "torch_topk"))],
@@ -339,12 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                           "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
     for r in args.rerank:
         tag = f"rerank{r:g}"
-        fused_cols = [f"cs_{tag}_fused_us", f"speedup_{tag}_fused"] if args.fused_merge else []
         print_table(summary, ["context", "batch", "sdpa_us", "cs_g16_int8_us", f"{tag}_only_us", f"cs_{tag}_us",
-                              f"speedup_{tag}", *fused_cols])
-    if args.fused_merge:
-        print("split-K merge: two launches vs fused (same launch), per layer, us")
-        print_table(summary, ["context", "batch", "splitk_us", "splitk_fused_us", "attn_us", "attn_fused_us"])
+                              f"speedup_{tag}"])
     png = plot_lines(path.with_suffix(".png"), {
         f"batch {b}": [(s["context"], s["speedup_g16_int8"]) for s in summary if s["batch"] == b and s["speedup_g16_int8"]]
         for b in args.batches}, "context (tokens)", "x SDPA (one layer)", "CSAttention step vs SDPA flash")

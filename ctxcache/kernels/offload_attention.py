@@ -7,8 +7,7 @@ those reads: slot[b, h, j] >= 0 says selected key j sits in cache slot slot[b, h
 slot < 0 says it is a miss, read from the host and written into cache slot -slot - 1 (slots
 written this step are never read this step, decoder/gpu/offload.plan_slots guarantees it,
 so the kernel has no read/write race). Sinks and the recent window (36 rows) are read from
-the host. Same virtual key list, split and merge (two launches, or fused_merge) as
-split_k_attention._split_kernel.
+the host. Same virtual key list, split and merge as sparse_attention._split_kernel.
 
 K in HBM (k_cache None: the offload runner's stage 2): every key's K is read from k_host, here
 an HBM buffer of the context's exact K, and the slot cache holds V alone, so only the misses'
@@ -20,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.split_k_attention import (INTERPRET, empty_partial, group_queries, merge_if_last, merge_partials,
-                                               online_softmax_step, padded_group, partial_workspace, row_counters,
-                                               split_range, sparse_attention_ref, store_partial)
+from ctxcache.kernels.split_k_attention import (INTERPRET, empty_partial, group_queries, merge_partials,
+                                               online_softmax_step, padded_group, partial_workspace, split_range,
+                                               sparse_attention_ref, store_partial)
 
 
 def offload_attention_ref(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int,
@@ -48,10 +47,10 @@ def offload_attention_ref(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel,
 
 @triton.jit
 def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
-                    out_ptr, cnt_ptr, HKV, G, SINKS, RECENT, scale_log2,
-                    sq_b, sq_h, sk_b, sk_h, sk_s, sc_b, sc_h, sc_s, si_b, si_h, so_b, so_h,
+                    HKV, G, SINKS, RECENT, scale_log2,
+                    sq_b, sq_h, sk_b, sk_h, sk_s, sc_b, sc_h, sc_s, si_b, si_h,
                     SPLITS: tl.constexpr, IEEE: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, K_HBM: tl.constexpr, FUSED_MERGE: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, K_HBM: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row // HKV
@@ -94,17 +93,14 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
         tl.store(vc_ptr + doff, vb, mask=miss[:, None])
         m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
     store_partial(o_ws, ml_ws, row * SPLITS + split, m_i, l_i, acc, G, G_PAD, D)
-    if FUSED_MERGE:  # the row's last program merges (split_k_attention.merge_if_last)
-        merge_if_last(o_ws, ml_ws, out_ptr, cnt_ptr, row, HKV, G, so_b, so_h, SPLITS, G_PAD, D)
 
 
 def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int, recent: int,
-                      splits: int = 16, out=None, ws=None, block_n: int = 64, fused_merge: bool = False) -> torch.Tensor:
+                      splits: int = 16, out=None, ws=None, block_n: int = 64) -> torch.Tensor:
     """q [B, Hq, D] (GPU); k/v_host [B, Hkv, S, D] pinned host (or any memory the kernel can
     address); k/v_cache [B, Hkv, C, D] GPU slots (k_cache None: K in HBM, read from k_host, the
     cache holds V); idx, slot [B, Hkv, K_max] int32 with equal strides; k_sel, n [B] int32.
-    Misses are written into the cache. fused_merge: merged in the same launch (as
-    sparse_decode_attention's; ws then from partial_workspace(counters=True)). -> [B, Hq, D]."""
+    Misses are written into the cache. -> [B, Hq, D]."""
     k_hbm = k_cache is None
     k_cache = v_cache if k_hbm else k_cache  # never read or written with K_HBM
     b, hq, d = q.shape
@@ -122,16 +118,12 @@ def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, 
         raise ValueError("need contiguous head dims, a power-of-two head_dim >= 16 and power-of-two splits")
     g = hq // hkv
     g_pad = padded_group(g)
-    ws = partial_workspace(b, hq, hkv, splits, d, q.device, counters=fused_merge) if ws is None else ws
+    ws = partial_workspace(b, hq, hkv, splits, d, q.device) if ws is None else ws
     out = torch.empty_like(q) if out is None else out
-    if out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError(f"out {tuple(out.shape)} stride {out.stride()} must be [{b}, {hq}, {d}], head dim contiguous")
-    cnt = row_counters(ws, b * hkv) if fused_merge else n  # unused pointer without the fused merge
     _offload_kernel[(b * hkv, splits)](
-        q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, ws[0], ws[1], out, cnt,
+        q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, ws[0], ws[1],
         hkv, g, sinks, recent, d ** -0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), *k_host.stride()[:3], *k_cache.stride()[:3], idx.stride(0), idx.stride(1),
-        out.stride(0), out.stride(1),
         SPLITS=splits, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n,
-        K_HBM=k_hbm, FUSED_MERGE=fused_merge)
-    return out if fused_merge else merge_partials(ws, out, hkv, splits)
+        K_HBM=k_hbm)
+    return merge_partials(ws, out, hkv, splits)

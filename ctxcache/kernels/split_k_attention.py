@@ -4,9 +4,8 @@ The keys a KV head reads form a virtual list: the static part (sinks [0, lo) and
 window [hi, n)) followed by the k selected middle indices. The list is cut into SPLITS
 contiguous chunks, one program per (row, KV head, chunk), so a 5% selection still fills the
 GPU; each program handles the whole GQA group (one K/V read per group) and writes a partial
-(max, sum, output) that a second launch merges, or (FUSED_MERGE) the row's last program to
-finish merges in the same launch (a ticket per row, see merge_if_last). DENSE=True reads [0, n)
-instead (the dense split-K baseline and the graph-capturable dense decode)."""
+(max, sum, output) that a second launch merges. DENSE=True reads [0, n) instead (the dense
+split-K baseline and the graph-capturable dense decode)."""
 
 from __future__ import annotations
 
@@ -112,23 +111,14 @@ def split_range(n, k_sel, split, SINKS, RECENT, SPLITS: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws, out_ptr, cnt_ptr,
+def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                   HKV, G, SINKS, RECENT, scale_log2,
-                  sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, si_b, si_h, so_b, so_h,
+                  sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, si_b, si_h,
                   SPLITS: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr,
                   G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
-                  PRE_WAIT: tl.constexpr = True, FUSED_MERGE: tl.constexpr = False):
-    # PDL: the two-launch path triggers here (the merge launches early and waits) and the merge
-    # triggers after its wait iff PRE_WAIT. FUSED_MERGE keeps what the successor sees: with
-    # PRE_WAIT it triggers after its wait, as the merge would (the successor's pre-wait loads
-    # need only what precedes the step, sync.py, and its wait covers this whole grid, merges
-    # included); without, it only waits, and the successor launches at its exit as after a
-    # merge that does not trigger
+                  PRE_WAIT: tl.constexpr = True):
     if not PRE_WAIT:
-        if FUSED_MERGE:
-            pdl_wait(USE_PDL)
-        else:
-            pdl_enter(USE_PDL)
+        pdl_enter(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row // HKV
@@ -160,46 +150,6 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws, ou
         vb = tl.load(v_ptr + b64 * sv_b + hkv * sv_h + pos[:, None].to(tl.int64) * sv_s + offs_d[None, :])
         m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
     store_partial(o_ws, ml_ws, row * SPLITS + split, m_i, l_i, acc, G, G_PAD, D)
-    if FUSED_MERGE:
-        merge_if_last(o_ws, ml_ws, out_ptr, cnt_ptr, row, HKV, G, so_b, so_h, SPLITS, G_PAD, D)
-
-
-@triton.jit
-def merge_head(o_ws, ml_ws, out_ptr, row, g, HKV, G, so_b, so_h, SPLITS: tl.constexpr, G_PAD: tl.constexpr,
-               D: tl.constexpr, CACHE: tl.constexpr):
-    """Combine the SPLITS partials (max, sum, output) of query head g of KV row `row` into out.
-    CACHE: the partials' load modifier ("" or ".cg": from L2, never a stale L1 line)."""
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, D)
-    base = (row * SPLITS + offs_s) * G_PAD + g
-    m = tl.load(ml_ws + base * 2, cache_modifier=CACHE)
-    l = tl.load(ml_ws + base * 2 + 1, cache_modifier=CACHE)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
-    o = tl.load(o_ws + base[:, None] * D + offs_d[None, :], cache_modifier=CACHE)
-    res = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    b = row // HKV
-    h = (row % HKV) * G + g
-    tl.store(out_ptr + b * so_b + h * so_h + offs_d, res.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def merge_if_last(o_ws, ml_ws, out_ptr, cnt_ptr, row, HKV, G, so_b, so_h, SPLITS: tl.constexpr,
-                  G_PAD: tl.constexpr, D: tl.constexpr):
-    """After this program stored its partial: take the row's ticket; the program drawing the
-    last one (every other split's partial is stored and visible) merges all G heads and resets
-    the counter for the next launch (graph replays reuse it).
-
-    Ordering: the barrier puts every thread's partial stores before the ticket (Triton issues a
-    scalar atomic from one thread), the atomic's release publishes them at GPU scope, its
-    acquire in the last program orders the merge's loads after every other program's release,
-    and the loads go to L2 (.cg), which holds the other SMs' stores, not to this SM's L1."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if ticket == SPLITS - 1:
-        for g in range(G):
-            merge_head(o_ws, ml_ws, out_ptr, row, g, HKV, G, so_b, so_h, SPLITS, G_PAD, D, ".cg")
-        tl.store(cnt_ptr + row, 0)
 
 
 @triton.jit
@@ -212,7 +162,20 @@ def _merge_kernel(o_ws, ml_ws, out_ptr, HKV, G, so_b, so_h,
     else:
         pdl_wait(USE_PDL)
     pid = tl.program_id(0)
-    merge_head(o_ws, ml_ws, out_ptr, pid // G, pid % G, HKV, G, so_b, so_h, SPLITS, G_PAD, D, "")
+    row = pid // G
+    g = pid % G
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    base = (row * SPLITS + offs_s) * G_PAD + g
+    m = tl.load(ml_ws + base * 2)
+    l = tl.load(ml_ws + base * 2 + 1)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
+    o = tl.load(o_ws + base[:, None] * D + offs_d[None, :])
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    b = row // HKV
+    h = (row % HKV) * G + g
+    tl.store(out_ptr + b * so_b + h * so_h + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
 def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128, waves: int = 2) -> int:
@@ -224,8 +187,7 @@ def choose_splits(rows: int, max_keys: int, sms: int = 132, min_keys: int = 128,
 
 def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks: int = 0, recent: int = 0,
                             splits: int = 16, out=None, ws=None, block_n: int = 64, pdl: bool = False,
-                            num_warps: int = 4, num_stages: int | None = None, pre_wait: bool = True,
-                            fused_merge: bool = False) -> torch.Tensor:
+                            num_warps: int = 4, num_stages: int | None = None, pre_wait: bool = True) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [B, Hkv, S, D]; n [B] int32 (cached keys per row); idx [B, Hkv, K_max]
     int32 and k_sel [B] int32 (selected middle keys; None: dense over [0, n)) -> [B, Hq, D].
 
@@ -233,9 +195,7 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
     kernel's launch shape (num_stages None: Triton's default software-pipelining depth). pre_wait:
     with pdl, load n, k_sel and q before waiting for the predecessor (they must come from before
     the step's first launch, see sync.py); only idx waits; the merge then lets its successor
-    launch early. fused_merge: each row's last split program merges (one launch); ws then holds
-    the row counters too (partial_workspace(counters=True): allocate it once, outside graph
-    capture, or every call zeroes a fresh one)."""
+    launch early."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     if k_cache.shape[0] != b or v_cache.shape != k_cache.shape or k_cache.shape[3] != d or hq % hkv:
@@ -252,23 +212,19 @@ def sparse_decode_attention(q, k_cache, v_cache, n, idx=None, k_sel=None, sinks:
         raise ValueError(f"splits={splits} must be a power of two")
     g = hq // hkv
     g_pad = padded_group(g)
-    ws = partial_workspace(b, hq, hkv, splits, d, q.device, counters=fused_merge) if ws is None else ws
+    ws = partial_workspace(b, hq, hkv, splits, d, q.device) if ws is None else ws
     out = torch.empty_like(q) if out is None else out
-    if out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError(f"out {tuple(out.shape)} stride {out.stride()} must be [{b}, {hq}, {d}], head dim contiguous")
-    cnt = row_counters(ws, b * hkv) if fused_merge else n  # unused pointer without the fused merge
     idx_t = idx if not dense else n  # unused pointer in dense mode
     si = idx.stride() if not dense else (0, 0)
     _split_kernel[(b * hkv, splits)](
-        q, k_cache, v_cache, idx_t, k_sel if not dense else n, n, ws[0], ws[1], out, cnt,
+        q, k_cache, v_cache, idx_t, k_sel if not dense else n, n, ws[0], ws[1],
         hkv, g, sinks, recent, d ** -0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], si[0], si[1],
-        out.stride(0), out.stride(1),
         SPLITS=splits, DENSE=dense, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n,
-        USE_PDL=pdl, PRE_WAIT=pre_wait, FUSED_MERGE=fused_merge, num_warps=num_warps,
+        USE_PDL=pdl, PRE_WAIT=pre_wait, num_warps=num_warps,
         **launch_opts(pdl),
         **({"num_stages": num_stages} if num_stages else {}))
-    return out if fused_merge else merge_partials(ws, out, hkv, splits, pdl, trigger=pre_wait)
+    return merge_partials(ws, out, hkv, splits, pdl, trigger=pre_wait)
 
 
 def padded_group(g: int) -> int:
@@ -276,26 +232,15 @@ def padded_group(g: int) -> int:
     return max(16, triton.next_power_of_2(g))
 
 
-def partial_workspace(batch: int, hq: int, hkv: int, splits: int, d: int, device: torch.device | str,
-                      counters: bool = False) -> tuple[torch.Tensor, ...]:
-    """The split programs' partials: outputs [rows x splits x G_PAD, D] and (max, sum) pairs, fp32;
-    counters: and the fused merge's ticket per (row, KV head), int32, zero (each launch leaves
-    them zero again)."""
+def partial_workspace(batch: int, hq: int, hkv: int, splits: int, d: int,
+                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split programs' partials: outputs [rows x splits x G_PAD, D] and (max, sum) pairs, fp32."""
     rows = batch * hkv * splits * padded_group(hq // hkv)
-    ws = (torch.empty(rows * d, dtype=torch.float32, device=device),
-          torch.empty(rows * 2, dtype=torch.float32, device=device))
-    return (*ws, torch.zeros(batch * hkv, dtype=torch.int32, device=device)) if counters else ws
+    return (torch.empty(rows * d, dtype=torch.float32, device=device),
+            torch.empty(rows * 2, dtype=torch.float32, device=device))
 
 
-def row_counters(ws: tuple[torch.Tensor, ...], rows: int) -> torch.Tensor:
-    """The fused merge's tickets in ws (partial_workspace(counters=True)), checked."""
-    if len(ws) < 3 or ws[2].dtype != torch.int32 or ws[2].numel() < rows:
-        raise ValueError(f"fused_merge needs ws from partial_workspace(..., counters=True) with >= {rows} "
-                         f"int32 counters, got {len(ws)} tensors")
-    return ws[2]
-
-
-def merge_partials(ws: tuple[torch.Tensor, ...], out: torch.Tensor, hkv: int, splits: int,
+def merge_partials(ws: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, hkv: int, splits: int,
                    pdl: bool = False, num_warps: int = 1, trigger: bool = True) -> torch.Tensor:
     """Combine the split programs' partials in ws (outputs, then max and sum per query head, as
     the split kernels store them) into out [B, Hq, D]. One program per query head; 1 warp keeps

@@ -10,8 +10,7 @@ after its own wait returned, so when a kernel starts, everything two launches ba
 has finished. The selection's and the attention's launches do (`pre_wait`): the route its
 centroids, the int8 score kernel and the radix passes their row lengths, the split-K attention
 n, k and q (H100: ~0.4 us per 128K step for the last two); the merge lets its successor launch
-once its own wait returned, so the next layer's route can read early. A split-K launch that
-merges its own partials (fused_merge) does the same after its wait, before its split work.
+once its own wait returned, so the next layer's route can read early.
 """
 
 from __future__ import annotations

@@ -10,17 +10,15 @@ import torch
 
 from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables, follow_state
 from ctxcache.kernels.rerank import Reranker
-from ctxcache.kernels.split_k_attention import choose_splits, partial_workspace, sparse_decode_attention
+from ctxcache.kernels.split_k_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.attention import dense_attention
 from ctxcache.models.kv_cache import KVCache
 
 # Sparse attention split-K shape: splits cover the SMs `waves` times with >= min_keys keys each;
-# block_n keys per inner step (measured best on the H100 at 128K). fused_merge: each row's last
-# split program merges the partials in the same launch instead of a second one (bench attention
-# --fused-merge times both).
-ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 128, "num_warps": 4, "num_stages": None, "fused_merge": False}
+# block_n keys per inner step (measured best on the H100 at 128K).
+ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 128, "num_warps": 4, "num_stages": None}
 
 
 class GpuDenseAttention:
@@ -68,11 +66,6 @@ class GpuSparseAttention:
                                     min_keys=cfg["min_keys"], waves=cfg["waves"])
         self.block_n = cfg["block_n"]
         self.launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-        self.fused_merge = cfg["fused_merge"]
-        # the fused merge's counters are zeroed once, here, never inside a graph capture (every
-        # launch leaves them zero, and the layers run one after another on one workspace)
-        self.ws = (partial_workspace(batch, n_heads, n_kv, self.splits, head_dim, device, counters=True)
-                   if self.fused_merge else None)
         self.dense = GpuDenseAttention(batch, n_kv, max_len)
         self.last_idx: dict[int, torch.Tensor] = {}  # layer -> selection of the last step (for checks)
         self.record = False
@@ -135,5 +128,5 @@ class GpuSparseAttention:
         """Sinks + the selection idx (first k[b] per row) + the recent window: q [B, Hq, D] -> [B, Hq, D]."""
         return sparse_decode_attention(q, cache.k[layer], cache.v[layer], n, idx, k, self.budget.sinks,
                                        self.budget.recent, splits=self.splits, block_n=self.block_n,
-                                       pdl=self.selector.pdl, ws=self.ws, fused_merge=self.fused_merge, **self.launch)
+                                       pdl=self.selector.pdl, **self.launch)
 

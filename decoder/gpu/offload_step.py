@@ -19,7 +19,7 @@ from ctxcache.decoder.gpu.offload import SlotCache, plan_slots
 from ctxcache.decoder.gpu.selector import GpuDenseTables
 from ctxcache.host_copy import pinned_exact
 from ctxcache.kernels.offload_attention import offload_attention
-from ctxcache.kernels.split_k_attention import choose_splits, partial_workspace
+from ctxcache.kernels.split_k_attention import choose_splits
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.kv_cache import KVCache
@@ -101,9 +101,6 @@ class OffloadSparseAttention(GpuSparseAttention):
                          rerank_key16=None if k_hbm else False)
         self.caches, self.k_hbm = caches, k_hbm
         self.offload_splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent)
-        dev = tables[0].centroids.device
-        self.offload_ws = (partial_workspace(batch, n_heads, n_kv, self.offload_splits, head_dim, dev, counters=True)
-                           if self.fused_merge else None)
 
     def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a prompt's prefill runs through HostPrefillAttention")
@@ -114,4 +111,4 @@ class OffloadSparseAttention(GpuSparseAttention):
         slot = plan_slots(c, idx.contiguous(), k)
         return offload_attention(q, cache.k[layer], cache.v[layer], None if self.k_hbm else c.k, c.v,
                                  idx.contiguous(), slot, k, n, self.budget.sinks, self.budget.recent,
-                                 splits=self.offload_splits, ws=self.offload_ws, fused_merge=self.fused_merge)
+                                 splits=self.offload_splits)

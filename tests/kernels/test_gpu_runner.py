@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from ctxcache.decoder.engine import Engine
-from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.decoder.gpu.runner import GpuRunner
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.decoder.runner import ReferenceRunner
@@ -64,19 +63,14 @@ def _decode(engine, arts, prompts):
 CPU_SLOW = () if torch.cuda.is_available() else (pytest.mark.slow,)
 
 
-@pytest.mark.parametrize("sparse, rerank, index, fused", [
-    pytest.param(True, 1.0, (4, 16), False, id="rerank1"),
-    pytest.param(True, 4.0, (4, 16), False, id="rerank4", marks=CPU_SLOW),
-    pytest.param(False, 1.0, (4, 16), False, id="dense"),
-    pytest.param(True, 4.0, (16, 8), False, id="m16c8", marks=CPU_SLOW),
-    pytest.param(True, 4.0, (4, 16, 8), False, id="follow8", marks=CPU_SLOW),
-    pytest.param(True, 4.0, (4, 16), True, id="rerank4_fused_merge", marks=CPU_SLOW)])
-def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, fused, device, monkeypatch):
+@pytest.mark.parametrize("sparse, rerank, index", [
+    pytest.param(True, 1.0, (4, 16), id="rerank1"), pytest.param(True, 4.0, (4, 16), id="rerank4", marks=CPU_SLOW),
+    pytest.param(False, 1.0, (4, 16), id="dense"), pytest.param(True, 4.0, (16, 8), id="m16c8", marks=CPU_SLOW),
+    pytest.param(True, 4.0, (4, 16, 8), id="follow8", marks=CPU_SLOW)])
+def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, device):
     """rerank 4: the GPU re-ranks the selector's candidates exactly (kernels.rerank.Reranker), as the
     reference's search does (exact_rerank). m16c8: a compact index of many narrow subspaces
-    (16 of 2 dims) with few centroids. follow8: CSAttention's follow (the 3-token prompt seeds it).
-    fused_merge: the split-K attention merges in its own launch (ATTN_CFG), graphs replaying it."""
-    monkeypatch.setitem(ATTN_CFG, "fused_merge", fused)
+    (16 of 2 dims) with few centroids. follow8: CSAttention's follow (the 3-token prompt seeds it)."""
     method = _method(rerank, *index)
     artifacts = _artifacts(cpu_lm, method)
     # the 3-token prompt is admitted while the first stream decodes, a layer per step

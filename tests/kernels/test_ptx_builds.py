@@ -1,6 +1,5 @@
-"""The score kernels' inline PTX (dp4a, prmt, shared-memory atomics) assembles for the H100,
-kernels no GPU has run yet (follow's) lower to sm_90 at all, and the fused split-K merge's
-ticket carries its memory ordering (a missing fence would show only as a rare race).
+"""The score kernels' inline PTX (dp4a, prmt, shared-memory atomics) assembles for the H100, and
+kernels no GPU has run yet (follow's) lower to sm_90 at all.
 
 CI has no GPU, and the CPU interpreter never emits PTX, so without this a broken asm string
 would only show on the device. Each kernel is compiled ahead of time for sm_90 (Triton's
@@ -61,16 +60,6 @@ CASES = {
                     "types": {n: "*i32" for n in ("cand_ptr", "slot_ptr", "kf_ptr", "out_ptr")}, "default": "i32",
                     "num_warps": 4, "const": {"FP": 128}},
                    ("STG.E",)),
-    # split-K attention merging in its own launch: release (membar) + gpu-scope ticket, acquire
-    # (L1 invalidated), then the partials read from L2
-    "split_k_fused_merge": ({"module": "ctxcache.kernels.split_k_attention", "kernel": "_split_kernel",
-                             "types": {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
-                                       **{n: "*i32" for n in ("idx_ptr", "ksel_ptr", "n_ptr", "cnt_ptr")},
-                                       "o_ws": "*fp32", "ml_ws": "*fp32", "scale_log2": "fp32"},
-                             "default": "i32", "num_warps": 4,
-                             "const": {"SPLITS": 4, "DENSE": False, "IEEE": False, "G_PAD": 16, "D": 128,
-                                       "BLOCK_N": 128, "USE_PDL": True, "FUSED_MERGE": True}},
-                            ("MEMBAR.ALL.GPU", "ATOMG.E.ADD.STRONG.GPU", "CCTL.IVALL", "LDG.E.STRONG.GPU")),
 }
 
 
