@@ -76,15 +76,16 @@ class OffloadRunner(SlotRows):
     def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, slots: int = 4,
                  max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True,
                  prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True, v_cache: float = 4.0,
-                 pipelined_prefill: bool = True) -> None:
+                 pipelined_prefill: bool = False) -> None:
         """max_len 0: the model's length. prefill_layers: a prompt's layers per chunk beside a
         decode step until both times are measured (a GPU's first prefill; always on a CPU).
         k_hbm: every host slot's K also in HBM (ValueError when it does not fit); else read from
         the host (stage 1: the re-rank's candidates' K cross PCIe every step). v_cache: each slot's
         GPU cache of V rows (K too without k_hbm) per layer and KV head, in selections.
         pipelined_prefill: a prompt's host K/V copied a layer ahead on a copy stream; False:
-        serially on the compute stream (the same logits, slower; kept to compare, bench
-        step_profile --admit)."""
+        serially on the compute stream (the same logits). Serial by default: a lone hot
+        admission at 32K measured 63 ms serial vs 85 pipelined on the H200 (bench step_profile
+        --admit, d834b1d), bound by the host's launches either way."""
         a = lm.args
         max_len = max_len or a.max_seq_len
         if not 1.0 <= v_cache <= 64.0:
@@ -227,6 +228,8 @@ class OffloadRunner(SlotRows):
                     self.pcie.prefill += (fetch.h2d_bytes(layers) if fetch is not None
                                           else self.pcie.prefill_bytes(span, layers))
                     if logits is not None:
+                        if fetch is not None:
+                            fetch.flush_host_writes()
                         slot.length += len(prompt)
                         slot.settle = self._settler(slot.index, len(prompt))
                 except BaseException:
@@ -246,7 +249,7 @@ class OffloadRunner(SlotRows):
         if self.pipelined_prefill:
             host = [[v] + ([] if self.k_hbm else [k]) for k, v in zip(view.k, view.v)]
             fetch = PrefillFetch(host, slot.n_ctx, span, self.prefill_lane(), self.device)
-            view.tap = fetch.write_prompt
+            view.tap, view.host_writes = fetch.write_prompt, fetch.host_writes
         attn = HostPrefillAttention([t.rows(row, row + 1) for t in self.tables], self._perm, self.config.budget,
                                     bool(self.follow), self.config.dense_layers, slot.n_ctx, fetch)
         tokens = torch.tensor([prompt], pin_memory=self.device.type == "cuda")
