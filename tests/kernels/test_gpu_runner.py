@@ -16,6 +16,7 @@ from ctxcache.methods import Budget, make_method
 from ctxcache.models.loader import load_model
 
 CONFIG = SparseConfig(Budget(0.1, 2, 8))
+pytestmark = pytest.mark.usefixtures("small_score_pad")  # kernels/conftest.py: why
 STEPS = 64 if torch.cuda.is_available() else 4  # 64 greedy tokens where the kernels run compiled
 
 

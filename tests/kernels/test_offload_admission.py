@@ -18,6 +18,7 @@ from ctxcache.models import config as model_config
 from ctxcache.models.loader import load_model
 
 CONFIG = SparseConfig(Budget(0.1, 2, 8))
+pytestmark = pytest.mark.usefixtures("small_score_pad")  # kernels/conftest.py: why
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # interpreted on a CPU the follow case takes ~5 min of the 2-core box: on a GPU and with -m slow
 CPU_SLOW = () if torch.cuda.is_available() else (pytest.mark.slow,)

@@ -17,6 +17,7 @@ from ctxcache.models.loader import load_model
 from test_offload_runner import _artifacts
 
 CONFIG = SparseConfig(Budget(0.1, 2, 8))
+pytestmark = pytest.mark.usefixtures("small_score_pad")  # kernels/conftest.py: why
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -17,6 +17,7 @@ from ctxcache.methods import Budget, make_method
 from ctxcache.models.loader import load_model
 
 CONFIG = SparseConfig(Budget(0.1, 2, 8))
+pytestmark = pytest.mark.usefixtures("small_score_pad")  # kernels/conftest.py: why
 STEPS = 48 if torch.cuda.is_available() else 4
 # interpreted on a CPU each case takes 50-75 s of CI's 2 cores: rerank 4 runs on a GPU and with -m slow
 CPU_SLOW = () if torch.cuda.is_available() else (pytest.mark.slow,)

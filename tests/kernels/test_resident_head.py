@@ -23,6 +23,7 @@ from ctxcache.metrics import Metrics
 from ctxcache.prompting import ByteTokenizer, Prompter
 
 SCHEDULE = "0.05-step-1"
+pytestmark = pytest.mark.usefixtures("small_score_pad")  # kernels/conftest.py: why
 SPEC = GenerateSpec("c", (), SamplingParams(max_tokens=2), prompt_tokens=(5, 6, 7))
 
 

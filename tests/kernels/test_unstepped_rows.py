@@ -19,6 +19,7 @@ from ctxcache.models import config as model_config
 from ctxcache.models.loader import load_model
 
 CONFIG = SparseConfig(Budget(0.1, 2, 8))
+pytestmark = pytest.mark.usefixtures("small_score_pad")  # kernels/conftest.py: why
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 JOINER_PROMPT = list(range(20, 34))
 # interpreted on a CPU each case takes 0.5-3 min of the 2-core box: the offload runner's there with -m slow
