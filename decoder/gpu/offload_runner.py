@@ -109,6 +109,7 @@ class OffloadRunner(SlotRows):
         self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
         self.tables: list[GpuDenseTables] | None = None  # made at the first load (shaped like its tables)
         self._tables: GpuDenseTables | None = None  # every layer's rows (layer_tables)
+        self._row_views: dict[int, list[GpuDenseTables]] = {}  # _row_tables
         k_max = config.budget.top_k(self.max_len)
         cached = min(self.max_len, math.ceil(v_cache * k_max))
         # every layer's caches (and tables) views of one: a row cleared in every layer at once
@@ -250,10 +251,17 @@ class OffloadRunner(SlotRows):
             host = [[v] + ([] if self.k_hbm else [k]) for k, v in zip(view.k, view.v)]
             fetch = PrefillFetch(host, slot.n_ctx, span, self.prefill_lane(), self.device)
             view.tap = fetch.write_prompt
-        attn = HostPrefillAttention([t.rows(row, row + 1) for t in self.tables], self._perm, self.config.budget,
+        attn = HostPrefillAttention(self._row_tables(row), self._perm, self.config.budget,
                                     bool(self.follow), self.config.dense_layers, slot.n_ctx, fetch)
         tokens = torch.tensor([prompt], pin_memory=self.device.type == "cuda")
         return LayeredPrefill(self.lm.model, tokens.to(self.device, non_blocking=True), slot.n_ctx, view, attn), fetch
+
+    def _row_tables(self, row: int) -> list[GpuDenseTables]:
+        """Row `row`'s one-row view of every layer's tables, kept: the seed buffers seed_follow
+        makes on a view at its first use (two launches a layer) last across prompts."""
+        if row not in self._row_views:
+            self._row_views[row] = [t.rows(row, row + 1) for t in self.tables]
+        return self._row_views[row]
 
     def _settler(self, row: int, prompt: int) -> Callable[[], None]:
         every = row_of_every_layer(row, len(self.slots))

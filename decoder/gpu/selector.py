@@ -220,9 +220,9 @@ class GpuDenseTables:
                     padded: SeedPadding | None = None) -> None:
         """The prompt's last query q [Hq, D] over the row's keys [Hkv, n, D]: its `follow` best
         keys in the budget's region by exact attention stand in for a previous step's re-rank
-        (CSAttention.observe_dense). `padded`: the last keys pad a prompt to its graph's length;
-        the region's bounds come from the device, so a prefill graph replays for any prompt
-        length it was padded to."""
+        (CSAttention.observe_dense). `padded`: the region's bounds come from the device, made
+        once per prompt (SeedPadding): where the last keys pad a prompt to its graph's length, a
+        prefill graph replays for any prompt length it was padded to."""
         if self.follow_prev is None:
             return
         prev = self.follow_prev[row]
