@@ -206,7 +206,7 @@ class GpuDenseTables:
         m, db = cent.shape[1], cent.shape[3]
         k = (keys[..., perm] if perm is not None else keys).float().view(hkv, t, m, db)
         self.new_scores[row, ..., col:col + t] = torch.einsum("hmcd,htmd->hmct", cent, k)
-        self.stream_count[row:row + 1].clamp_(min=real + col)
+        self.stream_count[row:row + 1].clamp_(min=real + col if col else real)  # (col 0: no add to launch)
 
     def reset_stream(self, row: int | slice) -> None:
         """Forget the keys streamed into row `row` (or rows: layer_tables' rows of every layer)
