@@ -226,7 +226,8 @@ class GpuDenseTables:
         if self.follow_prev is None:
             return
         prev = self.follow_prev[row]
-        prev.fill_(-1)
+        if padded is None or not padded.complete:  # (complete: the Top-K overwrites all of it)
+            prev.fill_(-1)
         hkv, n, d = keys.shape
         lo, hi = budget.region(n)
         if min(prev.shape[-1], hi - lo) <= 0:  # (the real keys' region is no larger)

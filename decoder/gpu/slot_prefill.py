@@ -84,6 +84,7 @@ class SeedPadding:
     bounds: torch.Tensor
     keys: torch.Tensor
     mask: torch.Tensor | None  # bool [padded prompt length]: True where a slot is padding; None: none does
+    complete: bool = False  # known on the host: the region holds `follow` keys, the Top-K writes every entry
 
     @classmethod
     def of(cls, n_ctx: int, real: torch.Tensor, padded_len: int, budget: Budget, follow: int) -> "SeedPadding":
@@ -100,7 +101,7 @@ class SeedPadding:
         lo, hi = budget.region(n)
         host = torch.tensor([lo, hi, min(follow, hi - lo), n], dtype=torch.int32, pin_memory=device.type == "cuda")
         dev = host.to(device, non_blocking=True)
-        return cls(dev[:3], dev[3:], None)
+        return cls(dev[:3], dev[3:], None, hi - lo >= follow)
 
 
 class PrefillAttention:
