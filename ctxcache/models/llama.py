@@ -80,7 +80,9 @@ class Attention(nn.Module):
         b, _, t, _ = q.shape
         fused = cache.fused_decode_write if t == 1 else b == 1 and cache.fused_prompt_write
         if not q.is_cuda or not fused:
-            q, k = apply_rope(q, rope, pos), apply_rope(k, rope, pos)
+            # q and k rotated as one tensor: the same products, each one launch instead of two (an
+            # offloaded row's prompt runs this path on the GPU: 11 launches a layer, not 20)
+            q, k = apply_rope(torch.cat([q, k], 1), rope, pos).split([q.shape[1], k.shape[1]], 1)
             cache.write(layer, k, v, pos)
             return q
         # imported here: CPU-only use of the model never loads Triton

@@ -10,7 +10,7 @@ launches with no host sync, so it can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,17 +59,29 @@ class SlotCache:
                          self.hits, self.selected,
                          (busy[start:end], free[start:end], stamp[start * hkv:end * hkv], counts), self.ring[start:end])
 
-    def clear_row(self, row: int) -> None:
-        """Row `row` holds nothing: a new stream (or context) reuses positions whose K/V it may
-        rewrite, so rows cached for them would be stale."""
+    @classmethod
+    def layers(cls, layers: int, batch: int, *args, **kwargs) -> tuple[list["SlotCache"], "SlotCache"]:
+        """`layers` caches of `batch` rows (`empty`'s arguments), views of one of layers x batch
+        rows (returned second; each layer keeps its own counts): a row of every layer is one
+        strided slice (selector.row_of_every_layer), cleared in five launches, not five a layer."""
+        whole = cls.empty(layers * batch, *args, **kwargs)
+        caches = []
+        for i in range(layers):
+            c = whole.rows(i * batch, (i + 1) * batch)
+            counts = torch.zeros_like(whole.scratch[3])
+            caches.append(replace(c, hits=counts[0], selected=counts[1], scratch=(*c.scratch[:3], counts)))
+        return caches, whole
+
+    def clear_row(self, row: int | slice) -> None:
+        """Row `row` (or rows) holds nothing: a new stream (or context) reuses positions whose K/V
+        it may rewrite, so rows cached for them would be stale."""
         self.tag[row].fill_(-1)
         self.slot_of[row].fill_(-1)
         # and its eviction order as new (stamps, ring): steps beside a prefill that rewound it
         # must leave the slots its misses take as a lone prefill does
         busy, _, stamp, _ = self.scratch
-        hkv = self.tag.shape[1]
         busy[row].zero_()
-        stamp[row * hkv:(row + 1) * hkv].zero_()
+        stamp.view(-1, self.tag.shape[1])[row].zero_()
         self.ring[row].zero_()
 
     def hit_rate(self) -> float:

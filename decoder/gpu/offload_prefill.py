@@ -169,6 +169,7 @@ class HostPrefillAttention:
         self.tables, self.perm, self.budget, self.follow, self.dense_layers = tables, perm, budget, follow, dense_layers
         self.n_ctx, self.fetch = n_ctx, fetch
         self._real: torch.Tensor | None = None  # the prompt's length (int32 [1], device): all its keys are real
+        self._seed: slot_prefill.SeedPadding | None = None  # seed_follow's bounds (one prompt's: none pad it)
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != 1 or q.shape[2] < 2:
@@ -191,7 +192,9 @@ class HostPrefillAttention:
         else:
             out = causal_attention(q, k, v, pos)
         if self.follow and layer not in self.dense_layers:
-            t.seed_follow(0, q[0, :, -1], k[0], self.budget)
+            if self._seed is None:  # the same bounds every layer: written once, not 4 launches a layer
+                self._seed = slot_prefill.SeedPadding.unpadded(span, self.budget, t.follow_prev.shape[-1], q.device)
+            t.seed_follow(0, q[0, :, -1], k[0], self.budget, self._seed)
         if self.fetch is not None:
             self.fetch.done(layer)
         return out

@@ -37,7 +37,7 @@ from ctxcache.decoder.gpu.offload_step import HostKVPool, OffloadSparseAttention
 from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE, ResidentHead
 from ctxcache.decoder.gpu.slot_rows import SlotRows
-from ctxcache.decoder.gpu.selector import GpuDenseTables, stack_follow
+from ctxcache.decoder.gpu.selector import GpuDenseTables, layer_tables, row_of_every_layer
 from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import LayeredPrefill
@@ -109,10 +109,13 @@ class OffloadRunner(SlotRows):
         self.slots = [HostSlot(i) for i in range(slots)]
         self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
         self.tables: list[GpuDenseTables] | None = None  # made at the first load (shaped like its tables)
+        self._tables: GpuDenseTables | None = None  # every layer's rows (layer_tables)
+        self._row_views: dict[int, list[GpuDenseTables]] = {}  # _row_tables
         k_max = config.budget.top_k(self.max_len)
         cached = min(self.max_len, math.ceil(v_cache * k_max))
-        self.caches = [SlotCache.empty(slots, a.n_kv_heads, cached, self.max_len, a.head_dim, dtype, self.device,
-                                       keys=not k_hbm) for _ in range(a.n_layers)]
+        # every layer's caches (and tables) views of one: a row cleared in every layer at once
+        self.caches, self._caches = SlotCache.layers(a.n_layers, slots, a.n_kv_heads, cached, self.max_len, a.head_dim,
+                                                     dtype, self.device, keys=not k_hbm)
         self.follow = params.follows if params.candidates(k_max, self.max_len) > k_max else 0
         self._perm = (None if params.layout == "contiguous"
                       else subspace_permutation(a.head_dim, params.subspaces, params.layout).to(self.device))
@@ -189,9 +192,10 @@ class OffloadRunner(SlotRows):
             stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
             restored = method.restore(stored, k)
             if self.tables is None:
-                self.tables = [GpuDenseTables.empty(len(self.slots), restored, self.max_len, self.max_new, self.device,
-                                                    self.params.follows) for _ in art.layers]
-                self.follow_state = stack_follow(self.tables)
+                self.tables, self._tables = layer_tables(len(art.layers), len(self.slots), restored, self.max_len,
+                                                         self.max_new, self.device, self.params.follows)
+                follow = self._tables.follow_prev
+                self.follow_state = None if follow is None else follow.view(len(art.layers), -1, *follow.shape[1:])
             self.tables[layer].load_row(row, restored, n)
         slot.context_id, slot.n_ctx, slot.head = context_id, n, ResidentHead.of(art)
         self.loads += 1
@@ -201,10 +205,10 @@ class OffloadRunner(SlotRows):
         positions after the context, whose cached rows would be stale)."""
         slot.length, slot.settle = slot.n_ctx, None
         self.pool.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx)  # no host-scalar copy (a sync)
-        for t in self.tables or ():
-            t.reset_stream(slot.index)
-        for c in self.caches:
-            c.clear_row(slot.index)
+        every = row_of_every_layer(slot.index, len(self.slots))
+        if self._tables is not None:
+            self._tables.reset_stream(every)
+        self._caches.clear_row(every)
 
     def _prefill_chunks(self, slot: HostSlot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
         """The prompt's prefill, a group of layers per next(). The decode steps run between two
@@ -250,17 +254,24 @@ class OffloadRunner(SlotRows):
             host = [[v] + ([] if self.k_hbm else [k]) for k, v in zip(view.k, view.v)]
             fetch = PrefillFetch(host, slot.n_ctx, span, self.prefill_lane(), self.device)
             view.tap, view.host_writes = fetch.write_prompt, fetch.host_writes
-        attn = HostPrefillAttention([t.rows(row, row + 1) for t in self.tables], self._perm, self.config.budget,
+        attn = HostPrefillAttention(self._row_tables(row), self._perm, self.config.budget,
                                     bool(self.follow), self.config.dense_layers, slot.n_ctx, fetch)
         tokens = torch.tensor([prompt], pin_memory=self.device.type == "cuda")
         return LayeredPrefill(self.lm.model, tokens.to(self.device, non_blocking=True), slot.n_ctx, view, attn), fetch
 
+    def _row_tables(self, row: int) -> list[GpuDenseTables]:
+        """Row `row`'s one-row view of every layer's tables, kept: the seed buffers seed_follow
+        makes on a view at its first use (two launches a layer) last across prompts."""
+        if row not in self._row_views:
+            self._row_views[row] = [t.rows(row, row + 1) for t in self.tables]
+        return self._row_views[row]
+
     def _settler(self, row: int, prompt: int) -> Callable[[], None]:
+        every = row_of_every_layer(row, len(self.slots))
+
         def settle() -> None:
-            for t in self.tables:  # a throw-away key counted one column more
-                t.stream_count[row:row + 1].fill_(prompt)
-            for c in self.caches:
-                c.clear_row(row)
+            self._tables.stream_count[every].fill_(prompt)  # a throw-away key counted one column more
+            self._caches.clear_row(every)
         return settle
 
     def _settle(self, rows: list[HostSlot]) -> None:

@@ -59,8 +59,12 @@ class HostKVPool(KVCache):
         reading the device, or copying synchronously, would wait for the decode step in flight."""
         t = pos.shape[1]
         starts = [self.prompt_start] * pos.shape[0] if self.prompt_start is not None else pos[:, 0].tolist()
+        # a head's [T, D] of the projection's output is strided: torch copies a strided device
+        # source to the host through a contiguous temporary, a launch per head; one launch here
+        crossing = [(dst, src if dst.device == src.device else src.contiguous())
+                    for dst, src in ((self.k[layer], k), (self.v[layer], v))]
         for b, start in enumerate(starts):
-            for dst, src in ((self.k[layer], k), (self.v[layer], v)):
+            for dst, src in crossing:
                 if dst.device == src.device:  # K in HBM (with_k): one strided device copy
                     dst[b, :, start:start + t].copy_(src[b], non_blocking=True)
                     continue

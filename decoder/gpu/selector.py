@@ -206,12 +206,13 @@ class GpuDenseTables:
         m, db = cent.shape[1], cent.shape[3]
         k = (keys[..., perm] if perm is not None else keys).float().view(hkv, t, m, db)
         self.new_scores[row, ..., col:col + t] = torch.einsum("hmcd,htmd->hmct", cent, k)
-        self.stream_count[row:row + 1].clamp_(min=real + col)
+        self.stream_count[row:row + 1].clamp_(min=real + col if col else real)  # (col 0: no add to launch)
 
-    def reset_stream(self, row: int) -> None:
-        """Forget the keys streamed into row `row` after its context (a new stream starts)."""
+    def reset_stream(self, row: int | slice) -> None:
+        """Forget the keys streamed into row `row` (or rows: layer_tables' rows of every layer)
+        after its context (a new stream starts)."""
         self.stream_start[row] = self.n_ctx[row]
-        self.stream_count[row:row + 1].fill_(0)  # no host-scalar copy (a stream sync)
+        self.stream_count[row].fill_(0)  # no host-scalar copy (a stream sync)
         if self.follow_prev is not None:
             self.follow_prev[row].fill_(-1)  # a new stream follows nothing until its prefill seeds it
 
@@ -219,13 +220,14 @@ class GpuDenseTables:
                     padded: SeedPadding | None = None) -> None:
         """The prompt's last query q [Hq, D] over the row's keys [Hkv, n, D]: its `follow` best
         keys in the budget's region by exact attention stand in for a previous step's re-rank
-        (CSAttention.observe_dense). `padded`: the last keys pad a prompt to its graph's length;
-        the region's bounds come from the device, so a prefill graph replays for any prompt
-        length it was padded to."""
+        (CSAttention.observe_dense). `padded`: the region's bounds come from the device, made
+        once per prompt (SeedPadding): where the last keys pad a prompt to its graph's length, a
+        prefill graph replays for any prompt length it was padded to."""
         if self.follow_prev is None:
             return
         prev = self.follow_prev[row]
-        prev.fill_(-1)
+        if padded is None or not padded.complete:  # (complete: the Top-K overwrites all of it)
+            prev.fill_(-1)
         hkv, n, d = keys.shape
         lo, hi = budget.region(n)
         if min(prev.shape[-1], hi - lo) <= 0:  # (the real keys' region is no larger)
@@ -262,6 +264,23 @@ def stack_follow(tables: list[GpuDenseTables]) -> torch.Tensor | None:
     for t, layer_state in zip(tables, state):
         t.follow_prev = layer_state
     return state
+
+
+def layer_tables(layers: int, rows: int, like: dict[str, torch.Tensor], n_max: int, max_new: int,
+                 device: torch.device | str, follow: int = 0) -> tuple[list[GpuDenseTables], GpuDenseTables]:
+    """`layers` layers' GpuDenseTables.empty of `rows` rows, views of one of layers x rows rows
+    (returned second): layer l's row r is its row l x rows + r, so a row's state in every layer
+    is one strided slice, `row_of_every_layer`: a hot admission's reset is a launch a field, not
+    a launch a field and layer (with its slot caches', SlotCache.layers: ~260 launches at 32
+    layers, ~25 us each on the H200's host). Its follow_prev viewed [layers, rows, Hkv, F] is
+    SlotRows.follow_state."""
+    whole = GpuDenseTables.empty(layers * rows, like, n_max, max_new, device, follow)
+    return [whole.rows(i * rows, (i + 1) * rows) for i in range(layers)], whole
+
+
+def row_of_every_layer(row: int, rows: int) -> slice:
+    """Row `row` of every layer in a table (or SlotCache) stacked by layer_tables."""
+    return slice(row, None, rows)
 
 
 def follow_state(rows: int, n_kv: int, follow: int, device: torch.device | str) -> torch.Tensor:

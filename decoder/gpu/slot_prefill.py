@@ -83,7 +83,8 @@ class SeedPadding:
 
     bounds: torch.Tensor
     keys: torch.Tensor
-    mask: torch.Tensor  # bool [padded prompt length]: True where a slot is padding
+    mask: torch.Tensor | None  # bool [padded prompt length]: True where a slot is padding; None: none does
+    complete: bool = False  # known on the host: the region holds `follow` keys, the Top-K writes every entry
 
     @classmethod
     def of(cls, n_ctx: int, real: torch.Tensor, padded_len: int, budget: Budget, follow: int) -> "SeedPadding":
@@ -92,6 +93,15 @@ class SeedPadding:
         lo, hi = region(keys, budget.sinks, budget.recent)
         return cls(torch.cat([lo, hi, (hi - lo).clamp(max=follow)]).to(torch.int32), keys,
                    torch.arange(padded_len, device=real.device) >= real)
+
+    @classmethod
+    def unpadded(cls, n: int, budget: Budget, follow: int, device: torch.device) -> "SeedPadding":
+        """n keys, all real (a prompt run eagerly): seed_follow's inputs with no padding, made
+        once per prompt in one copy where seed_follow would fill them for every layer."""
+        lo, hi = budget.region(n)
+        host = torch.tensor([lo, hi, min(follow, hi - lo), n], dtype=torch.int32, pin_memory=device.type == "cuda")
+        dev = host.to(device, non_blocking=True)
+        return cls(dev[:3], dev[3:], None, hi - lo >= follow)
 
 
 class PrefillAttention:
