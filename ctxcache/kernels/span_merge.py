@@ -40,7 +40,10 @@ def merge_ref(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int, outs
     return ((all_outs * weights[..., None]).sum(0) / weights.sum(0)[..., None]).to(rows.dtype)
 
 
-@triton.jit(do_not_specialize=["R", "L", "T", "P"])
+# the lse's strides are the prompt's rows (group x tokens): an offloaded row's prompt is not padded
+# to slot_prefill.PAD_TO, so their divisibility by 16 would compile a kernel per prompt length
+# (the H200's test_no_kernel_compiles_after_serving[offload] caught one after SERVING)
+@triton.jit(do_not_specialize=["R", "L", "T", "P", "sl_p", "sl_h"])
 def _merge_kernel(rows_ptr, sr_h, sr_r, k_ptr, sk_h, sk_n, v_ptr, sv_h, sv_n, o_ptr, so_p, so_h, so_r,
                   lse_ptr, sl_p, sl_h, sl_r, dst_ptr, R, L, T, P, scale,
                   D: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr):
