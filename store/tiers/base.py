@@ -31,19 +31,15 @@ class TierConfig:
     # ranged reads in flight of a load's chunks (pyarrow tiers: one pool, chunks in order); 32
     # of 8 MB read 4.7 GB/s from SeaweedFS on an H200 host (16 cores), 64 of 4 MB 3.6
     read_threads: int = 32
-    # pyarrow's IO pool (process-wide; every S3 request runs on it) grown to at least this: its
-    # default 8 held a put's 16 uploads in flight to 0.74 GB/s into SeaweedFS on an H200 host,
-    # 32 gave 0.95 and 64 0.97 (bench object_write)
-    io_threads: int = 32
     deadline_s: float = 30.0  # one batch (a whole artifact's chunks) must finish within this
     connect_timeout_s: float = 2.0  # S3: TCP connect
     request_timeout_s: float = 10.0  # S3: one request without progress
     max_attempts: int = 2  # S3: tries per request (the SDK's retries; keep the deadline bounded)
 
     def __post_init__(self) -> None:
-        if min(self.threads, self.read_threads, self.io_threads, self.max_attempts) < 1:
-            raise ValueError(f"threads={self.threads}, read_threads={self.read_threads}, io_threads="
-                             f"{self.io_threads} and max_attempts={self.max_attempts} must be >= 1")
+        if self.threads < 1 or self.read_threads < 1 or self.max_attempts < 1:
+            raise ValueError(f"threads={self.threads}, read_threads={self.read_threads} and "
+                             f"max_attempts={self.max_attempts} must be >= 1")
         for name in ("deadline_s", "connect_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")

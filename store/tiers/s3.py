@@ -58,9 +58,7 @@ def _s3_filesystem(uri: str, opts: dict[str, str], config: TierConfig):  # noqa:
     with _init_lock:  # before pyarrow's first S3 use in this process (the SDK reads it at init)
         os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "WHEN_REQUIRED")
         os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "WHEN_REQUIRED")
-        import pyarrow
         from pyarrow import fs
-        pyarrow.set_io_thread_count(max(pyarrow.io_thread_count(), config.io_threads))
     anonymous = opts.get("anonymous")
     anon = (_flag(uri, "anonymous", anonymous) if anonymous is not None
             else not any(os.environ.get(k) for k in _CREDENTIAL_ENV))

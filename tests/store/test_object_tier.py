@@ -158,19 +158,6 @@ def test_the_s3_tier_skips_the_sdks_response_hashing_unless_the_environment_says
         assert out.stdout.split() == [want]
 
 
-def test_the_s3_tier_grows_pyarrows_io_pool_and_never_shrinks_it() -> None:
-    """S3 requests run on pyarrow's process-wide IO pool (8 threads by default), too few for a
-    put's uploads in flight; an operator's larger setting stays."""
-    code = ("import sys, pyarrow; from ctxcache.store.tiers import TierConfig, open_tier; "
-            "pyarrow.set_io_thread_count(int(sys.argv[2])); open_tier(sys.argv[1], TierConfig(io_threads=40)); "
-            "print(pyarrow.io_thread_count())")
-    uri = f"s3://b/p?endpoint_override=127.0.0.1:{free_port()}&scheme=http&anonymous=true"
-    for before, want in ((8, "40"), (64, "64")):
-        out = subprocess.run([sys.executable, "-c", code, uri, str(before)], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.split() == [want]
-
-
 def test_an_unreachable_s3_endpoint_is_unavailable_at_once() -> None:
     tier = open_tier(f"s3://b/p?endpoint_override=127.0.0.1:{free_port()}&scheme=http&anonymous=true")
     for op in (lambda: tier.get("v1/x"), lambda: tier.put("v1/x", b"1"), lambda: tier.list("v1"),
