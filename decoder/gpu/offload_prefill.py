@@ -111,7 +111,6 @@ class PrefillFetch:
         self.landed: list[Any] = [None] * len(host)
         self.free: list[Any] = [None, None]  # the compute stream's last read of each buffer
         self.fetched = 0  # layers whose copies are queued
-        self.host_writes: Pairs = []  # the prompt's keys to the host slot (HostKVPool.host_writes)
         for _ in range(min(2, len(host))):
             self._fetch_next()
 
@@ -131,14 +130,6 @@ class PrefillFetch:
         them) into its buffer after the context: on the compute stream, beside the copy."""
         for dst, src in zip(self.buffers[layer % 2], (v, k)):
             dst[:, :, self.n_ctx:self.span].copy_(src)
-
-    def flush_host_writes(self) -> None:
-        """The prompt's host-bound copies, on the compute stream after the last layer: issued
-        between the layers, each waited behind the copy stream's queued host -> device copies
-        (the pipelined admission measured 85 ms against the serial one's 63 on the H200)."""
-        for dst, src in self.host_writes:
-            dst.copy_(src, non_blocking=True)
-        self.host_writes.clear()
 
     def get(self, layer: int) -> list[torch.Tensor]:
         """The layer's parts [1, Hkv, span, D] (V, then K when on the host), once landed."""

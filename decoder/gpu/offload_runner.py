@@ -232,8 +232,6 @@ class OffloadRunner(SlotRows):
                     self.pcie.prefill += (fetch.h2d_bytes(layers) if fetch is not None
                                           else self.pcie.prefill_bytes(span, layers))
                     if logits is not None:
-                        if fetch is not None:
-                            fetch.flush_host_writes()
                         slot.length += len(prompt)
                         slot.settle = self._settler(slot.index, len(prompt))
                 except BaseException:
@@ -253,7 +251,7 @@ class OffloadRunner(SlotRows):
         if self.pipelined_prefill:
             host = [[v] + ([] if self.k_hbm else [k]) for k, v in zip(view.k, view.v)]
             fetch = PrefillFetch(host, slot.n_ctx, span, self.prefill_lane(), self.device)
-            view.tap, view.host_writes = fetch.write_prompt, fetch.host_writes
+            view.tap = fetch.write_prompt
         attn = HostPrefillAttention(self._row_tables(row), self._perm, self.config.budget,
                                     bool(self.follow), self.config.dense_layers, slot.n_ctx, fetch)
         tokens = torch.tensor([prompt], pin_memory=self.device.type == "cuda")

@@ -48,9 +48,6 @@ class HostKVPool(KVCache):
     prompt_start: int | None = None  # a prompt's first position, known on the host (rows(): a prefill's view)
     # a prefill's view: also given each layer's prompt keys on the device (offload_prefill.PrefillFetch)
     tap: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-    # a pipelined prefill's view: its host-bound copies (device -> pinned) collected here, issued
-    # after its last layer (PrefillFetch.flush_host_writes), not between its layers' compute
-    host_writes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Rows' keys [B, Hkv, T, D] at consecutive positions pos [B, T], from prompt_start (else
@@ -69,10 +66,7 @@ class HostKVPool(KVCache):
                     dst[b, :, start:start + t].copy_(src[b], non_blocking=True)
                     continue
                 for h in range(src.shape[1]):
-                    if self.host_writes is not None:
-                        self.host_writes.append((dst[b, h, start:start + t], src[b, h]))
-                    else:
-                        dst[b, h, start:start + t].copy_(src[b, h], non_blocking=True)
+                    dst[b, h, start:start + t].copy_(src[b, h], non_blocking=True)
         if self.tap is not None:
             self.tap(layer, k, v)
 
