@@ -156,22 +156,29 @@ def main(argv: list[str] | None = None) -> int:
             row["put_over_prefill"] = row["put_s"] / row["prefill_s"]
             print(row, flush=True)
             rows.append(row)
+            out, table = save(args, rows)  # each length as it ends: a later one's failure keeps it
         client.close()
-    info = machine_info()
-    stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
-    rows = [{**r, **stamp} for r in rows]
-    if args.merge:
-        rows = sorted(kept_rows(Path(args.out) / f"tiers_{device_tag(info)}.json", contexts) + rows,
-                      key=lambda r: r["context"])
-    out = write_result("tiers", {"device": (info.get("gpu") or {}).get("name") or info["cpu"], "model": args.model,
-                                 "dtype": args.dtype, "rows": rows}, args.out)
-    print_table(rows, ["context", "stored_bytes", *(f"ttft_{t}_s" for t in TIERS), "reprefill_s",
-                       "prefill_one_pass_s"])
-    print_table(rows, ["context", "h2d_gb_per_s", *(f"{t}_gb_per_s" for t in TIERS[1:]),
+    print_table(table, ["context", "stored_bytes", *(f"ttft_{t}_s" for t in TIERS), "reprefill_s",
+                        "prefill_one_pass_s"])
+    print_table(table, ["context", "h2d_gb_per_s", *(f"{t}_gb_per_s" for t in TIERS[1:]),
                        "local_over_reprefill", "object_over_reprefill", "put_s", "put_build_s",
-                       "put_write_after_build_s", "prefill_s", "put_over_prefill"])
+                        "put_write_after_build_s", "prefill_s", "put_over_prefill"])
     print(f"wrote {out}")
     return 0
+
+
+def save(args, rows: list[dict]) -> tuple[Path, list[dict]]:
+    """Write the rows measured so far (stamped; with --merge beside the file's rows of other
+    lengths) and return the file and its rows."""
+    info = machine_info()
+    stamp = {"commit": commit(), "date": datetime.date.today().isoformat()}
+    table = [{**r, **stamp} for r in rows]
+    if args.merge:
+        table = sorted(kept_rows(Path(args.out) / f"tiers_{device_tag(info)}.json", [r["context"] for r in rows])
+                       + table, key=lambda r: r["context"])
+    out = write_result("tiers", {"device": (info.get("gpu") or {}).get("name") or info["cpu"], "model": args.model,
+                                 "dtype": args.dtype, "rows": table}, args.out)
+    return out, table
 
 
 def more_puts(client: Client, texts: list[str]) -> tuple[list[str], list[float]]:
