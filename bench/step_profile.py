@@ -22,6 +22,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile an offloaded hot admission (20-token question) per context, serial vs pipelined "
                              "host copy, instead of decode steps")
         ap.add_argument("--repeats", type=int, default=5, help="--admit: timed admissions per row (median)")
+        ap.add_argument("--trace", action="store_true", help="--admit: also write each profiled admission's "
+                        "timeline (host CUDA calls and both streams) as a Chrome trace beside the JSON")
     args = gpu_cli("ctxcache bench step_profile", "32768", argv, extra, __doc__)
     if args is None:
         return 2
@@ -138,7 +141,7 @@ def admissions(lm, sparse, config: SparseConfig, args: argparse.Namespace) -> in
     for n in args.contexts:
         _, art = build_times(lm, n, {})
         runner = OffloadRunner(lm, sparse, config, slots=1, max_len=n + 512)
-        rows, events = admit_rows(runner, art, n, link, args.repeats)
+        rows, events = admit_rows(runner, art, n, link, args.repeats, Path(args.out) if args.trace else None)
         rows_out += rows
         for row, (mode, ev) in zip(rows, events):
             kernels = per_step(ev, 1)

@@ -16,6 +16,7 @@ import pstats
 import statistics
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -90,14 +91,21 @@ def hot_admit_ms(runner: OffloadRunner, art: ContextArtifact, repeats: int) -> t
     return statistics.median(times), moved
 
 
-def profile_admit(runner: OffloadRunner, art: ContextArtifact) -> tuple[dict, list[tuple[str, float]]]:
-    """One hot admission under torch.profiler: its device activity and its (kernel, us) events."""
+def profile_admit(runner: OffloadRunner, art: ContextArtifact,
+                  trace: Path | None = None) -> tuple[dict, list[tuple[str, float]]]:
+    """One hot admission under torch.profiler: its device activity and its (kernel, us) events.
+    trace: also the host's CUDA API calls, the whole timeline written there as a Chrome trace
+    (where a launch or copy call blocks the host, or a stream waits on the other)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace is not None else [])
+    with profile(activities=activities) as prof:
         row, _ = runner.admit("hot", art, QUESTION, runner.config, 64)
         torch.cuda.synchronize()
     runner.release(row)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
     events = prof.profiler.kineto_results.events()
     kernels = [(e.name(), e.duration_ns() / 1e3) for e in events if e.device_type().name == "CUDA"]
     return device_activity(events), kernels
@@ -122,16 +130,18 @@ def host_profile(runner: OffloadRunner, art: ContextArtifact, top: int = 25) -> 
                       "own_ms": 1e3 * own, "cum_ms": 1e3 * cum} for (path, line, name), (_, calls, own, cum, _) in funcs]
 
 
-def admit_rows(runner: OffloadRunner, art: ContextArtifact, n: int, h2d_gb_per_s: float,
-               repeats: int) -> tuple[list[dict], list[tuple[str, list[tuple[str, float]]]]]:
-    """The serial and the pipelined hot admission at context n: a row each, and each one's events."""
+def admit_rows(runner: OffloadRunner, art: ContextArtifact, n: int, h2d_gb_per_s: float, repeats: int,
+               trace_dir: Path | None = None) -> tuple[list[dict], list[tuple[str, list[tuple[str, float]]]]]:
+    """The serial and the pipelined hot admission at context n: a row each, and each one's events
+    (with trace_dir, each profiled admission's Chrome trace written there)."""
     runner.release(runner.admit("hot", art, QUESTION, runner.config, 64)[0])  # the load (cold), then hot ones
     rows, kernels = [], []
     for pipelined in (False, True):
         runner.pipelined_prefill = pipelined
         hot_admit_ms(runner, art, 2)  # first uses of this path
         wall, moved = hot_admit_ms(runner, art, repeats)
-        activity, events = profile_admit(runner, art)
+        activity, events = profile_admit(runner, art, None if trace_dir is None
+                                         else trace_dir / f"admit_trace_{n}_{'pipelined' if pipelined else 'serial'}.json")
         host_ms, host_funcs = host_profile(runner, art)
         copy_ms = moved / (h2d_gb_per_s * 1e6) if h2d_gb_per_s else None
         mode = "pipelined" if pipelined else "serial"
