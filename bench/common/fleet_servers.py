@@ -88,9 +88,12 @@ def private_s3(folder: Path) -> Iterator[str]:
     data = folder / "weed"
     data.mkdir(parents=True, exist_ok=True)
     ports = {s: (free_port(), free_port()) for s in ("master", "volume", "filer", "s3")}
-    # -volume.max: every collection grows 7 volumes at once (tests/s3_server.py says why 64)
+    # -volume.max: every collection grows 7 volumes at once (tests/s3_server.py), and it caps what
+    # the store holds: 64 volumes of 256 MB were 16 GiB, which three 32K puts and one of 124K (6.3 +
+    # 8.1 GB; a deleted object's space waits for a vacuum) filled on the H200: the next put failed
+    # with INTERNAL_FAILURE. Volumes are made as they fill, so a higher cap costs nothing until used
     cmd = [binary("weed"), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-           "-master.volumeSizeLimitMB=256", "-volume.max=64", "-s3.port.iceberg=0", "-s3.port.lance=0",
+           "-master.volumeSizeLimitMB=256", "-volume.max=256", "-s3.port.iceberg=0", "-s3.port.lance=0",
            f"-filer.localSocket={folder / 'filer.sock'}", f"-s3.localSocket={folder / 's3.sock'}"]
     for s, (http, grpc) in ports.items():
         cmd += [f"-{s}.port={http}", f"-{s}.port.grpc={grpc}"]
