@@ -19,7 +19,8 @@ import torch
 
 from ctxcache.decoder.gpu.attention import GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
-from ctxcache.decoder.gpu.selector import GpuSelector, stack_tables
+from ctxcache.decoder.gpu.selector import GpuSelector
+from ctxcache.decoder.gpu.table_stacks import stack_tables
 from ctxcache.kernels.split_k_attention import region, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams

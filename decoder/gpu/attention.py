@@ -38,7 +38,7 @@ class GpuDenseAttention:
 class GpuSparseAttention:
     """CSAttention decode on the GPU: index the new key, select, attend (sinks + top-K + recent).
 
-    tables[layer] hold all rows' tables of either layout (selector.stack_tables); dense_layers
+    tables[layer] hold all rows' tables of either layout (table_stacks.stack_tables); dense_layers
     attend densely."""
 
     def __init__(self, params: CSAttentionParams, tables: list[GpuTables | GpuDenseTables], budget: Budget, batch: int,

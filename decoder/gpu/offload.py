@@ -63,7 +63,7 @@ class SlotCache:
     def layers(cls, layers: int, batch: int, *args, **kwargs) -> tuple[list["SlotCache"], "SlotCache"]:
         """`layers` caches of `batch` rows (`empty`'s arguments), views of one of layers x batch
         rows (returned second; each layer keeps its own counts): a row of every layer is one
-        strided slice (selector.row_of_every_layer), cleared in five launches, not five a layer."""
+        strided slice (table_stacks.row_of_every_layer), cleared in five launches, not five a layer."""
         whole = cls.empty(layers * batch, *args, **kwargs)
         caches = []
         for i in range(layers):

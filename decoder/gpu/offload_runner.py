@@ -37,7 +37,8 @@ from ctxcache.decoder.gpu.offload_step import HostKVPool, OffloadSparseAttention
 from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE, ResidentHead
 from ctxcache.decoder.gpu.slot_rows import SlotRows
-from ctxcache.decoder.gpu.selector import GpuDenseTables, layer_tables, row_of_every_layer
+from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.gpu.table_stacks import layer_tables, row_of_every_layer
 from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import LayeredPrefill

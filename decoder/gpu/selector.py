@@ -87,7 +87,7 @@ class GpuTables:
         """Stack rows' tables (different contexts), padding lists to the longest L with
         entries whose score equals the floor (they add exactly 0)."""
         if any("dense_score" in t for t in per_row):
-            raise ValueError("dense full-list tables: use GpuDenseTables.stack (or stack_tables)")
+            raise ValueError("dense full-list tables: use GpuDenseTables.stack (or table_stacks.stack_tables)")
         l_max = max(t["list_idx"].shape[-1] for t in per_row)
         idx, score = [], []
         for t in per_row:
@@ -254,48 +254,9 @@ class GpuDenseTables:
         return self._seed
 
 
-def stack_follow(tables: list[GpuDenseTables]) -> torch.Tensor | None:
-    """Every layer's follow_prev made a view of one [layers, B, Hkv, F] tensor (None without
-    follow): a row's state across all layers is then one slice (SlotRows puts it back after a
-    step that did not step the row)."""
-    if tables[0].follow_prev is None:
-        return None
-    state = torch.stack([t.follow_prev for t in tables])
-    for t, layer_state in zip(tables, state):
-        t.follow_prev = layer_state
-    return state
-
-
-def layer_tables(layers: int, rows: int, like: dict[str, torch.Tensor], n_max: int, max_new: int,
-                 device: torch.device | str, follow: int = 0) -> tuple[list[GpuDenseTables], GpuDenseTables]:
-    """`layers` layers' GpuDenseTables.empty of `rows` rows, views of one of layers x rows rows
-    (returned second): layer l's row r is its row l x rows + r, so a row's state in every layer
-    is one strided slice, `row_of_every_layer`: a hot admission's reset is a launch a field, not
-    a launch a field and layer (with its slot caches', SlotCache.layers: ~260 launches at 32
-    layers, ~25 us each on the H200's host). Its follow_prev viewed [layers, rows, Hkv, F] is
-    SlotRows.follow_state."""
-    whole = GpuDenseTables.empty(layers * rows, like, n_max, max_new, device, follow)
-    return [whole.rows(i * rows, (i + 1) * rows) for i in range(layers)], whole
-
-
-def row_of_every_layer(row: int, rows: int) -> slice:
-    """Row `row` of every layer in a table (or SlotCache) stacked by layer_tables."""
-    return slice(row, None, rows)
-
-
 def follow_state(rows: int, n_kv: int, follow: int, device: torch.device | str) -> torch.Tensor:
     """GpuDenseTables.follow_prev for rows that follow nothing yet."""
     return torch.full((rows, n_kv, follow), -1, dtype=torch.int32, device=device)
-
-
-def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
-                 device: torch.device | str, score_dtype: str = "float16") -> "GpuTables | GpuDenseTables":
-    """GPU tables of whichever layout the artifact holds (dense_score: the dense layout)."""
-    if all("dense_score" in t for t in per_row):
-        return GpuDenseTables.stack(per_row, n_ctx, max_new, device, score_dtype)
-    if any("dense_score" in t for t in per_row):
-        raise ValueError("rows mix the dense and the list table layouts")
-    return GpuTables.stack(per_row, n_ctx, max_new, device)
 
 
 PAD = 8192  # score rows are padded to a multiple of this (any power-of-two block up to it tiles them)

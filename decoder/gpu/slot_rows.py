@@ -4,7 +4,7 @@ given rows. A runner brings `slots` (each with index, context_id, busy, last_use
 `lock` (threading.Condition), `buckets`, `device`, `_decoder(bucket)`, `io` (inflight.StepIO), `times`
 (device_times.DeviceTimes), `cache_full(row)`, and may override
 `_settle(rows)`, which runs before a step touches the rows (the offload runner puts a joined
-row's state back there), and sets `follow_state` (selector.stack_follow) when it allocates its
+row's state back there), and sets `follow_state` (table_stacks.stack_follow) when it allocates its
 tables."""
 
 from __future__ import annotations

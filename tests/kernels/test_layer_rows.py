@@ -1,11 +1,11 @@
-"""Every layer's tables and slot caches as views of one (selector.layer_tables, SlotCache.layers):
+"""Every layer's tables and slot caches as views of one (table_stacks.layer_tables, SlotCache.layers):
 a row reset in every layer at once leaves exactly what a reset of that row layer by layer leaves,
 and the other rows as they were (the offload runner's admission resets a row this way)."""
 
 import torch
 
 from ctxcache.decoder.gpu.offload import SlotCache
-from ctxcache.decoder.gpu.selector import layer_tables, row_of_every_layer
+from ctxcache.decoder.gpu.table_stacks import layer_tables, row_of_every_layer
 
 LAYERS, ROWS, HKV = 3, 4, 2
 LIKE = {"centroids": torch.zeros(HKV, 2, 4, 8, dtype=torch.float16),

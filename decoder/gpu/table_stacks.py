@@ -1,0 +1,47 @@
+"""GPU tables stacked for a batch: rows of several artifacts (stack_tables), every layer's rows
+as views of one allocation (layer_tables), every layer's follow state as one tensor (stack_follow)."""
+
+from __future__ import annotations
+
+import torch
+
+from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuTables
+
+
+def stack_follow(tables: list[GpuDenseTables]) -> torch.Tensor | None:
+    """Every layer's follow_prev made a view of one [layers, B, Hkv, F] tensor (None without
+    follow): a row's state across all layers is then one slice (SlotRows puts it back after a
+    step that did not step the row)."""
+    if tables[0].follow_prev is None:
+        return None
+    state = torch.stack([t.follow_prev for t in tables])
+    for t, layer_state in zip(tables, state):
+        t.follow_prev = layer_state
+    return state
+
+
+def layer_tables(layers: int, rows: int, like: dict[str, torch.Tensor], n_max: int, max_new: int,
+                 device: torch.device | str, follow: int = 0) -> tuple[list[GpuDenseTables], GpuDenseTables]:
+    """`layers` layers' GpuDenseTables.empty of `rows` rows, views of one of layers x rows rows
+    (returned second): layer l's row r is its row l x rows + r, so a row's state in every layer
+    is one strided slice, `row_of_every_layer`: a hot admission's reset is a launch a field, not
+    a launch a field and layer (with its slot caches', SlotCache.layers: ~260 launches at 32
+    layers, ~25 us each on the H200's host). Its follow_prev viewed [layers, rows, Hkv, F] is
+    SlotRows.follow_state."""
+    whole = GpuDenseTables.empty(layers * rows, like, n_max, max_new, device, follow)
+    return [whole.rows(i * rows, (i + 1) * rows) for i in range(layers)], whole
+
+
+def row_of_every_layer(row: int, rows: int) -> slice:
+    """Row `row` of every layer in a table (or SlotCache) stacked by layer_tables."""
+    return slice(row, None, rows)
+
+
+def stack_tables(per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
+                 device: torch.device | str, score_dtype: str = "float16") -> "GpuTables | GpuDenseTables":
+    """GPU tables of whichever layout the artifact holds (dense_score: the dense layout)."""
+    if all("dense_score" in t for t in per_row):
+        return GpuDenseTables.stack(per_row, n_ctx, max_new, device, score_dtype)
+    if any("dense_score" in t for t in per_row):
+        raise ValueError("rows mix the dense and the list table layouts")
+    return GpuTables.stack(per_row, n_ctx, max_new, device)
