@@ -149,10 +149,10 @@ class HostPrefillAttention:
     indexed (one launch a layer, `insert_span`), then dense attention over the row's K/V on the
     GPU (`fetch`: copied a layer ahead; None: copied serially, `to_device`), packed as a resident
     slot's prompt (models/packed_attention), and follow seeded by the last query (as
-    GpuSparseAttention does over HBM). Not captured: the admission is bound by its host time
-    (H200, 32K, 20 tokens: ~3,700 launches and 90-101 ms, against 39 ms of copies and 33 of
-    kernels, SDPA 22 of them, when it indexed a token a launch and ran SDPA). The engine runs its layers in chunks, a
-    decode step of the other rows between two: that step also computes this idle row's
+    GpuSparseAttention does over HBM). Not captured, so its launches bound it (H200, 32K, 20
+    tokens: ~3,700 launches and 90 ms when it indexed a token a launch and ran SDPA; 1,939 and
+    60 ms now, against 40 ms of copies and 11 of kernels). The engine runs its layers in chunks,
+    a decode step of the other rows between two: that step also computes this idle row's
     throw-away token (SlotRows puts the row's follow state back after it)."""
 
     def __init__(self, tables: list[GpuDenseTables], perm: torch.Tensor | None, budget: Budget, follow: bool,
