@@ -3,11 +3,13 @@ context its host slot already holds) timed and profiled, the serial host copy ag
 pipelined one (offload_prefill: V copied a layer ahead on its own stream).
 
 Why: issue 47's hot TTFT target is <= 50 ms at 32K; the admission's V (2.2 GB at Llama-3.1-8B
-bf16) crosses PCIe at ~41 ms and its compute takes ~21 ms, so it meets the target only when the
-two overlap. Per admission: its wall time (the runner's admit, synchronised), the bytes it
-copied from the host (`pcie.prefill`), and from torch.profiler the time the host -> device
-copies were busy, the time kernels were busy, and how much of the two coincided (the overlap),
-beside the link's measured rate (what the copies alone would take)."""
+bf16) crosses PCIe in ~40 ms and its kernels take ~11 ms (H200), so it meets the target only when
+the two overlap and the host's launches keep up. Per admission: its wall time (the runner's admit,
+synchronised), the bytes it copied from the host (`pcie.prefill`), from torch.profiler the time
+the host -> device copies were busy, the time kernels were busy, and how much of the two
+coincided (the overlap), beside the link's measured rate (what the copies alone would take); a
+cProfile of one admission's host functions; with a trace folder, each profiled admission's
+Chrome trace."""
 
 from __future__ import annotations
 
