@@ -7,8 +7,11 @@ A private SeaweedFS on this machine; per repeat, per pyarrow IO thread count, ev
 S3 tier on --threads threads, as a put's writer does (ObjectStoreConfig.put_threads). Why the
 IO threads: pyarrow uploads an S3 object's parts on its IO pool (8 threads unless set), whatever
 the number of threads writing, while a load's ranged reads run on the caller's threads (a 32K
-PutContext uploaded at 0.7-0.93 GB/s on the H200 host where reads reached 4.7). Medians of
---repeats. Writes object_write_<device>.json.
+PutContext uploaded at 0.7-0.93 GB/s on the H200 host where reads reached 4.7). Beside each
+rate: the CPU seconds per GB this process and the SeaweedFS server spent (from /proc: which side
+is busy), and the same chunks written as files into the server's folder (`file`: what the disk
+and page cache take, the bound of a store on this machine). Medians of --repeats. Writes
+object_write_<device>.json.
 """
 
 from __future__ import annotations
@@ -26,9 +29,22 @@ import pyarrow as pa
 
 from ctxcache.bench.common.fleet_servers import private_s3
 from ctxcache.bench.common.report import add_out, write_result
+from ctxcache.bench.object_read import server_cpu
 from ctxcache.store.tiers import open_tier
 
 MB = 1 << 20
+
+
+def file_write_s(folder: Path, n: int, data: memoryview, threads: int) -> float:
+    """n files of data written (and closed, not fsynced: SeaweedFS does not fsync) on threads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with cf.ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(lambda i: (folder / str(i)).write_bytes(data), range(n)))
+        seconds = time.perf_counter() - t0
+    for f in folder.iterdir():
+        f.unlink()
+    return seconds
 
 
 def upload_s(tier, keys: list[str], data: memoryview, threads: int) -> float:  # noqa: ANN001 (ObjectTier)
@@ -51,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     data = memoryview(os.urandom(args.chunk_mb * MB))
     n_chunks = 2 * args.layers
     runs: dict[int, list[float]] = {int(x): [] for x in args.io_threads.split(",")}
+    cpu: dict[int, list[tuple[float, float]]] = {io: [] for io in runs}  # (client, server) s per GB
+    files: list[float] = []
     with tempfile.TemporaryDirectory(prefix="ctxcache-bench-object-write-") as tmp, ExitStack() as stack:
         uri = args.object_store or stack.enter_context(private_s3(Path(tmp) / "s3"))
         tier = open_tier(uri)
@@ -60,15 +78,25 @@ def main(argv: list[str] | None = None) -> int:
             for io, gbs in runs.items():
                 pa.set_io_thread_count(io)
                 keys = [f"bench-write/{rep}/{io}/{i}" for i in range(n_chunks)]
+                gb = n_chunks * len(data) / 1e9
+                c0, s0 = time.process_time(), server_cpu()
                 seconds = upload_s(tier, keys, data, args.threads)
-                gbs.append(n_chunks * len(data) / seconds / 1e9)
-                print(f"io threads {io}: {n_chunks} x {args.chunk_mb} MB in {seconds:.2f} s = {gbs[-1]:.2f} GB/s",
-                      flush=True)
+                c1, s1 = time.process_time(), server_cpu()
+                gbs.append(gb / seconds)
+                cpu[io].append(((c1 - c0) / gb, (s1 - s0) / gb))
+                print(f"io threads {io}: {n_chunks} x {args.chunk_mb} MB in {seconds:.2f} s = {gbs[-1]:.2f} GB/s; "
+                      f"CPU s per GB: client {cpu[io][-1][0]:.2f}, server {cpu[io][-1][1]:.2f}", flush=True)
                 tier.delete_prefix(f"bench-write/{rep}/{io}")
+            files.append(n_chunks * len(data) / file_write_s(Path(tmp) / "files", n_chunks, data, args.threads) / 1e9)
+            print(f"files: {files[-1]:.2f} GB/s", flush=True)
     rows = [{"io_threads": io, "threads": args.threads, "chunk_mb": args.chunk_mb, "chunks": n_chunks,
-             "gb_per_s": statistics.median(g), "runs_gb_per_s": g} for io, g in runs.items()]
+             "gb_per_s": statistics.median(g), "runs_gb_per_s": g,
+             "client_cpu_s_per_gb": statistics.median(c for c, _ in cpu[io]),
+             "server_cpu_s_per_gb": statistics.median(v for _, v in cpu[io])} for io, g in runs.items()]
+    rows.append({"io_threads": None, "threads": args.threads, "chunk_mb": args.chunk_mb, "chunks": n_chunks,
+                 "gb_per_s": statistics.median(files), "runs_gb_per_s": files, "target": "files"})
     for r in rows:
-        print(f"io threads {r['io_threads']:>3}: {r['gb_per_s']:.2f} GB/s (median of {args.repeats})")
+        print(f"io threads {r['io_threads'] or 'files'}: {r['gb_per_s']:.2f} GB/s (median of {args.repeats})")
     print(f"wrote {write_result('object_write', {'object_store': 'given' if args.object_store else 'seaweedfs', 'rows': rows}, args.out)}")
     return 0
 
