@@ -64,14 +64,22 @@ def _decode(engine, arts, prompts):
 CPU_SLOW = () if torch.cuda.is_available() else (pytest.mark.slow,)
 
 
-@pytest.mark.parametrize("sparse, rerank, index", [
-    pytest.param(True, 1.0, (4, 16), id="rerank1"), pytest.param(True, 4.0, (4, 16), id="rerank4", marks=CPU_SLOW),
-    pytest.param(False, 1.0, (4, 16), id="dense"), pytest.param(True, 4.0, (16, 8), id="m16c8", marks=CPU_SLOW),
-    pytest.param(True, 4.0, (4, 16, 8), id="follow8", marks=CPU_SLOW)])
-def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, device):
+LOGITS = {"rerank_logits": True}
+
+
+@pytest.mark.parametrize("sparse, rerank, index, attn_cfg", [
+    pytest.param(True, 1.0, (4, 16), None, id="rerank1"),
+    pytest.param(True, 4.0, (4, 16), None, id="rerank4", marks=CPU_SLOW),
+    pytest.param(False, 1.0, (4, 16), None, id="dense"),
+    pytest.param(True, 4.0, (16, 8), None, id="m16c8", marks=CPU_SLOW),
+    pytest.param(True, 4.0, (4, 16, 8), None, id="follow8", marks=CPU_SLOW),
+    pytest.param(True, 4.0, (4, 16), LOGITS, id="rerank4-logits", marks=CPU_SLOW),
+    pytest.param(True, 4.0, (4, 16, 8), LOGITS, id="follow8-logits", marks=CPU_SLOW)])
+def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, attn_cfg, device):
     """rerank 4: the GPU re-ranks the selector's candidates exactly (kernels.rerank.Reranker), as the
     reference's search does (exact_rerank). m16c8: a compact index of many narrow subspaces
-    (16 of 2 dims) with few centroids. follow8: CSAttention's follow (the 3-token prompt seeds it)."""
+    (16 of 2 dims) with few centroids. follow8: CSAttention's follow (the 3-token prompt seeds it).
+    *-logits: the attention takes the chosen keys' logits from the re-rank (kernels.logit_attention)."""
     method = _method(rerank, *index)
     artifacts = _artifacts(cpu_lm, method)
     # the 3-token prompt is admitted while the first stream decodes, a layer per step
@@ -81,7 +89,7 @@ def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, in
     want = [[t for t, _ in ref.start("x", a, p, cfg, SamplingParams(max_tokens=STEPS)).tokens(lambda: None)]
             for a, p in zip(artifacts, prompts)]
     runner = GpuRunner(lm, method.params if sparse else None, CONFIG, slots=3, max_len=384, max_new=STEPS + 8,
-                       prefill_token_layers=1)
+                       prefill_token_layers=1, attn_cfg=attn_cfg)
     fast = Engine(runner)
     # every context is resident after the first pass: the second loads none (on the CPU, where
     # each interpreted step takes seconds, checked for the plain index only)
@@ -95,6 +103,7 @@ def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, in
     assert got == want
     assert again == want
     assert runner.loads == len(artifacts)
+    assert all(getattr(d.attn, "rerank_logits", False) for d in runner._decoders.values()) == bool(attn_cfg)
 
 
 def test_runner_refuses_what_it_cannot_serve(lm, method, artifacts):
