@@ -21,6 +21,8 @@ Four launches with 16-bit keys, all graph-capturable (lengths come from the devi
    59.6 us at batch 1. fp32 models: four fp32 radix passes each, then the mapping launches.
 Measured on the H100 at 32K batch 1 (time_us per piece): logits 17.7 us, fp32 scores + the
 four-pass fp32 radix Top-K 10.4 + 50.8 us, 16-bit keys' Top-K 28.7 us.
+keep_logits (GpuSparseAttention's rerank_logits): the logits slot-major and the kept keys' candidate
+slots written beside their positions, for the attention that reuses them (logit_attention.py).
 Reading the candidates' keys (rerank x K keys, K only) is the cost: a third of the K/V bytes a
 dense step reads at rerank 4 and keep 5% would be 20% of K."""
 

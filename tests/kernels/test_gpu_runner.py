@@ -148,3 +148,26 @@ def test_a_prefill_captured_as_it_runs_gives_the_eager_logits(lm, cpu_lm, sparse
     assert records == [[1] * lm.args.n_layers, []]  # each layer captured just before it ran, then replayed
     for got in logits:
         torch.testing.assert_close(got, eager, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles only on a CUDA GPU")
+def test_the_warm_up_compiles_the_rerank_logits_attention(lm, cpu_lm):
+    """attn_cfg rerank_logits: the runner's warm-up builds the re-rank's slot-major variant and
+    the attention that takes its logits (every bucket's graph captured), so decoding streams of 1
+    to 3 rows afterwards compiles nothing (as test_gpu_serving checks for the default path)."""
+    from ctxcache.kernels.compiles import CompileCounter
+    counter = CompileCounter.install()
+    method = _method(4.0, 4, 16, 8)
+    arts = _artifacts(cpu_lm, method)
+    runner = GpuRunner(lm, method.params, CONFIG, slots=3, max_len=384, max_new=STEPS + 8, attn_cfg=LOGITS)
+    runner.warm_up(arts)
+    counter.ready()
+    fast = Engine(runner)
+    try:
+        for streams in range(1, 4):
+            _decode(fast, arts[:streams], [[9], [5, 6, 7], []][:streams])
+    finally:
+        fast.close()
+    assert all(d.attn.rerank_logits for d in runner._decoders.values())
+    assert counter.after_ready() == 0, counter.names
