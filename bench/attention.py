@@ -19,7 +19,6 @@ import argparse
 import torch
 
 from ctxcache.decoder.gpu.attention import ATTN_CFG
-from ctxcache.kernels.logit_attention import chosen_bytes, logit_decode_attention
 from ctxcache.kernels.rerank import Reranker
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.kernels.topk import radix_topk
@@ -111,16 +110,6 @@ def attend(q, k, v, nt, idx, kk, budget: Budget, splits: int, pdl: bool = False,
                                    num_stages=cfg["num_stages"], pdl=pdl, pre_wait=pre_wait)
 
 
-def logit_attend(q, k, v, nt, idx, rr: Reranker, kk, budget: Budget, splits: int, pdl: bool = False,
-                 cfg: dict = ATTN_CFG) -> torch.Tensor:
-    """The sparse attention with the chosen keys' logits from the re-rank rr (keep_logits), as
-    GpuSparseAttention launches it with rerank_logits."""
-    slots, logits = rr.chosen()
-    return logit_decode_attention(q, k, v, nt, idx, slots, logits, kk, budget.sinks, budget.recent, splits=splits,
-                                  block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                                  pdl=pdl)
-
-
 def bench_dense(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, suffix: str, routing: str,
                 score_keys: str, score_dtype: str, shared: bool = False) -> list[dict]:
     """Dense-layout selection (broken down) + sparse attention, one variant; `shared`: one
@@ -176,10 +165,7 @@ def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: fl
     GpuSparseAttention runs it: the selector proposes ceil(rerank * K) candidates (the default
     follow: led by the successors of the last step's best keys, seeded here at random positions),
     the Reranker keeps the K best by exact group attention (and records its best for the next
-    step), then the sparse attention. Rows *_logits: the same with ATTN_CFG rerank_logits (the
-    re-rank keeps its logits slot-major and the kept slots; the attention reads V and those
-    logits for the chosen keys, not K and V); cs_rerank_attn*: the attention alone over the
-    re-rank's choice, each way, with the chosen keys' bytes each reads (chosen_bytes)."""
+    step), then the sparse attention."""
     batch, n = q.shape[0], k.shape[2]
     params = CSAttentionParams(routing="group", rerank=rerank)
     k_max = int(kk[0])
@@ -195,32 +181,22 @@ def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: fl
     ss = attn_splits(batch, k_max, budget)
     cand = sel.select(q, tables, lo, hi, kc)
     rr = Reranker(batch, HKV, HQ // HKV, kc_max, k_max, q.device, follow=f)
-    rl = Reranker(batch, HKV, HQ // HKV, kc_max, k_max, q.device, follow=f, keep_logits=True)
 
-    def rerank_only(r: Reranker = rr) -> torch.Tensor:
-        return r(q, k, cand, kc, kk, lo, hi, nt, budget.sinks, budget.recent, tables.follow_prev, kf)
+    def rerank_only():
+        rr(q, k, cand, kc, kk, lo, hi, nt, budget.sinks, budget.recent, tables.follow_prev, kf)
 
-    def step(r: Reranker) -> torch.Tensor:
-        return r(q, k, sel.select(q, tables, lo, hi, kc), kc, kk, lo, hi, nt, budget.sinks, budget.recent,
+    def total():
+        idx = rr(q, k, sel.select(q, tables, lo, hi, kc), kc, kk, lo, hi, nt, budget.sinks, budget.recent,
                  tables.follow_prev, kf)
-    # the re-ranks' own buffers: a replay of rl may collect its keys in another order, its slots alike
-    idx, idx_l = rerank_only(rr), rerank_only(rl)
+        attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl)
     tag = f"_rerank{rerank:g}"
-    parts = {"cs_dense_select" + tag: lambda: sel.select(q, tables, lo, hi, kc),
-             "cs_rerank_only" + tag: rerank_only, "cs_rerank_only" + tag + "_logits": lambda: rerank_only(rl),
-             "cs_rerank_attn" + tag: lambda: attend(q, k, v, nt, idx, kk, budget, ss, sel.pdl),
-             "cs_rerank_attn" + tag + "_logits": lambda: logit_attend(q, k, v, nt, idx_l, rl, kk, budget, ss, sel.pdl),
-             "csattention_dense" + tag: lambda: attend(q, k, v, nt, step(rr), kk, budget, ss, sel.pdl),
-             "csattention_dense" + tag + "_logits": lambda: logit_attend(q, k, v, nt, step(rl), rl, kk, budget, ss,
-                                                                         sel.pdl)}
     rows = []
-    for name, fn in parts.items():
+    for name, fn in {"cs_dense_select": lambda: sel.select(q, tables, lo, hi, kc), "cs_rerank_only": rerank_only,
+                     "csattention_dense": total}.items():
         g = capture(fn)
-        rows.append({**base, "method": name, "time_us": time_us(g.replay), "rerank": rerank, "follow": f,
+        rows.append({**base, "method": name + tag, "time_us": time_us(g.replay), "rerank": rerank, "follow": f,
                      "candidates": kc_max, "top_k": k_max, "tables_shared_across_batch_rows": shared})
-        if name.startswith("cs_rerank_attn"):
-            rows[-1]["chosen_bytes"] = chosen_bytes(batch, HKV, k_max, HQ // HKV, D)
-    del tables, sel, cand, rr, rl
+    del tables, sel, cand
     torch.cuda.empty_cache()
     return rows
 
@@ -279,8 +255,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         for m, us in t.items():  # the re-rank variants (--rerank)
             if m.startswith("csattention_dense_rerank"):
                 tag = m.removeprefix("csattention_dense_")
-                row.update({f"cs_{tag}_us": us, f"{tag}_only_us": t.get(f"cs_rerank_only_{tag}"),
-                            f"{tag}_attn_us": t.get(f"cs_rerank_attn_{tag}"), f"speedup_{tag}": dense / us})
+                row.update({f"cs_{tag}_us": us, f"{tag}_only_us": t.get(f"cs_rerank_only_{tag}"), f"speedup_{tag}": dense / us})
         out.append(row)
     return out
 
@@ -323,10 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                           "select_g_us", "cs_g_us", "speedup_g"])
     print_table(summary, ["context", "batch", "sdpa_us", "score_g16_us", "topk_g16_us", "select_g16_us", "cs_g16_us",
                           "speedup_g16", "cs_g16_int8_us", "speedup_g16_int8"])
-    for r in args.rerank:  # today's attention, then the chosen keys' logits from the re-rank (rerank_logits)
-        for tag in (f"rerank{r:g}", f"rerank{r:g}_logits"):
-            print_table(summary, ["context", "batch", "sdpa_us", "cs_g16_int8_us", f"{tag}_only_us", f"{tag}_attn_us",
-                                  f"cs_{tag}_us", f"speedup_{tag}"])
+    for r in args.rerank:
+        tag = f"rerank{r:g}"
+        print_table(summary, ["context", "batch", "sdpa_us", "cs_g16_int8_us", f"{tag}_only_us", f"cs_{tag}_us",
+                              f"speedup_{tag}"])
     png = plot_lines(path.with_suffix(".png"), {
         f"batch {b}": [(s["context"], s["speedup_g16_int8"]) for s in summary if s["batch"] == b and s["speedup_g16_int8"]]
         for b in args.batches}, "context (tokens)", "x SDPA (one layer)", "CSAttention step vs SDPA flash")

@@ -82,9 +82,7 @@ def greedy_steps(runner: OffloadRunner, rows: list, steps: int = 32) -> dict:
 def main(argv: list[str] | None = None) -> int:
     def extra(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--modes", default="sparse,dense",
-                        help="comma-separated: sparse (csattention), sparse-logits (its attention taking the chosen "
-                             "keys' logits from the re-rank: attn_cfg rerank_logits), dense, offload (csattention, "
-                             "V in host slots)")
+                        help="comma-separated: sparse (csattention), dense, offload (csattention, V in host slots)")
         ap.add_argument("--top", type=int, default=12, help="kernels printed per row (the JSON keeps all)")
         ap.add_argument("--v-cache", default="4", type=lambda x: [float(v) for v in x.split(",") if v],
                         help="mode offload: each slot cache's V rows in selections (OffloadRunner v_cache), comma-separated")
@@ -98,16 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 2
     modes = args.modes.split(",")
-    if any(m not in ("sparse", "sparse-logits", "dense", "offload") for m in modes):
-        print(f"ctxcache bench step_profile: error: --modes {args.modes!r}: sparse, sparse-logits, dense or offload",
-              flush=True)
+    if any(m not in ("sparse", "dense", "offload") for m in modes):
+        print(f"ctxcache bench step_profile: error: --modes {args.modes!r}: sparse, dense or offload", flush=True)
         return 2
     lm = load_model("random:llama-3.1-8b", torch.bfloat16, "cuda")
     config = SparseConfig.from_schedule("0.05-step-1")
     sparse = make_method("csattention", {}).params
     if args.admit:
         return admissions(lm, sparse, config, args)
-    params = {"sparse": sparse, "sparse-logits": sparse, "dense": None, "offload": sparse}
+    params = {"sparse": sparse, "dense": None, "offload": sparse}
     rows_out, top = [], []
     runs = [(m, vc) for m in modes for vc in (args.v_cache if m == "offload" else [None])]
     for n in args.contexts:
@@ -115,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode, v_cache in runs:
             for b in args.batches:
                 runner = (OffloadRunner(lm, sparse, config, slots=b, max_len=n + 512, v_cache=v_cache) if mode == "offload"
-                          else GpuRunner(lm, params[mode], config, b, n + 512,
-                                         attn_cfg={"rerank_logits": True} if mode == "sparse-logits" else None))
+                          else GpuRunner(lm, params[mode], config, b, n + 512))
                 rows = [runner.admit(f"c{i}", art, [5 + i] * 20, config, 96)[0] for i in range(b)]
                 greedy = greedy_steps(runner, rows) if mode == "offload" else {}
                 runner.step(rows, [7] * b)  # the bucket's graph captured first (its warm-up runs count too)

@@ -21,8 +21,6 @@ Four launches with 16-bit keys, all graph-capturable (lengths come from the devi
    59.6 us at batch 1. fp32 models: four fp32 radix passes each, then the mapping launches.
 Measured on the H100 at 32K batch 1 (time_us per piece): logits 17.7 us, fp32 scores + the
 four-pass fp32 radix Top-K 10.4 + 50.8 us, 16-bit keys' Top-K 28.7 us.
-keep_logits (GpuSparseAttention's rerank_logits): the logits slot-major and the kept keys' candidate
-slots written beside their positions, for the attention that reuses them (logit_attention.py).
 Reading the candidates' keys (rerank x K keys, K only) is the cost: a third of the K/V bytes a
 dense step reads at rerank 4 and keep 5% would be 20% of K."""
 
@@ -79,8 +77,7 @@ def _others(lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int,
 def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_ptr, part_ptr,
                    HKV, KC, NSPLIT, sq_b, sq_h, sk_b, sk_h, sk_n, sc_b, sc_h, scale,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                   SINKS: tl.constexpr, RECENT: tl.constexpr, OB: tl.constexpr, IEEE: tl.constexpr,
-                   SLOT_MAJOR: tl.constexpr):
+                   SINKS: tl.constexpr, RECENT: tl.constexpr, OB: tl.constexpr, IEEE: tl.constexpr):
     r = tl.program_id(0)
     split = tl.program_id(1)
     b = r // HKV
@@ -100,7 +97,8 @@ def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_
         keys = tl.load(kbase + pos.to(tl.int64)[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0.0)
         s = _dot(q, keys, IEEE) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
-        tl.store(_logit_ptrs(logit_ptr, r, offs_g, slots, KC, G, SLOT_MAJOR), s, mask=gmask[:, None] & ok[None, :])
+        tl.store(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :], s,
+                 mask=gmask[:, None] & ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
         m_i = m_new
@@ -122,16 +120,6 @@ def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_
 
 
 @triton.jit
-def _logit_ptrs(logit_ptr, r, offs_g, slots, KC, G: tl.constexpr, SLOT_MAJOR: tl.constexpr):
-    """Row r's logits of heads offs_g [GP] at candidate slots [BLOCK]: [rows, G, KC] (head-major,
-    the default), or [rows, KC, G] (SLOT_MAJOR: a slot's G logits in one 16-byte sector at G = 4,
-    for the attention that gathers the chosen slots' logits, logit_attention.py)."""
-    if SLOT_MAJOR:
-        return logit_ptr + (r.to(tl.int64) * KC + slots[None, :]) * G + offs_g[:, None]
-    return logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :]
-
-
-@triton.jit
 def _dot(q, keys, IEEE: tl.constexpr):
     """q [GP, D] . keys [BLOCK, D]^T in fp32: exact fp32 products where IEEE (fp32 inputs, and
     under the CPU interpreter, whose bf16 tl.dot is wrong), else one bf16 MMA."""
@@ -145,8 +133,7 @@ def _dot(q, keys, IEEE: tl.constexpr):
 # select: v2f16 = scalar_to_vector", H100, Triton 3.6), and the abort took the server down
 @triton.jit(do_not_specialize=["KC"])
 def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, KCP, NSPLIT, sws_r,
-                  G: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr,
-                  SLOT_MAJOR: tl.constexpr):
+                  G: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr):
     r = tl.program_id(0)
     split = tl.program_id(1)
     kc = tl.load(kc_ptr + r // HKV)
@@ -167,7 +154,7 @@ def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, 
     for start in range(split * BLOCK, KCP, NSPLIT * BLOCK):  # as many programs per row as the logits'
         slots = start + tl.arange(0, BLOCK)
         ok = slots < kc
-        lg = tl.load(_logit_ptrs(logit_ptr, r, offs_g, slots, KC, G, SLOT_MAJOR),
+        lg = tl.load(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :],
                      mask=gmask[:, None] & ok[None, :] & (slots < KC)[None, :], other=float("-inf"))
         score = tl.sum(tl.exp(lg - m[:, None]) * inv[:, None], 0)
         if not KEY16:  # fp32 scores for the four-pass radix: the reference's exact order
@@ -187,11 +174,8 @@ class Reranker:
     k_max kept keys per row."""
 
     def __init__(self, batch: int, n_kv: int, group: int, kc_max: int, k_max: int, device: torch.device | str,
-                 programs: int = 264, key16: bool | None = None, follow: int = 0, keep_logits: bool = False) -> None:
-        """keep_logits: the logits slot-major ([rows, kc_max, group]) and the kept keys' candidate
-        slots in `slots` beside their positions, for an attention that takes the kept keys' logits
-        from here instead of reading their K again (`chosen`, logit_attention.py).
-        key16: rank by 16-bit keys (None: for bf16 / fp16 queries in GQA groups of 4; False: fp32
+                 programs: int = 264, key16: bool | None = None, follow: int = 0) -> None:
+        """key16: rank by 16-bit keys (None: for bf16 / fp16 queries in GQA groups of 4; False: fp32
         scores always). Why groups of 4: with 2 or 3 query heads a group (random:tiny, SmolLM2's
         shapes) Triton 3.6 failed to compile the 16-bit score kernel on the H100 (LLVM "Cannot
         select v2f16 scalar_to_vector") and the abort took the process down; 4 (Llama-3.1-8B) is
@@ -205,13 +189,12 @@ class Reranker:
         # 4 splits left the gathers latency-bound (H200, per layer: re-rank 77.3 us at 4 splits,
         # 72.8 at 8, 71.2 at 16); batch 1 keeps its 33 (52 took 37.1 us against 34.6)
         self.splits = max(1, min(blocks, max(programs // rows, MIN_SPLITS)))
-        self.keep_logits = keep_logits
-        self.logits = torch.empty(*((rows, kc_max, group) if keep_logits else (rows, group, kc_max)), device=device)
+        self.logits = torch.empty(rows, group, kc_max, device=device)
         self.part = torch.empty(rows, self.splits, self.gp, 2, device=device)
         self.kcp = triton.cdiv(kc_max, SCORE_BLOCK) * SCORE_BLOCK  # key rows padded: score programs store whole blocks
         self.keys16 = torch.zeros(batch, n_kv, self.kcp, dtype=torch.uint16, device=device)
         self.scores = torch.zeros(batch, n_kv, self.kcp, device=device)  # fp32 inputs: exact ranking
-        self.slots = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)  # the kept keys' slots
+        self.slots = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
         self.topk_block = 4096
         # the kept keys' Top-K workspace, then follow's (one zeroing for both)
         self.ws_pair = workspace(rows * (2 if follow else 1), device, blocks16(self.kcp, self.topk_block))
@@ -236,7 +219,7 @@ class Reranker:
             q, keys, cand, kc, lo, hi, n, self.logits, self.part, hkv, self.kc_max, self.splits,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), cand.stride(0), cand.stride(1),
             d ** -0.5, G=self.group, GP=self.gp, D=d, BLOCK=BLOCK, SINKS=sinks, RECENT=recent, OB=ob,
-            IEEE=q.dtype == torch.float32 or INTERPRET, SLOT_MAJOR=self.keep_logits, num_warps=4)
+            IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=4)
         # bf16 / fp16 models rank by 16-bit keys (two radix launches; near-ties within ~0.3% may
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
         key16 = (q.dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
@@ -245,25 +228,16 @@ class Reranker:
         _score_kernel[(rows, self.splits)](
             self.logits, self.part, kc, k, out, self.ws, hkv, self.kc_max, self.kcp, self.splits,
             self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=SCORE_BLOCK,
-            KEY16=key16, SLOT_MAJOR=self.keep_logits, num_warps=4)
+            KEY16=key16, num_warps=4)
         if follow_out is not None and (self.follow_slots is None or kf is None):
             raise ValueError("follow_out needs a Reranker built with follow > 0 and kf")
         if key16:  # both Top-Ks in two launches, candidate slots mapped to key positions in them
             follows = follow_out is not None
             radix_topk_pair(out, self.zero, kc, k, self.positions, self.ws, cand, kf if follows else None,
-                            follow_out, self.follow_ws, block=self.topk_block,
-                            indices=self.slots if self.keep_logits else None)
+                            follow_out, self.follow_ws, block=self.topk_block)
             return self.positions
         if follow_out is not None:
             radix_topk(out, self.zero, kc, kf, self.follow_slots, self.follow_ws, block=self.topk_block)
             write_follow(cand, self.follow_slots, kf, follow_out)
         radix_topk(out, self.zero, kc, k, self.slots, self.ws, block=self.topk_block)
         return torch.gather(cand[:, :, :self.kc_max], 2, self.slots.long())
-
-    def chosen(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """After a call with keep_logits: the kept keys' candidate slots [B, Hkv, k_max] int32 (row
-        b's first k[b], entry by entry beside the returned positions) and every candidate's logits
-        [B * Hkv, kc_max, group] fp32, q.k * head_dim ** -0.5 (natural-log units)."""
-        if not self.keep_logits:
-            raise ValueError("chosen() needs a Reranker built with keep_logits=True")
-        return self.slots, self.logits

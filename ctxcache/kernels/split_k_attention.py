@@ -51,14 +51,7 @@ def online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE: tl.co
         s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(kb))
-    return softmax_accumulate(s * scale_log2, vb, valid, m_i, l_i, acc, IEEE)
-
-
-@triton.jit
-def softmax_accumulate(s, vb, valid, m_i, l_i, acc, IEEE: tl.constexpr):
-    """online_softmax_step after the dot: logits s [G_PAD, BLOCK_N] already in log2 units
-    (q.k * head_dim ** -0.5 * log2(e)) into the running (max, sum, output)."""
-    s = tl.where(valid[None, :], s, float("-inf"))
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

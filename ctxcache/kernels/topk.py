@@ -213,15 +213,13 @@ def _collect16_kernel(x_ptr, lo_ptr, hi_ptr, k_ptr, ws_ptr, out_ptr, HKV: tl.con
                       BLOCK: tl.constexpr, NB_PAD: tl.constexpr, USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr = True):
     r, lo, hi, k = _bounds_then_wait(lo_ptr, hi_ptr, k_ptr, HKV, USE_PDL, PRE_WAIT)
     key1, offs, hist_ptr = _block_keys16(x_ptr, r, lo, hi, k, ws_ptr, sx_r, sws_r, BLOCK)
-    _collect16(key1, offs, hist_ptr, k, offs, out_ptr + r * so_r, HEAD, BLOCK, NB_PAD, offs, out_ptr, False)
+    _collect16(key1, offs, hist_ptr, k, offs, out_ptr + r * so_r, HEAD, BLOCK, NB_PAD)
 
 
 @triton.jit
-def _collect16(key1, offs, hist_ptr, k, vals, out_ptr, HEAD, BLOCK: tl.constexpr, NB_PAD: tl.constexpr,
-               vals2, out2_ptr, TWO: tl.constexpr):
+def _collect16(key1, offs, hist_ptr, k, vals, out_ptr, HEAD, BLOCK: tl.constexpr, NB_PAD: tl.constexpr):
     """The collect of one block for the k largest keys whose passes are in hist_ptr: each chosen
-    key's value (vals: its index, or what it maps to) into its slot of the row's out_ptr; where
-    TWO, also vals2 into the same slot of out2_ptr (the re-rank's positions and candidate slots)."""
+    key's value (vals: its index, or what it maps to) into its slot of the row's out_ptr."""
     blk = tl.program_id(1)
     # pass 0's walk as pass 1 stored it, then pass 1's histogram
     thresh, need = _walk_from(hist_ptr, tl.load(hist_ptr + _WALK0).to(tl.uint32), tl.load(hist_ptr + _WALK0 + 1),
@@ -239,16 +237,12 @@ def _collect16(key1, offs, hist_ptr, k, vals, out_ptr, HEAD, BLOCK: tl.constexpr
     # checked once per block (not per key) to keep out's other entries safe from a bad workspace
     in_bounds = base_gt + (total & 0xFFFF) <= k - need
     tl.store(out_ptr + base_gt + (rank & 0xFFFF), vals, mask=gt & in_bounds)
-    if TWO:
-        tl.store(out2_ptr + base_gt + (rank & 0xFFFF), vals2, mask=gt & in_bounds)
     if total > 0xFFFF:  # this block holds keys equal to the threshold
         bs = tl.arange(0, NB_PAD)  # ties in the blocks before this one, from their pass-1 histograms
         eq_before = tl.sum(tl.load(hist_ptr + HEAD + bs * 256 + (thresh & 255).to(tl.int32), mask=bs < blk,
                                    other=0), axis=0)
         slot_eq = eq_before + (rank >> 16)
         tl.store(out_ptr + (k - need) + slot_eq, vals, mask=eq & (slot_eq < need))
-        if TWO:
-            tl.store(out2_ptr + (k - need) + slot_eq, vals2, mask=eq & (slot_eq < need))
 
 
 def topk16_ref(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:

@@ -32,18 +32,15 @@ def _pass1_pair_kernel(x_ptr, lo_ptr, hi_ptr, ka_ptr, kb_ptr, wsa_ptr, wsb_ptr, 
 
 @triton.jit
 def _collect_pair_kernel(x_ptr, lo_ptr, hi_ptr, ka_ptr, kb_ptr, wsa_ptr, wsb_ptr, map_ptr, outa_ptr, outb_ptr,
-                         idxa_ptr, HKV: tl.constexpr, sx_r, sws_r, sm_r, soa_r, sob_r, sia_r, FB, HEAD,
-                         BLOCK: tl.constexpr, NB_PAD: tl.constexpr, FB_PAD: tl.constexpr, PAIR: tl.constexpr,
-                         INDICES: tl.constexpr):
+                         HKV: tl.constexpr, sx_r, sws_r, sm_r, soa_r, sob_r, FB, HEAD, BLOCK: tl.constexpr,
+                         NB_PAD: tl.constexpr, FB_PAD: tl.constexpr, PAIR: tl.constexpr):
     r, lo, hi, ka = _row_bounds(lo_ptr, hi_ptr, ka_ptr, HKV)
     key1, offs, hist_a = _block_keys16(x_ptr, r, lo, hi, ka, wsa_ptr, sx_r, sws_r, BLOCK)
     vals = tl.load(map_ptr + r.to(tl.int64) * sm_r + offs, mask=key1 > 0, other=-1)
-    _collect16(key1, offs, hist_a, ka, vals, outa_ptr + r * soa_r, HEAD, BLOCK, NB_PAD, offs, idxa_ptr + r * sia_r,
-               INDICES)
+    _collect16(key1, offs, hist_a, ka, vals, outa_ptr + r * soa_r, HEAD, BLOCK, NB_PAD)
     if PAIR:
         kb = tl.load(kb_ptr + r // HKV)
-        _collect16(key1, offs, wsb_ptr + r * sws_r, kb, vals, outb_ptr + r * sob_r, HEAD, BLOCK, NB_PAD, offs,
-                   outb_ptr, False)
+        _collect16(key1, offs, wsb_ptr + r * sws_r, kb, vals, outb_ptr + r * sob_r, HEAD, BLOCK, NB_PAD)
         if tl.program_id(1) == 0:  # the entries past kb say "none" (no program writes them)
             j = tl.arange(0, FB_PAD)
             tl.store(outb_ptr + r * sob_r + j, tl.full([FB_PAD], -1, tl.int32), mask=(j >= kb) & (j < FB))
@@ -57,15 +54,13 @@ def _check(name: str, t: torch.Tensor, b: int, hkv: int) -> None:
 def radix_topk_pair(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
                     ws: torch.Tensor, mapping: torch.Tensor, k2: torch.Tensor | None = None,
                     out2: torch.Tensor | None = None, ws2: torch.Tensor | None = None, block: int = 4096,
-                    hist0_done: bool = True, num_warps: int = 4, indices: torch.Tensor | None = None) -> None:
+                    hist0_done: bool = True, num_warps: int = 4) -> None:
     """keys [B, Hkv, N] uint16 (topk.keys16_ref codes); lo, hi, k [B] int32 (k <= hi - lo);
     mapping [B, Hkv, >= hi] int32. Row (b, h) gets mapping[b, h, i] of its k[b] largest keys'
     indices i in [lo, hi) in out[b, h, :k[b]] (any order; the rest of out is left as is); with
     k2 (<= k), out2 [B, Hkv, F] gets those of its k2[b] largest, then -1 up to F. ws / ws2
     (topk.workspace with blocks16(N, block) blocks): hist0_done, ws holds pass 0 of [lo, hi)
-    and both are otherwise zero; else both are zeroed and pass 0 is taken here. indices
-    [B, Hkv, >= k] int32: also gets the first selection's indices i, each in the same entry as
-    out's mapping[i] (the re-rank's candidate slots beside their key positions)."""
+    and both are otherwise zero; else both are zeroed and pass 0 is taken here."""
     if keys.dim() != 3 or keys.dtype != torch.uint16 or keys.stride(2) != 1:
         raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [B, Hkv, N] contiguous in N")
     b, hkv, n = keys.shape
@@ -77,8 +72,7 @@ def radix_topk_pair(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: t
     for name, t in (("lo", lo), ("hi", hi), ("k", k)) + ((("k2", k2),) if pair else ()):
         if t.shape != (b,) or t.dtype != torch.int32:
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be int32 [{b}]")
-    for name, t in ((("out", out), ("mapping", mapping)) + ((("out2", out2),) if pair else ())
-                    + ((("indices", indices),) if indices is not None else ())):
+    for name, t in (("out", out), ("mapping", mapping)) + ((("out2", out2),) if pair else ()):
         _check(name, t, b, hkv)
     nb = blocks16(n, block)
     for name, w in (("ws", ws),) + ((("ws2", ws2),) if pair else ()):
@@ -96,8 +90,7 @@ def radix_topk_pair(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: t
     _pass1_pair_kernel[grid](keys, lo, hi, k, kb, ws, wb, hkv, keys.stride(1), ws.stride(0), _HEAD, BLOCK=block,
                              PAIR=pair, num_warps=num_warps)
     f = ob.shape[2]
-    ia = out if indices is None else indices  # unused where not INDICES
-    _collect_pair_kernel[grid](keys, lo, hi, k, kb, ws, wb, mapping, out, ob, ia, hkv, keys.stride(1), ws.stride(0),
-                               mapping.stride(1), out.stride(1), ob.stride(1), ia.stride(1), f, _HEAD, BLOCK=block,
+    _collect_pair_kernel[grid](keys, lo, hi, k, kb, ws, wb, mapping, out, ob, hkv, keys.stride(1), ws.stride(0),
+                               mapping.stride(1), out.stride(1), ob.stride(1), f, _HEAD, BLOCK=block,
                                NB_PAD=triton.next_power_of_2(nb), FB_PAD=max(16, triton.next_power_of_2(f)),
-                               PAIR=pair, INDICES=indices is not None, num_warps=num_warps)
+                               PAIR=pair, num_warps=num_warps)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables, follow_state
-from ctxcache.kernels.logit_attention import logit_decode_attention
 from ctxcache.kernels.rerank import Reranker
 from ctxcache.kernels.split_k_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
@@ -18,10 +17,8 @@ from ctxcache.models.attention import dense_attention
 from ctxcache.models.kv_cache import KVCache
 
 # Sparse attention split-K shape: splits cover the SMs `waves` times with >= min_keys keys each;
-# block_n keys per inner step (measured best on the H100 at 128K). rerank_logits: where a re-rank
-# runs, the attention takes the chosen keys' logits from it and reads V alone for them
-# (kernels.logit_attention; issue 46 stage 2b, off until measured on the GPU)
-ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 128, "num_warps": 4, "num_stages": None, "rerank_logits": False}
+# block_n keys per inner step (measured best on the H100 at 128K).
+ATTN_CFG = {"waves": 2, "min_keys": 128, "block_n": 128, "num_warps": 4, "num_stages": None}
 
 
 class GpuDenseAttention:
@@ -61,14 +58,10 @@ class GpuSparseAttention:
                 raise ValueError(f"follow={self.follow} needs the dense table layout (list_fraction=1)")
             if t.follow_prev is None:  # tables stacked for this attention alone (benches, tests)
                 t.follow_prev = follow_state(batch, n_kv, self.follow, device)
-        cfg = {**ATTN_CFG, **(attn_cfg or {})}
-        if set(cfg) != set(ATTN_CFG):
-            raise ValueError(f"attn_cfg keys {sorted(set(cfg) - set(ATTN_CFG))} are not among {sorted(ATTN_CFG)}")
-        # the re-rank's logits reach the attention only where a re-rank runs
-        self.rerank_logits = bool(cfg["rerank_logits"]) and self.kc_max > self.k_max
         self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device, key16=rerank_key16,
-                                  follow=self.follow, keep_logits=self.rerank_logits)
+                                  follow=self.follow)
                          if self.kc_max > self.k_max else None)
+        cfg = {**ATTN_CFG, **(attn_cfg or {})}
         self.splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent,
                                     min_keys=cfg["min_keys"], waves=cfg["waves"])
         self.block_n = cfg["block_n"]
@@ -132,13 +125,7 @@ class GpuSparseAttention:
 
     def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
-        """Sinks + the selection idx (first k[b] per row) + the recent window: q [B, Hq, D] -> [B, Hq, D].
-        rerank_logits: the chosen keys' logits from this step's re-rank of the layer (V alone read)."""
-        if self.rerank_logits:
-            slots, logits = self.reranker.chosen()
-            return logit_decode_attention(q, cache.k[layer], cache.v[layer], n, idx, slots, logits, k,
-                                          self.budget.sinks, self.budget.recent, splits=self.splits,
-                                          block_n=self.block_n, pdl=self.selector.pdl, **self.launch)
+        """Sinks + the selection idx (first k[b] per row) + the recent window: q [B, Hq, D] -> [B, Hq, D]."""
         return sparse_decode_attention(q, cache.k[layer], cache.v[layer], n, idx, k, self.budget.sinks,
                                        self.budget.recent, splits=self.splits, block_n=self.block_n,
                                        pdl=self.selector.pdl, **self.launch)

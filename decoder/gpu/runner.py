@@ -73,14 +73,12 @@ class GpuRunner(SlotRows):
 
     def __init__(self, lm: LoadedModel, params: CSAttentionParams | None, config: SparseConfig, slots: int,
                  max_len: int, max_new: int = MAX_NEW, use_graph: bool = True,
-                 prefill_token_layers: int = PREFILL_TOKEN_LAYERS, attn_cfg: dict | None = None) -> None:
-        """attn_cfg: GpuSparseAttention's (attention.ATTN_CFG keys), e.g. {"rerank_logits": True}."""
+                 prefill_token_layers: int = PREFILL_TOKEN_LAYERS) -> None:
         if slots < 1 or max_len < 2 or max_new < 1 or prefill_token_layers < 1:
             raise ValueError(f"slots={slots}, max_len={max_len}, max_new={max_new}, prefill_token_layers="
                              f"{prefill_token_layers} must be >= 1, >= 2, >= 1, >= 1")
         self.lm, self.params, self.config, self.max_new = lm, params, config, max_new
         self.prefill_token_layers = prefill_token_layers
-        self.attn_cfg = attn_cfg
         self.name = "gpu-dense" if params is None else "gpu-sparse"
         model, a = lm.model, lm.args
         self.device = model.lm_head.weight.device
@@ -294,7 +292,7 @@ class GpuRunner(SlotRows):
             else:
                 tables = [t.rows(0, bucket) for t in self.tables]
                 attn = GpuSparseAttention(self.params, tables, self.config.budget, bucket, a.n_heads, a.n_kv_heads,
-                                          a.head_dim, self.cache.max_len, attn_cfg=self.attn_cfg)
+                                          a.head_dim, self.cache.max_len)
             dec = self._decoders[bucket] = GraphDecoder(self.lm.model, view, attn, self.use_graph)
         return dec
 

@@ -69,29 +69,3 @@ def test_batched_rerank_equals_the_reference_per_row(device, impl, dtype, group)
             kth = sorted(probs[h].tolist(), reverse=True)[kr - 1]
             # only keys within 1% of the K-th probability may swap (fp16 keys, bf16 products)
             assert all(abs(by_key[x] - kth) <= 0.01 * kth for x in diff), (r, h, diff)
-
-
-@pytest.mark.parametrize("dtype, group", [(torch.bfloat16, 4), (torch.float32, 3)])  # 16-bit keys; fp32 scores
-def test_kept_logits_and_slots(device, dtype, group):
-    """keep_logits: the same kept keys, each beside its candidate slot (cand[slot] = position),
-    and the logits slot-major, equal to the head-major ones for every candidate a row has."""
-    q, keys, cand, n, lo, hi, k, kc, sinks, recent = _rows(torch.Generator().manual_seed(1), dtype, group)
-    dev = [t.to(device) for t in (q, keys, cand)] + [t.int().to(device) for t in (kc, k, lo, hi, n)]
-    kc_max, k_max = cand.shape[2] - 5, int(k.max())
-    runs = []
-    for keep in (False, True):
-        rr = Reranker(q.shape[0], keys.shape[1], group, kc_max, k_max, device, programs=12, keep_logits=keep)
-        runs.append((rr, rr(*dev[:3], *dev[3:], sinks, recent).cpu()))
-    (plain, want), (kept, got) = runs
-    slots, logits = kept.chosen()
-    slots, logits, head_major = slots.cpu(), logits.cpu(), plain.logits.cpu()
-    b, hkv = keys.shape[:2]
-    for r in range(b):
-        kr, kcr = int(k[r]), int(kc[r])
-        for h in range(hkv):
-            assert sorted(got[r, h, :kr].tolist()) == sorted(want[r, h, :kr].tolist()), (r, h)
-            assert torch.equal(cand[r, h, slots[r, h, :kr].long()], got[r, h, :kr]), (r, h)
-            row = r * hkv + h
-            assert torch.equal(logits[row, :kcr].T, head_major[row, :, :kcr]), (r, h)
-    with pytest.raises(ValueError, match="keep_logits"):
-        plain.chosen()

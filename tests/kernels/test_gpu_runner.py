@@ -64,22 +64,14 @@ def _decode(engine, arts, prompts):
 CPU_SLOW = () if torch.cuda.is_available() else (pytest.mark.slow,)
 
 
-LOGITS = {"rerank_logits": True}
-
-
-@pytest.mark.parametrize("sparse, rerank, index, attn_cfg", [
-    pytest.param(True, 1.0, (4, 16), None, id="rerank1"),
-    pytest.param(True, 4.0, (4, 16), None, id="rerank4", marks=CPU_SLOW),
-    pytest.param(False, 1.0, (4, 16), None, id="dense"),
-    pytest.param(True, 4.0, (16, 8), None, id="m16c8", marks=CPU_SLOW),
-    pytest.param(True, 4.0, (4, 16, 8), None, id="follow8", marks=CPU_SLOW),
-    pytest.param(True, 4.0, (4, 16), LOGITS, id="rerank4-logits", marks=CPU_SLOW),
-    pytest.param(True, 4.0, (4, 16, 8), LOGITS, id="follow8-logits", marks=CPU_SLOW)])
-def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, attn_cfg, device):
+@pytest.mark.parametrize("sparse, rerank, index", [
+    pytest.param(True, 1.0, (4, 16), id="rerank1"), pytest.param(True, 4.0, (4, 16), id="rerank4", marks=CPU_SLOW),
+    pytest.param(False, 1.0, (4, 16), id="dense"), pytest.param(True, 4.0, (16, 8), id="m16c8", marks=CPU_SLOW),
+    pytest.param(True, 4.0, (4, 16, 8), id="follow8", marks=CPU_SLOW)])
+def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, device):
     """rerank 4: the GPU re-ranks the selector's candidates exactly (kernels.rerank.Reranker), as the
     reference's search does (exact_rerank). m16c8: a compact index of many narrow subspaces
-    (16 of 2 dims) with few centroids. follow8: CSAttention's follow (the 3-token prompt seeds it).
-    *-logits: the attention takes the chosen keys' logits from the re-rank (kernels.logit_attention)."""
+    (16 of 2 dims) with few centroids. follow8: CSAttention's follow (the 3-token prompt seeds it)."""
     method = _method(rerank, *index)
     artifacts = _artifacts(cpu_lm, method)
     # the 3-token prompt is admitted while the first stream decodes, a layer per step
@@ -89,7 +81,7 @@ def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, in
     want = [[t for t, _ in ref.start("x", a, p, cfg, SamplingParams(max_tokens=STEPS)).tokens(lambda: None)]
             for a, p in zip(artifacts, prompts)]
     runner = GpuRunner(lm, method.params if sparse else None, CONFIG, slots=3, max_len=384, max_new=STEPS + 8,
-                       prefill_token_layers=1, attn_cfg=attn_cfg)
+                       prefill_token_layers=1)
     fast = Engine(runner)
     # every context is resident after the first pass: the second loads none (on the CPU, where
     # each interpreted step takes seconds, checked for the plain index only)
@@ -103,7 +95,6 @@ def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, in
     assert got == want
     assert again == want
     assert runner.loads == len(artifacts)
-    assert all(getattr(d.attn, "rerank_logits", False) for d in runner._decoders.values()) == bool(attn_cfg)
 
 
 def test_runner_refuses_what_it_cannot_serve(lm, method, artifacts):
@@ -148,26 +139,3 @@ def test_a_prefill_captured_as_it_runs_gives_the_eager_logits(lm, cpu_lm, sparse
     assert records == [[1] * lm.args.n_layers, []]  # each layer captured just before it ran, then replayed
     for got in logits:
         torch.testing.assert_close(got, eager, rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles only on a CUDA GPU")
-def test_the_warm_up_compiles_the_rerank_logits_attention(lm, cpu_lm):
-    """attn_cfg rerank_logits: the runner's warm-up builds the re-rank's slot-major variant and
-    the attention that takes its logits (every bucket's graph captured), so decoding streams of 1
-    to 3 rows afterwards compiles nothing (as test_gpu_serving checks for the default path)."""
-    from ctxcache.kernels.compiles import CompileCounter
-    counter = CompileCounter.install()
-    method = _method(4.0, 4, 16, 8)
-    arts = _artifacts(cpu_lm, method)
-    runner = GpuRunner(lm, method.params, CONFIG, slots=3, max_len=384, max_new=STEPS + 8, attn_cfg=LOGITS)
-    runner.warm_up(arts)
-    counter.ready()
-    fast = Engine(runner)
-    try:
-        for streams in range(1, 4):
-            _decode(fast, arts[:streams], [[9], [5, 6, 7], []][:streams])
-    finally:
-        fast.close()
-    assert all(d.attn.rerank_logits for d in runner._decoders.values())
-    assert counter.after_ready() == 0, counter.names
