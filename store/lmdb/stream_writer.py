@@ -80,9 +80,9 @@ class StreamWriter:
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._done = False  # finished, aborted or halted: queued chunks are skipped
+        # started by the first chunks (a writer given nothing until finish holds no thread)
         self._thread = threading.Thread(target=self._run, name=f"ctxstore-put-{self.context_id[:12]}",
                                         daemon=True)
-        self._thread.start()
 
     # ---- hand-over ---------------------------------------------------------------------------
     def add_layer(self, index: int, layer: LayerArtifact, kv_codec: str,
@@ -103,6 +103,8 @@ class StreamWriter:
             self._jobs[slot] = (t, future)
             batch.append((slot, future))
         self._queue.put(batch)  # FIFO: a slot handed over again is rewritten after its first write
+        if self._thread.ident is None:
+            self._thread.start()
 
     def _encode(self, t: torch.Tensor, ready: Callable[[], None]) -> codec.Encoded:
         if self._error is not None or self._done:
@@ -208,7 +210,7 @@ class StreamWriter:
         if self._done:
             return
         self._done = True
-        for _, future in self._jobs.values():
+        for _, future in list(self._jobs.values()):
             future.cancel()
         self._drain()
         try:
@@ -230,6 +232,6 @@ class StreamWriter:
         """The store closes under this put: stop writing, delete nothing (as a crash would; the
         next open sweeps the chunks)."""
         self._done = True
-        for _, future in self._jobs.values():
+        for _, future in list(self._jobs.values()):
             future.cancel()
         self._drain()
