@@ -139,11 +139,10 @@ class ArtifactStore:
         pool = self._writable()
         with self._env.begin() as txn:
             stored = txn.get(ManifestKey(check_id(context_id)).to_string().encode()) is not None
-        if stored:
-            self._not_streaming(context_id)
-            return DeferredWriter(self, context_id, meta)
         with self._lock:
             self._not_streaming(context_id)
+            if stored:
+                return DeferredWriter(self, context_id, meta)
             w = self._streams[context_id] = StreamWriter(self, context_id, meta, pool, self._clock)
         return w
 
