@@ -18,6 +18,7 @@ BENCHMARKS = {
     "footprint": ("CPU", "CSAttention's resident index: mass recall vs index bytes over C, m, row bits (+ plot)"),
     "storage": ("CPU", "per K/V codec through the store: bytes vs fp16 K/V, cold TTFT, mass recall, NLL, passkey"),
     "store_io": ("CPU", "the LMDB store: bytes per chunk kind, compression, put and load times"),
+    "lmdb_put": ("any", "a build's put into LMDB until READY, layers handed over at the build's pace: streamed vs one txn"),
     "check": ("GPU", "correctness of the GPU path vs the torch reference (selection overlap, greedy tokens)"),
     "attention": ("GPU", "per-layer decode attention: dense SDPA vs CSAttention selection + sparse attention"),
     "prefill": ("GPU", "per-layer question prefill on a resident context: SDPA vs packed attention, follow seed, index insert"),

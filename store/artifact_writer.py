@@ -6,9 +6,11 @@
     writer.abort()                                # on any failure: nothing visible, nothing left
 
 The object store's writer (object/object_writer.py) encodes and uploads each layer's chunks
-while the build goes on; LMDB writes one transaction, so its writer (`DeferredWriter`) stores
-everything at `finish`. `finish` stores whatever was not handed over (the context-wide chunks,
-or every chunk when no layer was), so a writer given no layers is a plain put.
+while the build goes on; LMDB's (lmdb/stream_writer.py) encodes them and commits each hand-over
+in its own short write transaction, the manifest last. Replacing an id that has a manifest,
+LMDB uses `DeferredWriter`: everything at `finish`, in the one transaction that drops the old
+chunks, so no reader sees a mix. `finish` stores whatever was not handed over (the
+context-wide chunks, or every chunk when no layer was), so a writer given no layers is a put.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class ArtifactWriter(Protocol):
 
 
 class DeferredWriter:
-    """LMDB's: its put is one transaction (chunks and manifest), so the layers wait for `finish`."""
+    """LMDB's replacement of a stored id: one transaction (old chunks out, new in, manifest),
+    so the layers wait for `finish`."""
 
     def __init__(self, store: "ArtifactStore", context_id: str, meta: ContextMeta) -> None:
         self.store, self.context_id, self.meta = store, context_id, meta

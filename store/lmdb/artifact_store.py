@@ -1,4 +1,8 @@
-"""ArtifactStore: context artifacts in LMDB, one manifest + its chunks per transaction.
+"""ArtifactStore: context artifacts in LMDB, a manifest and its chunks.
+
+A put is one transaction (chunks, access time, manifest); a build's put (`writer`) commits
+each layer's chunks as it is handed over and the manifest last (stream_writer.py): chunk keys
+without a manifest are invisible, and those a killed process left are swept at open.
 
 LMDB rules followed here (shared/FINDINGS.md): open the environment in the process that uses
 it (after fork; a store used from another pid raises StoreClosed); `reader_check()` at open
@@ -9,8 +13,10 @@ unpinned LRU contexts and retrying, then StoreFull, never by resizing the map.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
+import threading
 import time
 from dataclasses import replace
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,7 +29,7 @@ import torch
 
 from ctxcache.artifact import READABLE_FORMATS, ContextArtifact
 from ctxcache.store import eviction
-from ctxcache.store.artifact_writer import DeferredWriter
+from ctxcache.store.artifact_writer import ArtifactWriter, DeferredWriter
 from ctxcache.store.chunk_io import ChunkStream, Payload, decode_chunks, encode_artifact, raw_bytes
 from ctxcache.store.config import StoreConfig, StoreStats, VerifyReport
 from ctxcache.store.errors import CorruptArtifact, FormatMismatch, StoreClosed, StoreError, StoreFull
@@ -31,8 +37,11 @@ from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id, pref
 from ctxcache.store.lmdb.lmdb_file import StoreDamaged, check_data_file, still_whole
 from ctxcache.store.layout import QUERY_CHUNK, Slot, chunk_tensors
 from ctxcache.store.manifest import READABLE_STORE_FORMATS, ContextMeta, Manifest
-from ctxcache.store.lmdb.txn_ops import (ManifestRead, delete_context, read_manifest, scan_manifests,
-                                    verify_chunks)
+from ctxcache.store.lmdb.stream_writer import StreamWriter
+from ctxcache.store.lmdb.txn_ops import (ManifestRead, delete_context, orphan_ids, read_manifest,
+                                         scan_manifests, verify_chunks)
+
+log = logging.getLogger("ctxcache.store.lmdb")
 
 
 class ArtifactStore:
@@ -50,6 +59,9 @@ class ArtifactStore:
         self.stale_readers_cleared = self._env.reader_check()
         self._pid = os.getpid()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(config.threads, "ctxstore")
+        self._streams: dict[str, StreamWriter] = {}  # puts in progress in this process, by id
+        self._lock = threading.Lock()
+        self.orphans_swept = [] if config.readonly else self.sweep_orphans()
 
     @property
     def location(self) -> str:
@@ -84,6 +96,9 @@ class ArtifactStore:
 
     def close(self) -> None:
         if self._pool is not None and os.getpid() == self._pid:
+            for w in list(self._streams.values()):  # a put left unfinished: as a crash (swept at open)
+                w.halt()
+            self._streams.clear()
             self._pool.shutdown(wait=True)
             self._env.close()
         self._pool = None
@@ -104,7 +119,7 @@ class ArtifactStore:
         for the raw bytes first, an upper bound of the stored ones (codec.encode never grows a
         chunk), and the exact sizes decide when that bound does not fit."""
         pool = self._writable()
-        check_id(context_id)
+        self._not_streaming(check_id(context_id))
         chunks = chunk_tensors(artifact)  # once: a decoded layer is encoded to its kv codec here
         bound = raw_bytes(chunks)
         try:
@@ -117,15 +132,49 @@ class ArtifactStore:
         stream = ChunkStream(context_id, artifact, chunks, meta, self.config, pool, self._clock())
         return self._with_room(context_id, bound, lambda: self._write_stream(stream))
 
-    def writer(self, context_id: str, meta: ContextMeta = ContextMeta()) -> DeferredWriter:
-        """A put whose layers wait for `finish`: one transaction (artifact_writer.py)."""
-        return DeferredWriter(self, context_id, meta)
+    def writer(self, context_id: str, meta: ContextMeta = ContextMeta()) -> ArtifactWriter:
+        """A put whose layers are written as they are handed over, the manifest at `finish`
+        (stream_writer.py). An id that has a manifest is replaced in one transaction at
+        `finish` instead (DeferredWriter), so no reader ever sees old and new chunks mixed."""
+        pool = self._writable()
+        with self._env.begin() as txn:
+            stored = txn.get(ManifestKey(check_id(context_id)).to_string().encode()) is not None
+        with self._lock:
+            self._not_streaming(context_id)
+            if stored:
+                return DeferredWriter(self, context_id, meta)
+            w = self._streams[context_id] = StreamWriter(self, context_id, meta, pool, self._clock)
+        return w
+
+    def _not_streaming(self, context_id: str) -> None:
+        if context_id in self._streams:
+            raise StoreError(f"context {context_id} is being put already (one put per id at a time)")
+
+    def _stream_ended(self, w: StreamWriter) -> None:
+        with self._lock:
+            if self._streams.get(w.context_id) is w:
+                del self._streams[w.context_id]
+
+    def sweep_orphans(self) -> list[str]:
+        """Delete the chunks of ids without a manifest (a put killed mid-stream left them;
+        nothing reads or counts them) but those of puts in progress here -> the ids."""
+        self._writable()
+        with self._env.begin() as txn:
+            ids = [cid for cid in orphan_ids(txn) if cid not in self._streams]
+        for cid in ids:  # one short transaction each; a manifest committed meanwhile stays
+            with self._env.begin(write=True) as txn:
+                if txn.get(ManifestKey(cid).to_string().encode()) is None:
+                    delete_context(txn, cid)
+        if ids:
+            log.warning("swept the chunks of %d unfinished puts: %s", len(ids), ", ".join(i[:12] for i in ids[:5]))
+        return ids
 
     def put_encoded(self, manifest: Manifest, payloads: Sequence[Payload]) -> Manifest:
         """Store chunks already encoded (and checked) elsewhere, e.g. fetched from the shared
         tier, under `manifest` as it is. Raises StoreFull when they cannot fit."""
         self._writable()
         cid = check_id(manifest.context_id)
+        self._not_streaming(cid)
         if len(payloads) != len(manifest.chunks):
             raise ValueError(f"context {cid}: {len(payloads)} payloads for {len(manifest.chunks)} chunks")
         need = manifest.stored_bytes  # the budget counts chunk bytes (manifests are ~KB)
@@ -180,13 +229,19 @@ class ArtifactStore:
                                  bool(r.manifest and r.manifest.pinned),
                                  bool(r.manifest and r.manifest.expired(now))) for r in reads]
 
-    def _make_room(self, need: int, exclude: frozenset[str]) -> None:
-        victims = eviction.victims_for(self._summaries(), need, self.config.budget_bytes, exclude)
+    def _make_room(self, need: int, exclude: frozenset[str]) -> int:
+        """Evict until need bytes fit beside the stored contexts and the chunks of the other
+        puts in progress -> the bytes left free after them."""
+        need += sum(w.reserved for cid, w in list(self._streams.items()) if cid not in exclude)
+        summaries = self._summaries()
+        victims = eviction.victims_for(summaries, need, self.config.budget_bytes, exclude)
         if victims is None:
             raise StoreFull(f"{need} bytes do not fit the budget of {self.config.budget_bytes} "
                             "bytes even after evicting every unpinned context")
         for cid in victims:
             self.delete(cid)
+        gone = frozenset(victims) | exclude
+        return self.config.budget_bytes - need - sum(e.stored_bytes for e in summaries if e.context_id not in gone)
 
     def _evict_one_for_map(self, context_id: str, need: int) -> None:
         order = eviction.lru_order(self._summaries(), frozenset({context_id}))

@@ -75,6 +75,22 @@ def delete_context(txn, context_id: str) -> bool:  # noqa: ANN001
     return found
 
 
+def orphan_ids(txn) -> list[str]:  # noqa: ANN001
+    """Ids with chunk keys and no manifest (a put that never committed), one seek per id."""
+    head, out = prefix(ChunkKey.kind).encode(), []
+    cur = txn.cursor()
+    found = cur.set_range(head)
+    while found and bytes(cur.key()).startswith(head):
+        cid = bytes(cur.key())[len(head):].split(b":", 1)[0]
+        try:
+            if txn.get(ManifestKey(cid.decode()).to_string().encode()) is None:
+                out.append(cid.decode())
+        except ValueError:  # not a context id: a stray key, left alone
+            pass
+        found = cur.set_range(head + cid + b";")  # ';' follows ':': past this id's chunks
+    return out
+
+
 def check_chunk(info: ChunkInfo, buf) -> str | None:  # noqa: ANN001
     """Why the stored bytes of one chunk are bad, or None if they match the manifest."""
     if buf is None:

@@ -1,5 +1,6 @@
-"""Issue 44, PutContext: a build's chunks go to the object store while the build goes on (each
-layer as it is built), and a failed upload fails the put with nothing registered or left."""
+"""Issue 44, PutContext: a build's chunks go to the object store, or to the local LMDB when it is
+the only store, while the build goes on (each layer as it is built), and a failed upload fails
+the put with nothing registered or left."""
 
 from __future__ import annotations
 
@@ -131,3 +132,50 @@ def test_a_gpu_builds_streamed_chunks_are_the_bytes_of_its_finished_artifact(tmp
         m = w.finish(art)
         ref = local.put("c1", art)  # encoded from the finished artifact, all copies landed
         assert [(c.label(), c.sha256) for c in m.chunks] == [(c.label(), c.sha256) for c in ref.chunks]
+
+
+def test_the_local_store_commits_layers_before_the_builds_last_layer_is_built(start, monkeypatch) -> None:
+    """LMDB alone (the default store): each layer's chunks are committed as it is handed over
+    (store/lmdb/stream_writer.py), the manifest last."""
+    at_last_layer: list[list[str]] = []
+    srv = None
+
+    class SlowLastLayer(CancellableMethod):
+        def build_layers(self, layers, n_layers: int):  # noqa: ANN001, ANN201
+            for i, tables in enumerate(super().build_layers(layers, n_layers)):
+                if i == n_layers - 1:
+                    time.sleep(LAST_LAYER_S)  # the writer thread commits what was handed over
+                    with srv.backend.store._env.begin() as txn:
+                        at_last_layer.append([bytes(k).decode() for k, _ in txn.cursor()])
+                yield tables
+
+    monkeypatch.setattr(build_queue, "CancellableMethod", SlowLastLayer)
+    srv, client = start()
+    cid = put_text(client).context_id
+    m = srv.backend.store.manifest(cid)
+    keys = at_last_layer[0]
+    assert not any(k.startswith("ctxcache:v1:manifest:") for k in keys)  # not READY then
+    assert sum(f":{cid}:0:" in k for k in keys) == sum(c.layer == 0 for c in m.chunks) > 0  # layer 0 in
+    assert ask(client, cid)[1].usage.cached_tokens > 0
+
+
+@pytest.mark.gpu
+def test_a_gpu_builds_chunks_streamed_into_lmdb_are_the_bytes_of_its_finished_artifact(tmp_path: Path) -> None:
+    """The LMDB writer also encodes a layer only once its host copies landed."""
+    import torch
+
+    from ctxcache.indexer import IndexerConfig, build_artifact
+    from ctxcache.methods import make_method
+    from ctxcache.models.loader import load_model
+    from ctxcache.store import ArtifactStore
+
+    lm = load_model("random:tiny", torch.float16, "cuda")
+    tokens = torch.randint(3, 500, (900,), generator=torch.Generator().manual_seed(5))
+    with ArtifactStore(tmp_path / "a") as s, ArtifactStore(tmp_path / "b") as ref_store:
+        w = s.writer("c1")
+        art = build_artifact(lm, tokens, make_method("csattention"),
+                             IndexerConfig(progress=False, coded_kv=True), w)
+        m = w.finish(art)
+        ref = ref_store.put("c1", art)
+        assert [(c.label(), c.sha256) for c in m.chunks] == [(c.label(), c.sha256) for c in ref.chunks]
+        assert s.verify("c1").ok

@@ -3,9 +3,10 @@
     python crash_writer.py STORE_DIR LOG ROUNDS SEED
 
 Each round forks a child that opens the store (after fork, as the rules say) and loops
-put / delete, logging to LOG before and after each operation; the parent kills it after a
-random delay and waits for it, then starts the next round, so every round also reopens a
-store whose previous writer died mid-transaction.
+put (one transaction, or streamed layer by layer) / delete, logging to LOG before and after
+each operation; the parent kills it after a random delay and waits for it, then starts the
+next round, so every round also reopens a store whose previous writer died mid-transaction
+(or mid-stream: the open sweeps the chunks it left).
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ def child(path: str, log: str, rnd: int, pool: list) -> None:
     while True:
         cid, j = f"r{rnd}-{i}", (rnd + i) % len(pool)
         os.write(fd, f"start {cid} {j}\n".encode())
-        store.put(cid, pool[j], ContextMeta(labels={"j": str(j)}))
+        if i % 2:  # streamed (a build's put): killed between its layer transactions too
+            w = store.writer(cid, ContextMeta(labels={"j": str(j)}))
+            for k, layer in enumerate(pool[j].layers):
+                w.add_layer(k, layer, pool[j].kv_codec)
+            w.finish(pool[j])
+        else:
+            store.put(cid, pool[j], ContextMeta(labels={"j": str(j)}))
         os.write(fd, f"done {cid} {j}\n".encode())
         if i % 4 == 3:  # deletes are killed mid-transaction too
             old = f"r{rnd}-{i - 2}"
