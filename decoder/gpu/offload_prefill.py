@@ -12,7 +12,10 @@ contiguous in the pinned pool: one asynchronous DMA each). The prompt's own keys
 already (the layer just computed them): `write_prompt` copies them device to device into the
 layer's buffer beside the fetched context, where before they went to the host and back. The
 values are the same bytes either way, so the logits are those of the serial copy (`to_device`,
-kept as the path with `fetch` None).
+kept as the path with `fetch` None). V held as int8 codes (offload_v.py): the serial path decodes
+each layer's codes where they are (one dequant launch reading the pinned pool), the pipelined one
+copies codes and scales (0.51x the bytes) and decodes them on the compute stream at `get`; the
+prompt's V comes from the HBM tail, or is written into the decoded buffer.
 
 Ordering (PrefillFetch): the copy stream first waits for the compute stream's queued work (the
 buffers may reuse memory a step still uses); a copy into a buffer waits for the compute stream's
