@@ -204,6 +204,8 @@ class OffloadRunner(SlotRows):
         copy, the decoded K exactly) or the host slot. v_int8: K alone decoded on the GPU, V's
         codes and scales copied host to host into the slot (offload_v)."""
         n, row = art.n_tokens, slot.index
+        if self.v_int8 and self.refusal(art) is not None:
+            raise ValueError(self.refusal(art))
         slot.context_id = None
         method = CSAttention(self.params)
         for layer, la in enumerate(art.layers):

@@ -30,6 +30,7 @@ import torch
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.offload_step import HostKVPool
+from ctxcache.decoder.gpu.slot_prefill import ResidentHead
 from ctxcache.host_copy import pinned_exact
 from ctxcache.kernels.v_codes import CodedV, decode_v_into, kind_of
 from ctxcache.kv_codec import KEY_GROUP, SCALE_SUFFIX, CodedKV
@@ -120,7 +121,11 @@ class CodedHostKVPool(HostKVPool):
 
 
 def refusal(art: ContextArtifact) -> str | None:
-    """Why an int8-V runner cannot hold this artifact (None: it can): its V must be int8 codes."""
+    """Why an int8-V runner cannot hold this artifact (None: it can): its V must be int8 codes. A
+    ResidentHead (a held context's head, no K/V: slot_prefill) of an int8 context passes: a slot
+    holds it only after its full artifact did, and a runner not holding it says so at the claim."""
+    if isinstance(art, ResidentHead):
+        return None if art.kv_codec == "int8" else f"this context's K/V are {art.kv_codec}, not int8 codes"
     if art.layers and all(la.coded is not None and la.coded.codec == "int8" for la in art.layers):
         return None
     return (f"the offload runner's host slots hold V as int8 codes (serve --kv-codec int8); this context's K/V "

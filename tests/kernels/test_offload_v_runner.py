@@ -92,6 +92,11 @@ def test_artifacts_not_held_as_int8_codes_are_refused_with_the_reason():
     assert not r8.accepts(exact, CONFIG, 8) and "int8 codes" in r8.refusal(exact)
     assert r8.accepts(coded, CONFIG, 8) and r8.refusal(coded) is None
     assert r16.accepts(exact, CONFIG, 8) and r16.accepts(coded, CONFIG, 8)
+    with pytest.raises(ValueError, match="int8 codes"):
+        r8.admit("x", exact, [], CONFIG, 8)
+    r8.release(r8.admit("c", coded, [], CONFIG, 8)[0])
+    head = r8.resident_head("c")  # a held context's head (no K/V): its next stream starts from it
+    assert head is not None and r8.accepts(head, CONFIG, 8)
     with pytest.raises(ValueError, match="needs K in HBM"):
         OffloadRunner(lm, method.params, CONFIG, slots=1, max_len=256, k_hbm=False, v_int8=True)
 
