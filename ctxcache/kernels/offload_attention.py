@@ -126,7 +126,8 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
 
 
 def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, sinks: int, recent: int,
-                      splits: int = 16, out=None, ws=None, block_n: int = 64, coded: CodedV | None = None) -> torch.Tensor:
+                      splits: int = 16, out=None, ws=None, block_n: int = 64,
+                      coded: CodedV | None = None) -> torch.Tensor:
     """q [B, Hq, D] (GPU); k/v_host [B, Hkv, S, D] pinned host (or any memory the kernel can
     address); k/v_cache [B, Hkv, C, D] GPU slots (k_cache None: K in HBM, read from k_host, the
     cache holds V); idx, slot [B, Hkv, K_max] int32 with equal strides; k_sel, n [B] int32.
