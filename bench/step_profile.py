@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--top", type=int, default=12, help="kernels printed per row (the JSON keeps all)")
         ap.add_argument("--v-cache", default="4", type=lambda x: [float(v) for v in x.split(",") if v],
                         help="mode offload: each slot cache's V rows in selections (OffloadRunner v_cache), comma-separated")
+        ap.add_argument("--offload-v", default="int8", choices=["int8", "bf16"],
+                        help="mode offload and --admit: host slots hold V as the artifact's int8 codes (OffloadRunner "
+                             "v_int8, as serve with --kv-codec int8) or decoded to bf16 (before)")
         ap.add_argument("--admit", action="store_true",
                         help="profile an offloaded hot admission (20-token question) per context, serial vs pipelined "
                              "host copy, instead of decode steps")
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         _, art = build_times(lm, n, {})
         for mode, v_cache in runs:
             for b in args.batches:
-                runner = (OffloadRunner(lm, sparse, config, slots=b, max_len=n + 512, v_cache=v_cache) if mode == "offload"
+                runner = (OffloadRunner(lm, sparse, config, slots=b, max_len=n + 512, v_cache=v_cache,
+                                        v_int8=args.offload_v == "int8") if mode == "offload"
                           else GpuRunner(lm, params[mode], config, b, n + 512))
                 rows = [runner.admit(f"c{i}", art, [5 + i] * 20, config, 96)[0] for i in range(b)]
                 greedy = greedy_steps(runner, rows) if mode == "offload" else {}
@@ -121,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 if before is not None:  # over the timed and profiled steps
                     moved, steps = (now - was for now, was in zip(runner.pcie_bytes(), before))
                     got["pcie_bytes_per_step"] = moved / steps if steps else None
-                rows_out.append({"context": n, "mode": mode, "batch": b, "v_cache": v_cache, **greedy, **got})
+                rows_out.append({"context": n, "mode": mode, "batch": b, "v_cache": v_cache,
+                                 "offload_v": args.offload_v if mode == "offload" else None, **greedy, **got})
                 top += [{"context": n, "mode": mode, "batch": b, **k} for k in got["kernels"][:args.top]]
                 del runner, rows
                 torch.cuda.empty_cache()
@@ -140,7 +145,7 @@ def admissions(lm, sparse, config: SparseConfig, args: argparse.Namespace) -> in
     rows_out, top, host = [], [], []
     for n in args.contexts:
         _, art = build_times(lm, n, {})
-        runner = OffloadRunner(lm, sparse, config, slots=1, max_len=n + 512)
+        runner = OffloadRunner(lm, sparse, config, slots=1, max_len=n + 512, v_int8=args.offload_v == "int8")
         rows, events = admit_rows(runner, art, n, link, args.repeats, Path(args.out) if args.trace else None)
         rows_out += rows
         for row, (mode, ev) in zip(rows, events):

@@ -52,10 +52,14 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
              d.gpu_slot_tokens, fast.slot_bytes / 2**30, free / 2**30)
     if d.offload and params is not None:
         from ctxcache.decoder.gpu.offload_runner import OffloadRunner
+        # V as int8 codes in the host slots where the server's contexts are int8-coded (K in HBM);
+        # contexts of other codecs are then not offloaded (OffloadRunner.refusal)
+        v_int8 = ix.kv_codec == "int8" and d.offload_k == "hbm"
         off = OffloadRunner(lm, params, schedule, d.offload_slots, d.offload_slot_tokens, k_hbm=d.offload_k == "hbm",
-                            v_cache=d.offload_v_cache)
-        log.info("offload runner: %d host slots of %d tokens (%.1f GiB page-locked), K in %s (%.1f GiB of HBM), "
-                 "V cache %.1f GiB", d.offload_slots, off.max_len, off.pool.nbytes / 2**30, d.offload_k,
+                            v_cache=d.offload_v_cache, v_int8=v_int8)
+        log.info("offload runner: %d host slots of %d tokens (%.1f GiB page-locked, V %s), K in %s (%.1f GiB of HBM), "
+                 "V cache %.1f GiB", d.offload_slots, off.max_len, off.pool.nbytes / 2**30,
+                 "int8 codes" if v_int8 else "decoded", d.offload_k,
                  sum(k.nbytes for k in off.k or ()) / 2**30, sum(c.nbytes() for c in off.caches) / 2**30)
         return [fast, off, reference]  # contexts no slot holds: K/V in host memory
     return [fast, reference]

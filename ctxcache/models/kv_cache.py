@@ -12,6 +12,9 @@ class KVCache:
 
     fused_decode_write = True  # one tensor per layer: a decode step may write it in one launch
     fused_prompt_write = True  # and so may a one-row prompt (llama.Attention.rope_and_write)
+    # per row [B], the first position v[layer] holds (None: 0); an offloaded row's V past its
+    # int8-coded context lives in a tail that starts there (decoder/gpu/offload_v.py)
+    v_start: torch.Tensor | None = None
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", uninitialized: bool = False) -> None:

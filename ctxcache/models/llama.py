@@ -89,7 +89,7 @@ class Attention(nn.Module):
         from ctxcache.kernels.rope_write import rope_write, rope_write_prompt
         if t == 1:
             return rope_write(q[:, :, 0], k[:, :, 0], v[:, :, 0], rope, pos[:, 0], cache.k[layer],
-                              cache.v[layer])[:, :, None]
+                              cache.v[layer], v_start=cache.v_start)[:, :, None]
         return rope_write_prompt(q, k, v, rope, pos[0], cache.k[layer], cache.v[layer])
 
 

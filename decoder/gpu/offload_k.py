@@ -50,7 +50,9 @@ def k_buffers(args: ModelArgs, slots: int, max_len: int, dtype: torch.dtype, dev
 class PcieCounter:
     """Bytes over PCIe since start: `host` the host-side arithmetic per step, `steps` the steps
     counted, `prefill` the prompts' prefills' host -> device K/V bytes (not a step's); the misses come from
-    the device counters when read (`total`)."""
+    the device counters when read (`total`). v_codes (offload_v: V as int8 codes): a V row read
+    from the host is head_dim + 2 bytes (codes and an fp16 scale), and positions from a row's
+    context length on are in the HBM tail (the new key is written there, not to the host)."""
 
     key_bytes: int  # one key's K or V row of one KV head: D x dtype bytes
     n_kv: int
@@ -59,21 +61,36 @@ class PcieCounter:
     sparse_layers: int
     dense_layers: int
     k_hbm: bool
+    v_codes: int = 0  # head_dim where V is held as int8 codes (0: V in the model's dtype)
     host: int = 0
     steps: int = 0
     prefill: int = 0
 
     @property
-    def per_key(self) -> int:
-        """Bytes a key's row of one KV head moves: V, or K and V with K on the host."""
-        return self.key_bytes * (1 if self.k_hbm else 2)
+    def v_bytes(self) -> int:
+        """Bytes of one V row of one KV head read from the host."""
+        return self.v_codes + 2 if self.v_codes else self.key_bytes
 
-    def step(self, lengths: list[int]) -> None:
-        """One step over rows whose key counts, after the step's key is written, are `lengths`."""
+    @property
+    def per_key(self) -> int:
+        """Bytes a key's row of one KV head moves: V, or K and V with K on the host. A miss of a
+        position past the context (read from the HBM tail with v_codes) is counted as one that
+        crossed: the device counts misses, not where they were (an upper bound, by the tail's
+        share of the selection)."""
+        return self.v_bytes + (0 if self.k_hbm else self.key_bytes)
+
+    def step(self, lengths: list[int], contexts: list[int] | None = None) -> None:
+        """One step over rows whose key counts, after the step's key is written, are `lengths`
+        (and whose context lengths are `contexts`: with v_codes only those positions are on the host)."""
         v = k = 0  # rows of every KV head read or written over PCIe
-        for n in lengths:
+        for i, n in enumerate(lengths):
             lo = min(self.budget.sinks, n)
             hi = max(lo, n - self.budget.recent)
+            if self.v_codes:
+                c = contexts[i] if contexts is not None else n
+                on_host = min(lo, c) + max(0, min(n, c) - hi)  # the static rows before the context's end
+                v += self.sparse_layers * on_host + self.dense_layers * min(n, c)
+                continue
             # the static rows, the dense layers' every row, the step's new key written to the host
             rows = self.sparse_layers * (lo + n - hi) + self.dense_layers * n + self.sparse_layers + self.dense_layers
             v += rows
@@ -82,12 +99,15 @@ class PcieCounter:
                 if self.rerank > 1:  # the re-rank's candidates' K, read from the host
                     top = min(max(1, math.ceil(n * self.budget.keep)), hi - lo)
                     k += self.sparse_layers * min(hi - lo, math.ceil(top * self.rerank - 1e-9))
-        self.host += (v + k) * self.n_kv * self.key_bytes
+        self.host += (v * self.v_bytes + k * self.key_bytes) * self.n_kv
         self.steps += 1
 
-    def prefill_bytes(self, span: int, layers: int) -> int:
+    def prefill_bytes(self, n_ctx: int, span: int, layers: int) -> int:
         """What a serial prefill's `layers` copy: the row's first `span` positions (V, or K and V);
-        a pipelined one copies the context's alone (offload_prefill.PrefillFetch.h2d_bytes)."""
+        with v_codes the context's codes alone (the prompt's V is in the tail); a pipelined one
+        copies the context's alone (offload_prefill.PrefillFetch.h2d_bytes)."""
+        if self.v_codes:
+            return layers * n_ctx * self.n_kv * self.v_bytes
         return layers * span * self.n_kv * self.per_key
 
     def total(self, misses: int) -> int:

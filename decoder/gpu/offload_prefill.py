@@ -12,7 +12,10 @@ contiguous in the pinned pool: one asynchronous DMA each). The prompt's own keys
 already (the layer just computed them): `write_prompt` copies them device to device into the
 layer's buffer beside the fetched context, where before they went to the host and back. The
 values are the same bytes either way, so the logits are those of the serial copy (`to_device`,
-kept as the path with `fetch` None).
+kept as the path with `fetch` None). V held as int8 codes (offload_v.py): the serial path decodes
+each layer's codes where they are (one dequant launch reading the pinned pool), the pipelined one
+copies codes and scales (0.51x the bytes) and decodes them on the compute stream at `get`; the
+prompt's V comes from the HBM tail, or is written into the decoded buffer.
 
 Ordering (PrefillFetch): the copy stream first waits for the compute stream's queued work (the
 buffers may reuse memory a step still uses); a copy into a buffer waits for the compute stream's
@@ -23,6 +26,7 @@ frees them only after its copies land.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -96,18 +100,25 @@ class InlineLane:
 
 class PrefillFetch:
     """A one-row prefill's host parts (per layer: V, and K when it is on the host, each
-    [1, Hkv, max_len, D]) on the device a layer ahead, in two buffers [1, Hkv, span, D] a part:
-    positions [0, n_ctx) copied from the host, the prompt's [n_ctx, span) written by the layer."""
+    [1, Hkv, max_len, D]; or V's int8 codes and scales, `decode` given) on the device a layer
+    ahead, in two buffers [1, Hkv, span(, D)] a part: positions [0, n_ctx) copied from the host,
+    the prompt's [n_ctx, span) written by the layer. With `decode` (offload_v: codes, scales,
+    out) the layer's codes are decoded on the compute stream when it reads them (`get`) into a
+    V buffer [1, Hkv, span, D] of `v_dtype`, beside the prompt's V the layer wrote there."""
 
     def __init__(self, host: list[list[torch.Tensor]], n_ctx: int, span: int, lane: CopyLane,
-                 device: torch.device) -> None:
+                 device: torch.device, decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+                 v_dtype: torch.dtype | None = None) -> None:
         if not 0 <= n_ctx < span:
             raise ValueError(f"a prefill of positions {n_ctx}..{span - 1}: needs 0 <= n_ctx < span")
-        self.host, self.n_ctx, self.span, self.lane = host, n_ctx, span, lane
-        like = host[0][0]
-        shape = (1, like.shape[1], span, like.shape[3])
-        self.buffers = [[torch.empty(shape, dtype=like.dtype, device=device) for _ in host[0]] for _ in range(2)]
+        self.host, self.n_ctx, self.span, self.lane, self.decode = host, n_ctx, span, lane, decode
+        self.buffers = [[torch.empty((1, t.shape[1], span, *t.shape[3:]), dtype=t.dtype, device=device)
+                         for t in host[0]] for _ in range(2)]
         lane.start([b for pair in self.buffers for b in pair])
+        # what a layer reads, and the prompt's keys are written into: the copied parts, or the decoded V
+        codes = host[0][0]
+        self.out = self.buffers if decode is None else [
+            [torch.empty((1, codes.shape[1], span, codes.shape[3]), dtype=v_dtype, device=device)] for _ in range(2)]
         self.landed: list[Any] = [None] * len(host)
         self.free: list[Any] = [None, None]  # the compute stream's last read of each buffer
         self.fetched = 0  # layers whose copies are queued
@@ -128,13 +139,18 @@ class PrefillFetch:
     def write_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The layer's prompt keys k, v [1, Hkv, T, D] (on the device, as the pool's write takes
         them) into its buffer after the context: on the compute stream, beside the copy."""
-        for dst, src in zip(self.buffers[layer % 2], (v, k)):
+        for dst, src in zip(self.out[layer % 2], (v, k)):
             dst[:, :, self.n_ctx:self.span].copy_(src)
 
     def get(self, layer: int) -> list[torch.Tensor]:
-        """The layer's parts [1, Hkv, span, D] (V, then K when on the host), once landed."""
+        """The layer's parts [1, Hkv, span, D] (V, then K when on the host), once landed (codes:
+        decoded first, on the compute stream)."""
         self.lane.wait(self.landed[layer])
-        return self.buffers[layer % 2]
+        if self.decode is not None:
+            codes, scales = self.buffers[layer % 2]
+            n = self.n_ctx
+            self.decode(codes[0, :, :n], scales[0, :, :n], self.out[layer % 2][0][0, :, :n])
+        return self.out[layer % 2]
 
     def done(self, layer: int) -> None:
         """The compute stream has queued its last read of the layer's buffer: the layer two
@@ -156,9 +172,12 @@ class HostPrefillAttention:
     throw-away token (SlotRows puts the row's follow state back after it)."""
 
     def __init__(self, tables: list[GpuDenseTables], perm: torch.Tensor | None, budget: Budget, follow: bool,
-                 dense_layers: tuple[int, ...], n_ctx: int, fetch: PrefillFetch | None = None) -> None:
+                 dense_layers: tuple[int, ...], n_ctx: int, fetch: PrefillFetch | None = None,
+                 v_kind: int | None = None) -> None:
+        """v_kind: the row's V is held as int8 codes (offload_v.CodedHostKVPool) decoded to this
+        kind (v_codes.kind_of of the artifact's dtype); None: V in the model's dtype."""
         self.tables, self.perm, self.budget, self.follow, self.dense_layers = tables, perm, budget, follow, dense_layers
-        self.n_ctx, self.fetch = n_ctx, fetch
+        self.n_ctx, self.fetch, self.v_kind = n_ctx, fetch, v_kind
         self._real: torch.Tensor | None = None  # the prompt's length (int32 [1], device): all its keys are real
         self._seed: slot_prefill.SeedPadding | None = None  # seed_follow's bounds (one prompt's: none pad it)
 
@@ -168,7 +187,12 @@ class HostPrefillAttention:
         t = self.tables[layer]
         span = self.n_ctx + q.shape[2]  # on the host: a device read would wait for the step in flight
         if self.fetch is None:
-            k, v = to_device(cache.k[layer], span, q.device), to_device(cache.v[layer], span, q.device)
+            k = to_device(cache.k[layer], span, q.device)
+            if self.v_kind is None:
+                v = to_device(cache.v[layer], span, q.device)
+            else:  # int8 codes decoded where they are (one launch), the prompt's V from the HBM tail
+                from ctxcache.decoder.gpu.offload_v import v_to_device
+                v = v_to_device(cache, layer, self.n_ctx, span, self.v_kind, q.device)
         else:
             parts = self.fetch.get(layer)
             v = parts[0]

@@ -13,13 +13,17 @@ Rows of the bucket not stepped compute a throw-away token at their length, as in
 runner. A context stays in its host slot after its stream (the next stream skips the load);
 a prompt's prefill copies each layer's V (K too without k_hbm) to the GPU for dense attention
 (not captured), a layer ahead on a copy stream (offload_prefill.PrefillFetch), a group of layers
-per decode step on the engine thread (`begin`), as the fast runner's admissions.
+per decode step on the engine thread (`begin`), as the fast runner's admissions. v_int8 (the
+server's default with int8 contexts): the host slots hold V as the artifacts' int8 codes and an
+HBM tail holds the positions after each context (offload_v.py): every reader decodes the codes
+to the resident slot's bits, at 0.51x the bytes over PCIe and in the pool.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from functools import partial
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +38,8 @@ from ctxcache.decoder.gpu.offload import SlotCache
 from ctxcache.decoder.gpu.offload_k import PcieCounter, k_buffers
 from ctxcache.decoder.gpu.offload_prefill import CopyLane, HostPrefillAttention, InlineLane, PrefillFetch, StreamLane
 from ctxcache.decoder.gpu.offload_step import HostKVPool, OffloadSparseAttention
+from ctxcache.decoder.gpu.offload_v import CodedDense, CodedHostKVPool, k_into
+from ctxcache.decoder.gpu.offload_v import refusal as coded_refusal
 from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE, ResidentHead
 from ctxcache.decoder.gpu.slot_rows import SlotRows
@@ -42,6 +48,7 @@ from ctxcache.decoder.gpu.table_stacks import layer_tables, row_of_every_layer
 from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import LayeredPrefill
+from ctxcache.kernels.v_codes import decode_v_into, kind_of
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 from ctxcache.methods.csattention_refs import subspace_permutation
 from ctxcache.models.loader import LoadedModel
@@ -63,6 +70,7 @@ class HostSlot:
     busy: bool = False
     last_used: float = 0.0
     head: ResidentHead | None = None  # the held context's head: its next stream skips the DRAM tier
+    v_kind: int = 0  # v_int8: v_codes.kind_of the held context's decoded dtype
     # after a prefill beside decode steps: puts back what their throw-away tokens changed in this
     # idle row, run just before the row's first real step (a step may still come between)
     settle: Callable[[], None] | None = None
@@ -77,7 +85,7 @@ class OffloadRunner(SlotRows):
     def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, slots: int = 4,
                  max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True,
                  prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True, v_cache: float = 4.0,
-                 pipelined_prefill: bool = False) -> None:
+                 pipelined_prefill: bool = False, v_int8: bool = False) -> None:
         """max_len 0: the model's length. prefill_layers: a prompt's layers per chunk beside a
         decode step until both times are measured (a GPU's first prefill; always on a CPU).
         k_hbm: every host slot's K also in HBM (ValueError when it does not fit); else read from
@@ -86,11 +94,15 @@ class OffloadRunner(SlotRows):
         pipelined_prefill: a prompt's host K/V copied a layer ahead on a copy stream; False:
         serially on the compute stream (the same logits). Serial by default: a lone hot
         admission at 32K measured 63 ms serial vs 85 pipelined on the H200 (bench step_profile
-        --admit, d834b1d), bound by the host's launches either way."""
+        --admit, d834b1d), bound by the host's launches either way. v_int8: host slots hold V as
+        the artifacts' int8 codes (offload_v.CodedHostKVPool, K in HBM only; artifacts not held
+        as int8 codes are refused: `refusal`); False: V in the model's dtype, any codec."""
         a = lm.args
         max_len = max_len or a.max_seq_len
         if not 1.0 <= v_cache <= 64.0:
             raise ValueError(f"offload v_cache={v_cache} must be in [1, 64] (selections a slot cache holds)")
+        if v_int8 and not k_hbm:
+            raise ValueError("offload v_int8 (V as int8 codes in the host slots) needs K in HBM, not --offload-k host")
         if slots < 1 or max_len < 2 or max_new < 1 or prefill_layers < 1:
             raise ValueError(f"offload slots={slots}, slot tokens={max_len}, max_new={max_new}, prefill_layers="
                              f"{prefill_layers} must be >= 1, >= 2, >= 1, >= 1")
@@ -100,9 +112,13 @@ class OffloadRunner(SlotRows):
         self.lm, self.params, self.config, self.max_new = lm, params, config, max_new
         self.device = lm.model.lm_head.weight.device
         dtype = lm.model.lm_head.weight.dtype
-        self.pool = HostKVPool(a.n_layers, slots, a.n_kv_heads, self.max_len, a.head_dim, dtype, self.device,
-                               keys=not k_hbm)
-        self.k_hbm = k_hbm
+        # int8 V: the positions after a context (max_new of them, one more for a full row's
+        # throw-away token in a step that does not step it) in an HBM tail beside the codes
+        self.pool = (CodedHostKVPool(a.n_layers, slots, a.n_kv_heads, self.max_len, a.head_dim, dtype, self.device,
+                                     max_new + 1) if v_int8 else
+                     HostKVPool(a.n_layers, slots, a.n_kv_heads, self.max_len, a.head_dim, dtype, self.device,
+                                keys=not k_hbm))
+        self.k_hbm, self.v_int8 = k_hbm, v_int8
         e = dtype.itemsize
         rows = slots * (slot_bytes(a, params, self.max_len, max_new, e) - slot_bytes(a, None, self.max_len, max_new, e))
         self.k = k_buffers(a, slots, self.max_len, dtype, self.device, rows) if k_hbm else None
@@ -134,13 +150,18 @@ class OffloadRunner(SlotRows):
         self._last_bucket = 0  # the batch size of the last launched step
         dense = len({i for i in config.dense_layers if i < a.n_layers})
         self.pcie = PcieCounter(a.head_dim * dtype.itemsize, a.n_kv_heads, config.budget, params.rerank,
-                                a.n_layers - dense, dense, k_hbm)
+                                a.n_layers - dense, dense, k_hbm, a.head_dim if v_int8 else 0)
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
         if art.n_tokens + new_tokens > min(self.max_len, self.lm.args.max_seq_len) or new_tokens > self.max_new:
             return False
-        return config == self.config and serves_index(art, self.params)
+        return config == self.config and serves_index(art, self.params) and self.refusal(art) is None
+
+    def refusal(self, art: ContextArtifact) -> str | None:
+        """Why this runner's host slots cannot hold the artifact's K/V (None: they can): with
+        v_int8 its V must be held as int8 codes (offload_v.refusal)."""
+        return coded_refusal(art) if self.v_int8 else None
 
     @torch.inference_mode()
     def admit(self, context_id: str, art: ContextArtifact, prompt: list[int], config: SparseConfig,
@@ -180,16 +201,23 @@ class OffloadRunner(SlotRows):
     def _load(self, slot: HostSlot, context_id: str, art: ContextArtifact) -> None:
         """Each layer's K/V decoded on the GPU (coded K/V cross PCIe as codes), its rows derived
         there, the V copied into the host slot, the K into the slot's HBM buffer (k_hbm: a device
-        copy, the decoded K exactly) or the host slot."""
+        copy, the decoded K exactly) or the host slot. v_int8: K alone decoded on the GPU, V's
+        codes and scales copied host to host into the slot (offload_v)."""
         n, row = art.n_tokens, slot.index
+        if self.v_int8 and self.refusal(art) is not None:
+            raise ValueError(self.refusal(art))
         slot.context_id = None
         method = CSAttention(self.params)
         for layer, la in enumerate(art.layers):
             k = torch.empty(la.kv_shape, dtype=self.pool.v[layer].dtype, device=self.device)
-            v = torch.empty_like(k)
-            la.kv_into(k, v)
+            if self.v_int8:
+                k_into(la.coded, k)
+                self.pool.load_v(row, layer, la.coded)
+            else:
+                v = torch.empty_like(k)
+                la.kv_into(k, v)
+                self.pool.v[layer][row, :, :n].copy_(v)
             self.kv.k[layer][row, :, :n].copy_(k)
-            self.pool.v[layer][row, :, :n].copy_(v)
             stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
             restored = method.restore(stored, k)
             if self.tables is None:
@@ -198,7 +226,10 @@ class OffloadRunner(SlotRows):
                 follow = self._tables.follow_prev
                 self.follow_state = None if follow is None else follow.view(len(art.layers), -1, *follow.shape[1:])
             self.tables[layer].load_row(row, restored, n)
+        if self.v_int8:  # the row's tail starts at its context's end (a failed load keeps the last one's)
+            self.pool.set_row(row, n, art.layers[0].coded.dtype)
         slot.context_id, slot.n_ctx, slot.head = context_id, n, ResidentHead.of(art)
+        slot.v_kind = kind_of(art.layers[0].coded.dtype) if self.v_int8 else 0
         self.loads += 1
 
     def _reset(self, slot: HostSlot) -> None:
@@ -231,7 +262,7 @@ class OffloadRunner(SlotRows):
                     self.times.stop(PREFILL_KIND, started, units=(run.layer - before) * span)
                     layers = run.layer - before
                     self.pcie.prefill += (fetch.h2d_bytes(layers) if fetch is not None
-                                          else self.pcie.prefill_bytes(span, layers))
+                                          else self.pcie.prefill_bytes(slot.n_ctx, span, layers))
                     if logits is not None:
                         slot.length += len(prompt)
                         slot.settle = self._settler(slot.index, len(prompt))
@@ -249,12 +280,17 @@ class OffloadRunner(SlotRows):
         row, span = slot.index, slot.n_ctx + len(prompt)
         view = self.kv.rows(row, row + 1, prompt_start=slot.n_ctx)
         fetch = None
+        kind = slot.v_kind if self.v_int8 else None
         if self.pipelined_prefill:
-            host = [[v] + ([] if self.k_hbm else [k]) for k, v in zip(view.k, view.v)]
-            fetch = PrefillFetch(host, slot.n_ctx, span, self.prefill_lane(), self.device)
+            if kind is None:
+                host, decode = [[v] + ([] if self.k_hbm else [k]) for k, v in zip(view.k, view.v)], None
+            else:  # codes and scales cross, decoded on the device as the layer reads them
+                host = [[c, s] for c, s in zip(view.v_codes, view.v_scales)]
+                decode = partial(decode_v_into, kind=kind)
+            fetch = PrefillFetch(host, slot.n_ctx, span, self.prefill_lane(), self.device, decode, view.v[0].dtype)
             view.tap = fetch.write_prompt
         attn = HostPrefillAttention(self._row_tables(row), self._perm, self.config.budget,
-                                    bool(self.follow), self.config.dense_layers, slot.n_ctx, fetch)
+                                    bool(self.follow), self.config.dense_layers, slot.n_ctx, fetch, kind)
         tokens = torch.tensor([prompt], pin_memory=self.device.type == "cuda")
         return LayeredPrefill(self.lm.model, tokens.to(self.device, non_blocking=True), slot.n_ctx, view, attn), fetch
 
@@ -276,7 +312,8 @@ class OffloadRunner(SlotRows):
     def _settle(self, rows: list[HostSlot]) -> None:
         """Before each step (SlotRows calls it first): joined rows' state put back, and the step's
         PCIe bytes counted over its whole bucket (rows not stepped compute a throw-away token)."""
-        self.pcie.step([s.length + 1 for s in self.slots[:self._bucket(rows)]])
+        bucket = self.slots[:self._bucket(rows)]
+        self.pcie.step([s.length + 1 for s in bucket], [s.n_ctx for s in bucket])
         for s in rows:
             if s.settle is not None:
                 s.settle()
@@ -308,6 +345,8 @@ class OffloadRunner(SlotRows):
                                           [c.rows(0, bucket) for c in self.caches], self.config.budget, bucket,
                                           a.n_heads, a.n_kv_heads, a.head_dim, self.max_len, self.k_hbm)
             attn.dense_layers = self.config.dense_layers
+            if self.v_int8:  # dense layers read V's codes too
+                attn.dense = CodedDense(bucket, a.n_kv_heads, self.max_len, self.device)
             dec = self._decoders[bucket] = GraphDecoder(self.lm.model, self.kv.rows(0, bucket), attn, self.use_graph)
         return dec
 

@@ -27,7 +27,7 @@ from ctxcache.models.kv_cache import KVCache
 
 class HostKVPool(KVCache):
     """K/V [slots, Hkv, max_len, D] per layer in page-locked host memory (zeroed), lengths on
-    the device. A decode step writes its keys by the fused RoPE + write kernel (zero-copy); a
+    the device (V in the model's dtype; as an int8-coded artifact's codes: offload_v.CodedHostKVPool). A decode step writes its keys by the fused RoPE + write kernel (zero-copy); a
     prompt's keys go in by `write`, a copy into host memory."""
 
     fused_decode_write = True
@@ -92,7 +92,8 @@ class OffloadSparseAttention(GpuSparseAttention):
     """GpuSparseAttention over a batch of host slots: the same selection and re-rank (its
     candidates' keys read from the cache's K: HBM buffers with k_hbm, else the host), attention
     through each layer's GPU slot cache (kernels.offload_attention: hits from HBM, the rest from
-    the host, misses cached; with k_hbm the cache holds V and K is read from its buffer)."""
+    the host, misses cached; with k_hbm the cache holds V and K is read from its buffer; over a
+    CodedHostKVPool V is read as int8 codes, decoded in the kernel, and its tail, offload_v.py)."""
 
     def __init__(self, params: CSAttentionParams, tables: list[GpuDenseTables], caches: list[SlotCache],
                  budget: Budget, batch: int, n_heads: int, n_kv: int, head_dim: int, max_len: int,
@@ -113,6 +114,8 @@ class OffloadSparseAttention(GpuSparseAttention):
                 k: torch.Tensor) -> torch.Tensor:
         c = self.caches[layer]
         slot = plan_slots(c, idx.contiguous(), k)
-        return offload_attention(q, cache.k[layer], cache.v[layer], None if self.k_hbm else c.k, c.v,
-                                 idx.contiguous(), slot, k, n, self.budget.sinks, self.budget.recent,
-                                 splits=self.offload_splits)
+        # V as int8 codes (offload_v.CodedHostKVPool): the codes on the host, the tail in HBM
+        coded = cache.coded(layer) if hasattr(cache, "v_codes") else None
+        return offload_attention(q, cache.k[layer], cache.v[layer] if coded is None else cache.v_codes[layer],
+                                 None if self.k_hbm else c.k, c.v, idx.contiguous(), slot, k, n, self.budget.sinks,
+                                 self.budget.recent, splits=self.offload_splits, coded=coded)

@@ -14,7 +14,8 @@ from ctxcache.decoder.runner import ReferenceRunner
 from ctxcache.generation import SamplingParams
 from ctxcache.methods import Budget, make_method
 from ctxcache.models.loader import load_model
-from test_offload_runner import _artifacts
+from test_offload_runner import CPU_SLOW, _artifacts
+from test_offload_v_runner import coded_artifacts
 
 CONFIG = SparseConfig(Budget(0.1, 2, 8))
 pytestmark = pytest.mark.usefixtures("small_score_pad")  # kernels/conftest.py: why
@@ -123,22 +124,25 @@ def test_k_buffers_that_do_not_fit_are_refused_in_one_line(monkeypatch):
     OffloadRunner(lm, method.params, CONFIG, slots=3, max_len=512, k_hbm=False)  # no K buffers: nothing to fit
 
 
-def test_offloaded_greedy_tokens_equal_the_resident_ones():
+@pytest.mark.parametrize("v_int8", [False, pytest.param(True, marks=CPU_SLOW)])
+def test_offloaded_greedy_tokens_equal_the_resident_ones(v_int8):
     """A random fp32 model (64 greedy tokens on a GPU): two contexts with questions, the second
     admitted while the first decodes, from the resident fast runner and from the offload runner
     with K in HBM, each in one batched step, with the default re-rank (4x candidates, follow).
     fp32: on random Llama-3.1-8B in bf16 the fast runner's own logits differ from the reference's
-    by up to 2 (logit std 1.3) within 4 steps (H200), so no two paths agree on its greedy tokens."""
+    by up to 2 (logit std 1.3) within 4 steps (H200), so no two paths agree on its greedy tokens.
+    v_int8: int8-coded artifacts (fp16 K/V, as the service's), their V kept as codes in the host
+    slots and decoded where read: the resident slot's bits, so its tokens."""
     from ctxcache.decoder.gpu.runner import GpuRunner
     steps = 64 if torch.cuda.is_available() else 4  # interpreted on a CPU: 4 steps, ~40 s
     lm = load_model("random:tiny", seed=3, device=DEVICE)
     method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 4.0})
-    arts = _artifacts(method, (200, 170))
+    arts = coded_artifacts(method, (200, 170), "float16") if v_int8 else _artifacts(method, (200, 170))
     prompts = ([11, 12, 13, 14, 15], [21, 22])
     tokens = {}
     for name, runner in (("resident", GpuRunner(lm, method.params, CONFIG, 2, 384, max_new=steps + 8)),
                          ("offloaded", OffloadRunner(lm, method.params, CONFIG, slots=2, max_len=384,
-                                                     max_new=steps + 8))):
+                                                     max_new=steps + 8, v_int8=v_int8))):
         eng = Engine(runner)
         try:
             seqs = [eng.start(f"c{i}", a, p, CONFIG, SamplingParams(max_tokens=steps))

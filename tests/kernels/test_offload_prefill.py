@@ -36,8 +36,8 @@ class DeferredLane:
         self.n = 0
 
     def start(self, buffers: list[torch.Tensor]) -> None:
-        for b in buffers:
-            b.fill_(float("nan"))
+        for b in buffers:  # int8 codes cannot be NaN: their scales are, so a decoded early read is
+            b.fill_(float("nan") if b.is_floating_point() else 0)
 
     def copy(self, pairs: Pairs, after: int | None) -> int:
         self.n += 1
@@ -96,21 +96,24 @@ def four_layers(monkeypatch):
 
 
 @lru_cache(maxsize=None)
-def _setup(model: str):
+def _setup(model: str, coded: bool = False):
     lm = load_model(model, seed=3, device=DEVICE)
     method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 2.0})  # follow on
     art = build_artifact(load_model(model, seed=3), torch.randint(0, lm.args.vocab_size, (N_CTX,),
                          generator=torch.Generator().manual_seed(N_CTX)), method,
-                         IndexerConfig(kv_dtype="float32", progress=False))
+                         IndexerConfig(kv_dtype="float32", progress=False, coded_kv=coded))
     return lm, method, art
 
 
-def _hot_prefill(model: str, k_hbm: bool, lane: str | None) -> tuple[OffloadRunner, dict[str, torch.Tensor]]:
+MODES = {"k-hbm": {}, "k-host": {"k_hbm": False}, "v-int8": {"v_int8": True}}  # v-int8: V as codes (offload_v)
+
+
+def _hot_prefill(model: str, mode: str, lane: str | None) -> tuple[OffloadRunner, dict[str, torch.Tensor]]:
     """A context loaded, its stream released, then a question on it a layer a chunk (the hot
     case); lane None: the serial copy. -> the runner and what the prefill left."""
-    lm, method, art = _setup(model)
+    lm, method, art = _setup(model, mode == "v-int8")
     runner = OffloadRunner(lm, method.params, CONFIG, slots=1, max_len=320, max_new=32, prefill_layers=1,
-                           k_hbm=k_hbm, pipelined_prefill=lane is not None)
+                           pipelined_prefill=lane is not None, **MODES[mode])
     if lane is not None:
         runner.prefill_lane = LANES[lane]
     runner.release(runner.admit("c", art, [5, 6], CONFIG, 4)[0])
@@ -118,42 +121,49 @@ def _hot_prefill(model: str, k_hbm: bool, lane: str | None) -> tuple[OffloadRunn
     _, chunks = runner.begin("c", art, PROMPT, CONFIG, 4)
     first = [out for out in chunks][-1]
     t = runner.tables
+    # the V the question wrote: the host slot's positions, or (v-int8) the HBM tail's from 0
+    written = slice(0, len(PROMPT)) if mode == "v-int8" else slice(0, N_CTX + len(PROMPT))
     return runner, {"logits": first, "follow": torch.stack([x.follow_prev[0] for x in t]),
                     "overlay": torch.stack([x.new_scores[0] for x in t]),
-                    "v": torch.stack([v[0, :, :N_CTX + len(PROMPT)] for v in runner.pool.v])}
+                    "v": torch.stack([v[0, :, written] for v in runner.pool.v])}
 
 
-_serial = lru_cache(maxsize=None)(lambda model, k_hbm: _hot_prefill(model, k_hbm, None)[1])
+_serial = lru_cache(maxsize=None)(lambda model, mode: _hot_prefill(model, mode, None)[1])
 
 
-@pytest.mark.parametrize("k_hbm", [True, False], ids=["k-hbm", "k-host"])
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("lane", sorted(LANES))
-def test_a_pipelined_hot_prefill_gives_the_serial_copys_logits_and_state(four_layers, k_hbm, lane):
+def test_a_pipelined_hot_prefill_gives_the_serial_copys_logits_and_state(four_layers, mode, lane):
     """The question's first logits, the follow state its last query seeded, its keys' index
     overlay and the host V it wrote equal the serial copy's bit for bit; only the context's
-    positions crossed (the prompt's keys stay on the device): pcie.prefill counts them."""
-    runner, got = _hot_prefill(four_layers, k_hbm, lane)
-    want = _serial(four_layers, k_hbm)
+    positions crossed (the prompt's keys stay on the device): pcie.prefill counts them (v-int8:
+    codes and a 2-byte scale a row, serial or pipelined)."""
+    runner, got = _hot_prefill(four_layers, mode, lane)
+    want = _serial(four_layers, mode)
     for name in want:
         assert torch.equal(got[name], want[name]), name
     a = runner.lm.args
-    parts = 1 if k_hbm else 2
-    assert runner.pcie.prefill == a.n_layers * N_CTX * a.n_kv_heads * a.head_dim * 4 * parts
+    row = {"k-hbm": a.head_dim * 4, "k-host": 2 * a.head_dim * 4, "v-int8": a.head_dim + 2}[mode]
+    assert runner.pcie.prefill == a.n_layers * N_CTX * a.n_kv_heads * row
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: streams and the bf16 kernels")
-def test_on_a_gpu_the_copies_run_on_their_own_stream_and_the_logits_are_the_serial_ones():
+@pytest.mark.parametrize("v_int8", [False, True])
+def test_on_a_gpu_the_copies_run_on_their_own_stream_and_the_logits_are_the_serial_ones(v_int8):
     """A bf16 model of SmolLM2's shapes: the pipelined hot prefill's logits equal the serial
-    one's, and its host -> device copies ran on a stream other than the compute kernels'."""
+    one's, and its host -> device copies ran on a stream other than the compute kernels'
+    (v_int8: V's codes and scales copied, decoded on the compute stream; serially the dequant
+    kernel reads them zero-copy: no copy of V at all)."""
     from torch.profiler import ProfilerActivity, profile
     lm = load_model("random:smollm2-135m", seed=3, dtype=torch.bfloat16, device="cuda")
     method = make_method("csattention", {"subspaces": 4, "centroids": 16})
     art = build_artifact(lm, torch.randint(0, lm.args.vocab_size, (2000,), generator=torch.Generator().manual_seed(1)),
-                         method, IndexerConfig(kv_dtype="bfloat16", progress=False))
+                         method, IndexerConfig(kv_dtype="bfloat16", progress=False, coded_kv=v_int8))
     firsts = []
     for pipelined in (False, True):
-        runner = OffloadRunner(lm, method.params, CONFIG, slots=1, max_len=2048 + 64, pipelined_prefill=pipelined)
+        runner = OffloadRunner(lm, method.params, CONFIG, slots=1, max_len=2048 + 64, pipelined_prefill=pipelined,
+                               v_int8=v_int8)
         runner.release(runner.admit("c", art, PROMPT, CONFIG, 4)[0])
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             row, first = runner.admit("c", art, PROMPT, CONFIG, 4)
