@@ -58,6 +58,7 @@ def coded_bytes(art: ContextArtifact) -> int:
 
 def one_put(art: ContextArtifact, root: Path, mode: str, pace_s: float, sync: bool) -> dict:
     size = coded_bytes(art)
+    root.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(prefix="lmdb-put-", dir=root))
     try:
         cfg = StoreConfig(map_size_bytes=2 * size + (256 << 20), budget_bytes=2 * size, sync=sync)
