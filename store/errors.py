@@ -7,6 +7,10 @@ class StoreError(Exception):
     """Base of every error the store raises on purpose."""
 
 
+class WriteStopped(StoreError):
+    """A chunk not stored because its write (a streaming put) had already failed or been given up."""
+
+
 class CorruptArtifact(StoreError):
     """A stored chunk or manifest fails its size or checksum check (service: DATA_LOSS)."""
 

@@ -44,7 +44,7 @@ import torch
 from ctxcache.artifact import ContextArtifact, LayerArtifact
 from ctxcache.store import codec
 from ctxcache.store.artifact_writer import landed
-from ctxcache.store.errors import StoreClosed, StoreError, StoreFull
+from ctxcache.store.errors import StoreClosed, StoreError, StoreFull, WriteStopped
 from ctxcache.store.keys import AccessKey, ChunkKey, ManifestKey, check_id
 from ctxcache.store.layout import Slot, build_manifest, chunk_tensors, layer_chunks
 from ctxcache.store.lmdb.txn_ops import delete_context
@@ -57,9 +57,6 @@ log = logging.getLogger("ctxcache.store.lmdb")
 
 Batch = list[tuple[Slot, cf.Future]]  # one transaction's chunks, each encoding on the pool
 
-
-class WriteStopped(StoreError):
-    """A chunk not written because its put had already failed or been given up."""
 
 
 def _key(cid: str, slot: Slot) -> bytes:

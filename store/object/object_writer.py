@@ -33,7 +33,7 @@ from ctxcache.store import codec
 from ctxcache.store.artifact_writer import landed
 from ctxcache.store.chunk_io import Payload
 from ctxcache.store.config import StoreConfig
-from ctxcache.store.errors import StoreError
+from ctxcache.store.errors import StoreError, WriteStopped
 from ctxcache.store.keys import check_id
 from ctxcache.store.layout import Slot, build_manifest, chunk_tensors, layer_chunks
 from ctxcache.store.manifest import ContextMeta, Manifest
@@ -44,9 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ctxcache.store.object")
 
-
-class WriteStopped(StoreError):
-    """A chunk not uploaded because its write had already failed or been given up."""
 
 
 class Inflight:

@@ -12,6 +12,7 @@ import pytest
 
 from ctxcache.store import ArtifactStore, ContextMeta, StoreConfig, StoreError, StoreFull
 from ctxcache.store.keys import ChunkKey, prefix
+from ctxcache.store.errors import WriteStopped
 from ctxcache.store.lmdb import stream_writer
 from store_helpers import assert_same, make_artifact
 
@@ -112,7 +113,7 @@ def test_abort_leaves_no_chunks_and_the_stats_unchanged(store_dir: Path) -> None
         after = s.stats()
         assert (after.contexts, after.stored_bytes, after.raw_bytes) == \
                (before.contexts, before.stored_bytes, before.raw_bytes)
-        with pytest.raises(stream_writer.WriteStopped):
+        with pytest.raises(WriteStopped):
             w.add_layer(2, art.layers[2], art.kv_codec)
         s.writer("c1").finish(art)  # the id is free again
         assert_same(s.get("c1"), art)
