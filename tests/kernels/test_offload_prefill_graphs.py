@@ -115,6 +115,45 @@ def test_the_padding_leaves_no_trace_in_the_row(mode, tokens, monkeypatch):
         assert torch.equal(got[name], want[name]), name
 
 
+def test_the_warm_up_checks_the_replayed_prefill_against_the_eager_one(monkeypatch):
+    """With prefill graphs and the serial copy the warm-up asks slot 0's 16-token question again
+    (replayed on a GPU; eager here) and compares the logits with its first, eager ones: equal, the
+    graphs stay on; a replay that differs turns them off before serving. Pipelined: no check."""
+    from ctxcache.decoder.gpu import warm_up
+    checked = []
+    check = warm_up._check_prefill_graph
+    monkeypatch.setattr(warm_up, "_check_prefill_graph", lambda r, *a: (checked.append(r), check(r, *a))[1])
+    _, art = _runner("k-hbm", True)
+
+    def warmed(**kw) -> OffloadRunner:
+        runner = _runner("k-hbm", True, **kw)[0]
+        runner.warm_up([art])
+        return runner
+    good = warmed()
+    assert checked == [good] and not good.prefill_graphs.broken
+    wrong = _runner("k-hbm", True)[0]
+    asked = wrong.prefill_graphs.prefill
+
+    class Off:  # the check's admissions (after the first two prefills) replay 1 too high
+        def __init__(self, run):
+            self.run_, self.layer = run, 0
+
+        def run(self, layers):
+            out = self.run_.run(layers)
+            self.layer = self.run_.layer
+            return None if out is None else out + 1
+    count = []
+
+    def prefill(key, ids, n_layers, make, first_use=False):
+        count.append(key)
+        return asked(key, ids, n_layers, make, first_use) or (Off(make(ids)) if len(count) > 1 else None)
+    wrong.prefill_graphs.prefill = prefill
+    wrong.warm_up([art])
+    assert checked[-1] is wrong and wrong.prefill_graphs.broken
+    piped = warmed(pipelined_prefill=True)
+    assert checked[-1] is wrong and not piped.prefill_graphs.broken  # no check ran
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="prefill graphs are captured on a CUDA GPU")
 @pytest.mark.parametrize("mode", sorted(MODES))
