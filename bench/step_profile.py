@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                              "host copy, instead of decode steps")
         ap.add_argument("--repeats", type=int, default=5, help="--admit: timed admissions per row (median)")
         ap.add_argument("--graphs", action="store_true",
-                        help="--admit: also the serial admission replayed as CUDA graphs (OffloadRunner prefill_graphs, "
-                             "serve --offload-prefill-graphs), captured on its key's second use, then timed")
+                        help="--admit: also the serial admission replayed as CUDA graphs (OffloadRunner "
+                             "prefill_graphs, serve --offload-prefill-graphs), captured on its key's second use, "
+                             "then timed")
         ap.add_argument("--trace", action="store_true", help="--admit: also write each profiled admission's "
                         "timeline (host CUDA calls and both streams) as a Chrome trace beside the JSON")
     args = gpu_cli("ctxcache bench step_profile", "32768", argv, extra, __doc__)

@@ -216,8 +216,9 @@ class HostPrefillAttention:
         if self.follow and layer not in self.dense_layers:
             if self._seed is None:  # the same bounds every layer: written once, not 4 launches a layer
                 follow = t.follow_prev.shape[-1]
-                self._seed = (slot_prefill.SeedPadding.unpadded(span, self.budget, follow, q.device) if self.last is None
-                              else slot_prefill.SeedPadding.of(self.n_ctx, self._real, q.shape[2], self.budget, follow))
+                pad = slot_prefill.SeedPadding
+                self._seed = (pad.unpadded(span, self.budget, follow, q.device) if self.last is None
+                              else pad.of(self.n_ctx, self._real, q.shape[2], self.budget, follow))
             last = q[0, :, -1] if self.last is None else q[0].index_select(1, self.last)[:, 0]
             t.seed_follow(0, last, k[0], self.budget, self._seed)
         if self.fetch is not None:

@@ -376,6 +376,7 @@ class OffloadRunner(SlotRows):
         return self.pcie.total(selected - hits), self.pcie.steps
 
     def warm_up(self, arts: list[ContextArtifact]) -> None:
-        """Every kernel compiled and every bucket's graph captured before serving."""
+        """Every kernel compiled and every bucket's graph captured before serving; with prefill
+        graphs, a replayed prefill checked against the eager one (a mismatch: eager from then on)."""
         from ctxcache.decoder.gpu.warm_up import warm_up_runner
         warm_up_runner(self, arts)

@@ -21,10 +21,10 @@ _log = logging.getLogger(__name__)
 def warm_up_runner(runner: GpuRunner | OffloadRunner, arts: list[ContextArtifact]) -> None:
     """Each artifact loaded into every slot under prompts of 16 and 17 tokens (the fast runner's
     prefill graphs pad them to 16 and 32, as the offload runner's do with prefill_graphs; its
-    unpadded prefill passes Triton lengths that differ by divisibility; one token is a decode step), then per bucket one launched and
-    one synchronous step (the first captures its graph); a replayed prefill graph (the fast
-    runner's; the offload runner's with prefill_graphs and the serial copy) is then checked
-    against its eager prefill."""
+    unpadded prefill passes Triton lengths that differ by divisibility; one token is a decode
+    step), then per bucket one launched and one synchronous step (the first captures its graph);
+    a replayed prefill graph (the fast runner's; the offload runner's with prefill_graphs and the
+    serial copy) is then checked against its eager prefill."""
     ids = [f"warm-up:{i}" for i in range(len(runner.slots))]
     arts = [art for art in arts if runner.accepts(art, runner.config, 17 + 8)]  # slots too small skip them
     # the fast runner replays captured prefills; the offload runner where they are on (offload_prompt.graphs_on)

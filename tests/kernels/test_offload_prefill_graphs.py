@@ -36,8 +36,8 @@ def _setup(coded: bool):
         lm = load_model("random:tiny4", seed=3, device=DEVICE)
         cpu_lm = load_model("random:tiny4", seed=3)
     method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 2.0})  # follow on
-    art = build_artifact(cpu_lm, torch.randint(0, lm.args.vocab_size, (N_CTX,), generator=torch.Generator().manual_seed(N_CTX)),
-                         method, IndexerConfig(kv_dtype="float32", progress=False, coded_kv=coded))
+    tokens = torch.randint(0, lm.args.vocab_size, (N_CTX,), generator=torch.Generator().manual_seed(N_CTX))
+    art = build_artifact(cpu_lm, tokens, method, IndexerConfig(kv_dtype="float32", progress=False, coded_kv=coded))
     return lm, method, art
 
 

@@ -92,5 +92,5 @@ def test_offload_prefill_graphs_is_a_serve_flag_off_by_default(tmp_path):
                             method_params="{}")
     point = SimpleNamespace(streams={"offload": [1, 2]}, n_ctx=300)
     assert "--offload-prefill-graphs" in server_flags(bench, "offload", point, tmp_path)
-    assert "--offload-prefill-graphs" not in server_flags(SimpleNamespace(**{**vars(bench), "offload_prefill_graphs": False}),
-                                                          "offload", point, tmp_path)
+    bench.offload_prefill_graphs = False
+    assert "--offload-prefill-graphs" not in server_flags(bench, "offload", point, tmp_path)
