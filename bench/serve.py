@@ -112,6 +112,7 @@ def server_flags(args, mode: str, point: Point, data: Path) -> list[str]:
     if mode == "offload":  # one small slot: every context decodes offloaded, a host slot a stream
         sizing = ["--gpu-slots", "1", "--offload", "--offload-slots", str(slots), "--offload-slot-tokens", str(tokens),
                   "--offload-k", args.offload_k, "--offload-v-cache", str(args.offload_v_cache)]
+        sizing += ["--offload-prefill-graphs"] if args.offload_prefill_graphs else []
         tokens = 1024
     return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
             "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb), "--decode-mode", DECODE_MODE[mode],
@@ -180,7 +181,7 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
             now = client.admin.Stats(apb.StatsRequest())
             rows[-1].update(offload_hit_rate=now.offload_hit_rate, resident_contexts=now.resident_contexts,
                             offloaded_contexts=now.offloaded_contexts, offload_k=args.offload_k,
-                            offload_v_cache=args.offload_v_cache,
+                            offload_v_cache=args.offload_v_cache, offload_prefill_graphs=args.offload_prefill_graphs,
                             **pcie_of(before, now, point.h2d_gb_per_s))
         print(rows[-1], flush=True)
     if len(cids) >= 8:
@@ -286,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="mode offload: each context's K in HBM (serve --offload-k hbm) or read from the host")
     ap.add_argument("--offload-v-cache", type=float, default=4.0,
                     help="mode offload: serve --offload-v-cache (a host slot's GPU cache of V rows, in selections)")
+    ap.add_argument("--offload-prefill-graphs", action="store_true",
+                    help="mode offload: serve --offload-prefill-graphs (hot questions' prefills replayed as CUDA graphs)")
     ap.add_argument("--method-params", default="{}", help="CSAttention parameters of the server (JSON)")
     ap.add_argument("--drop-page-cache", action="store_true", help="cold TTFT after dropping the OS page cache (root)")
     add_out(ap, what="the result JSON and PNG")

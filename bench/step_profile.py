@@ -9,8 +9,9 @@ busy 10.3 of a 10.45 ms step, so the cost was inside them). Random Llama-3.1-8B 
 built artifact per length shared by every row (each row its own slot and tables).
 `ctxcache bench step_profile [--contexts 32768] [--batches 1,8] [--modes sparse,dense,offload] [--out DIR]`.
 
-`--admit [--repeats 5]`: instead of steps, an offloaded context's hot admission of a 20-token
-question at each context, the serial host copy against the pipelined one (bench/common/admit_profile.py):
+`--admit [--repeats 5] [--graphs]`: instead of steps, an offloaded context's hot admission of a 20-token
+question at each context, the serial host copy against the pipelined one and (`--graphs`) the serial one
+replayed as CUDA graphs (bench/common/admit_profile.py):
 wall ms, bytes from the host, copies' and kernels' busy ms and their overlap, beside the link's
 measured host -> device rate, and one admission's host functions by own time (cProfile: where a
 launch-bound admission spends its host time); writes admit_profile_<device>.json."""
@@ -93,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile an offloaded hot admission (20-token question) per context, serial vs pipelined "
                              "host copy, instead of decode steps")
         ap.add_argument("--repeats", type=int, default=5, help="--admit: timed admissions per row (median)")
+        ap.add_argument("--graphs", action="store_true",
+                        help="--admit: also the serial admission replayed as CUDA graphs (OffloadRunner "
+                             "prefill_graphs, serve --offload-prefill-graphs), captured on its key's second use, "
+                             "then timed")
         ap.add_argument("--trace", action="store_true", help="--admit: also write each profiled admission's "
                         "timeline (host CUDA calls and both streams) as a Chrome trace beside the JSON")
     args = gpu_cli("ctxcache bench step_profile", "32768", argv, extra, __doc__)
@@ -146,7 +151,8 @@ def admissions(lm, sparse, config: SparseConfig, args: argparse.Namespace) -> in
     for n in args.contexts:
         _, art = build_times(lm, n, {})
         runner = OffloadRunner(lm, sparse, config, slots=1, max_len=n + 512, v_int8=args.offload_v == "int8")
-        rows, events = admit_rows(runner, art, n, link, args.repeats, Path(args.out) if args.trace else None)
+        paths = ("serial", "pipelined") + (("graphs",) if args.graphs else ())
+        rows, events = admit_rows(runner, art, n, link, args.repeats, Path(args.out) if args.trace else None, paths)
         rows_out += rows
         for row, (mode, ev) in zip(rows, events):
             kernels = per_step(ev, 1)

@@ -56,11 +56,11 @@ def decode_runners(lm: LoadedModel, config: ServiceConfig) -> list[Runner]:
         # contexts of other codecs are then not offloaded (OffloadRunner.refusal)
         v_int8 = ix.kv_codec == "int8" and d.offload_k == "hbm"
         off = OffloadRunner(lm, params, schedule, d.offload_slots, d.offload_slot_tokens, k_hbm=d.offload_k == "hbm",
-                            v_cache=d.offload_v_cache, v_int8=v_int8)
+                            v_cache=d.offload_v_cache, v_int8=v_int8, prefill_graphs=d.offload_prefill_graphs)
         log.info("offload runner: %d host slots of %d tokens (%.1f GiB page-locked, V %s), K in %s (%.1f GiB of HBM), "
-                 "V cache %.1f GiB", d.offload_slots, off.max_len, off.pool.nbytes / 2**30,
-                 "int8 codes" if v_int8 else "decoded", d.offload_k,
-                 sum(k.nbytes for k in off.k or ()) / 2**30, sum(c.nbytes() for c in off.caches) / 2**30)
+                 "V cache %.1f GiB, prefill graphs %s", d.offload_slots, off.max_len, off.pool.nbytes / 2**30,
+                 "int8 codes" if v_int8 else "decoded", d.offload_k, sum(k.nbytes for k in off.k or ()) / 2**30,
+                 sum(c.nbytes() for c in off.caches) / 2**30, "on" if d.offload_prefill_graphs else "off")
         return [fast, off, reference]  # contexts no slot holds: K/V in host memory
     return [fast, reference]
 

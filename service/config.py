@@ -162,6 +162,9 @@ class DecoderSettings:
     # V rows each host slot's GPU cache holds, per layer and KV head, as a multiple of the
     # selection: > 1 keeps keys that recent steps selected (decoder/gpu/offload.plan_slots)
     offload_v_cache: float = 4.0
+    # an offloaded row's serial question prefill padded and replayed as CUDA graphs, as a resident
+    # slot's (decoder/gpu/offload_prompt.py); off until measured on a GPU
+    offload_prefill_graphs: bool = False
     # on a GPU, warm up in a child process first (service/warm_up_check.py): a compiler crash is
     # then one line instead of the server's death by signal. Its cost is a second process and
     # model load: the child fills Triton's cache, so the server's own warm-up compiles nothing

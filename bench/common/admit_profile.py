@@ -1,6 +1,7 @@
 """`bench step_profile --admit`: an offloaded context's hot admission (a 20-token question on a
 context its host slot already holds) timed and profiled, the serial host copy against the
-pipelined one (offload_prefill: V copied a layer ahead on its own stream).
+pipelined one (offload_prefill: V copied a layer ahead on its own stream) and, with `--graphs`,
+the serial one replayed as CUDA graphs (offload_prompt: the question padded to 32 tokens).
 
 Why: issue 47's hot TTFT target is <= 50 ms at 32K; the admission's V (2.2 GB at Llama-3.1-8B
 bf16) crosses PCIe in ~40 ms and its kernels take ~11 ms (H200), so it meets the target only when
@@ -132,21 +133,31 @@ def host_profile(runner: OffloadRunner, art: ContextArtifact, top: int = 25) -> 
                       "own_ms": 1e3 * own, "cum_ms": 1e3 * cum} for (path, line, name), (_, calls, own, cum, _) in funcs]
 
 
+# the rows' prefill paths: (name, pipelined copy, prefill graphs); "graphs" is the serial copy
+# replayed (OffloadRunner prefill_graphs: its key run eagerly, then captured, in the two untimed admissions)
+PATHS = {"serial": (False, False), "pipelined": (True, False), "graphs": (False, True)}
+
+
 def admit_rows(runner: OffloadRunner, art: ContextArtifact, n: int, h2d_gb_per_s: float, repeats: int,
-               trace_dir: Path | None = None) -> tuple[list[dict], list[tuple[str, list[tuple[str, float]]]]]:
-    """The serial and the pipelined hot admission at context n: a row each, and each one's events
+               trace_dir: Path | None = None, paths: tuple[str, ...] = ("serial", "pipelined")
+               ) -> tuple[list[dict], list[tuple[str, list[tuple[str, float]]]]]:
+    """The hot admission at context n by each of `paths` (PATHS): a row each, and each one's events
     (with trace_dir, each profiled admission's Chrome trace written there)."""
+    from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs
     runner.release(runner.admit("hot", art, QUESTION, runner.config, 64)[0])  # the load (cold), then hot ones
     rows, kernels = [], []
-    for pipelined in (False, True):
+    for mode in paths:
+        pipelined, graphs = PATHS[mode]
         runner.pipelined_prefill = pipelined
-        hot_admit_ms(runner, art, 2)  # first uses of this path
+        runner.prefill_graphs = PrefillGraphs() if graphs else None
+        hot_admit_ms(runner, art, 2)  # first uses of this path (graphs: eager, then captured as it runs)
         wall, moved = hot_admit_ms(runner, art, repeats)
+        if graphs and runner.prefill_graphs.broken:
+            raise RuntimeError("the prefill graphs' capture failed (logged): no replay to time")
         activity, events = profile_admit(runner, art, None if trace_dir is None
-                                         else trace_dir / f"admit_trace_{n}_{'pipelined' if pipelined else 'serial'}.json")
+                                         else trace_dir / f"admit_trace_{n}_{mode}.json")
         host_ms, host_funcs = host_profile(runner, art)
         copy_ms = moved / (h2d_gb_per_s * 1e6) if h2d_gb_per_s else None
-        mode = "pipelined" if pipelined else "serial"
         rows.append({"context": n, "copy": mode, "admit_ms": wall, "h2d_bytes": moved,
                      "h2d_ms_at_link": copy_ms, "h2d_gb_per_s_achieved": moved / (activity["h2d_busy_ms"] * 1e6)
                      if activity["h2d_busy_ms"] else None, "link_h2d_gb_per_s": h2d_gb_per_s, **activity,

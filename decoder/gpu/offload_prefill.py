@@ -165,21 +165,28 @@ class HostPrefillAttention:
     indexed (one launch a layer, `insert_span`), then dense attention over the row's K/V on the
     GPU (`fetch`: copied a layer ahead; None: copied serially, `to_device`), packed as a resident
     slot's prompt (models/packed_attention), and follow seeded by the last query (as
-    GpuSparseAttention does over HBM). Not captured, so its launches bound it (H200, 32K, 20
-    tokens: ~3,700 launches and 90 ms when it indexed a token a launch and ran SDPA; 1,939 and
-    60 ms now, against 40 ms of copies and 11 of kernels). The engine runs its layers in chunks,
-    a decode step of the other rows between two: that step also computes this idle row's
-    throw-away token (SlotRows puts the row's follow state back after it)."""
+    GpuSparseAttention does over HBM). Eager, its launches bound it (H200, 32K, 20 tokens: ~3,700
+    launches and 90 ms when it indexed a token a launch and ran SDPA; 1,939 and 60 ms then,
+    against 40 ms of copies and 11 of kernels); serially (`fetch` None) it may be captured as
+    CUDA graphs and replayed (offload_graphs.py), its prompt then padded (`real`). The engine runs
+    its layers in chunks, a decode step of the other rows between two: that step also computes
+    this idle row's throw-away token (SlotRows puts the row's follow state back after it)."""
 
     def __init__(self, tables: list[GpuDenseTables], perm: torch.Tensor | None, budget: Budget, follow: bool,
                  dense_layers: tuple[int, ...], n_ctx: int, fetch: PrefillFetch | None = None,
-                 v_kind: int | None = None) -> None:
+                 v_kind: int | None = None, real: torch.Tensor | None = None) -> None:
         """v_kind: the row's V is held as int8 codes (offload_v.CodedHostKVPool) decoded to this
-        kind (v_codes.kind_of of the artifact's dtype); None: V in the model's dtype."""
+        kind (v_codes.kind_of of the artifact's dtype); None: V in the model's dtype. real: the
+        prompt is padded to a graph's length (slot_prefill.PAD_TO) and this many (int32 [1],
+        device) of its tokens are real: its last slots pad it, after every real token (causal
+        attention keeps them out of the real tokens' outputs), and only the real keys are indexed
+        and seeded from, by the last real query (`last`, the LayeredPrefill's logits row); None:
+        every token is real."""
         self.tables, self.perm, self.budget, self.follow, self.dense_layers = tables, perm, budget, follow, dense_layers
         self.n_ctx, self.fetch, self.v_kind = n_ctx, fetch, v_kind
-        self._real: torch.Tensor | None = None  # the prompt's length (int32 [1], device): all its keys are real
-        self._seed: slot_prefill.SeedPadding | None = None  # seed_follow's bounds (one prompt's: none pad it)
+        self._real = real  # the prompt's real length (int32 [1], device); unpadded: made at the first layer
+        self.last = None if real is None else (real - 1).long()
+        self._seed: slot_prefill.SeedPadding | None = None  # seed_follow's bounds, made once a prompt
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != 1 or q.shape[2] < 2:
@@ -208,8 +215,12 @@ class HostPrefillAttention:
             out = causal_attention(q, k, v, pos)
         if self.follow and layer not in self.dense_layers:
             if self._seed is None:  # the same bounds every layer: written once, not 4 launches a layer
-                self._seed = slot_prefill.SeedPadding.unpadded(span, self.budget, t.follow_prev.shape[-1], q.device)
-            t.seed_follow(0, q[0, :, -1], k[0], self.budget, self._seed)
+                follow = t.follow_prev.shape[-1]
+                pad = slot_prefill.SeedPadding
+                self._seed = (pad.unpadded(span, self.budget, follow, q.device) if self.last is None
+                              else pad.of(self.n_ctx, self._real, q.shape[2], self.budget, follow))
+            last = q[0, :, -1] if self.last is None else q[0].index_select(1, self.last)[:, 0]
+            t.seed_follow(0, last, k[0], self.budget, self._seed)
         if self.fetch is not None:
             self.fetch.done(layer)
         return out

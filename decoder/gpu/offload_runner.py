@@ -12,8 +12,9 @@ hits from HBM, the rest over PCIe). `pcie` counts the bytes that cross PCIe (pci
 Rows of the bucket not stepped compute a throw-away token at their length, as in the fast
 runner. A context stays in its host slot after its stream (the next stream skips the load);
 a prompt's prefill copies each layer's V (K too without k_hbm) to the GPU for dense attention
-(not captured), a layer ahead on a copy stream (offload_prefill.PrefillFetch), a group of layers
-per decode step on the engine thread (`begin`), as the fast runner's admissions. v_int8 (the
+serially or a layer ahead on a copy stream (offload_prefill.PrefillFetch), a group of layers per
+decode step on the engine thread (`begin`), as the fast runner's admissions; with prefill_graphs
+the serial one replays CUDA graphs, captured a layer at a time (offload_prompt.py). v_int8 (the
 server's default with int8 contexts): the host slots hold V as the artifacts' int8 codes and an
 HBM tail holds the positions after each context (offload_v.py): every reader decodes the codes
 to the resident slot's bits, at 0.51x the bytes over PCIe and in the pool.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import math
 import threading
-from functools import partial
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,12 +34,14 @@ from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.capacity import slot_bytes
+from ctxcache.decoder.gpu import offload_prompt
 from ctxcache.decoder.gpu.offload import SlotCache
 from ctxcache.decoder.gpu.offload_k import PcieCounter, k_buffers
-from ctxcache.decoder.gpu.offload_prefill import CopyLane, HostPrefillAttention, InlineLane, PrefillFetch, StreamLane
+from ctxcache.decoder.gpu.offload_prefill import CopyLane, InlineLane, StreamLane
 from ctxcache.decoder.gpu.offload_step import HostKVPool, OffloadSparseAttention
 from ctxcache.decoder.gpu.offload_v import CodedDense, CodedHostKVPool, k_into
 from ctxcache.decoder.gpu.offload_v import refusal as coded_refusal
+from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs
 from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE, ResidentHead
 from ctxcache.decoder.gpu.slot_rows import SlotRows
@@ -48,7 +50,7 @@ from ctxcache.decoder.gpu.table_stacks import layer_tables, row_of_every_layer
 from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import LayeredPrefill
-from ctxcache.kernels.v_codes import decode_v_into, kind_of
+from ctxcache.kernels.v_codes import kind_of
 from ctxcache.methods.csattention import CSAttention, CSAttentionParams
 from ctxcache.methods.csattention_refs import subspace_permutation
 from ctxcache.models.loader import LoadedModel
@@ -59,6 +61,7 @@ MAX_NEW = 512  # keys a stream may stream into its row's index overlay
 # K/V (~3 ms at 40 GB/s); a step of 1-8 offloaded 32K streams took 42-280 ms (H200, stage 1)
 PREFILL_LAYERS = 4
 PREFILL_KIND = "prefill layer key"  # DeviceTimes: a prompt layer's device time per key it reads
+REPLAY_KIND = "prefill replay layer key"  # the same of a replayed (or captured) one: prefill_graphs
 
 
 @dataclass(eq=False)
@@ -85,7 +88,7 @@ class OffloadRunner(SlotRows):
     def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, slots: int = 4,
                  max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True,
                  prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True, v_cache: float = 4.0,
-                 pipelined_prefill: bool = False, v_int8: bool = False) -> None:
+                 pipelined_prefill: bool = False, v_int8: bool = False, prefill_graphs: bool = False) -> None:
         """max_len 0: the model's length. prefill_layers: a prompt's layers per chunk beside a
         decode step until both times are measured (a GPU's first prefill; always on a CPU).
         k_hbm: every host slot's K also in HBM (ValueError when it does not fit); else read from
@@ -96,7 +99,11 @@ class OffloadRunner(SlotRows):
         admission at 32K measured 63 ms serial vs 85 pipelined on the H200 (bench step_profile
         --admit, d834b1d), bound by the host's launches either way. v_int8: host slots hold V as
         the artifacts' int8 codes (offload_v.CodedHostKVPool, K in HBM only; artifacts not held
-        as int8 codes are refused: `refusal`); False: V in the model's dtype, any codec."""
+        as int8 codes are refused: `refusal`); False: V in the model's dtype, any codec.
+        prefill_graphs: the serial prompt prefill padded (slot_prefill.PAD_TO) and replayed as
+        CUDA graphs per (row, context length, padded length, V kind), as the fast runner's
+        (offload_prompt.py; eager off CUDA, with pipelined_prefill, or once `.broken`); off by
+        default until measured on a GPU."""
         a = lm.args
         max_len = max_len or a.max_seq_len
         if not 1.0 <= v_cache <= 64.0:
@@ -143,6 +150,7 @@ class OffloadRunner(SlotRows):
         self.loads = 0  # contexts copied into a host slot
         self.prefill_layers = prefill_layers
         self.pipelined_prefill = pipelined_prefill
+        self.prefill_graphs = PrefillGraphs() if prefill_graphs else None
         side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # a prefill's copy lane (tests give one that lands its copies late, or early)
         self.prefill_lane: Callable[[], CopyLane] = (lambda: StreamLane(side)) if side is not None else InlineLane
@@ -183,14 +191,15 @@ class OffloadRunner(SlotRows):
         with self.lock:
             slot = self._claim(context_id, check, art)
             try:
-                if slot.context_id != context_id:
+                loaded = slot.context_id != context_id
+                if loaded:
                     self._load(slot, context_id, art)
                 self._reset(slot)
                 if len(prompt) > 1:
                     # a step between chunks computes this idle row's throw-away token past the
                     # prompt (its first decoded token's position), never over the prompt's keys
                     self.pool.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx + len(prompt))
-                    chunks = self._prefill_chunks(slot, prompt)
+                    chunks = self._prefill_chunks(slot, prompt, loaded)
                 else:
                     chunks = self._without_prefill(slot, prompt, art)
             except BaseException:
@@ -242,24 +251,24 @@ class OffloadRunner(SlotRows):
             self._tables.reset_stream(every)
         self._caches.clear_row(every)
 
-    def _prefill_chunks(self, slot: HostSlot, prompt: list[int]) -> Iterator[torch.Tensor | None]:
+    def _prefill_chunks(self, slot: HostSlot, prompt: list[int], loaded: bool = False
+                        ) -> Iterator[torch.Tensor | None]:
         """The prompt's prefill, a group of layers per next(). The decode steps run between two
         chunks, and after the last until the stream joins the batch, also step this idle row (a
         throw-away token after the prompt; SlotRows puts its follow state back after each): before
         its first real step its streamed-key count is put back and its slot caches emptied (a
         step may have cached prompt positions before their layer ran), as a prefill alone leaves
-        them."""
-        span = slot.n_ctx + len(prompt)
-        run: LayeredPrefill | None = None
-        fetch: PrefillFetch | None = None
+        them. `loaded`: the admission loaded the row (a graph may be captured at its first use)."""
+        run = None
         while True:
             with self.lock, torch.inference_mode():
                 try:
                     if run is None:
-                        run, fetch = self._prefill_run(slot, prompt)
+                        run, fetch, span = offload_prompt.prompt_run(self, slot, prompt, loaded)
+                    kind = PREFILL_KIND if isinstance(run, LayeredPrefill) else REPLAY_KIND
                     started, before = self.times.start(), run.layer
-                    logits = run.run(self._chunk_layers(span, before))
-                    self.times.stop(PREFILL_KIND, started, units=(run.layer - before) * span)
+                    logits = run.run(self._chunk_layers(span, before, kind))
+                    self.times.stop(kind, started, units=(run.layer - before) * span)
                     layers = run.layer - before
                     self.pcie.prefill += (fetch.h2d_bytes(layers) if fetch is not None
                                           else self.pcie.prefill_bytes(slot.n_ctx, span, layers))
@@ -274,31 +283,19 @@ class OffloadRunner(SlotRows):
                 return
             yield None
 
-    def _prefill_run(self, slot: HostSlot, prompt: list[int]) -> tuple[LayeredPrefill, PrefillFetch | None]:
-        """The row's prefill at its first layer; with pipelined_prefill its host K/V's first
-        two layers already queued on the copy lane."""
-        row, span = slot.index, slot.n_ctx + len(prompt)
-        view = self.kv.rows(row, row + 1, prompt_start=slot.n_ctx)
-        fetch = None
-        kind = slot.v_kind if self.v_int8 else None
-        if self.pipelined_prefill:
-            if kind is None:
-                host, decode = [[v] + ([] if self.k_hbm else [k]) for k, v in zip(view.k, view.v)], None
-            else:  # codes and scales cross, decoded on the device as the layer reads them
-                host = [[c, s] for c, s in zip(view.v_codes, view.v_scales)]
-                decode = partial(decode_v_into, kind=kind)
-            fetch = PrefillFetch(host, slot.n_ctx, span, self.prefill_lane(), self.device, decode, view.v[0].dtype)
-            view.tap = fetch.write_prompt
-        attn = HostPrefillAttention(self._row_tables(row), self._perm, self.config.budget,
-                                    bool(self.follow), self.config.dense_layers, slot.n_ctx, fetch, kind)
-        tokens = torch.tensor([prompt], pin_memory=self.device.type == "cuda")
-        return LayeredPrefill(self.lm.model, tokens.to(self.device, non_blocking=True), slot.n_ctx, view, attn), fetch
+    def idle_work(self) -> bool:
+        """With no stream: one prefill graph of a key seen once captured (offload_prompt)."""
+        return offload_prompt.idle_work(self)
 
     def _row_tables(self, row: int) -> list[GpuDenseTables]:
         """Row `row`'s one-row view of every layer's tables, kept: the seed buffers seed_follow
-        makes on a view at its first use (two launches a layer) last across prompts."""
+        makes on a view (two launches a layer) last across prompts, made here, before any prefill
+        graph could capture their making."""
         if row not in self._row_views:
             self._row_views[row] = [t.rows(row, row + 1) for t in self.tables]
+            for t in self._row_views[row]:
+                if self.follow and t.follow_prev is not None:
+                    t._seed_buffers()
         return self._row_views[row]
 
     def _settler(self, row: int, prompt: int) -> Callable[[], None]:
@@ -319,11 +316,11 @@ class OffloadRunner(SlotRows):
                 s.settle()
                 s.settle = None
 
-    def _chunk_layers(self, span: int, done: int) -> int:
+    def _chunk_layers(self, span: int, done: int, kind: str = PREFILL_KIND) -> int:
         """Layers to run beside the next decode step, `done` run: as few even chunks as keep each
         within PREFILL_SHARE of that step's device time (both measured: a prefill layer's time
-        per key it reads, a launched step's), else `prefill_layers`."""
-        per_key, step_ms = self.times.ms(PREFILL_KIND), self.times.ms(f"step {self._last_bucket}")
+        per key it reads, eager or replayed by `kind`, a launched step's), else `prefill_layers`."""
+        per_key, step_ms = self.times.ms(kind), self.times.ms(f"step {self._last_bucket}")
         if per_key is None or step_ms is None:
             return self.prefill_layers
         left = self.lm.args.n_layers - done
@@ -379,6 +376,7 @@ class OffloadRunner(SlotRows):
         return self.pcie.total(selected - hits), self.pcie.steps
 
     def warm_up(self, arts: list[ContextArtifact]) -> None:
-        """Every kernel compiled and every bucket's graph captured before serving."""
+        """Every kernel compiled and every bucket's graph captured before serving; with prefill
+        graphs, a replayed prefill checked against the eager one (a mismatch: eager from then on)."""
         from ctxcache.decoder.gpu.warm_up import warm_up_runner
         warm_up_runner(self, arts)

@@ -33,7 +33,7 @@ import torch
 from ctxcache.generation import LayeredPrefill
 
 _log = logging.getLogger(__name__)
-Key = tuple[int, int, int]  # (slot row, context length, prompt tokens)
+Key = tuple[int, ...]  # (slot row, context length, padded prompt tokens, then whatever else fixes the kernels)
 
 
 @dataclass(eq=False)

@@ -12,7 +12,7 @@ from ctxcache.artifact import ContextArtifact
 
 if TYPE_CHECKING:
     from ctxcache.decoder.gpu.offload_runner import OffloadRunner
-    from ctxcache.decoder.gpu.runner import GpuRunner, Slot
+    from ctxcache.decoder.gpu.runner import GpuRunner
 
 _log = logging.getLogger(__name__)
 
@@ -20,13 +20,15 @@ _log = logging.getLogger(__name__)
 @torch.inference_mode()
 def warm_up_runner(runner: GpuRunner | OffloadRunner, arts: list[ContextArtifact]) -> None:
     """Each artifact loaded into every slot under prompts of 16 and 17 tokens (the fast runner's
-    prefill graphs pad them to 16 and 32; the offload runner's eager prefill passes Triton lengths
-    that differ by divisibility; one token is a decode step), then per bucket one launched and
-    one synchronous step (the first captures its graph); the fast runner's replayed prefill
-    graph is then checked against its eager prefill."""
+    prefill graphs pad them to 16 and 32, as the offload runner's do with prefill_graphs; its
+    unpadded prefill passes Triton lengths that differ by divisibility; one token is a decode
+    step), then per bucket one launched and one synchronous step (the first captures its graph);
+    a replayed prefill graph (the fast runner's; the offload runner's with prefill_graphs and the
+    serial copy) is then checked against its eager prefill."""
     ids = [f"warm-up:{i}" for i in range(len(runner.slots))]
     arts = [art for art in arts if runner.accepts(art, runner.config, 17 + 8)]  # slots too small skip them
-    check = hasattr(runner, "prefill_graphs")  # the fast runner replays captured prefills; the offload runner has none
+    # the fast runner replays captured prefills; the offload runner where they are on (offload_prompt.graphs_on)
+    check = getattr(runner, "prefill_graphs", None) is not None and not getattr(runner, "pipelined_prefill", False)
     for a, art in enumerate(arts):
         rows, first = [], None
         try:
@@ -49,10 +51,11 @@ def warm_up_runner(runner: GpuRunner | OffloadRunner, arts: list[ContextArtifact
         torch.cuda.synchronize()
 
 
-def _check_prefill_graph(runner: GpuRunner, cid: str, art: ContextArtifact, rows: list[Slot],
+def _check_prefill_graph(runner: GpuRunner | OffloadRunner, cid: str, art: ContextArtifact, rows: list,
                          eager: torch.Tensor) -> None:
     """Slot 0's prompt again (its prefill graph captured, then replayed): the logits must
-    equal the eager prefill's bit for bit, else every prefill stays eager (logged)."""
+    equal the eager prefill's bit for bit, else every prefill stays eager (logged). Both runners
+    pad this 16-token prompt to 16: its eager run and its graphs run the same kernels."""
     prompt = list(range(3, 19))
     for _ in range(2):
         runner.release(rows[0])

@@ -59,6 +59,7 @@ def service_config(args, port: int, host: str = "127.0.0.1", admin_port: int | N
                                 offload_slot_tokens=getattr(args, "offload_slot_tokens", 0),
                                 offload_k=getattr(args, "offload_k", "hbm"),
                                 offload_v_cache=getattr(args, "offload_v_cache", 4.0),
+                                offload_prefill_graphs=getattr(args, "offload_prefill_graphs", False),
                                 warm_up_check=getattr(args, "warm_up_check", True),
                                 **_gpu_slots(args)),
         fleet=FleetSettings(getattr(args, "role", "all"), getattr(args, "build_lease", 10.0),

@@ -96,6 +96,10 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-v-cache", type=float, default=4.0,
                    help="with --offload: V rows a host slot's GPU cache holds (per layer and KV head), as a multiple "
                         "of the selection (default 4, in [1, 64]; Llama-3.1-8B bf16 at 32K: 0.1 GiB of HBM a slot each)")
+    p.add_argument("--offload-prefill-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --offload: a hot question's prefill on an offloaded context replayed as CUDA graphs "
+                        "(captured per host slot, context length and padded question length, checked against the "
+                        "eager prefill at warm-up), as a resident slot's; default off until measured on a GPU")
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:

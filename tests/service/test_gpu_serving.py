@@ -38,18 +38,20 @@ def _generate(client: Client, cid: str, tokens: int) -> pb.Final:
     return list(client.generate(req, timeout=600))[-1].final
 
 
-@pytest.mark.parametrize("mode", ["sparse", "dense", "offload", "offload-k-host"])
+@pytest.mark.parametrize("mode", ["sparse", "dense", "offload", "offload-k-host", "offload-graphs"])
 def test_no_kernel_compiles_after_serving(tmp_path, mode):
     """offload: one GPU slot of 128 tokens, so every context (about 160-570 tokens: past the GPU
     slot, inside the 768 of a host slot) decodes from the host slots, 1 to 8 streams in one
     batched step (8 host slots), K in HBM (or, offload-k-host, read from the host); admin Stats
-    then counts their steps' PCIe bytes."""
+    then counts their steps' PCIe bytes. offload-graphs: the questions' prefills padded and
+    replayed as CUDA graphs (--offload-prefill-graphs), which the warm-up's check left on."""
     cfg = tiny_config(tmp_path)
     offload = mode.startswith("offload")
     cfg = replace(cfg, indexer=replace(cfg.indexer, method="csattention"),
                   decoder=replace(cfg.decoder, gpu_slots=1 if offload else 8, gpu_slot_tokens=128 if offload else 1024,
                                   decode_mode="sparse" if offload else mode, offload=offload, offload_slots=8,
-                                  offload_k="host" if mode == "offload-k-host" else "hbm"))
+                                  offload_k="host" if mode == "offload-k-host" else "hbm",
+                                  offload_prefill_graphs=mode == "offload-graphs"))
     server, port = create_server(cfg, load_model("random:tiny", device="cuda"))
     client = Client(f"127.0.0.1:{port}")
     try:
@@ -63,6 +65,9 @@ def test_no_kernel_compiles_after_serving(tmp_path, mode):
                 finals = list(pool.map(lambda c: _generate(client, c, 6), cids[:streams]))
             assert all(f.decode_path == ("gpu-offload" if offload else f"gpu-{mode}") for f in finals)
         assert server.compiles.after_ready() == 0, server.compiles.names
+        if mode == "offload-graphs":
+            (off,) = [e.runner for e in server.decoder.engines if e.runner.name == "gpu-offload"]
+            assert off.prefill_graphs is not None and not off.prefill_graphs.broken
         stats = client.admin.Stats(apb.StatsRequest())
         assert (stats.offload_steps > 0 and stats.offload_pcie_bytes > 0) == offload
     finally:

@@ -75,3 +75,22 @@ def test_offload_settings_are_validated():
         DecoderSettings(offload_slot_tokens=-1)
     with pytest.raises(ValueError, match="offload_k='gpu'"):
         DecoderSettings(offload_k="gpu")
+
+
+def test_offload_prefill_graphs_is_a_serve_flag_off_by_default(tmp_path):
+    """serve --offload-prefill-graphs reaches the decoder's settings (off unless given: not yet
+    measured on a GPU); bench serve passes it to its offload servers."""
+    from ctxcache.bench.serve import server_flags
+    from ctxcache.service.cli import main as cli
+    from ctxcache.service.cli.commands import service_config
+    serve = ["serve", "--model", "random:tiny", "--port", "0", "--offload"]
+    for flags, want in (([], False), (["--offload-prefill-graphs"], True), (["--no-offload-prefill-graphs"], False)):
+        args = cli.build_parser().parse_args([*serve, *flags])
+        assert service_config(args, 0).decoder.offload_prefill_graphs is want
+    bench = SimpleNamespace(hbm_gb=0, offload_k="hbm", offload_v_cache=4.0, offload_prefill_graphs=True, tokens=8,
+                            model="random:tiny", device="cpu", dtype="float32", store_gb=1.0, dram_gb=1.0,
+                            method_params="{}")
+    point = SimpleNamespace(streams={"offload": [1, 2]}, n_ctx=300)
+    assert "--offload-prefill-graphs" in server_flags(bench, "offload", point, tmp_path)
+    bench.offload_prefill_graphs = False
+    assert "--offload-prefill-graphs" not in server_flags(bench, "offload", point, tmp_path)
