@@ -110,8 +110,9 @@ def test_hits_come_from_the_cache(device):
 
 
 @pytest.mark.parametrize("block", [8, 1024])  # 8: several blocks per pass
-def test_plan_slots_keeps_cache_consistent(device, block):
-    b, hkv, n_max, cap, kmax = 2, 3, 100, 24, 20
+@pytest.mark.parametrize("cap", [24, 160])  # 24: misses take last step's slots too; 160: the free list stops early
+def test_plan_slots_keeps_cache_consistent(device, block, cap):
+    b, hkv, n_max, kmax = 2, 3, 100, 20
     c = SlotCache.empty(b, hkv, cap, n_max, 4, torch.float32, device)
     prev = None
     for step in range(6):
