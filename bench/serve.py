@@ -112,7 +112,7 @@ def server_flags(args, mode: str, point: Point, data: Path) -> list[str]:
     if mode == "offload":  # one small slot: every context decodes offloaded, a host slot a stream
         sizing = ["--gpu-slots", "1", "--offload", "--offload-slots", str(slots), "--offload-slot-tokens", str(tokens),
                   "--offload-k", args.offload_k, "--offload-v-cache", str(args.offload_v_cache)]
-        sizing += ["--offload-prefill-graphs"] if args.offload_prefill_graphs else []
+        sizing += ["--offload-prefill-graphs" if args.offload_prefill_graphs else "--no-offload-prefill-graphs"]
         tokens = 1024
     return ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--data", str(data),
             "--store-budget-gb", str(args.store_gb), "--dram-cache-gb", str(args.dram_gb), "--decode-mode", DECODE_MODE[mode],
@@ -285,10 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                          "per stream, as many as the free memory holds")
     ap.add_argument("--offload-k", choices=("hbm", "host"), default="hbm",
                     help="mode offload: each context's K in HBM (serve --offload-k hbm) or read from the host")
-    ap.add_argument("--offload-v-cache", type=float, default=4.0,
+    ap.add_argument("--offload-v-cache", type=float, default=8.0,
                     help="mode offload: serve --offload-v-cache (a host slot's GPU cache of V rows, in selections)")
-    ap.add_argument("--offload-prefill-graphs", action="store_true",
-                    help="mode offload: serve --offload-prefill-graphs (hot questions' prefills replayed as CUDA graphs)")
+    ap.add_argument("--offload-prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="mode offload: serve --[no-]offload-prefill-graphs (hot questions' prefills replayed as CUDA graphs)")
     ap.add_argument("--method-params", default="{}", help="CSAttention parameters of the server (JSON)")
     ap.add_argument("--drop-page-cache", action="store_true", help="cold TTFT after dropping the OS page cache (root)")
     add_out(ap, what="the result JSON and PNG")

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--modes", default="sparse,dense",
                         help="comma-separated: sparse (csattention), dense, offload (csattention, V in host slots)")
         ap.add_argument("--top", type=int, default=12, help="kernels printed per row (the JSON keeps all)")
-        ap.add_argument("--v-cache", default="4", type=lambda x: [float(v) for v in x.split(",") if v],
+        ap.add_argument("--v-cache", default="8", type=lambda x: [float(v) for v in x.split(",") if v],
                         help="mode offload: each slot cache's V rows in selections (OffloadRunner v_cache), comma-separated")
         ap.add_argument("--offload-v", default="int8", choices=["int8", "bf16"],
                         help="mode offload and --admit: host slots hold V as the artifact's int8 codes (OffloadRunner "

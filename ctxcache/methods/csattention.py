@@ -40,7 +40,9 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   did not). With follow on the wide suite (2048 tokens, seeds 0-9; compare_rerank_candidates_cpu):
   rerank 3 1 W / 2 L against rerank 4, every kind within noise; rerank 2 3 W / 8 L (copy errors
   again). The re-rank's GPU time goes with its candidate rows, not their bytes (an int8 K was no
-  faster), so rerank 3 is the next default to time. The candidates' keys count as read (`search_reads`): 4K keys' K + K keys' K/V per step
+  faster). Rerank 3 through gRPC (H200, 32K x 8, 4a62305): 769.5 tok/s against 741.1 / 746.2 with
+  rerank 4 in two runs the same day, runner step 9.81 ms against 9.78 / 10.34: within the runs'
+  spread, so 4 stays. The candidates' keys count as read (`search_reads`): 4K keys' K + K keys' K/V per step
   instead of K keys' K/V. On the GPU the selector proposes the candidates and
   `kernels/rerank.Reranker` re-ranks them in the captured step (Triton).
 - `follow=128` (default; with a re-rank): each step the successors of the previous step's 128

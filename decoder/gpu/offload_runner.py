@@ -87,7 +87,7 @@ class OffloadRunner(SlotRows):
 
     def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, slots: int = 4,
                  max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True,
-                 prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True, v_cache: float = 4.0,
+                 prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True, v_cache: float = 8.0,
                  pipelined_prefill: bool = False, v_int8: bool = False, prefill_graphs: bool = False) -> None:
         """max_len 0: the model's length. prefill_layers: a prompt's layers per chunk beside a
         decode step until both times are measured (a GPU's first prefill; always on a CPU).

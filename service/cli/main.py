@@ -93,13 +93,13 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
                    help="with --offload: hbm (default) keeps each host slot's K in HBM too (64 KiB a token at "
                         "Llama-3.1-8B bf16; refused at start when it does not fit), so only V crosses PCIe; host "
                         "reads K over PCIe too")
-    p.add_argument("--offload-v-cache", type=float, default=4.0,
+    p.add_argument("--offload-v-cache", type=float, default=8.0,
                    help="with --offload: V rows a host slot's GPU cache holds (per layer and KV head), as a multiple "
-                        "of the selection (default 4, in [1, 64]; Llama-3.1-8B bf16 at 32K: 0.1 GiB of HBM a slot each)")
-    p.add_argument("--offload-prefill-graphs", action=argparse.BooleanOptionalAction, default=False,
+                        "of the selection (default 8, in [1, 64]; Llama-3.1-8B bf16 at 32K: 0.1 GiB of HBM a slot each)")
+    p.add_argument("--offload-prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="with --offload: a hot question's prefill on an offloaded context replayed as CUDA graphs "
                         "(captured per host slot, context length and padded question length, checked against the "
-                        "eager prefill at warm-up), as a resident slot's; default off until measured on a GPU")
+                        "eager prefill at warm-up), as a resident slot's (default on; --no-offload-prefill-graphs: eager)")
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:

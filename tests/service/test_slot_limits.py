@@ -77,14 +77,14 @@ def test_offload_settings_are_validated():
         DecoderSettings(offload_k="gpu")
 
 
-def test_offload_prefill_graphs_is_a_serve_flag_off_by_default(tmp_path):
-    """serve --offload-prefill-graphs reaches the decoder's settings (off unless given: not yet
-    measured on a GPU); bench serve passes it to its offload servers."""
+def test_offload_prefill_graphs_is_a_serve_flag_on_by_default(tmp_path):
+    """serve --[no-]offload-prefill-graphs reaches the decoder's settings (on unless turned off);
+    bench serve passes it to its offload servers."""
     from ctxcache.bench.serve import server_flags
     from ctxcache.service.cli import main as cli
     from ctxcache.service.cli.commands import service_config
     serve = ["serve", "--model", "random:tiny", "--port", "0", "--offload"]
-    for flags, want in (([], False), (["--offload-prefill-graphs"], True), (["--no-offload-prefill-graphs"], False)):
+    for flags, want in (([], True), (["--offload-prefill-graphs"], True), (["--no-offload-prefill-graphs"], False)):
         args = cli.build_parser().parse_args([*serve, *flags])
         assert service_config(args, 0).decoder.offload_prefill_graphs is want
     bench = SimpleNamespace(hbm_gb=0, offload_k="hbm", offload_v_cache=4.0, offload_prefill_graphs=True, tokens=8,
@@ -93,4 +93,4 @@ def test_offload_prefill_graphs_is_a_serve_flag_off_by_default(tmp_path):
     point = SimpleNamespace(streams={"offload": [1, 2]}, n_ctx=300)
     assert "--offload-prefill-graphs" in server_flags(bench, "offload", point, tmp_path)
     bench.offload_prefill_graphs = False
-    assert "--offload-prefill-graphs" not in server_flags(bench, "offload", point, tmp_path)
+    assert "--no-offload-prefill-graphs" in server_flags(bench, "offload", point, tmp_path)
