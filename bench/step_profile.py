@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--top", type=int, default=12, help="kernels printed per row (the JSON keeps all)")
         ap.add_argument("--v-cache", default="8", type=lambda x: [float(v) for v in x.split(",") if v],
                         help="mode offload: each slot cache's V rows in selections (OffloadRunner v_cache), comma-separated")
+        ap.add_argument("--offload-waves", default="2", type=lambda x: [int(v) for v in x.split(",") if v],
+                        help="mode offload: the decode attention's programs per SM (OffloadRunner attention_waves; "
+                             "its PCIe reads run in series within a program), comma-separated")
         ap.add_argument("--offload-v", default="int8", choices=["int8", "bf16"],
                         help="mode offload and --admit: host slots hold V as the artifact's int8 codes (OffloadRunner "
                              "v_int8, as serve with --kv-codec int8) or decoded to bf16 (before)")
@@ -114,13 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         return admissions(lm, sparse, config, args)
     params = {"sparse": sparse, "dense": None, "offload": sparse}
     rows_out, top = [], []
-    runs = [(m, vc) for m in modes for vc in (args.v_cache if m == "offload" else [None])]
+    runs = [(m, vc, w) for m in modes for vc in (args.v_cache if m == "offload" else [None])
+            for w in (args.offload_waves if m == "offload" else [None])]
     for n in args.contexts:
         _, art = build_times(lm, n, {})
-        for mode, v_cache in runs:
+        for mode, v_cache, waves in runs:
             for b in args.batches:
                 runner = (OffloadRunner(lm, sparse, config, slots=b, max_len=n + 512, v_cache=v_cache,
-                                        v_int8=args.offload_v == "int8") if mode == "offload"
+                                        v_int8=args.offload_v == "int8", attention_waves=waves) if mode == "offload"
                           else GpuRunner(lm, params[mode], config, b, n + 512))
                 rows = [runner.admit(f"c{i}", art, [5 + i] * 20, config, 96)[0] for i in range(b)]
                 greedy = greedy_steps(runner, rows) if mode == "offload" else {}
@@ -130,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                 if before is not None:  # over the timed and profiled steps
                     moved, steps = (now - was for now, was in zip(runner.pcie_bytes(), before))
                     got["pcie_bytes_per_step"] = moved / steps if steps else None
-                rows_out.append({"context": n, "mode": mode, "batch": b, "v_cache": v_cache,
+                if mode == "offload":
+                    got["offload_splits"] = runner.attention_splits(b)
+                rows_out.append({"context": n, "mode": mode, "batch": b, "v_cache": v_cache, "offload_waves": waves,
                                  "offload_v": args.offload_v if mode == "offload" else None, **greedy, **got})
                 top += [{"context": n, "mode": mode, "batch": b, **k} for k in got["kernels"][:args.top]]
                 del runner, rows
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         del art
     path = write_result("step_profile", {"copy_gb_per_s": copy_bandwidth("cuda") / 1e9, "rows": rows_out}, args.out)
     print_table(top, ["context", "mode", "batch", "kernel", "launches", "us"])
-    print_table(rows_out, ["context", "mode", "batch", "v_cache", "step_ms", "kernels_ms", "launches", "pcie_bytes_per_step",
+    print_table(rows_out, ["context", "mode", "batch", "v_cache", "offload_waves", "offload_splits", "step_ms", "kernels_ms", "launches", "pcie_bytes_per_step",
                            "greedy_hit_rate", "greedy_pcie_bytes_per_step", "greedy_step_ms"])
     print(f"wrote {path}")
     return 0

@@ -88,7 +88,8 @@ class OffloadRunner(SlotRows):
     def __init__(self, lm: LoadedModel, params: CSAttentionParams, config: SparseConfig, slots: int = 4,
                  max_len: int = 0, max_new: int = MAX_NEW, use_graph: bool = True,
                  prefill_layers: int = PREFILL_LAYERS, k_hbm: bool = True, v_cache: float = 8.0,
-                 pipelined_prefill: bool = False, v_int8: bool = False, prefill_graphs: bool = False) -> None:
+                 pipelined_prefill: bool = False, v_int8: bool = False, prefill_graphs: bool = False,
+                 attention_waves: int = 2) -> None:
         """max_len 0: the model's length. prefill_layers: a prompt's layers per chunk beside a
         decode step until both times are measured (a GPU's first prefill; always on a CPU).
         k_hbm: every host slot's K also in HBM (ValueError when it does not fit); else read from
@@ -102,17 +103,18 @@ class OffloadRunner(SlotRows):
         as int8 codes are refused: `refusal`); False: V in the model's dtype, any codec.
         prefill_graphs: the serial prompt prefill padded (slot_prefill.PAD_TO) and replayed as
         CUDA graphs per (row, context length, padded length, V kind), as the fast runner's
-        (offload_prompt.py; eager off CUDA, with pipelined_prefill, or once `.broken`); off by
-        default until measured on a GPU."""
+        (offload_prompt.py; eager off CUDA, with pipelined_prefill, or once `.broken`); off here,
+        on in the server (serve --offload-prefill-graphs). attention_waves: the decode attention's
+        programs per SM (split_k_attention.choose_splits's waves)."""
         a = lm.args
         max_len = max_len or a.max_seq_len
         if not 1.0 <= v_cache <= 64.0:
             raise ValueError(f"offload v_cache={v_cache} must be in [1, 64] (selections a slot cache holds)")
         if v_int8 and not k_hbm:
             raise ValueError("offload v_int8 (V as int8 codes in the host slots) needs K in HBM, not --offload-k host")
-        if slots < 1 or max_len < 2 or max_new < 1 or prefill_layers < 1:
+        if slots < 1 or max_len < 2 or max_new < 1 or prefill_layers < 1 or attention_waves < 1:
             raise ValueError(f"offload slots={slots}, slot tokens={max_len}, max_new={max_new}, prefill_layers="
-                             f"{prefill_layers} must be >= 1, >= 2, >= 1, >= 1")
+                             f"{prefill_layers}, attention_waves={attention_waves} must be >= 1, >= 2, >= 1, >= 1, >= 1")
         # rounded as the fast runner's slots are: at a length of no alignment, Triton 3.6's LLVM
         # failed to compile the bf16 re-rank score kernel on the H100 (and took the server down)
         self.max_len = -(-max_len // ALIGN) * ALIGN
@@ -125,7 +127,7 @@ class OffloadRunner(SlotRows):
                                      max_new + 1) if v_int8 else
                      HostKVPool(a.n_layers, slots, a.n_kv_heads, self.max_len, a.head_dim, dtype, self.device,
                                 keys=not k_hbm))
-        self.k_hbm, self.v_int8 = k_hbm, v_int8
+        self.k_hbm, self.v_int8, self.attention_waves = k_hbm, v_int8, attention_waves
         e = dtype.itemsize
         rows = slots * (slot_bytes(a, params, self.max_len, max_new, e) - slot_bytes(a, None, self.max_len, max_new, e))
         self.k = k_buffers(a, slots, self.max_len, dtype, self.device, rows) if k_hbm else None
@@ -340,12 +342,17 @@ class OffloadRunner(SlotRows):
             a = self.lm.args
             attn = OffloadSparseAttention(self.params, [t.rows(0, bucket) for t in self.tables],
                                           [c.rows(0, bucket) for c in self.caches], self.config.budget, bucket,
-                                          a.n_heads, a.n_kv_heads, a.head_dim, self.max_len, self.k_hbm)
+                                          a.n_heads, a.n_kv_heads, a.head_dim, self.max_len, self.k_hbm,
+                                          self.attention_waves)
             attn.dense_layers = self.config.dense_layers
             if self.v_int8:  # dense layers read V's codes too
                 attn.dense = CodedDense(bucket, a.n_kv_heads, self.max_len, self.device)
             dec = self._decoders[bucket] = GraphDecoder(self.lm.model, self.kv.rows(0, bucket), attn, self.use_graph)
         return dec
+
+    def attention_splits(self, bucket: int) -> int:
+        """The decode attention's splits a row at this bucket (bench step_profile reports them)."""
+        return self._decoder(bucket).attn.offload_splits
 
     def cache_full(self, row: HostSlot) -> bool:
         return row.length >= self.max_len or row.length - row.n_ctx >= self.max_new

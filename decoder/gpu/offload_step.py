@@ -97,7 +97,7 @@ class OffloadSparseAttention(GpuSparseAttention):
 
     def __init__(self, params: CSAttentionParams, tables: list[GpuDenseTables], caches: list[SlotCache],
                  budget: Budget, batch: int, n_heads: int, n_kv: int, head_dim: int, max_len: int,
-                 k_hbm: bool = False) -> None:
+                 k_hbm: bool = False, waves: int = 2) -> None:
         # K on the host: fp32 re-rank scores (the 16-bit keys' score kernel failed to compile, LLVM
         # "Cannot select v2f16", at SmolLM2's shapes on the H100, forced on; the path is PCIe-bound,
         # the exact order costs nothing). K in HBM: the fast runner's choice, so the re-rank
@@ -105,7 +105,9 @@ class OffloadSparseAttention(GpuSparseAttention):
         super().__init__(params, tables, budget, batch, n_heads, n_kv, head_dim, max_len,
                          rerank_key16=None if k_hbm else False)
         self.caches, self.k_hbm = caches, k_hbm
-        self.offload_splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent)
+        # waves: the attention's programs per SM (choose_splits); each reads its misses over PCIe
+        # in series, so more may hide more of the link's latency (bench step_profile --offload-waves)
+        self.offload_splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent, waves=waves)
 
     def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a prompt's prefill runs through HostPrefillAttention")

@@ -120,6 +120,8 @@ def test_offload_runner_refuses_what_its_host_slots_cannot_hold():
     assert not runner.accepts(art, SparseConfig(Budget(0.2, 2, 8)), 8)
     with pytest.raises(ValueError, match="offload slots=0"):
         OffloadRunner(lm, method.params, CONFIG, slots=0)
+    with pytest.raises(ValueError, match="attention_waves=0"):
+        OffloadRunner(lm, method.params, CONFIG, slots=1, attention_waves=0)
 
 
 def test_the_warm_up_runs_every_bucket_and_leaves_the_slots_free():
