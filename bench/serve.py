@@ -27,6 +27,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -47,7 +48,8 @@ from ctxcache.quality.texts import text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb
 from ctxcache.client.gen.v1 import context_pb2 as pb
-from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
+from ctxcache.decoder.gpu.capacity import MAX_NEW, offload_row_bytes, slot_bytes
+from ctxcache.decoder.gpu.offload_runner import ALIGN
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.indexer import IndexerConfig, build_artifact, prefill_chunk
 from ctxcache.methods import make_method
@@ -56,6 +58,7 @@ from ctxcache.models.loader import load_model
 GiB = 1 << 30
 # --modes: the server's decode mode (offload: sparse, its contexts in host slots)
 DECODE_MODE = {"sparse": "sparse", "offload": "sparse", "dense": "dense"}
+SERVER_SCHEDULE = SparseConfig.from_schedule("0.05-step-1")  # serve's default --schedule
 
 
 @dataclass
@@ -72,6 +75,7 @@ class Point:
     bandwidth: float  # the card's measured copy bandwidth, bytes/s
     row_bytes: dict[str, int]  # per mode: K/V-side bytes one step reads per row
     h2d_gb_per_s: float | None = None  # with --offload on a GPU: the pinned host -> device copy rate
+    slots_fit: dict[str, int] | None = None  # per mode (sparse too with offload): contexts the free HBM holds
 
 
 def context_text(tokenizer, n_tokens: int, seed: int) -> str:
@@ -182,12 +186,19 @@ def measure(client: Client, args, mode: str, point: Point) -> tuple[list[dict], 
             rows[-1].update(offload_hit_rate=now.offload_hit_rate, resident_contexts=now.resident_contexts,
                             offloaded_contexts=now.offloaded_contexts, offload_k=args.offload_k,
                             offload_v_cache=args.offload_v_cache, offload_prefill_graphs=args.offload_prefill_graphs,
+                            **slots_fit_of(point, args),
                             **pcie_of(before, now, point.h2d_gb_per_s))
         print(rows[-1], flush=True)
     if len(cids) >= 8:
         rows[-1]["admission"] = {**admission(client, cids[:8], args.tokens), "runner_prefill_ms": point.prefill_ms.get(mode)}
         print(rows[-1]["admission"], flush=True)
     return rows, build
+
+
+def slots_fit_of(point: Point, args) -> dict:
+    """The contexts the card's free HBM holds offloaded and resident (on a CPU none: no bound)."""
+    fit = point.slots_fit if args.device == "cuda" and point.slots_fit else {}
+    return {"offload_slots_fit": fit.get("offload"), "resident_slots_fit": fit.get("sparse")}
 
 
 def pcie_of(before, now, h2d_gb_per_s: float | None) -> dict:
@@ -236,26 +247,29 @@ def points_on_the_model(args, contexts: list[int], streams: list[int]) -> list[P
         h2d = h2d_gb_per_s()
     points = []
     for n in contexts:
-        fit = {mode: mode_streams(lm, n, args, mode, streams) for mode in args.modes.split(",")}
+        modes = args.modes.split(",")
+        # the resident slots beside the offloaded streams: how many more contexts offloading decodes
+        slots = {mode: mode_slots(lm, n, args, mode) for mode in dict.fromkeys(
+            modes + (["sparse"] if "offload" in modes else []))}
+        fit = {mode: mode_streams(slots[mode], n, args, mode, streams) for mode in modes}
         texts = [context_text(lm.tokenizer, n, 1000 * n + i) for i in range(max(max(s) for s in fit.values()))]
         build, art = build_times(lm, n, json.loads(args.method_params))
         reprefill = [reprefill_seconds(lm, n + 20, 4096) for _ in range(args.repeats)]  # + the question
         sparse = make_method("csattention", json.loads(args.method_params)).params
         params = {"sparse": sparse, "offload": sparse, "dense": None}
-        config = SparseConfig.from_schedule("0.05-step-1")
+        config = SERVER_SCHEDULE
         elem = lm.model.lm_head.weight.element_size()
         alone = ({mode: runner_steps_ms(lm, art, params[mode], config, fit[mode], slot_tokens(n, args))
                   for mode in fit if mode != "offload"} if args.device == "cuda" else {})  # resident runners
         runner_ms, prefill_ms = {m: a[0] for m, a in alone.items()}, {m: a[1] for m, a in alone.items()}
         points.append(Point(n, fit, texts, reprefill, build, runner_ms, prefill_ms, weight_bytes(lm), bandwidth,
-                            {mode: row_bytes(lm.args, params[mode], config, n, elem) for mode in params}, h2d))
+                            {mode: row_bytes(lm.args, params[mode], config, n, elem) for mode in params}, h2d, slots))
         del art
     return points
 
 
-def mode_streams(lm, n_ctx: int, args, mode: str, streams: list[int]) -> list[int]:
-    """The --streams counts the mode's slots hold, and with --hbm-gb the mode's maximum too."""
-    slots = mode_slots(lm, n_ctx, args, mode)
+def mode_streams(slots: int, n_ctx: int, args, mode: str, streams: list[int]) -> list[int]:
+    """The --streams counts the mode's `slots` hold, and with --hbm-gb the mode's maximum too."""
     fit = [s for s in streams if s <= slots]
     if args.hbm_gb:
         fit = sorted({*fit, slots})
@@ -330,10 +344,12 @@ def mode_slots(lm, n_ctx: int, args, mode: str) -> int:
     if args.device != "cuda":
         return 1 << 30
     params = make_method("csattention", json.loads(args.method_params)).params if mode != "dense" else None
-    each = slot_bytes(lm.args, params, slot_tokens(n_ctx, args), MAX_NEW, lm.model.lm_head.weight.element_size())
-    if mode == "offload":  # an offloaded stream keeps its index (and K, --offload-k hbm) on the GPU
-        kv = slot_bytes(lm.args, None, slot_tokens(n_ctx, args), MAX_NEW, lm.model.lm_head.weight.element_size())
-        each -= kv // 2 if args.offload_k == "hbm" else kv
+    tokens, elem = slot_tokens(n_ctx, args), lm.model.lm_head.weight.element_size()
+    each = slot_bytes(lm.args, params, tokens, MAX_NEW, elem)
+    if mode == "offload":  # an offloaded stream keeps its index, K (--offload-k hbm) and V cache on the GPU
+        max_len = -(-tokens // ALIGN) * ALIGN  # as OffloadRunner rounds its host slots
+        cached = min(max_len, math.ceil(args.offload_v_cache * SERVER_SCHEDULE.budget.top_k(max_len)))
+        each = offload_row_bytes(lm.args, params, max_len, MAX_NEW, elem, cached, k_hbm=args.offload_k == "hbm")
     # the driver's free memory plus what the caching allocator holds unused (the load's fp32 copies),
     # with this process's weights loaded: the server's process holds the same once these are freed
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()

@@ -28,7 +28,8 @@ def report(args, rows: list[dict], builds: list[dict], measured: set[tuple[int, 
     print_table(rows, ["context", "streams", "mode", "runner_step_ms", "served_step_ms", "served_of_runner",
                        "floor_ms", "floor_fraction", "itl_p50_ms", "itl_p99_ms"])
     if offload:
-        print_table(offload, ["context", "streams", "offload_k", "agg_offloaded_over_resident"])
+        print_table(offload, ["context", "streams", "offload_k", "agg_offloaded_over_resident", "resident_slots_fit",
+                              "contexts_over_resident_slots"])
         print_table([r for r in rows if "pcie_bytes_per_step" in r],
                     ["context", "streams", "mode", "offload_k", "pcie_bytes_per_step", "h2d_gb_per_s",
                      "pcie_ms_per_step_at_h2d", "served_step_ms", "offload_hit_rate"])
@@ -44,13 +45,17 @@ def report(args, rows: list[dict], builds: list[dict], measured: set[tuple[int, 
 
 def offload_over_resident(rows: list[dict]) -> list[dict]:
     """Per length, stream count and index: the offloaded aggregate tok/s over the resident sparse
-    one, both rows of this run (rows kept from earlier runs carry another commit)."""
+    one, both rows of this run (rows kept from earlier runs carry another commit; None where the
+    run has no resident row of as many streams), and the offloaded contexts decoded at once over
+    the resident slots the card's free HBM holds."""
     key = lambda r: (r["context"], r["streams"], r.get("index"), r.get("commit"))  # noqa: E731
-    resident = {key(r): r for r in rows if r["mode"] == ROW_NAME["sparse"]}
+    resident = {key(r): r["aggregate_tokens_per_s"] for r in rows if r["mode"] == ROW_NAME["sparse"]}
     return [{"context": r["context"], "streams": r["streams"], "index": r.get("index"), "offload_k": r.get("offload_k"),
-             "agg_offloaded_over_resident": r["aggregate_tokens_per_s"] / resident[key(r)]["aggregate_tokens_per_s"]}
-            for r in rows if r["mode"] == ROW_NAME["offload"] and key(r) in resident
-            and resident[key(r)]["aggregate_tokens_per_s"]]
+             "agg_offloaded_over_resident": (r["aggregate_tokens_per_s"] / resident[key(r)]
+                                             if resident.get(key(r)) else None),
+             "resident_slots_fit": r.get("resident_slots_fit"),
+             "contexts_over_resident_slots": r["streams"] / r["resident_slots_fit"] if r.get("resident_slots_fit") else None}
+            for r in rows if r["mode"] == ROW_NAME["offload"]]
 
 
 def best_per_mode(rows: list[dict]) -> list[dict]:

@@ -43,6 +43,7 @@ def test_bench_serve_measures_every_tier_in_every_mode_on_one_store(tmp_path):
     rate = {(r["mode"], r["streams"]): r["aggregate_tokens_per_s"] for r in got["rows"]}
     assert [(o["streams"], o["agg_offloaded_over_resident"]) for o in got["offload"]] == [
         (s, rate["csattention-offload", s] / rate["csattention", s]) for s in (1, 2)]
+    assert all(o["contexts_over_resident_slots"] is None for o in got["offload"])  # a CPU: no HBM bound
     for row in got["rows"]:
         assert set(row["ttft_p50_s"]) == {"hot", "warm", "cold", "reprefill"} and row["aggregate_tokens_per_s"] > 0
     (build,) = got["build"]
@@ -67,3 +68,16 @@ def test_bench_serve_reports_pcie_bytes_per_step_over_the_measured_runs():
     assert got["pcie_bytes_per_step"] == 40_000_000 and got["offload_steps"] == 100
     assert abs(got["pcie_ms_per_step_at_h2d"] - 0.8) < 1e-9 and got["h2d_gb_per_s"] == 50.0
     assert pcie_of(now, now, None)["pcie_bytes_per_step"] is None
+
+
+def test_bench_serve_reports_offloaded_contexts_over_the_resident_slots():
+    """Each offloaded row's streams (contexts decoded at once) over the resident slots the card's
+    free HBM holds, beside the aggregate over the resident row of the same run."""
+    from ctxcache.bench.common.serve_report import offload_over_resident
+    rows = [{"context": 32768, "streams": s, "mode": mode, "index": "16x16", "commit": "c", "aggregate_tokens_per_s": agg,
+             **({"resident_slots_fit": 19, "offload_k": "hbm"} if mode == "csattention-offload" else {})}
+            for s, mode, agg in ((8, "csattention", 700.0), (8, "csattention-offload", 350.0),
+                                 (19, "csattention", 900.0), (23, "csattention-offload", 400.0))]
+    got = offload_over_resident(rows)
+    assert [(o["streams"], o["agg_offloaded_over_resident"], o["contexts_over_resident_slots"]) for o in got] == [
+        (8, 0.5, 8 / 19), (23, None, 23 / 19)]  # no resident row of 23 streams to divide by

@@ -48,3 +48,25 @@ def test_a_smaller_index_holds_more_slots_and_a_too_small_budget_is_named():
     assert slots_within(budget, ARGS, None, 4096, 512, 2) > slots_within(budget, ARGS, small, 4096, 512, 2)
     with pytest.raises(ValueError, match="holds no slot of 4096 tokens"):
         slots_within(each_large - 1, ARGS, large, 4096, 512, 2)
+
+
+@pytest.mark.parametrize("k_hbm,v_int8", [(True, True), (True, False), (False, False)])
+def test_offload_row_bytes_are_what_an_offloaded_row_allocates_on_the_gpu(k_hbm, v_int8):
+    """An OffloadRunner's host slot keeps on the GPU its index rows (as a resident slot's, tested
+    above), its K buffer, the int8-V tail and its layers' slot caches: bench serve sizes the
+    offloaded contexts a card holds by this count."""
+    from ctxcache.decoder.gpu.capacity import offload_row_bytes
+    from ctxcache.decoder.gpu.offload import SlotCache
+    from ctxcache.decoder.gpu.offload_k import k_buffers
+    from ctxcache.decoder.gpu.offload_v import CodedHostKVPool
+    params, max_len, max_new, cached, dtype = CSAttentionParams(), 1024, 96, 200, torch.bfloat16
+    rows = slot_bytes(ARGS, params, max_len, max_new, 2) - slot_bytes(ARGS, None, max_len, max_new, 2)
+    device = torch.device("cpu")
+    k = sum(t.nbytes for t in k_buffers(ARGS, 1, max_len, dtype, device)) if k_hbm else 0
+    tail = sum(t.nbytes for t in CodedHostKVPool(ARGS.n_layers, 1, ARGS.n_kv_heads, max_len, ARGS.head_dim, dtype,
+                                                 device, max_new + 1).v) if v_int8 else 0
+    _, c = SlotCache.layers(ARGS.n_layers, 1, ARGS.n_kv_heads, cached, max_len, ARGS.head_dim, dtype, device,
+                            keys=not k_hbm)
+    busy, free, stamp, _ = c.scratch
+    caches = sum(t.nbytes for t in (c.k, c.v, c.tag, c.slot_of, busy, free, stamp, c.ring))
+    assert offload_row_bytes(ARGS, params, max_len, max_new, 2, cached, k_hbm, v_int8) == rows + k + tail + caches
