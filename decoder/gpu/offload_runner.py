@@ -33,7 +33,7 @@ import torch
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.graph import GraphDecoder
-from ctxcache.decoder.gpu.capacity import slot_bytes
+from ctxcache.decoder.gpu.capacity import offload_row_bytes
 from ctxcache.decoder.gpu import offload_prompt
 from ctxcache.decoder.gpu.offload import SlotCache
 from ctxcache.decoder.gpu.offload_k import PcieCounter, k_buffers
@@ -128,17 +128,19 @@ class OffloadRunner(SlotRows):
                      HostKVPool(a.n_layers, slots, a.n_kv_heads, self.max_len, a.head_dim, dtype, self.device,
                                 keys=not k_hbm))
         self.k_hbm, self.v_int8, self.attention_waves = k_hbm, v_int8, attention_waves
-        e = dtype.itemsize
-        rows = slots * (slot_bytes(a, params, self.max_len, max_new, e) - slot_bytes(a, None, self.max_len, max_new, e))
-        self.k = k_buffers(a, slots, self.max_len, dtype, self.device, rows) if k_hbm else None
+        k_max = config.budget.top_k(self.max_len)
+        cached = min(self.max_len, math.ceil(v_cache * k_max))
+        # what the slots keep in HBM beside K (the tail is allocated above), checked with it: the
+        # index rows (made at the first load) and the slot caches (below)
+        e, k_row = dtype.itemsize, a.n_layers * a.n_kv_heads * self.max_len * a.head_dim * dtype.itemsize
+        beside = slots * (offload_row_bytes(a, params, self.max_len, max_new, e, cached, k_hbm, False) - k_row)
+        self.k = k_buffers(a, slots, self.max_len, dtype, self.device, beside) if k_hbm else None
         self.kv = self.pool.with_k(self.k) if k_hbm else self.pool  # what steps and prefills read and write
         self.slots = [HostSlot(i) for i in range(slots)]
         self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
         self.tables: list[GpuDenseTables] | None = None  # made at the first load (shaped like its tables)
         self._tables: GpuDenseTables | None = None  # every layer's rows (layer_tables)
         self._row_views: dict[int, list[GpuDenseTables]] = {}  # _row_tables
-        k_max = config.budget.top_k(self.max_len)
-        cached = min(self.max_len, math.ceil(v_cache * k_max))
         # every layer's caches (and tables) views of one: a row cleared in every layer at once
         self.caches, self._caches = SlotCache.layers(a.n_layers, slots, a.n_kv_heads, cached, self.max_len, a.head_dim,
                                                      dtype, self.device, keys=not k_hbm)
