@@ -19,6 +19,7 @@ launch-bound admission spends its host time); writes admit_profile_<device>.json
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--admit: also the serial admission replayed as CUDA graphs (OffloadRunner "
                              "prefill_graphs, serve --offload-prefill-graphs), captured on its key's second use, "
                              "then timed")
+        ap.add_argument("--no-pdl", action="store_true",
+                        help="launch without programmatic dependent launch (CTXCACHE_NO_PDL=1): each kernel's time "
+                             "its own, not overlapping its wait for the one before")
         ap.add_argument("--trace", action="store_true", help="--admit: also write each profiled admission's "
                         "timeline (host CUDA calls and both streams) as a Chrome trace beside the JSON")
     args = gpu_cli("ctxcache bench step_profile", "32768", argv, extra, __doc__)
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in ("sparse", "dense", "offload") for m in modes):
         print(f"ctxcache bench step_profile: error: --modes {args.modes!r}: sparse, dense or offload", flush=True)
         return 2
+    if args.no_pdl:
+        os.environ["CTXCACHE_NO_PDL"] = "1"  # read as each runner's selector is made
     lm = load_model("random:llama-3.1-8b", torch.bfloat16, "cuda")
     config = SparseConfig.from_schedule("0.05-step-1")
     sparse = make_method("csattention", {}).params
@@ -136,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                     got["pcie_bytes_per_step"] = moved / steps if steps else None
                 if mode == "offload":
                     got["offload_splits"] = runner.attention_splits(b)
-                rows_out.append({"context": n, "mode": mode, "batch": b, "v_cache": v_cache, "offload_waves": waves,
+                rows_out.append({"context": n, "mode": mode, "batch": b, "pdl": not args.no_pdl,
+                                 "v_cache": v_cache, "offload_waves": waves,
                                  "offload_v": args.offload_v if mode == "offload" else None, **greedy, **got})
                 top += [{"context": n, "mode": mode, "batch": b, **k} for k in got["kernels"][:args.top]]
                 del runner, rows

@@ -25,9 +25,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pdl_available(device: torch.device | str) -> bool:
-    """Compiled code on a Hopper-or-newer GPU (griddepcontrol needs sm_90)."""
+    """Compiled code on a Hopper-or-newer GPU (griddepcontrol needs sm_90), unless
+    CTXCACHE_NO_PDL=1: a profile then times each kernel alone (with PDL a kernel's span includes
+    its wait for the one before, as the split-K merge's did)."""
     dev = torch.device(device)
-    return (not INTERPRET and dev.type == "cuda" and torch.cuda.is_available()
+    return (not INTERPRET and os.environ.get("CTXCACHE_NO_PDL") != "1" and dev.type == "cuda" and torch.cuda.is_available()
             and torch.cuda.get_device_capability(dev)[0] >= 9)
 
 
