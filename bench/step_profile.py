@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         del art
     path = write_result("step_profile", {"copy_gb_per_s": copy_bandwidth("cuda") / 1e9, "rows": rows_out}, args.out)
     print_table(top, ["context", "mode", "batch", "kernel", "launches", "us"])
-    print_table(rows_out, ["context", "mode", "batch", "v_cache", "offload_waves", "offload_splits", "step_ms", "kernels_ms", "launches", "pcie_bytes_per_step",
-                           "greedy_hit_rate", "greedy_pcie_bytes_per_step", "greedy_step_ms"])
+    print_table(rows_out, ["context", "mode", "batch", "v_cache", "offload_waves", "offload_splits", "step_ms",
+                           "kernels_ms", "launches", "pcie_bytes_per_step", "greedy_hit_rate",
+                           "greedy_pcie_bytes_per_step", "greedy_step_ms"])
     print(f"wrote {path}")
     return 0
 

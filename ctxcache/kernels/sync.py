@@ -29,8 +29,8 @@ def pdl_available(device: torch.device | str) -> bool:
     CTXCACHE_NO_PDL=1: a profile then times each kernel alone (with PDL a kernel's span includes
     its wait for the one before, as the split-K merge's did)."""
     dev = torch.device(device)
-    return (not INTERPRET and os.environ.get("CTXCACHE_NO_PDL") != "1" and dev.type == "cuda" and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(dev)[0] >= 9)
+    return (not INTERPRET and os.environ.get("CTXCACHE_NO_PDL") != "1" and dev.type == "cuda"
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(dev)[0] >= 9)
 
 
 def compiled(t: torch.Tensor) -> bool:

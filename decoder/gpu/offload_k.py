@@ -31,16 +31,17 @@ def k_buffer_bytes(args: ModelArgs, slots: int, max_len: int, dtype_bytes: int) 
 
 
 def k_buffers(args: ModelArgs, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
-              rows_bytes: int = 0) -> list[torch.Tensor]:
+              beside_bytes: int = 0) -> list[torch.Tensor]:
     """Zeroed K buffers [slots, Hkv, max_len, D] per layer; ValueError (one line naming the
-    sizes and the flags) when they and `rows_bytes` (the slots' index rows, allocated at the
+    sizes and the flags) when they and `beside_bytes` (the slots' index rows, allocated at the
     first load, and V caches) do not fit the GPU's free memory."""
     k = k_buffer_bytes(args, slots, max_len, torch.empty((), dtype=dtype).element_size())
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
-        if k + rows_bytes > free:
+        if k + beside_bytes > free:
             raise ValueError(f"offload K in HBM: {slots} host slots x {max_len} tokens need {k / 2**30:.2f} GiB of K "
-                             f"+ {rows_bytes / 2**30:.2f} GiB of index rows and V caches, the GPU has {free / 2**30:.2f} GiB free: "
+                             f"+ {beside_bytes / 2**30:.2f} GiB of index rows and V caches, the GPU has "
+                             f"{free / 2**30:.2f} GiB free: "
                              f"fewer --offload-slots, shorter --offload-slot-tokens, or --offload-k host")
     return [torch.zeros(slots, args.n_kv_heads, max_len, args.head_dim, dtype=dtype, device=device)
             for _ in range(args.n_layers)]

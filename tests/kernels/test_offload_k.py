@@ -119,7 +119,7 @@ def test_k_buffers_that_do_not_fit_are_refused_in_one_line(monkeypatch):
     from ctxcache.decoder.gpu import offload_k
     with pytest.raises(ValueError, match=r"3 host slots x 512 tokens need 0\.00 GiB of K.*--offload-k host") as err:
         offload_k.k_buffers(lm.args, 3, 512, torch.float32, torch.device("cuda"))
-    offload_k.k_buffers(lm.args, 3, 512, torch.float32, torch.device("cpu"), rows_bytes=1 << 50)  # a CPU: no check
+    offload_k.k_buffers(lm.args, 3, 512, torch.float32, torch.device("cpu"), beside_bytes=1 << 50)  # a CPU: no check
     assert "\n" not in str(err.value)
     OffloadRunner(lm, method.params, CONFIG, slots=3, max_len=512, k_hbm=False)  # no K buffers: nothing to fit
 
