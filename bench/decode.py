@@ -28,6 +28,7 @@ from ctxcache.bench.common.gpu import (batch_dense_tables, dense_table_bytes, ra
                                       random_tables, rows_view)
 from ctxcache.bench.common.report import add_out, print_table, write_result
 from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
+from ctxcache.decoder.gpu.capacity import free_bytes
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.methods.csattention_build import build_tables_gpu_layers
 from ctxcache.methods.csattention import GPU_LAYER_GROUP
@@ -64,7 +65,7 @@ def bench_decode(n: int, batch: int, layers: int, params: CSAttentionParams, bud
     if params.list_length(n) == n:
         int8 = "_int8" if params.int8_tables else ""
         info = {"method": f"csattention_dense_graph_{params.routing}{int8}", "tables_shared_across_batch_rows": shared}
-        free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        free = free_bytes()
         buffers = dense_buffers(batch, n, layers, params, shared, free)
         if buffers == 0:
             need = dense_table_bytes(1 if shared else batch, n, params, _dtype(params)) / 2**30

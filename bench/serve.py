@@ -48,7 +48,7 @@ from ctxcache.quality.texts import text_of_tokens
 from ctxcache.client import Client
 from ctxcache.client.gen.v1 import admin_pb2 as apb
 from ctxcache.client.gen.v1 import context_pb2 as pb
-from ctxcache.decoder.gpu.capacity import MAX_NEW, offload_row_bytes, slot_bytes
+from ctxcache.decoder.gpu.capacity import MAX_NEW, free_bytes, offload_row_bytes, slot_bytes
 from ctxcache.decoder.gpu.offload_runner import ALIGN
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.indexer import IndexerConfig, build_artifact, prefill_chunk
@@ -352,7 +352,7 @@ def mode_slots(lm, n_ctx: int, args, mode: str) -> int:
         each = offload_row_bytes(lm.args, params, max_len, MAX_NEW, elem, cached, k_hbm=args.offload_k == "hbm")
     # the driver's free memory plus what the caching allocator holds unused (the load's fp32 copies),
     # with this process's weights loaded: the server's process holds the same once these are freed
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    free = free_bytes()
     budget = args.hbm_gb * GiB if args.hbm_gb else free - 6 * GiB  # 6 GiB: graphs, selector, prefill scratch
     fit = max(1, int(budget // each))
     print(f"{n_ctx} tokens, {mode}: {fit} slots of {each / GiB:.2f} GiB in {budget / GiB:.1f} GiB "

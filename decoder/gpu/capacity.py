@@ -10,10 +10,19 @@ modes given the same budget hold their contexts in the same bytes.
 
 from __future__ import annotations
 
+import torch
+
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.config import ModelArgs
 
 MAX_NEW = 512  # the fast runner's default index overlay: keys streamed per slot after its context
+
+
+def free_bytes(device: torch.device | str | None = None) -> int:
+    """The device's free memory as this process can use it: the driver's free bytes plus what
+    torch's caching allocator holds unused (a prefill's freed activations stay reserved)."""
+    return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
 
 
 def slot_bytes(args: ModelArgs, params: CSAttentionParams | None, max_len: int, max_new: int,

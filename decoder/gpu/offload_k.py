@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ctxcache.decoder.gpu.capacity import free_bytes
 from ctxcache.methods import Budget
 from ctxcache.models.config import ModelArgs
 
@@ -37,7 +38,7 @@ def k_buffers(args: ModelArgs, slots: int, max_len: int, dtype: torch.dtype, dev
     first load, and V caches) do not fit the GPU's free memory."""
     k = k_buffer_bytes(args, slots, max_len, torch.empty((), dtype=dtype).element_size())
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
+        free = free_bytes(device)
         if k + beside_bytes > free:
             raise ValueError(f"offload K in HBM: {slots} host slots x {max_len} tokens need {k / 2**30:.2f} GiB of K "
                              f"+ {beside_bytes / 2**30:.2f} GiB of index rows and V caches, the GPU has "

@@ -115,8 +115,8 @@ def test_k_buffers_that_do_not_fit_are_refused_in_one_line(monkeypatch):
     method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 1.0})
     need = k_buffer_bytes(lm.args, 3, 512, 4)
     assert need == 2 * 3 * 2 * 512 * 32 * 4
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - 1, need))
     from ctxcache.decoder.gpu import offload_k
+    monkeypatch.setattr(offload_k, "free_bytes", lambda device=None: need - 1)
     with pytest.raises(ValueError, match=r"3 host slots x 512 tokens need 0\.00 GiB of K.*--offload-k host") as err:
         offload_k.k_buffers(lm.args, 3, 512, torch.float32, torch.device("cuda"))
     offload_k.k_buffers(lm.args, 3, 512, torch.float32, torch.device("cpu"), beside_bytes=1 << 50)  # a CPU: no check
