@@ -25,6 +25,7 @@ BENCHMARKS = {
     "decode": ("GPU", "whole-model decode tokens/s dense vs CSAttention; index build time; TTFT"),
     "step_profile": ("GPU", "the fast runner's decode step by kernel (torch.profiler), sparse and dense, beside its wall time; --admit: an offloaded hot admission, serial vs pipelined host copy"),
     "offload": ("GPU", "decode attention over KV in pinned host memory vs dense on GPU and host"),
+    "host_gather": ("GPU", "kernels' zero-copy reads of scattered host rows by page-locking (4 KB, THP, cudaHostAlloc) and row layout"),
     "serve": ("any", "the product path: a real server + gRPC client, sparse vs dense mode, TTFT tiers, tok/s"),
     "http": ("CPU", "the OpenAI-compatible HTTP front vs gRPC on one server: TTFT and tok/s, by reference and automatic"),
     "tiers": ("any", "a context's TTFT from HBM, DRAM, the local store (page cache, dropped), the object store vs re-prefill"),

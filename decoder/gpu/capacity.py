@@ -53,14 +53,14 @@ def slots_within(budget_bytes: int, args: ModelArgs, params: CSAttentionParams |
 def offload_row_bytes(args: ModelArgs, params: CSAttentionParams, max_len: int, max_new: int, dtype_bytes: int,
                       cached: int, k_hbm: bool = True, v_int8: bool = True) -> int:
     """HBM bytes one offloaded context keeps on the GPU (OffloadRunner's host slot `max_len` tokens
-    long): its index rows as a resident slot's, its K buffer (k_hbm), with V as int8 codes the HBM
-    tail of the positions after the context (max_new + 1), and each layer's slot cache of `cached`
+    long): its index rows as a resident slot's, its K buffer (k_hbm), with V as int8 codes their
+    fp16 scales and the HBM tail of the positions after the context (max_new + 1), and each layer's slot cache of `cached`
     rows (V, K too without k_hbm; int32 tags, stamps, free list and position map, a stamp and ring
     pointer a head)."""
     layer_heads = args.n_layers * args.n_kv_heads
     row = args.head_dim * dtype_bytes
     rows = slot_bytes(args, params, max_len, max_new, dtype_bytes) - slot_bytes(args, None, max_len, max_new, dtype_bytes)
     k = layer_heads * max_len * row if k_hbm else 0
-    tail = layer_heads * (max_new + 1) * row if v_int8 else 0
+    tail = layer_heads * ((max_new + 1) * row + 2 * max_len) if v_int8 else 0
     cache = layer_heads * (cached * (row * (1 if k_hbm else 2) + 3 * 4) + (max_len + 1) * 4 + 2 * 4)
     return rows + k + tail + cache

@@ -53,7 +53,7 @@ class PcieCounter:
     """Bytes over PCIe since start: `host` the host-side arithmetic per step, `steps` the steps
     counted, `prefill` the prompts' prefills' host -> device K/V bytes (not a step's); the misses come from
     the device counters when read (`total`). v_codes (offload_v: V as int8 codes): a V row read
-    from the host is head_dim + 2 bytes (codes and an fp16 scale), and positions from a row's
+    from the host is head_dim bytes (its fp16 scale is in HBM), and positions from a row's
     context length on are in the HBM tail (the new key is written there, not to the host)."""
 
     key_bytes: int  # one key's K or V row of one KV head: D x dtype bytes
@@ -71,7 +71,7 @@ class PcieCounter:
     @property
     def v_bytes(self) -> int:
         """Bytes of one V row of one KV head read from the host."""
-        return self.v_codes + 2 if self.v_codes else self.key_bytes
+        return self.v_codes if self.v_codes else self.key_bytes
 
     @property
     def per_key(self) -> int:

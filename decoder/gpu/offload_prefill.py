@@ -126,8 +126,9 @@ class PrefillFetch:
             self._fetch_next()
 
     def h2d_bytes(self, layers: int) -> int:
-        """Bytes `layers` layers copy from the host."""
-        return layers * sum(t[0, :, :self.n_ctx].nbytes for t in self.host[0])
+        """Bytes `layers` layers copy from the host (a part already on the device is copied
+        device to device: int8 V's scales)."""
+        return layers * sum(t[0, :, :self.n_ctx].nbytes for t in self.host[0] if not t.is_cuda)
 
     def _fetch_next(self) -> None:
         layer = self.fetched

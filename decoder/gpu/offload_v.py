@@ -9,8 +9,11 @@ are the bits a resident slot holds and the logits are those of a bf16 host slot 
 
 Layout (CodedHostKVPool), one layout per runner (OffloadRunner(v_int8=True), the server's choice
 when its kv_codec is int8; artifacts not held as int8 codes are refused by `refusal`): per layer
-codes [slots, Hkv, max_len, D] int8 and scales [slots, Hkv, max_len] fp16 in one page-locked
-allocation; `v` is a bf16 tail in HBM [slots, Hkv, tail, D] of the positions from each row's
+codes [slots, Hkv, max_len, D] int8 in one page-locked allocation, and scales [slots, Hkv, max_len]
+fp16 in HBM (2 B a token and head, 1.6% of the codes: a step's miss then reads one aligned 128-B
+row over PCIe, not that row and a 2-B scale elsewhere; gathers of scattered rows in HBM cost by
+their count, not their bytes, DESIGN.md, and the offload kernel's misses crossed at ~21 GB/s of a
+55 GB/s link); `v` is a bf16 tail in HBM [slots, Hkv, tail, D] of the positions from each row's
 context length on (its question's and answer's, from the model, never coded), `v_start` [slots]
 (int32, device) each row's context length, `v_kind` [slots] each row's artifact's decoded dtype.
 K is in HBM (offload_k.k_buffers, `with_k`): int8 V needs `--offload-k hbm`.
@@ -38,8 +41,9 @@ from ctxcache.models.kv_cache import KVCache
 
 
 class CodedHostKVPool(HostKVPool):
-    """V codes + scales [slots, Hkv, max_len(, D)] a layer in one page-locked allocation, the bf16
-    tail [slots, Hkv, tail, D] a layer in HBM (module docstring). `k` is empty until `with_k`."""
+    """V codes [slots, Hkv, max_len, D] a layer in one page-locked allocation, their scales
+    [slots, Hkv, max_len] and the bf16 tail [slots, Hkv, tail, D] a layer in HBM (module docstring).
+    `k` is empty until `with_k`."""
 
     fused_decode_write = True  # rope_write puts V at pos - v_start, in the tail
     fused_prompt_write = False
@@ -48,12 +52,10 @@ class CodedHostKVPool(HostKVPool):
                  device: torch.device, tail: int) -> None:
         if slots < 1 or max_len < 2 or tail < 1:
             raise ValueError(f"offload slots={slots}, slot tokens={max_len}, tail={tail} must be >= 1, >= 2, >= 1")
-        per = slots * n_kv * max_len
-        # one registration for codes and scales: page-locking is paid per call (~0.4 s per GB)
-        pool = pinned_exact((n_layers * per * (head_dim + 2),), torch.uint8)
-        split = n_layers * per * head_dim
-        codes = pool[:split].view(torch.int8).view(n_layers, slots, n_kv, max_len, head_dim)
-        scales = pool[split:].view(torch.float16).view(n_layers, slots, n_kv, max_len)
+        # one registration for every layer's codes: page-locking is paid per call (~0.4 s per GB)
+        pool = pinned_exact((n_layers * slots * n_kv * max_len * head_dim,), torch.int8)
+        codes = pool.view(n_layers, slots, n_kv, max_len, head_dim)
+        scales = torch.zeros(n_layers, slots, n_kv, max_len, dtype=torch.float16, device=device)
         self.k: list[torch.Tensor] = []
         self.v_codes = [codes[i] for i in range(n_layers)]
         self.v_scales = [scales[i] for i in range(n_layers)]
@@ -61,18 +63,18 @@ class CodedHostKVPool(HostKVPool):
         self.v_start = torch.zeros(slots, dtype=torch.int32, device=device)
         self.v_kind = torch.zeros(slots, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
-        self.nbytes = pool.nbytes  # page-locked bytes (the tail is HBM: tail_bytes)
+        self.nbytes = pool.nbytes  # page-locked bytes (the tail and the scales are HBM: tail_bytes)
         self.prompt_start = None
 
     def tail_bytes(self) -> int:
-        return sum(t.nbytes for t in self.v)
+        return sum(t.nbytes for t in self.v + self.v_scales)
 
     def coded(self, layer: int) -> CodedV:
         return CodedV(self.v_scales[layer], self.v[layer], self.v_start, self.v_kind)
 
     def load_v(self, row: int, layer: int, coded: CodedKV) -> None:
-        """A layer's V codes and scales into the row's host slot, as the artifact holds them (host
-        to host: nothing crosses PCIe, nothing is decoded)."""
+        """A layer's V codes into the row's host slot (host to host, not decoded) and their scales
+        into HBM, as the artifact holds them."""
         n = coded.shape[1]
         self.v_codes[layer][row, :, :n].copy_(coded.parts["v"])
         self.v_scales[layer][row, :, :n].copy_(coded.parts["v" + SCALE_SUFFIX])

@@ -53,7 +53,7 @@ def test_a_smaller_index_holds_more_slots_and_a_too_small_budget_is_named():
 @pytest.mark.parametrize("k_hbm,v_int8", [(True, True), (True, False), (False, False)])
 def test_offload_row_bytes_are_what_an_offloaded_row_allocates_on_the_gpu(k_hbm, v_int8):
     """An OffloadRunner's host slot keeps on the GPU its index rows (as a resident slot's, tested
-    above), its K buffer, the int8-V tail and its layers' slot caches: bench serve sizes the
+    above), its K buffer, the int8 V's scales and tail, and its layers' slot caches: bench serve sizes the
     offloaded contexts a card holds by this count."""
     from ctxcache.decoder.gpu.capacity import offload_row_bytes
     from ctxcache.decoder.gpu.offload import SlotCache
@@ -63,8 +63,8 @@ def test_offload_row_bytes_are_what_an_offloaded_row_allocates_on_the_gpu(k_hbm,
     rows = slot_bytes(ARGS, params, max_len, max_new, 2) - slot_bytes(ARGS, None, max_len, max_new, 2)
     device = torch.device("cpu")
     k = sum(t.nbytes for t in k_buffers(ARGS, 1, max_len, dtype, device)) if k_hbm else 0
-    tail = sum(t.nbytes for t in CodedHostKVPool(ARGS.n_layers, 1, ARGS.n_kv_heads, max_len, ARGS.head_dim, dtype,
-                                                 device, max_new + 1).v) if v_int8 else 0
+    pool = CodedHostKVPool(ARGS.n_layers, 1, ARGS.n_kv_heads, max_len, ARGS.head_dim, dtype, device, max_new + 1)
+    tail = sum(t.nbytes for t in pool.v + pool.v_scales) if v_int8 else 0
     _, c = SlotCache.layers(ARGS.n_layers, 1, ARGS.n_kv_heads, cached, max_len, ARGS.head_dim, dtype, device,
                             keys=not k_hbm)
     busy, free, stamp, _ = c.scratch

@@ -107,12 +107,12 @@ def test_pcie_bytes_of_a_known_step_with_int8_v():
     """One slot, a 150-key context, no question, one step (151 keys): static rows on the host are
     the 2 sinks and the recent window's 7 context positions (its 8th, the step's key, is in the
     tail, where the key is written: nothing written back), 16 selected keys a KV head all missed;
-    a V row from the host is 32 codes + a 2-byte scale; 2 layers x 2 KV heads."""
+    a V row from the host is its 32 codes (the scales are in HBM); 2 layers x 2 KV heads."""
     lm = load_model("random:tiny", seed=3, device=DEVICE)
     method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 1.0})
     art = coded_artifacts(method, (150,))[0]
     r = OffloadRunner(lm, method.params, CONFIG, slots=1, max_len=320, max_new=32, v_int8=True, use_graph=False)
     row, first = r.admit("c", art, [], CONFIG, 8)
     r.step([row], [int(first.argmax())])
-    assert r.pcie_bytes() == ((9 + 16) * 34 * 2 * 2, 1)
+    assert r.pcie_bytes() == ((9 + 16) * 32 * 2 * 2, 1)
     assert r.offload_hits() == (0, 16 * 2 * 2)
