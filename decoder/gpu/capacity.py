@@ -54,9 +54,9 @@ def offload_row_bytes(args: ModelArgs, params: CSAttentionParams, max_len: int, 
                       cached: int, k_hbm: bool = True, v_int8: bool = True) -> int:
     """HBM bytes one offloaded context keeps on the GPU (OffloadRunner's host slot `max_len` tokens
     long): its index rows as a resident slot's, its K buffer (k_hbm), with V as int8 codes their
-    fp16 scales and the HBM tail of the positions after the context (max_new + 1), and each layer's slot cache of `cached`
-    rows (V, K too without k_hbm; int32 tags, stamps, free list and position map, a stamp and ring
-    pointer a head)."""
+    fp16 scales and the HBM tail of the positions after the context (max_new + 1), and each
+    layer's slot cache of `cached` rows (V, K too without k_hbm; int32 tags, stamps, free list and
+    position map, a stamp and ring pointer a head)."""
     layer_heads = args.n_layers * args.n_kv_heads
     row = args.head_dim * dtype_bytes
     rows = slot_bytes(args, params, max_len, max_new, dtype_bytes) - slot_bytes(args, None, max_len, max_new, dtype_bytes)
