@@ -17,7 +17,8 @@ V as int8 codes (coded: kernels.v_codes.CodedV; K in HBM only): v_host holds eac
 V as its artifact's int8 codes (128 B a row at head_dim 128, not 256; the scale per token and head
 in HBM, offload_v.py), decoded where read by the loader's arithmetic (the resident slot's bits);
 positions from the row's context length on (its question and answer, bf16 from the model) are read
-from a bf16 tail in HBM. Misses are written into the slot cache decoded, so hits read what a resident slot holds."""
+from a bf16 tail in HBM. Misses are written into the slot cache decoded, so hits read what a
+resident slot holds."""
 
 from __future__ import annotations
 
