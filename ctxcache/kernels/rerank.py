@@ -197,8 +197,10 @@ class Reranker:
         self.slots = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
         # keys per program of the pair Top-K: 1024 against 4096 (H200, the whole re-rank a layer,
         # graph replay, same sets): 32K x 8 68.7 vs 71.8 us, 32K x 1 30.5 vs 34.2, 124K x 4 105.7
-        # vs 109.5, 128K x 8 185.2 vs 188.4; more logits splits (32, 52) were slower everywhere
-        self.topk_block = 1024
+        # vs 109.5, 128K x 8 185.2 vs 188.4; more logits splits (32, 52) were slower everywhere.
+        # The CPU interpreter pays per program, so it keeps 4096 (test_gpu_runner 219 vs 244 s);
+        # test_topk_pair covers blocks of 256 and 512 there
+        self.topk_block = 4096 if INTERPRET else 1024
         # the kept keys' Top-K workspace, then follow's (one zeroing for both)
         self.ws_pair = workspace(rows * (2 if follow else 1), device, blocks16(self.kcp, self.topk_block))
         self.ws = self.ws_pair[:rows]
