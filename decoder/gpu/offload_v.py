@@ -63,11 +63,8 @@ class CodedHostKVPool(HostKVPool):
         self.v_start = torch.zeros(slots, dtype=torch.int32, device=device)
         self.v_kind = torch.zeros(slots, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
-        self.nbytes = pool.nbytes  # page-locked bytes (the tail and the scales are HBM: tail_bytes)
+        self.nbytes = pool.nbytes  # page-locked bytes (the tail and the scales are HBM)
         self.prompt_start = None
-
-    def tail_bytes(self) -> int:
-        return sum(t.nbytes for t in self.v + self.v_scales)
 
     def coded(self, layer: int) -> CodedV:
         return CodedV(self.v_scales[layer], self.v[layer], self.v_start, self.v_kind)
