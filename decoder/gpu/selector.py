@@ -308,9 +308,11 @@ class GpuSelector:
         # 4 warps: 4-6 us faster than 8 at batch 8, and with the row-aligned radix blocks 0.3-1.7 us
         # faster at batch 1 too (eight bench/step_probe.py calls, at d74d176)
         self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4, "maxnreg": 80}
-        # int8 tables with 16-bit keys: integer dot products (kernels/dense_dot8), 8 keys per thread;
-        # the cap (from 128 registers) measured 5 us faster at 128K batch 8, 1 us at batch 1 (H100)
-        self.dot8_cfg = {"block": 1024, "num_warps": 4, "maxnreg": 96}
+        # int8 tables with 16-bit keys: integer dot products (kernels/dense_dot8), 16 keys per thread;
+        # 2 warps, no register cap: route + scores + pass 0 23.3 / 10.9 / 33.9 us a layer at 32K x 8,
+        # 32K x 1, 124K x 4 against 31.7 / 12.3 / 50.2 for 4 warps capped at 96 (H200, a sweep of
+        # 512-4096 keys, 2-8 warps, caps 96 / 128 / none; the same keys in every config)
+        self.dot8_cfg = {"block": 1024, "num_warps": 2, "maxnreg": None}
         self.n_pad = n_pad
         self.set_topk_block(*radix_shape(batch * n_kv, n_max, keys16=score_keys == "fp16"))
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
