@@ -2,11 +2,12 @@
 (zero-copy over PCIe), by how the memory was page-locked and how the rows are laid out, beside
 the bulk host -> device copy.
 
-    ctxcache bench host_gather [--gb 4] [--rows 1048576] [--iters 1,12]
+    ctxcache bench host_gather [--gb 0.25,1,4] [--rows 1048576] [--iters 1,12] [--kinds register,torch_pinned]
 
 Why: the offload attention's misses crossed at ~21 GB/s of a 55 GB/s link, and more programs did
 not help (DESIGN.md, "The offload kernel is slow for its bytes"). Suspects, each a row here:
 - the count of reads: each miss read its 128-B codes and, elsewhere, its 2-B scale (`scale`);
+- the footprint: how much host memory the rows are scattered over (`--gb`, several);
 - the pages: the host slots are mmap'd 4 KB pages page-locked by cudaHostRegister (`register`,
   ctxcache.page_lock), so reads scattered over GBs may miss the GPU's TLB at every page, against
   torch's pinned allocator (`torch_pinned`, cudaHostAlloc) and mmap'd pages advised
@@ -89,39 +90,53 @@ def gather_row(src: torch.Tensor, scales: torch.Tensor, row_bytes: int, scale: b
             "gb_per_s": moved / us / 1e3, "m_rows_per_s": n_rows / us}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ctxcache bench host_gather", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gb", type=float, default=4.0, help="host memory the rows are scattered over, GiB")
-    ap.add_argument("--rows", type=int, default=1 << 20, help="rows a launch reads")
-    ap.add_argument("--block", type=int, default=64, help="rows a program reads at once")
-    ap.add_argument("--iters", default="1,12", help="blocks a program reads in series, comma separated")
-    ap.add_argument("--kinds", default="register,register_thp,torch_pinned")
-    add_out(ap)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("ctxcache bench host_gather: error: needs a CUDA GPU", flush=True)
-        return 2
-    nbytes = int(args.gb * (1 << 30)) // 256 * 256
-    iters = [int(x) for x in args.iters.split(",") if x]
+def footprint_rows(gb: float, kinds: list[str], iters: list[int], block: int, n_rows: int) -> list[dict]:
+    """Every layout's gather over `gb` GiB, each page-locking kind."""
+    nbytes = int(gb * (1 << 30)) // 256 * 256
     # every 8 bytes their own index: a row read from the wrong place sums differently
     content = torch.arange(nbytes // 8, dtype=torch.int64).view(torch.uint8)
     scale_content = torch.arange(nbytes // 128, dtype=torch.int16).view(torch.uint8)
     rows = []
-    for kind in args.kinds.split(","):
+    for kind in kinds:
         huge0 = anon_huge_gb()
         src = allocate(kind, content)
         scales = allocate(kind, scale_content).view(torch.int16)
         huge = anon_huge_gb() - huge0
         for row_bytes, scale in ((128, False), (128, True), (256, False)):
             for it in iters:
-                rows.append({"kind": kind, "anon_huge_gb": round(huge, 2),
-                             **gather_row(src, scales, row_bytes, scale, it, args.block, args.rows)})
+                rows.append({"gb": gb, "kind": kind, "anon_huge_gb": round(huge, 2),
+                             **gather_row(src, scales, row_bytes, scale, it, block, n_rows)})
                 print(rows[-1], flush=True)
         del src, scales
-    del content, scale_content
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ctxcache bench host_gather", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", default="0.25,1,4", help="host memory the rows are scattered over, GiB, comma separated")
+    ap.add_argument("--rows", type=int, default=1 << 20, help="rows a launch reads")
+    ap.add_argument("--block", type=int, default=64, help="rows a program reads at once")
+    ap.add_argument("--iters", default="1", help="blocks a program reads in series, comma separated")
+    ap.add_argument("--kinds", default="register,torch_pinned")
+    add_out(ap)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ctxcache bench host_gather: error: needs a CUDA GPU", flush=True)
+        return 2
+    try:
+        gbs = [float(x) for x in args.gb.split(",") if x]
+        iters = [int(x) for x in args.iters.split(",") if x]
+        if not gbs or min(gbs) <= 0 or not iters or min(iters) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"ctxcache bench host_gather: error: --gb {args.gb!r} and --iters {args.iters!r} must be "
+              "comma-separated positive numbers", flush=True)
+        return 2
+    rows = [r for gb in gbs for r in footprint_rows(gb, args.kinds.split(","), iters, args.block, args.rows)]
     h2d = h2d_gb_per_s()
-    path = write_result("host_gather", {"gb": args.gb, "rows": args.rows, "h2d_gb_per_s": h2d, "results": rows},
+    path = write_result("host_gather", {"gb": gbs, "rows": args.rows, "h2d_gb_per_s": h2d, "results": rows},
                         args.out)
-    print_table(rows, ["kind", "anon_huge_gb", "row_bytes", "scale", "iters", "us", "gb_per_s", "m_rows_per_s"])
+    print_table(rows, ["gb", "kind", "anon_huge_gb", "row_bytes", "scale", "iters", "us", "gb_per_s",
+                       "m_rows_per_s"])
     print(f"bulk host -> device copy: {h2d:.1f} GB/s\nwrote {path}")
     return 0
