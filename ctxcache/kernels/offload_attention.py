@@ -78,8 +78,10 @@ def _host_v(vh_ptr, vs_ptr, vt_ptr, v_base, s_base, t_base, pos64, rows, ctx, ki
         tailed = rows & (pos >= ctx) & (pos - ctx < TAIL)
         tpos = tl.where(tailed, pos - ctx, 0).to(tl.int64)
         recent_v = tl.load(vt_ptr + t_base + tpos[:, None] * st_s + offs_d[None, :], mask=tailed[:, None], other=0.0)
-        return tl.where(coded[:, None], decoded, recent_v)
-    return tl.load(vh_ptr + v_base + pos64[:, None] * sv_s + offs_d[None, :], mask=rows[:, None], other=0.0)
+        v = tl.where(coded[:, None], decoded, recent_v)
+    else:  # one return: the compiler types every return statement, a discarded branch's too
+        v = tl.load(vh_ptr + v_base + pos64[:, None] * sv_s + offs_d[None, :], mask=rows[:, None], other=0.0)
+    return v
 
 
 @triton.jit
