@@ -57,66 +57,6 @@ def offload_attention_ref(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel,
     return sparse_attention_ref(q, kh, vh, idx, k_sel, n, sinks, recent)
 
 
-# Misses gathered by their own launch before the attention (False: the attention reads each
-# miss over PCIe itself and writes it to its slot). A module switch for the A/B measurement.
-GATHER_MISSES = True
-MISS_BLOCK = 64  # selected rows a _miss_kernel program reads
-
-
-@triton.jit
-def _host_v(vh_ptr, vs_ptr, vt_ptr, v_base, s_base, t_base, pos64, rows, ctx, kind, offs_d, sv_s, st_s, TAIL,
-            out_ptr, V_CODES: tl.constexpr, OUT: tl.constexpr):
-    """V of `rows` at positions pos64 from where the host slot keeps them: int8 codes over PCIe
-    (their scales in HBM) decoded to out_ptr's dtype, positions from the context's length from
-    the HBM tail; else the host's own rows."""
-    if V_CODES:  # the context's positions as codes from the host, the rest from the HBM tail
-        pos = pos64.to(tl.int32)
-        coded = rows & (pos < ctx)
-        code = tl.load(vh_ptr + v_base + pos64[:, None] * sv_s + offs_d[None, :], mask=coded[:, None], other=0)
-        scale = tl.load(vs_ptr + s_base + pos64, mask=coded, other=0.0)
-        decoded = decode_v(code, scale, kind, OUT).to(out_ptr.dtype.element_ty)
-        tailed = rows & (pos >= ctx) & (pos - ctx < TAIL)
-        tpos = tl.where(tailed, pos - ctx, 0).to(tl.int64)
-        recent_v = tl.load(vt_ptr + t_base + tpos[:, None] * st_s + offs_d[None, :], mask=tailed[:, None], other=0.0)
-        v = tl.where(coded[:, None], decoded, recent_v)
-    else:  # one return: the compiler types every return statement, a discarded branch's too
-        v = tl.load(vh_ptr + v_base + pos64[:, None] * sv_s + offs_d[None, :], mask=rows[:, None], other=0.0)
-    return v
-
-
-@triton.jit
-def _miss_kernel(kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ksel_ptr, vs_ptr, vt_ptr, start_ptr, kind_ptr,
-                 HKV, TAIL, sk_b, sk_h, sk_s, sc_b, sc_h, sc_s, si_b, si_h, sv_b, sv_h, sv_s, ss_b, ss_h,
-                 st_b, st_h, st_s, D: tl.constexpr, BLOCK_M: tl.constexpr, K_HBM: tl.constexpr,
-                 V_CODES: tl.constexpr, OUT: tl.constexpr):
-    """Each selected miss's rows (slot < 0) from the host into its cache slot -slot - 1: one block
-    of a row's selection a program, every program's reads in flight at once."""
-    row = tl.program_id(0)
-    b = row // HKV
-    hkv = row % HKV
-    j = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_sel = j < tl.load(ksel_ptr + b)
-    slot = tl.load(slot_ptr + b * si_b + hkv * si_h + j, mask=in_sel, other=0)
-    miss = in_sel & (slot < 0)
-    pos64 = tl.load(idx_ptr + b * si_b + hkv * si_h + j, mask=miss, other=0).to(tl.int64)
-    b64 = b.to(tl.int64)
-    offs_d = tl.arange(0, D)
-    ctx = 0
-    kind = 0
-    if V_CODES:
-        ctx = tl.load(start_ptr + b)
-        kind = tl.load(kind_ptr + b)
-    v = _host_v(vh_ptr, vs_ptr, vt_ptr, b64 * sv_b + hkv * sv_h, b64 * ss_b + hkv * ss_h,
-                b64 * st_b + hkv * st_h, pos64, miss, ctx, kind, offs_d, sv_s, st_s, TAIL, vc_ptr, V_CODES, OUT)
-    dst = tl.where(miss, -slot - 1, 0).to(tl.int64)
-    doff = b64 * sc_b + hkv * sc_h + dst[:, None] * sc_s + offs_d[None, :]
-    tl.store(vc_ptr + doff, v, mask=miss[:, None])
-    if not K_HBM:
-        k = tl.load(kh_ptr + b64 * sk_b + hkv * sk_h + pos64[:, None] * sk_s + offs_d[None, :], mask=miss[:, None],
-                    other=0.0)
-        tl.store(kc_ptr + doff, k, mask=miss[:, None])
-
-
 @triton.jit
 def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                     vs_ptr, vt_ptr, start_ptr, kind_ptr,
@@ -124,8 +64,7 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
                     sq_b, sq_h, sk_b, sk_h, sk_s, sc_b, sc_h, sc_s, si_b, si_h,
                     sv_b, sv_h, sv_s, ss_b, ss_h, st_b, st_h, st_s,
                     SPLITS: tl.constexpr, IEEE: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, K_HBM: tl.constexpr, V_CODES: tl.constexpr, OUT: tl.constexpr,
-                    GATHERED: tl.constexpr):
+                    BLOCK_N: tl.constexpr, K_HBM: tl.constexpr, V_CODES: tl.constexpr, OUT: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row // HKV
@@ -138,9 +77,8 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
     q = group_queries(q_ptr, b, hkv, G, sq_b, sq_h, G_PAD, D)
     m_i, l_i, acc = empty_partial(G_PAD, D)
     host_base = b64 * sk_b + hkv * sk_h
+    v_base = b64 * sv_b + hkv * sv_h
     cache_base = b64 * sc_b + hkv * sc_h
-    ctx = 0
-    kind = 0
     if V_CODES:
         ctx = tl.load(start_ptr + b)  # the row's context length: the tail holds the positions from it
         kind = tl.load(kind_ptr + b)
@@ -152,14 +90,9 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
         sel = tl.load(idx_ptr + b * si_b + hkv * si_h + (t - n_static), mask=is_sel, other=0)
         slot = tl.load(slot_ptr + b * si_b + hkv * si_h + (t - n_static), mask=is_sel, other=-1)
         pos = tl.where(valid, tl.where(t < n_static, static_pos, sel), 0)
-        if GATHERED:  # _miss_kernel put every miss in its slot: the selection is read from the cache
-            hit = is_sel
-            from_host = valid & (t < n_static)
-            cslot = tl.where(is_sel, tl.where(slot >= 0, slot, -slot - 1), 0).to(tl.int64)
-        else:
-            hit = is_sel & (slot >= 0)
-            from_host = valid & (slot < 0)  # static rows carry slot -1 too
-            cslot = tl.where(hit, slot, 0).to(tl.int64)
+        hit = is_sel & (slot >= 0)
+        from_host = valid & (slot < 0)  # static rows carry slot -1 too
+        cslot = tl.where(hit, slot, 0).to(tl.int64)
         pos64 = pos.to(tl.int64)
         hoff = host_base + pos64[:, None] * sk_s + offs_d[None, :]
         coff = cache_base + cslot[:, None] * sc_s + offs_d[None, :]
@@ -169,17 +102,26 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
         else:
             kb = tl.where(hit[:, None], tl.load(kc_ptr + coff, mask=hit[:, None], other=0.0),
                           tl.load(kh_ptr + hoff, mask=from_host[:, None], other=0.0))
-        vhost = _host_v(vh_ptr, vs_ptr, vt_ptr, b64 * sv_b + hkv * sv_h, b64 * ss_b + hkv * ss_h,
-                        b64 * st_b + hkv * st_h, pos64, from_host, ctx, kind, offs_d, sv_s, st_s, TAIL, vc_ptr,
-                        V_CODES, OUT)
+        if V_CODES:  # the context's positions as codes from the host, the rest from the HBM tail
+            coded = from_host & (pos < ctx)
+            code = tl.load(vh_ptr + v_base + pos64[:, None] * sv_s + offs_d[None, :], mask=coded[:, None], other=0)
+            scale = tl.load(vs_ptr + b64 * ss_b + hkv * ss_h + pos64, mask=coded, other=0.0)
+            decoded = decode_v(code, scale, kind, OUT).to(vc_ptr.dtype.element_ty)
+            tailed = from_host & (pos >= ctx) & (pos - ctx < TAIL)
+            tpos = tl.where(tailed, pos - ctx, 0).to(tl.int64)
+            recent_v = tl.load(vt_ptr + b64 * st_b + hkv * st_h + tpos[:, None] * st_s + offs_d[None, :],
+                               mask=tailed[:, None], other=0.0)
+            vhost = tl.where(coded[:, None], decoded, recent_v)
+        else:
+            vhost = tl.load(vh_ptr + v_base + pos64[:, None] * sv_s + offs_d[None, :], mask=from_host[:, None],
+                            other=0.0)
         vb = tl.where(hit[:, None], tl.load(vc_ptr + coff, mask=hit[:, None], other=0.0), vhost)
-        if not GATHERED:
-            miss = is_sel & (slot < 0)
-            dst = tl.where(miss, -slot - 1, 0).to(tl.int64)
-            doff = cache_base + dst[:, None] * sc_s + offs_d[None, :]
-            if not K_HBM:
-                tl.store(kc_ptr + doff, kb, mask=miss[:, None])
-            tl.store(vc_ptr + doff, vb, mask=miss[:, None])
+        miss = is_sel & (slot < 0)
+        dst = tl.where(miss, -slot - 1, 0).to(tl.int64)
+        doff = cache_base + dst[:, None] * sc_s + offs_d[None, :]
+        if not K_HBM:
+            tl.store(kc_ptr + doff, kb, mask=miss[:, None])
+        tl.store(vc_ptr + doff, vb, mask=miss[:, None])
         m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
     store_partial(o_ws, ml_ws, row * SPLITS + split, m_i, l_i, acc, G, G_PAD, D)
 
@@ -212,20 +154,13 @@ def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, 
     g_pad = padded_group(g)
     ws = partial_workspace(b, hq, hkv, splits, d, q.device) if ws is None else ws
     out = torch.empty_like(q) if out is None else out
-    gathered = GATHER_MISSES
-    if gathered:
-        _miss_kernel[(b * hkv, triton.cdiv(idx.shape[2], MISS_BLOCK))](
-            k_host, v_host, k_cache, v_cache, idx, slot, k_sel, *codes[:4], hkv, codes[4],
-            *k_host.stride()[:3], *k_cache.stride()[:3], idx.stride(0), idx.stride(1), *v_host.stride()[:3],
-            *codes[5:], D=d, BLOCK_M=MISS_BLOCK, K_HBM=k_hbm, V_CODES=coded is not None,
-            OUT=_KIND.get(v_cache.dtype, 0))
     _offload_kernel[(b * hkv, splits)](
         q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, ws[0], ws[1], *codes[:4],
         hkv, g, sinks, recent, codes[4], d ** -0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), *k_host.stride()[:3], *k_cache.stride()[:3], idx.stride(0), idx.stride(1),
         *v_host.stride()[:3], *codes[5:],
         SPLITS=splits, IEEE=q.dtype == torch.float32 or INTERPRET, G_PAD=g_pad, D=d, BLOCK_N=block_n,
-        K_HBM=k_hbm, V_CODES=coded is not None, OUT=_KIND.get(v_cache.dtype, 0), GATHERED=gathered)
+        K_HBM=k_hbm, V_CODES=coded is not None, OUT=_KIND.get(v_cache.dtype, 0))
     return merge_partials(ws, out, hkv, splits)
 
 
