@@ -19,8 +19,22 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+from gpu_frontend import frontend_errors, recorded_launches  # noqa: E402
 from redis_server import RedisServer, redis_binary  # noqa: E402
 from s3_server import S3Server, weed_binary  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_build_for_the_gpu() -> Iterator[None]:
+    """Without a GPU: every kernel specialization the interpreter ran in this session also builds
+    through the GPU compiler's front end (gpu_frontend.py says why); checked once, at the end."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with recorded_launches() as launches:
+        yield
+    errors = frontend_errors(launches) if launches else []
+    assert not errors, f"{len(errors)} of {len(launches)} kernel launches do not compile for the GPU:\n" + "\n".join(errors)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

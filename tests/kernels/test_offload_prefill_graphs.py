@@ -74,10 +74,10 @@ def _hot_question(mode: str, graphs: bool, prompt: tuple[int, ...]) -> dict[str,
     return got
 
 
-@pytest.mark.parametrize("mode, tokens", [("k-hbm", 1), ("k-hbm", 15), ("k-hbm", 16), ("k-hbm", 17), ("k-hbm", 33),
-                                          ("v-int8", 17), ("v-int8", 33)])
+# 33 tokens (padded to 48) is the 17-token case's path with another bucket: left out for CI's time
+@pytest.mark.parametrize("mode, tokens", [("k-hbm", 1), ("k-hbm", 15), ("k-hbm", 16), ("k-hbm", 17), ("v-int8", 17)])
 def test_a_padded_offloaded_prompt_leaves_what_the_unpadded_one_leaves(mode, tokens):
-    """Padded to 16, 16, 32, 48 (a 1-token question is a decode step either way): the streamed-key
+    """Padded to 16, 16, 32 (a 1-token question is a decode step either way): the streamed-key
     counts (the padding is not indexed), lengths and follow seed exactly; the first logits, the
     index overlay's real columns, the K and V written at the real positions and two following
     steps' logits within 1e-4 (observed ~3e-7 on the CPU: BLAS blocks a 17-row and a 32-row
