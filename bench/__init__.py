@@ -23,6 +23,7 @@ BENCHMARKS = {
     "attention": ("GPU", "per-layer decode attention: dense SDPA vs CSAttention selection + sparse attention"),
     "prefill": ("GPU", "per-layer question prefill on a resident context: SDPA vs packed attention, follow seed, index insert"),
     "decode": ("GPU", "whole-model decode tokens/s dense vs CSAttention; index build time; TTFT"),
+    "shapes": ("GPU", "the selection kernels at each launch shape on this GPU vs the decoder's: time, same output, best"),
     "step_profile": ("GPU", "the fast runner's decode step by kernel (torch.profiler), sparse and dense, beside its wall time; --admit: an offloaded hot admission, serial vs pipelined host copy"),
     "offload": ("GPU", "decode attention over KV in pinned host memory vs dense on GPU and host"),
     "host_gather": ("GPU", "kernels' zero-copy reads of scattered host rows by page-locking (4 KB, THP, cudaHostAlloc) and row layout"),

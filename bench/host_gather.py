@@ -21,6 +21,7 @@ Writes host_gather_<device>.json."""
 from __future__ import annotations
 
 import argparse
+import sys
 import mmap
 import re
 from pathlib import Path
@@ -120,9 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="register,torch_pinned")
     add_out(ap)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("ctxcache bench host_gather: error: needs a CUDA GPU", flush=True)
-        return 2
     try:
         gbs = [float(x) for x in args.gb.split(",") if x]
         iters = [int(x) for x in args.iters.split(",") if x]
@@ -130,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         print(f"ctxcache bench host_gather: error: --gb {args.gb!r} and --iters {args.iters!r} must be "
-              "comma-separated positive numbers", flush=True)
+              "comma-separated positive numbers", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("ctxcache bench host_gather: error: needs a CUDA GPU", file=sys.stderr)
         return 2
     rows = [r for gb in gbs for r in footprint_rows(gb, args.kinds.split(","), iters, args.block, args.rows)]
     h2d = h2d_gb_per_s()

@@ -184,13 +184,9 @@ class Reranker:
         self.key16 = key16
         self.group, self.kc_max = group, kc_max
         self.gp = max(16, triton.next_power_of_2(group))  # MMA rows
-        blocks = triton.cdiv(kc_max, BLOCK)
-        # ~2 waves of programs on 132 SMs, and at least MIN_SPLITS per row: at 32K x 8 (64 rows)
-        # 4 splits left the gathers latency-bound (H200, per layer: re-rank 77.3 us at 4 splits,
-        # 72.8 at 8, 71.2 at 16); batch 1 keeps its 33 (52 took 37.1 us against 34.6)
-        self.splits = max(1, min(blocks, max(programs // rows, MIN_SPLITS)))
+        self.rows, self.programs, self.device = rows, programs, device
+        self.set_logits_shape(BLOCK, 4)
         self.logits = torch.empty(rows, group, kc_max, device=device)
-        self.part = torch.empty(rows, self.splits, self.gp, 2, device=device)
         self.kcp = triton.cdiv(kc_max, SCORE_BLOCK) * SCORE_BLOCK  # key rows padded: score programs store whole blocks
         self.keys16 = torch.zeros(batch, n_kv, self.kcp, dtype=torch.uint16, device=device)
         self.scores = torch.zeros(batch, n_kv, self.kcp, device=device)  # fp32 inputs: exact ranking
@@ -210,6 +206,16 @@ class Reranker:
         self.follow_slots = torch.zeros(batch, n_kv, follow, dtype=torch.int32, device=device) if follow else None
         self.follow_ws = self.ws_pair[rows:] if follow else None
 
+    def set_logits_shape(self, block: int, num_warps: int) -> None:
+        """Candidate slots per inner step and warps of the logits programs (`bench shapes` sweeps
+        them); the splits follow: ~2 waves of programs on 132 SMs, and at least MIN_SPLITS per
+        row: at 32K x 8 (64 rows) 4 splits left the gathers latency-bound (H200, per layer:
+        re-rank 77.3 us at 4 splits, 72.8 at 8, 71.2 at 16); batch 1 keeps its 33 (52 took 37.1
+        us against 34.6)."""
+        self.logits_block, self.logits_warps = block, num_warps
+        self.splits = max(1, min(triton.cdiv(self.kc_max, block), max(self.programs // self.rows, MIN_SPLITS)))
+        self.part = torch.empty(self.rows, self.splits, self.gp, 2, device=self.device)
+
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, kc: torch.Tensor, k: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int, recent: int,
                  follow_out: torch.Tensor | None = None, kf: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,8 +229,8 @@ class Reranker:
         _logits_kernel[(rows, self.splits)](
             q, keys, cand, kc, lo, hi, n, self.logits, self.part, hkv, self.kc_max, self.splits,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), cand.stride(0), cand.stride(1),
-            d ** -0.5, G=self.group, GP=self.gp, D=d, BLOCK=BLOCK, SINKS=sinks, RECENT=recent, OB=ob,
-            IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=4)
+            d ** -0.5, G=self.group, GP=self.gp, D=d, BLOCK=self.logits_block, SINKS=sinks, RECENT=recent, OB=ob,
+            IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=self.logits_warps)
         # bf16 / fp16 models rank by 16-bit keys (two radix launches; near-ties within ~0.3% may
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
         key16 = (q.dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
