@@ -2,7 +2,7 @@
 (zero-copy over PCIe), by how the memory was page-locked and how the rows are laid out, beside
 the bulk host -> device copy.
 
-    ctxcache bench host_gather [--gb 0.25,1,4] [--rows 1048576] [--iters 1,12] [--kinds register,torch_pinned]
+    ctxcache bench host_gather [--gb 0.25,1,4] [--rows 1048576] [--iters 1,12] [--kinds register,torch_pinned,vmm_host]
 
 Why: the offload attention's misses crossed at ~21 GB/s of a 55 GB/s link, and more programs did
 not help (DESIGN.md, "The offload kernel is slow for its bytes"). Suspects, each a row here:
@@ -11,7 +11,9 @@ not help (DESIGN.md, "The offload kernel is slow for its bytes"). Suspects, each
 - the pages: the host slots are mmap'd 4 KB pages page-locked by cudaHostRegister (`register`,
   ctxcache.page_lock), so reads scattered over GBs may miss the GPU's TLB at every page, against
   torch's pinned allocator (`torch_pinned`, cudaHostAlloc) and mmap'd pages advised
-  MADV_HUGEPAGE before the register (`register_thp`; the AnonHugePages the kernel gave is printed);
+  MADV_HUGEPAGE before the register (`register_thp`; the AnonHugePages the kernel gave is printed),
+  and the driver's own host allocation (`vmm_host`: cuMemCreate on the host NUMA node, mapped
+  in its 2 MiB-class granules; bench/common/host_vmm.py);
 - the chain: `iters` blocks of rows a program reads one after another (the offload kernel's
   programs walk ~12 blocks), against one block a program.
 Each row: --rows rows at uniform random positions over --gb of memory, `block` rows a program,
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.bench.common.host_vmm import host_numa_tensor
 from ctxcache.bench.common.report import add_out, print_table, write_result
 from ctxcache.bench.common.serve_limits import h2d_gb_per_s
 from ctxcache.kernels.timing import time_us
@@ -52,9 +55,14 @@ def _gather_kernel(src_ptr, scale_ptr, idx_ptr, out_ptr, n_rows, WORDS: tl.const
 
 
 def allocate(kind: str, content: torch.Tensor) -> torch.Tensor:
-    """Page-locked host memory made as `kind` says, holding content (uint8; every page touched)."""
+    """Page-locked host memory made as `kind` says, holding content (uint8; every page touched);
+    vmm_host's is addressed through the device's mapping (a CUDA tensor of host memory)."""
     if kind == "torch_pinned":
         return content.pin_memory()
+    if kind == "vmm_host":  # the driver's own host allocation, mapped for the device (host_vmm.py)
+        t, granularity = host_numa_tensor(content.numel())
+        print(f"vmm_host: {t.numel() / 2**30:.2f} GiB in {granularity >> 10} KiB granules", flush=True)
+        return t[:content.numel()].copy_(content)
     buf = mmap.mmap(-1, content.numel(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if kind == "register_thp":
         buf.madvise(mmap.MADV_HUGEPAGE)  # before the register faults the pages in
@@ -82,7 +90,9 @@ def gather_row(src: torch.Tensor, scales: torch.Tensor, row_bytes: int, scale: b
     run()
     torch.cuda.synchronize()
     check = idx[:4096].cpu()
-    want = words.view(-1, row_bytes // 4)[check].long().sum(1) + (scales[check].long() if scale else 0)
+    on = words.device  # host memory, or (vmm_host) the device's mapping of it
+    want = (words.view(-1, row_bytes // 4)[check.to(on)].long().sum(1)
+            + (scales[check.to(on)].long() if scale else 0)).cpu()
     if not torch.equal((out[:4096].cpu().long() - want) % (1 << 32), torch.zeros_like(want)):
         raise AssertionError(f"gather of {row_bytes}-B rows read other bytes than the host holds")
     us = time_us(run, flush="none")
@@ -100,8 +110,13 @@ def footprint_rows(gb: float, kinds: list[str], iters: list[int], block: int, n_
     rows = []
     for kind in kinds:
         huge0 = anon_huge_gb()
-        src = allocate(kind, content)
-        scales = allocate(kind, scale_content).view(torch.int16)
+        try:
+            src = allocate(kind, content)
+            scales = allocate(kind, scale_content).view(torch.int16)
+        except (RuntimeError, OSError, MemoryError) as e:  # a kind this machine cannot allocate: its row says why
+            rows.append({"gb": gb, "kind": kind, "error": str(e).splitlines()[0][:200]})
+            print(rows[-1], flush=True)
+            continue
         huge = anon_huge_gb() - huge0
         for row_bytes, scale in ((128, False), (128, True), (256, False)):
             for it in iters:
@@ -118,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1 << 20, help="rows a launch reads")
     ap.add_argument("--block", type=int, default=64, help="rows a program reads at once")
     ap.add_argument("--iters", default="1", help="blocks a program reads in series, comma separated")
-    ap.add_argument("--kinds", default="register,torch_pinned")
+    ap.add_argument("--kinds", default="register,torch_pinned,vmm_host",
+                    help="register, register_thp, torch_pinned, vmm_host (cuMemCreate on the host NUMA node)")
     add_out(ap)
     args = ap.parse_args(argv)
     try:
@@ -138,6 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result("host_gather", {"gb": gbs, "rows": args.rows, "h2d_gb_per_s": h2d, "results": rows},
                         args.out)
     print_table(rows, ["gb", "kind", "anon_huge_gb", "row_bytes", "scale", "iters", "us", "gb_per_s",
-                       "m_rows_per_s"])
+                       "m_rows_per_s", "error"])
     print(f"bulk host -> device copy: {h2d:.1f} GB/s\nwrote {path}")
     return 0
