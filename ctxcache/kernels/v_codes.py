@@ -34,9 +34,9 @@ def kind_of(dtype: torch.dtype) -> int:
 
 class CodedV(NamedTuple):
     """What a reader of coded V needs beside the codes [B, Hkv, S, D] int8 (host): scales
-    [B, Hkv, S] fp16 (HBM, offload_v.CodedHostKVPool), the bf16 tail [B, Hkv, T, D] (HBM) of the positions from each row's
-    context length on, start [B] int32 (each row's context length: the first position the tail
-    holds) and kind [B] int32 (each row's artifact's decoded dtype)."""
+    [B, Hkv, S] fp16 (HBM, offload_v.CodedHostKVPool), the bf16 tail [B, Hkv, T, D] (HBM) of the
+    positions from each row's context length on, start [B] int32 (each row's context length: the
+    first position the tail holds) and kind [B] int32 (each row's artifact's decoded dtype)."""
 
     scales: torch.Tensor
     tail: torch.Tensor
