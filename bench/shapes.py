@@ -118,8 +118,9 @@ def shape_rows(n: int, batch: int, kernels: list[str], dev: str) -> list[dict]:
             return fn
         configs = [{"waves": w, "block_n": bn, "num_warps": nw, "num_stages": st} for w, bn, nw, st in
                    itertools.product((1, 2, 4), (64, 128), (4, 8), (None, 2))]
-        rows += sweep("attention", configs, {k_: ATTN_CFG[k_] for k_ in ("waves", "block_n", "num_warps", "num_stages")},
-                      run_attention, lambda: {"max_err": float((got["o"].float() - want_o).abs().max())}, base)
+        default = {k_: ATTN_CFG[k_] for k_ in ("waves", "block_n", "num_warps", "num_stages")}
+        rows += sweep("attention", configs, default, run_attention,
+                      lambda: {"max_err": float((got["o"].float() - want_o).abs().max())}, base)
     if "logits" in kernels:
         rows += logits_rows(q, k, nt, lo, hi, kk, tables, budget, base)
     return rows

@@ -34,7 +34,8 @@ def _kernels_build_for_the_gpu() -> Iterator[None]:
     with recorded_launches() as launches:
         yield
     errors = frontend_errors(launches) if launches else []
-    assert not errors, f"{len(errors)} of {len(launches)} kernel launches do not compile for the GPU:\n" + "\n".join(errors)
+    assert not errors, (f"{len(errors)} of {len(launches)} kernel launches do not compile for the GPU:\n"
+                        + "\n".join(errors))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
