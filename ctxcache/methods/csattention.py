@@ -39,7 +39,8 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   the oracle kept (a number's last digit dropped, at 10-50% depth); rerank 4 kept them (rerank 2
   did not). With follow on the wide suite (2048 tokens, seeds 0-9; compare_rerank_candidates_cpu):
   rerank 3 1 W / 2 L against rerank 4, every kind within noise; rerank 2 3 W / 8 L (copy errors
-  again). The re-rank's GPU time goes with its candidate rows, not their bytes (an int8 K was no
+  again). On issue 31's six kinds (seed 0; compare_rerank3_cpu) rerank 3 kept 0.987 of full's 225
+  right answers, as rerank 4 did (one lost in changelog, one won in python), at 44.5 vs 50.9 B/key. The re-rank's GPU time goes with its candidate rows, not their bytes (an int8 K was no
   faster). Rerank 3 through gRPC (H200, 32K x 8, 4a62305): 769.5 tok/s against 741.1 / 746.2 with
   rerank 4 in two runs the same day, runner step 9.81 ms against 9.78 / 10.34: within the runs'
   spread, so 4 stays. The candidates' keys count as read (`search_reads`): 4K keys' K + K keys' K/V per step
