@@ -6,6 +6,7 @@ to* is decided by an `AttentionFn`, so dense and sparse decode share every other
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -31,11 +32,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused launch, same math (fp32 inside, one rounding); ~9 launches otherwise
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.is_cuda:  # one launch, same math (fp32 inside, one rounding); ~9 launches otherwise
+            from ctxcache.kernels.norm import rms_norm  # here: CPU-only use never loads Triton
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it): on the GPU one launch instead of two."""
+        if x.is_cuda:
+            from ctxcache.kernels.norm import rms_norm
+            return rms_norm(x, self.weight, self.eps, delta=delta)
+        total = x + delta
+        return total, self(total)
 
 
 class Attention(nn.Module):
@@ -47,8 +57,8 @@ class Attention(nn.Module):
         # us a layer as three). Checkpoints keep their q/k/v_proj names (the two hooks).
         self.qkv_split = [args.n_heads * hd, args.n_kv_heads * hd, args.n_kv_heads * hd]
         self.qkv_proj = nn.Linear(d, sum(self.qkv_split), bias=args.attention_bias)
-        self.register_load_state_dict_pre_hook(_fuse_qkv_keys)
-        self.register_state_dict_post_hook(_split_qkv_keys)
+        self.register_load_state_dict_pre_hook(partial(_fuse_keys, names=_QKV, fused="qkv_proj"))
+        self.register_state_dict_post_hook(partial(_split_keys, names=_QKV, fused="qkv_proj", sizes=self.qkv_split))
         self.o_proj = nn.Linear(args.n_heads * hd, d, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(hd, args.norm_eps)
@@ -94,34 +104,45 @@ class Attention(nn.Module):
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
 
 
-def _fuse_qkv_keys(module: nn.Module, state: dict, prefix: str, *_) -> None:
-    """A checkpoint's q/k/v_proj tensors, loaded as the one qkv_proj."""
+def _fuse_keys(module: nn.Module, state: dict, prefix: str, *_, names: tuple[str, ...], fused: str) -> None:
+    """A checkpoint's separate projections (q/k/v_proj, gate/up_proj), loaded as the one `fused`."""
     for kind in ("weight", "bias"):
-        names = [f"{prefix}{n}.{kind}" for n in _QKV]
-        if all(n in state for n in names):
-            state[f"{prefix}qkv_proj.{kind}"] = torch.cat([state.pop(n) for n in names])
+        keys = [f"{prefix}{n}.{kind}" for n in names]
+        if all(k in state for k in keys):
+            state[f"{prefix}{fused}.{kind}"] = torch.cat([state.pop(k) for k in keys])
 
 
-def _split_qkv_keys(module: nn.Module, state: dict, prefix: str, _meta) -> None:
-    """qkv_proj saved under the checkpoint's q/k/v_proj names (views: a saver makes them contiguous)."""
+def _split_keys(module: nn.Module, state: dict, prefix: str, _meta, names: tuple[str, ...], fused: str,
+                sizes: list[int]) -> None:
+    """`fused` saved under the checkpoint's names (views: a saver makes them contiguous)."""
     for kind in ("weight", "bias"):
-        fused = state.pop(f"{prefix}qkv_proj.{kind}", None)
-        if fused is not None:
-            for name, part in zip(_QKV, fused.split(module.qkv_split)):
+        whole = state.pop(f"{prefix}{fused}.{kind}", None)
+        if whole is not None:
+            for name, part in zip(names, whole.split(sizes)):
                 state[f"{prefix}{name}.{kind}"] = part
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        # gate and up in one weight: one GEMM and one activation launch where there were two and
+        # two (kernels/norm.py); checkpoints keep their gate/up_proj names (the two hooks)
+        self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.register_load_state_dict_pre_hook(partial(_fuse_keys, names=_GATE_UP, fused="gate_up_proj"))
+        self.register_state_dict_post_hook(partial(_split_keys, names=_GATE_UP, fused="gate_up_proj",
+                                                   sizes=[args.intermediate_size] * 2))
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if x.is_cuda:
+            from ctxcache.kernels.norm import silu_mul
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -133,8 +154,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x, layer, pos, cache, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), layer, pos, cache, rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, normed = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(self.input_layernorm(x), layer, pos, cache, rope, attn))
+        return x + self.mlp(normed)
 
 
 class Transformer(nn.Module):

@@ -117,14 +117,16 @@ def test_random_models_take_the_bundled_tokenizer_where_their_vocabulary_holds_i
         smollm2.tokenizer.encode("the keeper", add_special_tokens=False)
 
 
-def test_the_fused_qkv_weight_saves_and_loads_under_the_checkpoint_names():
-    """qkv_proj is one weight inside the model; a state dict holds q/k/v_proj as checkpoints do,
-    and loads back strictly (bias included: Qwen2 has one)."""
+def test_the_fused_weights_save_and_load_under_the_checkpoint_names():
+    """qkv_proj and gate_up_proj are one weight each inside the model; a state dict holds q/k/v_proj
+    and gate/up_proj as checkpoints do, and loads back strictly (bias included: Qwen2 has one)."""
     _, model = _hf_pair("qwen2")
     state = model.state_dict()
     names = {k for k in state if ".self_attn." in k and k.startswith("model.layers.0.")}
     assert names == {f"model.layers.0.self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")} | {
         "model.layers.0.self_attn.o_proj.weight"}
+    mlp = {k for k in state if k.startswith("model.layers.0.mlp.")}  # gate and up: one weight inside too
+    assert mlp == {f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
     again = Transformer(model.args).eval()
     again.load_state_dict(state, strict=True)
     for mine, theirs in zip(model.state_dict().values(), again.state_dict().values()):
