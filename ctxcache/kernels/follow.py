@@ -38,6 +38,30 @@ def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk
     tl.atomic_add(hist + 255, tl.sum(inside.to(tl.int32), axis=0), sem="relaxed")
 
 
+@triton.jit
+def promote_block(key_row_ptr, hist_ptr, prev_row_ptr, F, start, BLOCK: tl.constexpr, lo, hi, k, FP: tl.constexpr):
+    """_promote_kernel's work for the successors inside [start, start + BLOCK), done by the
+    program of a score kernel that has just stored those keys and added their pass 0 (one
+    launch less a layer)."""
+    tl.debug_barrier()  # the block's key stores, by any of this program's threads, are visible
+    j = tl.arange(0, FP)
+    prev = tl.load(prev_row_ptr + j, mask=j < F, other=-1)
+    succ = prev + 1
+    inside = (prev >= 0) & (succ >= lo) & (succ < hi) & (k > 0) & (succ >= start) & (succ < start + BLOCK)
+    old = tl.load(key_row_ptr + succ, mask=inside, other=0).to(tl.int32)
+    tl.store(key_row_ptr + succ, tl.full([FP], _TOP, tl.uint16), mask=inside)
+    tl.atomic_add(hist_ptr + (old >> 8), -1, mask=inside, sem="relaxed")
+    moved = tl.sum(inside.to(tl.int32), axis=0)
+    tl.atomic_add(hist_ptr + 255, moved, mask=moved > 0, sem="relaxed")
+
+
+def check_prev(prev: torch.Tensor, b: int, hkv: int) -> int:
+    """follow's previous keys: contiguous int32 [b, hkv, F] -> F."""
+    if prev.shape[:2] != (b, hkv) or prev.dim() != 3 or prev.dtype != torch.int32 or not prev.is_contiguous():
+        raise ValueError(f"prev {tuple(prev.shape)} {prev.dtype} must be contiguous int32 [{b}, {hkv}, F]")
+    return prev.shape[2]
+
+
 def promote_successors(keys: torch.Tensor, ws: torch.Tensor, prev: torch.Tensor, lo: torch.Tensor,
                        hi: torch.Tensor, k: torch.Tensor) -> None:
     """keys [B, Hkv, N] uint16 (radix pass 0 of [lo, hi) in ws, topk.workspace), prev [B, Hkv, F]
@@ -45,9 +69,7 @@ def promote_successors(keys: torch.Tensor, ws: torch.Tensor, prev: torch.Tensor,
     b, hkv, _ = keys.shape
     if keys.dtype != torch.uint16 or keys.stride(2) != 1 or keys.stride(0) != hkv * keys.stride(1):
         raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [B, Hkv, N], rows mergeable")
-    if prev.shape[:2] != (b, hkv) or prev.dtype != torch.int32 or not prev.is_contiguous():
-        raise ValueError(f"prev {tuple(prev.shape)} {prev.dtype} must be contiguous int32 [{b}, {hkv}, F]")
-    f = prev.shape[2]
+    f = check_prev(prev, b, hkv)
     _promote_kernel[(b * hkv,)](keys, ws, prev, lo, hi, k, hkv, f, keys.stride(1), ws.stride(0), prev.stride(1),
                                 FP=max(16, triton.next_power_of_2(f)), num_warps=4)
 

@@ -205,6 +205,16 @@ class Reranker:
         # follow: the best candidates' slots (fp32 ranking), and a workspace for their Top-K
         self.follow_slots = torch.zeros(batch, n_kv, follow, dtype=torch.int32, device=device) if follow else None
         self.follow_ws = self.ws_pair[rows:] if follow else None
+        self.zeroed_before = False  # adopt_workspace: the caller zeroes ws_pair before each call
+
+    def adopt_workspace(self, ws_pair: torch.Tensor) -> None:
+        """Use ws_pair (ws_pair's shape, int32) as the workspace; whoever passes it zeroes it
+        before each call (GpuSelector.zero_with_route: its route launch)."""
+        if ws_pair.shape != self.ws_pair.shape or ws_pair.dtype != torch.int32:
+            raise ValueError(f"workspace {tuple(ws_pair.shape)} {ws_pair.dtype} must be {tuple(self.ws_pair.shape)} int32")
+        self.ws_pair, self.ws = ws_pair, ws_pair[:self.rows]
+        self.follow_ws = ws_pair[self.rows:] if self.follow_ws is not None else None
+        self.zeroed_before = True
 
     def set_logits_shape(self, block: int, num_warps: int) -> None:
         """Candidate slots per inner step and warps of the logits programs (`bench shapes` sweeps
@@ -235,7 +245,8 @@ class Reranker:
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
         key16 = (q.dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
         out = self.keys16 if key16 else self.scores
-        self.ws_pair.zero_()  # the score kernel adds radix pass 0 into ws (16-bit keys)
+        if not self.zeroed_before:  # the score kernel adds radix pass 0 into ws (16-bit keys)
+            self.ws_pair.zero_()
         _score_kernel[(rows, self.splits)](
             self.logits, self.part, kc, k, out, self.ws, hkv, self.kc_max, self.kcp, self.splits,
             self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=SCORE_BLOCK,

@@ -61,6 +61,8 @@ class GpuSparseAttention:
         self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device, key16=rerank_key16,
                                   follow=self.follow)
                          if self.kc_max > self.k_max else None)
+        if self.reranker is not None and all(isinstance(t, GpuDenseTables) for t in tables):
+            self.selector.zero_with_route(self.reranker)  # its route zeroes the re-rank's workspace too
         cfg = {**ATTN_CFG, **(attn_cfg or {})}
         self.splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent,
                                     min_keys=cfg["min_keys"], waves=cfg["waves"])
