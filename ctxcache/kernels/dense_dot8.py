@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ctxcache.kernels.dense_select import _routed_chunk, check_routed_inputs, score_program, store_keys16
-from ctxcache.kernels.follow import check_prev, promote_block
+from ctxcache.kernels.follow import check_prev, promoted_in_block
 from ctxcache.kernels.sync import compiled, launch_opts, pdl_enter
 from ctxcache.methods.int8_tables import int_dot_scores
 
@@ -125,7 +125,8 @@ def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, star
                        lo_ptr, hi_ptr, k_ptr, key_ptr, ws_ptr, prev_ptr, F,
                        si_b, si_h, sd_b, sd_h, sd_m, sd_c, ss_b, ss_h, ss_m,
                        sn_b, sn_h, sn_m, sn_c, sa_b, sa_h, sws_r,
-                       HKV: tl.constexpr, PROMOTE: tl.constexpr, FP: tl.constexpr, G: tl.constexpr, M: tl.constexpr, GM_PAD: tl.constexpr,
+                       HKV: tl.constexpr, PROMOTE: tl.constexpr, FP: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+                       GM_PAD: tl.constexpr,
                        R_CHUNK: tl.constexpr, BLOCK: tl.constexpr, HIST0: tl.constexpr, ASM: tl.constexpr,
                        SMEM: tl.constexpr, USE_PDL: tl.constexpr, ROW_EVICT: tl.constexpr,
                        PRE_WAIT: tl.constexpr = True):
@@ -135,6 +136,9 @@ def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, star
     if PRE_WAIT:  # the lengths come from before the step's first launch (sync.py); ids need the route
         pdl_enter(USE_PDL)
     QW: tl.constexpr = BLOCK // 4
+    promoted = tl.zeros((BLOCK,), tl.int1)
+    if PROMOTE:  # follow's successors in this block, read before the scores so the load overlaps them
+        promoted = promoted_in_block(prev_ptr + row * F, F, blk * BLOCK, BLOCK, lo, hi, k, FP)
     words = blk * QW + tl.arange(0, QW)
     in_load = words < (nctx + 15) // 16 * 4  # whole 16-key runs: 16-byte vector loads
 
@@ -186,10 +190,8 @@ def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, star
             nbase = b * sn_b + h * sn_h + jr * sn_m + cr * sn_c
             y = tl.load(ns_ptr + nbase[:, None] + t[None, :], mask=okr[:, None] & in_new[None, :], other=0.0)
             acc += tl.sum(y * wr[:, None], axis=0)
-    store_keys16(acc, offs, key_ptr + b * sa_b + h * sa_h, ws_ptr + row * sws_r, lo, hi, k, HIST0, SMEM)
-    if PROMOTE:
-        promote_block(key_ptr + b * sa_b + h * sa_h, ws_ptr + row * sws_r, prev_ptr + row * F, F, blk * BLOCK, BLOCK,
-                      lo, hi, k, FP)
+    store_keys16(acc, offs, key_ptr + b * sa_b + h * sa_h, ws_ptr + row * sws_r, lo, hi, k, HIST0, SMEM,
+                 promoted, PROMOTE)
 
 
 def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: torch.Tensor,
@@ -232,7 +234,8 @@ def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: t
         ids, w, words, scale, new_scores, n_ctx, start, count, lo, hi, k, keys, ws, prev if f else ws, f,
         ids.stride(0), ids.stride(1), *sd, *scale.stride()[:3], sn[0], sn[1], sn[2], sn[3],
         keys.stride(0), keys.stride(1), ws.stride(0),
-        HKV=hkv, PROMOTE=f > 0, FP=max(16, triton.next_power_of_2(f)), G=g, M=m, GM_PAD=gm_pad, R_CHUNK=1, BLOCK=block, HIST0=hist0, ASM=on_gpu if asm is None else asm,
+        HKV=hkv, PROMOTE=f > 0, FP=max(16, triton.next_power_of_2(f)), G=g, M=m, GM_PAD=gm_pad, R_CHUNK=1, BLOCK=block,
+        HIST0=hist0, ASM=on_gpu if asm is None else asm,
         SMEM=on_gpu if smem_hist is None else smem_hist,
         USE_PDL=pdl, ROW_EVICT="evict_first" if evict_first else "", PRE_WAIT=pre_wait, num_warps=num_warps,
         **launch_opts(pdl),

@@ -39,20 +39,16 @@ def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk
 
 
 @triton.jit
-def promote_block(key_row_ptr, hist_ptr, prev_row_ptr, F, start, BLOCK: tl.constexpr, lo, hi, k, FP: tl.constexpr):
-    """_promote_kernel's work for the successors inside [start, start + BLOCK), done by the
-    program of a score kernel that has just stored those keys and added their pass 0 (one
-    launch less a layer)."""
-    tl.debug_barrier()  # the block's key stores, by any of this program's threads, are visible
+def promoted_in_block(prev_row_ptr, F, start, BLOCK: tl.constexpr, lo, hi, k, FP: tl.constexpr):
+    """[BLOCK] mask of the keys in [start, start + BLOCK) that _promote_kernel would raise: a score
+    kernel's program sets them to TOP_KEY before it stores its block and counts pass 0, so the
+    histogram needs no move (one launch less a layer). A histogram of the successors' offsets
+    scatters them into the block's lanes (they are distinct: no lane counts twice)."""
     j = tl.arange(0, FP)
     prev = tl.load(prev_row_ptr + j, mask=j < F, other=-1)
     succ = prev + 1
     inside = (prev >= 0) & (succ >= lo) & (succ < hi) & (k > 0) & (succ >= start) & (succ < start + BLOCK)
-    old = tl.load(key_row_ptr + succ, mask=inside, other=0).to(tl.int32)
-    tl.store(key_row_ptr + succ, tl.full([FP], _TOP, tl.uint16), mask=inside)
-    tl.atomic_add(hist_ptr + (old >> 8), -1, mask=inside, sem="relaxed")
-    moved = tl.sum(inside.to(tl.int32), axis=0)
-    tl.atomic_add(hist_ptr + 255, moved, mask=moved > 0, sem="relaxed")
+    return tl.histogram(tl.where(inside, succ - start, 0), BLOCK, mask=inside) > 0
 
 
 def check_prev(prev: torch.Tensor, b: int, hkv: int) -> int:

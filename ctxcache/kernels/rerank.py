@@ -211,7 +211,8 @@ class Reranker:
         """Use ws_pair (ws_pair's shape, int32) as the workspace; whoever passes it zeroes it
         before each call (GpuSelector.zero_with_route: its route launch)."""
         if ws_pair.shape != self.ws_pair.shape or ws_pair.dtype != torch.int32:
-            raise ValueError(f"workspace {tuple(ws_pair.shape)} {ws_pair.dtype} must be {tuple(self.ws_pair.shape)} int32")
+            raise ValueError(f"workspace {tuple(ws_pair.shape)} {ws_pair.dtype} must be "
+                             f"{tuple(self.ws_pair.shape)} int32")
         self.ws_pair, self.ws = ws_pair, ws_pair[:self.rows]
         self.follow_ws = ws_pair[self.rows:] if self.follow_ws is not None else None
         self.zeroed_before = True
