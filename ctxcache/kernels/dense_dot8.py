@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from ctxcache.kernels.dense_select import _routed_chunk, check_routed_inputs, score_program, store_keys16
-from ctxcache.kernels.follow import check_prev, promoted_in_block
 from ctxcache.kernels.sync import compiled, launch_opts, pdl_enter
 from ctxcache.methods.int8_tables import int_dot_scores
 
@@ -122,11 +121,10 @@ def _row_words(ds_ptr, c, b, h, R: tl.constexpr, M: tl.constexpr, sd_b, sd_h, sd
 
 @triton.jit
 def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, start_ptr, cnt_ptr,
-                       lo_ptr, hi_ptr, k_ptr, key_ptr, ws_ptr, prev_ptr, F,
+                       lo_ptr, hi_ptr, k_ptr, key_ptr, ws_ptr,
                        si_b, si_h, sd_b, sd_h, sd_m, sd_c, ss_b, ss_h, ss_m,
                        sn_b, sn_h, sn_m, sn_c, sa_b, sa_h, sws_r,
-                       HKV: tl.constexpr, PROMOTE: tl.constexpr, FP: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
-                       GM_PAD: tl.constexpr,
+                       HKV: tl.constexpr, G: tl.constexpr, M: tl.constexpr, GM_PAD: tl.constexpr,
                        R_CHUNK: tl.constexpr, BLOCK: tl.constexpr, HIST0: tl.constexpr, ASM: tl.constexpr,
                        SMEM: tl.constexpr, USE_PDL: tl.constexpr, ROW_EVICT: tl.constexpr,
                        PRE_WAIT: tl.constexpr = True):
@@ -136,9 +134,6 @@ def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, star
     if PRE_WAIT:  # the lengths come from before the step's first launch (sync.py); ids need the route
         pdl_enter(USE_PDL)
     QW: tl.constexpr = BLOCK // 4
-    promoted = tl.zeros((BLOCK,), tl.int1)
-    if PROMOTE:  # follow's successors in this block, read before the scores so the load overlaps them
-        promoted = promoted_in_block(prev_ptr + row * F, F, blk * BLOCK, BLOCK, lo, hi, k, FP)
     words = blk * QW + tl.arange(0, QW)
     in_load = words < (nctx + 15) // 16 * 4  # whole 16-key runs: 16-byte vector loads
 
@@ -190,8 +185,7 @@ def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, star
             nbase = b * sn_b + h * sn_h + jr * sn_m + cr * sn_c
             y = tl.load(ns_ptr + nbase[:, None] + t[None, :], mask=okr[:, None] & in_new[None, :], other=0.0)
             acc += tl.sum(y * wr[:, None], axis=0)
-    store_keys16(acc, offs, key_ptr + b * sa_b + h * sa_h, ws_ptr + row * sws_r, lo, hi, k, HIST0, SMEM,
-                 promoted, PROMOTE)
+    store_keys16(acc, offs, key_ptr + b * sa_b + h * sa_h, ws_ptr + row * sws_r, lo, hi, k, HIST0, SMEM)
 
 
 def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: torch.Tensor,
@@ -199,15 +193,13 @@ def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: t
                lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, ws: torch.Tensor,
                block: int = 1024, num_warps: int = 4, hist0: bool = True, maxnreg: int | None = None,
                pdl: bool = False, evict_first: bool = True, asm: bool | None = None,
-               smem_hist: bool | None = None, pre_wait: bool = True, prev: torch.Tensor | None = None) -> torch.Tensor:
+               smem_hist: bool | None = None, pre_wait: bool = True) -> torch.Tensor:
     """Write 16-bit keys of dense_dot8_ref's scores into keys [B, Hkv, N_max] uint16 (N_max a
     multiple of `block`) and add radix pass 0 into ws (as dense_select.dense_scores). dense:
     int8 [B, Hkv, m, C, N] with N a multiple of 16 and its scale [B, Hkv, m, C] fp32. asm: the
     dp4a PTX, smem_hist: pass 0 by shared-memory atomics (kernels/smem_hist); None: where compiled.
     pre_wait: with pdl, load the row lengths (n_ctx, start, count, lo, hi, k) before waiting for
-    the route (they must come from before the step's first launch, see sync.py). prev (follow's
-    previous keys, int32 [B, Hkv, F], -1 none; with hist0): their successors promoted as
-    follow.promote_successors does, in this launch."""
+    the route (they must come from before the step's first launch, see sync.py)."""
     check_routed_inputs(ids, w, dense, new_scores, n_ctx=n_ctx, start=start, count=count, lo=lo, hi=hi, k=k)
     b, hr, m = ids.shape
     hkv, n = dense.shape[1], dense.shape[4]
@@ -221,9 +213,6 @@ def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: t
         raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [{b}, {hkv}, k x {block}]")
     if block < 64 or block & (block - 1):
         raise ValueError(f"block={block} must be a power of two >= 64")
-    if prev is not None and not hist0:
-        raise ValueError("prev: promoting moves keys in the pass-0 histogram, so it needs hist0")
-    f = check_prev(prev, b, hkv) if prev is not None else 0
     g = hr // hkv
     gm_pad = triton.next_power_of_2(g * m)
     words = dense.view(torch.int32)  # 4 keys per word (N and the strides are multiples of 16)
@@ -231,11 +220,10 @@ def dense_dot8(ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor, scale: t
     sn = new_scores.stride()
     on_gpu = compiled(keys)  # inline PTX only in compiled GPU code
     _dense_dot8_kernel[(b * hkv, keys.shape[2] // block)](
-        ids, w, words, scale, new_scores, n_ctx, start, count, lo, hi, k, keys, ws, prev if f else ws, f,
+        ids, w, words, scale, new_scores, n_ctx, start, count, lo, hi, k, keys, ws,
         ids.stride(0), ids.stride(1), *sd, *scale.stride()[:3], sn[0], sn[1], sn[2], sn[3],
         keys.stride(0), keys.stride(1), ws.stride(0),
-        HKV=hkv, PROMOTE=f > 0, FP=max(16, triton.next_power_of_2(f)), G=g, M=m, GM_PAD=gm_pad, R_CHUNK=1, BLOCK=block,
-        HIST0=hist0, ASM=on_gpu if asm is None else asm,
+        HKV=hkv, G=g, M=m, GM_PAD=gm_pad, R_CHUNK=1, BLOCK=block, HIST0=hist0, ASM=on_gpu if asm is None else asm,
         SMEM=on_gpu if smem_hist is None else smem_hist,
         USE_PDL=pdl, ROW_EVICT="evict_first" if evict_first else "", PRE_WAIT=pre_wait, num_warps=num_warps,
         **launch_opts(pdl),

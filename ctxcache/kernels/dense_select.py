@@ -147,14 +147,10 @@ def _add_hist0(digit, offs, hist_ptr, lo, hi, k, SMEM: tl.constexpr):
 
 
 @triton.jit
-def store_keys16(acc, offs, key_row_ptr, hist_ptr, lo, hi, k, HIST0: tl.constexpr, SMEM: tl.constexpr,
-                 promoted=None, PROMOTE: tl.constexpr = False):
+def store_keys16(acc, offs, key_row_ptr, hist_ptr, lo, hi, k, HIST0: tl.constexpr, SMEM: tl.constexpr):
     """Store the 16-bit keys of a block's fp32 scores at key_row_ptr + offs; with HIST0, add
-    their radix pass 0 to the row's histogram at hist_ptr. PROMOTE: the keys where `promoted`
-    raised to 0xFFFF first (follow.promoted_in_block)."""
+    their radix pass 0 to the row's histogram at hist_ptr."""
     key = _keys16(acc)
-    if PROMOTE:
-        key = tl.where(promoted, tl.full(offs.shape, 0xFFFF, tl.uint16), key)
     tl.store(key_row_ptr + offs, key)
     if HIST0:
         _add_hist0((key >> 8).to(tl.int32), offs, hist_ptr, lo, hi, k, SMEM)

@@ -38,26 +38,6 @@ def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk
     tl.atomic_add(hist + 255, tl.sum(inside.to(tl.int32), axis=0), sem="relaxed")
 
 
-@triton.jit
-def promoted_in_block(prev_row_ptr, F, start, BLOCK: tl.constexpr, lo, hi, k, FP: tl.constexpr):
-    """[BLOCK] mask of the keys in [start, start + BLOCK) that _promote_kernel would raise: a score
-    kernel's program sets them to TOP_KEY before it stores its block and counts pass 0, so the
-    histogram needs no move (one launch less a layer). A histogram of the successors' offsets
-    scatters them into the block's lanes (they are distinct: no lane counts twice)."""
-    j = tl.arange(0, FP)
-    prev = tl.load(prev_row_ptr + j, mask=j < F, other=-1)
-    succ = prev + 1
-    inside = (prev >= 0) & (succ >= lo) & (succ < hi) & (k > 0) & (succ >= start) & (succ < start + BLOCK)
-    return tl.histogram(tl.where(inside, succ - start, 0), BLOCK, mask=inside) > 0
-
-
-def check_prev(prev: torch.Tensor, b: int, hkv: int) -> int:
-    """follow's previous keys: contiguous int32 [b, hkv, F] -> F."""
-    if prev.shape[:2] != (b, hkv) or prev.dim() != 3 or prev.dtype != torch.int32 or not prev.is_contiguous():
-        raise ValueError(f"prev {tuple(prev.shape)} {prev.dtype} must be contiguous int32 [{b}, {hkv}, F]")
-    return prev.shape[2]
-
-
 def promote_successors(keys: torch.Tensor, ws: torch.Tensor, prev: torch.Tensor, lo: torch.Tensor,
                        hi: torch.Tensor, k: torch.Tensor) -> None:
     """keys [B, Hkv, N] uint16 (radix pass 0 of [lo, hi) in ws, topk.workspace), prev [B, Hkv, F]
@@ -65,7 +45,9 @@ def promote_successors(keys: torch.Tensor, ws: torch.Tensor, prev: torch.Tensor,
     b, hkv, _ = keys.shape
     if keys.dtype != torch.uint16 or keys.stride(2) != 1 or keys.stride(0) != hkv * keys.stride(1):
         raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [B, Hkv, N], rows mergeable")
-    f = check_prev(prev, b, hkv)
+    if prev.shape[:2] != (b, hkv) or prev.dtype != torch.int32 or not prev.is_contiguous():
+        raise ValueError(f"prev {tuple(prev.shape)} {prev.dtype} must be contiguous int32 [{b}, {hkv}, F]")
+    f = prev.shape[2]
     _promote_kernel[(b * hkv,)](keys, ws, prev, lo, hi, k, hkv, f, keys.stride(1), ws.stride(0), prev.stride(1),
                                 FP=max(16, triton.next_power_of_2(f)), num_warps=4)
 

@@ -302,10 +302,12 @@ class GpuSelector:
         if n_pad >= MAX_ROW:
             raise ValueError(f"n_max={n_max}: the radix Top-K takes rows of fewer than {MAX_ROW} keys")
         self.rows, self.n_kv, self.device = batch * n_kv, n_kv, device
-        self.acc: torch.Tensor | None = None  # fp32 scores (list layout, fp32 keys) where used: 32 MB at 8 x 128K
+        # fp32 scores (list layout, or score_keys="fp32") only where used: 32 MB at batch 8 x 128K
+        self.acc: torch.Tensor | None = None
         self.keys = torch.empty(batch, n_kv, n_pad, dtype=torch.uint16, device=device) if score_keys == "fp16" else None
-        # tuned on the H100 at 128K, batch 1 and 8 (bench attention; the register cap lifts occupancy); 4 warps:
-        # 4-6 us faster than 8 at batch 8, and with the row-aligned radix blocks 0.3-1.7 us at batch 1 (d74d176)
+        # tuned on the H100 at 128K, batch 1 and 8 (bench attention; the register cap lifts occupancy);
+        # 4 warps: 4-6 us faster than 8 at batch 8, and with the row-aligned radix blocks 0.3-1.7 us
+        # faster at batch 1 too (eight bench/step_probe.py calls, at d74d176)
         self.dense_cfg = {"block": 1024, "r_chunk": 8, "num_warps": 4, "maxnreg": 80}
         # int8 tables with 16-bit keys: integer dot products (kernels/dense_dot8), 16 keys per thread;
         # 2 warps, no register cap: route + scores + pass 0 23.3 / 10.9 / 33.9 us a layer at 32K x 8,
@@ -318,9 +320,9 @@ class GpuSelector:
         self.idx = torch.zeros(batch, n_kv, k_max, dtype=torch.int32, device=device)
         # programmatic dependent launch between the step's kernels (None: where the GPU has it)
         self.pdl = pdl_available(device) if pdl is None else pdl
-        # with PDL, each launch reads what the step did not write (centroids, row lengths) before waiting
-        # for its predecessor (kernels/sync.py); follow's promotion in the int8 score launch (dense_dot8's prev)
-        self.pre_wait, self.promote_in_scores = True, True
+        # with PDL, each launch reads what the step did not write (centroids, row lengths)
+        # before waiting for its predecessor (kernels/sync.py)
+        self.pre_wait = True
 
     def set_topk_block(self, block: int, num_warps: int = 4) -> None:
         """Keys (and warps) per radix program; the workspace holds one histogram per block
@@ -359,26 +361,18 @@ class GpuSelector:
         return acc
 
     def route_dense(self, q: torch.Tensor, t: GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
-                    k: torch.Tensor, hist0: bool = True, follow_prev: torch.Tensor | None = None) -> torch.Tensor:
+                    k: torch.Tensor, hist0: bool = True) -> torch.Tensor:
         """Dense layout: scores [B, Hkv, n_max] of q [B, Hq, D] (self.keys: uint16 keys, or
-        self.acc: fp32), radix pass 0 into ws; with follow_prev (and hist0) the successors of
-        follow's previous keys promoted (kernels/follow; in the int8 score launch where it runs)."""
+        self.acc: fp32), radix pass 0 into ws."""
         self._route(q, t, zero=self.zero)
-        prev = follow_prev if hist0 else None
         if self.keys is not None and t.score_scale is not None:
-            keys = dense_dot8(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx, t.stream_start,
+            return dense_dot8(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx, t.stream_start,
                               t.stream_count, lo, hi, k, self.keys, self.ws, **self.dot8_cfg, hist0=hist0, pdl=self.pdl,
-                              pre_wait=self.pre_wait, prev=prev if self.promote_in_scores else None)
-            if prev is not None and not self.promote_in_scores:
-                promote_successors(keys, self.ws, prev, lo, hi, k)
-            return keys
+                              pre_wait=self.pre_wait)
         out = self.keys if self.keys is not None else self._fp32_scores()
-        scores = dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
-                              t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg, hist0=hist0,
-                              pdl=self.pdl)
-        if prev is not None:
-            promote_successors(scores, self.ws, prev, lo, hi, k)
-        return scores
+        return dense_scores(self.ids, self.w, t.dense_score, t.score_scale, t.new_scores, t.n_ctx,
+                            t.stream_start, t.stream_count, lo, hi, k, out, self.ws, **self.dense_cfg, hist0=hist0,
+                            pdl=self.pdl)
 
     def _route(self, q: torch.Tensor, t: GpuTables | GpuDenseTables, zero: torch.Tensor | None = None) -> None:
         qs = q[..., self.perm] if self.perm is not None else q
@@ -391,7 +385,10 @@ class GpuSelector:
                k: torch.Tensor) -> torch.Tensor:
         """-> idx [B, Hkv, k_max] int32; row b's first k[b] entries are its selection."""
         if isinstance(t, GpuDenseTables):
-            return self.finish(self.route_dense(q, t, lo, hi, k, follow_prev=t.follow_prev), lo, hi, k)
+            scores = self.route_dense(q, t, lo, hi, k)
+            if t.follow_prev is not None:  # its own launch: folded into the score kernel it was slower (DESIGN.md)
+                promote_successors(scores, self.ws, t.follow_prev, lo, hi, k)
+            return self.finish(scores, lo, hi, k)
         return radix_topk(self.route_scatter(q, t), lo, hi, k, self.idx, self.ws)
 
     def finish(self, scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

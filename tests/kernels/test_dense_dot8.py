@@ -6,7 +6,6 @@ import torch
 from ctxcache.kernels.dense_dot8 import dense_dot8, dense_dot8_ref
 from ctxcache.methods.int8_tables import quantize_rows, weight_scale
 from ctxcache.kernels.dense_select import dense_scores_ref
-from ctxcache.kernels.follow import TOP_KEY, promote_successors
 from ctxcache.kernels.topk import _BINS, key16_codes, keys16_ref, workspace
 
 from test_dense_select import _setup, check_pass0_and_topk
@@ -99,30 +98,6 @@ def test_dense_dot8_refuses_bad_tables(device):
         dense_dot8(ids, w, dense[..., :700], scale, *args)
     with pytest.raises(ValueError, match="power of two"):
         dense_dot8(ids, w, dense, scale, *args, block=96)
-
-
-@pytest.mark.parametrize("block", [128, 256])
-def test_follow_promoted_in_the_score_launch_equals_the_promote_launch(device, block):
-    """prev: the successors of follow's previous keys promoted by the score kernel's programs
-    (each its block's), as promote_successors after it: the same keys and pass-0 histogram."""
-    case = _int8_case(device, group=True)
-    ids, w, dense, scale, new, n_ctx, start, count = case
-    b, hkv = ids.shape[0], dense.shape[1]
-    gen = torch.Generator().manual_seed(3)
-    prev = torch.stack([torch.randperm(700, generator=gen)[:20] for _ in range(b * hkv)]).view(b, hkv, 20).int()
-    prev[0, 0, :4] = torch.tensor([3, 127, 255, -1])  # successors at the region's start and at block edges
-    prev = prev.to(device)
-    keys, ws, lo, hi, k = _run(device, case, block=block)
-    promote_successors(keys, ws, prev, lo, hi, k)
-    got_keys = torch.full_like(keys, 7)
-    got_ws = workspace(b * hkv, device, blocks=3)
-    dense_dot8(ids, w, dense, scale, new, n_ctx, start, count, lo, hi, k, got_keys, got_ws, block=block, prev=prev)
-    assert int((key16_codes(keys.cpu()) == TOP_KEY).sum()) > 20  # promotions happened
-    assert torch.equal(got_keys.cpu(), keys.cpu())
-    assert torch.equal(got_ws[:, :_BINS].cpu(), ws[:, :_BINS].cpu())
-    with pytest.raises(ValueError, match="it needs hist0"):
-        dense_dot8(ids, w, dense, scale, new, n_ctx, start, count, lo, hi, k, got_keys, got_ws, block=block,
-                   hist0=False, prev=prev)
 
 
 @pytest.mark.gpu(reason="the shared-memory histogram is inline PTX")
