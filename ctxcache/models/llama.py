@@ -154,9 +154,21 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x, layer, pos, cache, rope, attn):
+        x, mlp_out = self.forward_pending(x, None, layer, pos, cache, rope, attn)
+        return x + mlp_out
+
+    def forward_pending(self, x: torch.Tensor, pending: torch.Tensor | None, layer: int, pos: torch.Tensor,
+                        cache: KVCache, rope: torch.Tensor, attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with the residual stream x + pending (pending: the last block's MLP output, not
+        yet added; None: nothing) -> (the stream after the attention, this MLP's output). Each add
+        happens inside the next norm's launch on the GPU (RMSNorm.add_forward)."""
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm.add_forward(x, pending)
         x, normed = self.post_attention_layernorm.add_forward(
-            x, self.self_attn(self.input_layernorm(x), layer, pos, cache, rope, attn))
-        return x + self.mlp(normed)
+            x, self.self_attn(normed, layer, pos, cache, rope, attn))
+        return x, self.mlp(normed)
 
 
 class Transformer(nn.Module):
