@@ -7,7 +7,8 @@ Why: a step that is slow for its bytes is slow either inside its kernels or betw
 per-kernel time summed against the step says which (issue 46's H200 profile at 32K x 8: kernels
 busy 10.3 of a 10.45 ms step, so the cost was inside them). Random Llama-3.1-8B weights, one
 built artifact per length shared by every row (each row its own slot and tables).
-`ctxcache bench step_profile [--contexts 32768] [--batches 1,8] [--modes sparse,dense,offload] [--out DIR]`.
+`ctxcache bench step_profile [--contexts 32768] [--batches 1,8] [--modes sparse,dense,offload]
+[--method-params JSON ...] [--out DIR]`.
 
 `--admit [--repeats 5] [--graphs]`: instead of steps, an offloaded context's hot admission of a 20-token
 question at each context, the serial host copy against the pipelined one and (`--graphs`) the serial one
@@ -19,6 +20,8 @@ launch-bound admission spends its host time); writes admit_profile_<device>.json
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
 import statistics
 import time
@@ -81,8 +84,23 @@ def greedy_steps(runner: OffloadRunner, rows: list, steps: int = 32) -> dict:
             "greedy_step_ms": 1e3 * statistics.median(times)}
 
 
+def method_params(text: str) -> dict:
+    """argparse type: a JSON object of CSAttention parameters, checked by the method."""
+    try:
+        params = json.loads(text)
+        if not isinstance(params, dict):
+            raise ValueError("must be a JSON object")
+        make_method("csattention", params)
+    except ValueError as e:  # JSON errors and ParamError are ValueErrors
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return params
+
+
 def main(argv: list[str] | None = None) -> int:
     def extra(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--method-params", nargs="+", type=method_params, default=[{}], metavar="JSON",
+                        help="CSAttention parameters of the sparse and offload rows, one row set each (dense once): "
+                             "'{}' '{\"rerank\": 3}' compares them in one run")
         ap.add_argument("--modes", default="sparse,dense",
                         help="comma-separated: sparse (csattention), dense, offload (csattention, V in host slots)")
         ap.add_argument("--top", type=int, default=12, help="kernels printed per row (the JSON keeps all)")
@@ -118,17 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CTXCACHE_NO_PDL"] = "1"  # read as each runner's selector is made
     lm = load_model("random:llama-3.1-8b", torch.bfloat16, "cuda")
     config = SparseConfig.from_schedule("0.05-step-1")
-    sparse = make_method("csattention", {}).params
     if args.admit:
-        return admissions(lm, sparse, config, args)
-    params = {"sparse": sparse, "dense": None, "offload": sparse}
+        return admissions(lm, make_method("csattention", args.method_params[0]).params, config, args)
     rows_out, top = [], []
     runs = [(m, vc, w) for m in modes for vc in (args.v_cache if m == "offload" else [None])
             for w in (args.offload_waves if m == "offload" else [None])]
-    for n in args.contexts:
-        _, art = build_times(lm, n, {})
+    for n, (nth, mp) in itertools.product(args.contexts, enumerate(args.method_params)):
+        _, art = build_times(lm, n, mp)
+        sparse = make_method("csattention", mp).params
+        params = {"sparse": sparse, "dense": None, "offload": sparse}
         for mode, v_cache, waves in runs:
-            for b in args.batches:
+            for b in args.batches if mode != "dense" or nth == 0 else ():  # dense rows once a context
                 runner = (OffloadRunner(lm, sparse, config, slots=b, max_len=n + 512, v_cache=v_cache,
                                         v_int8=args.offload_v == "int8", attention_waves=waves) if mode == "offload"
                           else GpuRunner(lm, params[mode], config, b, n + 512))
@@ -143,16 +161,18 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "offload":
                     got["offload_splits"] = runner.attention_splits(b)
                 rows_out.append({"context": n, "mode": mode, "batch": b, "pdl": not args.no_pdl,
+                                 "method_params": json.dumps(mp) if mode != "dense" else None,
                                  "v_cache": v_cache, "offload_waves": waves,
                                  "offload_v": args.offload_v if mode == "offload" else None, **greedy, **got})
-                top += [{"context": n, "mode": mode, "batch": b, **k} for k in got["kernels"][:args.top]]
+                top += [{"context": n, "mode": mode, "batch": b, "method_params": rows_out[-1]["method_params"], **k}
+                        for k in got["kernels"][:args.top]]
                 del runner, rows
                 torch.cuda.empty_cache()
         del art
     path = write_result("step_profile", {"copy_gb_per_s": copy_bandwidth("cuda") / 1e9, "rows": rows_out}, args.out)
-    print_table(top, ["context", "mode", "batch", "kernel", "launches", "us"])
-    print_table(rows_out, ["context", "mode", "batch", "v_cache", "offload_waves", "offload_splits", "step_ms",
-                           "kernels_ms", "launches", "pcie_bytes_per_step", "greedy_hit_rate",
+    print_table(top, ["context", "mode", "batch", "method_params", "kernel", "launches", "us"])
+    print_table(rows_out, ["context", "mode", "batch", "method_params", "v_cache", "offload_waves", "offload_splits",
+                           "step_ms", "kernels_ms", "launches", "pcie_bytes_per_step", "greedy_hit_rate",
                            "greedy_pcie_bytes_per_step", "greedy_step_ms"])
     print(f"wrote {path}")
     return 0

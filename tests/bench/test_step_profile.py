@@ -19,3 +19,20 @@ def test_without_a_gpu_it_says_so_in_one_line(capsys):
     assert main(["--contexts", "1024"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs a CUDA GPU" in err
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{rerank: 3}", "Expecting property name"), ("[3]", "must be a JSON object"),
+    ('{"rerank": 0.5}', "rerank=0.5 must be in"), ('{"rerank": 3, "x": 1}', "unknown")])
+def test_method_params_are_checked_before_anything_runs(capsys, text, says):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--method-params", "{}", text])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--method-params" in err and says in err and "Traceback" not in err
+
+
+def test_method_params_parse_to_the_rows_params():
+    from ctxcache.bench.step_profile import method_params
+
+    assert method_params('{"rerank": 3}') == {"rerank": 3} and method_params("{}") == {}
