@@ -102,3 +102,31 @@ def test_selector_refuses_rows_the_radix_walk_cannot_count(device):
 
     with pytest.raises(ValueError, match="fewer than"):
         GpuSelector(CSAttentionParams(rerank=1.0), 1, 4, 2, 16, MAX_ROW, 10, device)
+
+
+def test_the_route_launch_zeroes_the_rerank_workspace_it_shares(device):
+    """zero_with_route: the selector's and the re-rank's workspaces in one buffer, which the dense
+    layout's route launch zeroes; the selection is the one a selector of its own makes, and the
+    re-rank's dirtied workspace is zero again after the next route (the re-rank no longer zeroes it)."""
+    from ctxcache.kernels.rerank import Reranker
+
+    hq, hkv, d, n = 4, 2, 32, 600
+    params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, rerank=1.0, routing="group")
+    method = CSAttention(params)
+    state = method.open(method.build(torch.randn(hq, n, d), torch.randn(hkv, n, d), torch.randn(hkv, n, d)))
+    budget = Budget(keep=0.05, sinks=4, recent=2)
+    tables = stack_tables([state.tables], [n], max_new=8, device=device)
+    nt = torch.tensor([n], dtype=torch.int32, device=device)
+    lo, hi = region(nt, budget.sinks, budget.recent)
+    kk = torch.tensor([budget.top_k(n)], dtype=torch.int32, device=device)
+    q = torch.randn(1, hq, d, device=device)
+    alone = GpuSelector(params, 1, hq, hkv, d, n, budget.top_k(n), device)
+    want = alone.select(q, tables, lo, hi, kk).clone()
+    shared = GpuSelector(params, 1, hq, hkv, d, n, budget.top_k(n), device)
+    rr = Reranker(1, hkv, hq // hkv, 4 * budget.top_k(n), budget.top_k(n), device, follow=4)
+    shared.zero_with_route(rr)
+    assert rr.zeroed_before and rr.ws_pair.data_ptr() == shared.zero.data_ptr() + 4 * shared.ws.numel()
+    for _ in range(2):
+        rr.ws_pair.fill_(7)  # what a re-rank leaves behind
+        assert torch.equal(shared.select(q, tables, lo, hi, kk), want)
+        assert int(rr.ws_pair.abs().sum()) == 0
