@@ -21,8 +21,10 @@ def _decoder(device: str, max_len: int) -> tuple[GraphDecoder, torch.nn.Module]:
 def test_steps_match_forward_and_stop_when_full(device):
     dec, model = _decoder(device, max_len=4)
     ref_cache = model.new_cache(2, max_len=4)
-    tok = torch.tensor([3, 5], device=device)
     for t in range(4):
+        # a new token each step: over one repeated token every V is equal, so a wrong length
+        # (the attention reading too few keys) would give the same output
+        tok = torch.tensor([3 + t, 5 + 2 * t], device=device)
         got = dec.step(tok).clone()
         want = model(tok[:, None], torch.full((2, 1), t, device=device), ref_cache, dense_attention)[:, -1].float()
         ref_cache.lengths += 1
