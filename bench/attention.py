@@ -180,7 +180,7 @@ def bench_rerank(q, k, v, nt, lo, hi, kk, budget: Budget, base: dict, rerank: fl
     sel = GpuSelector(params, batch, HQ, HKV, D, n, kc_max, q.device, score_keys="fp16")
     ss = attn_splits(batch, k_max, budget)
     cand = sel.select(q, tables, lo, hi, kc)
-    rr = Reranker(batch, HKV, HQ // HKV, kc_max, k_max, q.device, follow=f)
+    rr = Reranker(batch, HKV, HQ // HKV, kc_max, k_max, q.device, follow=f, pdl=sel.pdl)  # as the decoder
 
     def rerank_only():
         rr(q, k, cand, kc, kk, lo, hi, nt, budget.sinks, budget.recent, tables.follow_prev, kf)

@@ -135,7 +135,7 @@ def logits_rows(q, k, nt, lo, hi, kk, tables, budget: Budget, base: dict) -> lis
     kc = torch.full_like(kk, kc_max)
     sel = GpuSelector(params, batch, HQ, HKV, D, n, kc_max, q.device)
     cand = sel.select(q, tables, lo, hi, kc).clone()
-    rr = Reranker(batch, HKV, HQ // HKV, kc_max, k_sel, q.device)
+    rr = Reranker(batch, HKV, HQ // HKV, kc_max, k_sel, q.device, pdl=sel.pdl)
     default = {"block": rr.logits_block, "num_warps": rr.logits_warps}
     chosen = rr(q, k, cand, kc, kk, lo, hi, nt, budget.sinks, budget.recent)[..., :k_sel].sort(-1).values.clone()
     got: dict = {}

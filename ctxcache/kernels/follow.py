@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.kernels.sync import launch_opts, pdl_enter
 from ctxcache.kernels.topk import key16_codes
 
 TOP_KEY = 0xFFFF
@@ -21,7 +22,7 @@ _TOP: tl.constexpr = tl.constexpr(TOP_KEY)  # what a jitted kernel may read of a
 
 @triton.jit
 def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk_r, sws_r, sp_r,
-                    FP: tl.constexpr):
+                    FP: tl.constexpr, USE_PDL: tl.constexpr):
     r = tl.program_id(0)
     b = r // HKV
     lo = tl.load(lo_ptr + b)
@@ -31,6 +32,7 @@ def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk
     prev = tl.load(prev_ptr + r * sp_r + j, mask=j < F, other=-1)
     succ = prev + 1
     inside = (prev >= 0) & (succ >= lo) & (succ < hi) & (k > 0)
+    pdl_enter(USE_PDL)  # the bounds and the last step's best keys came before; the keys need the wait
     old = tl.load(key_ptr + r.to(tl.int64) * sk_r + succ, mask=inside, other=0).to(tl.int32)
     tl.store(key_ptr + r.to(tl.int64) * sk_r + succ, tl.full([FP], _TOP, tl.uint16), mask=inside)
     hist = ws_ptr + r * sws_r
@@ -39,9 +41,10 @@ def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk
 
 
 def promote_successors(keys: torch.Tensor, ws: torch.Tensor, prev: torch.Tensor, lo: torch.Tensor,
-                       hi: torch.Tensor, k: torch.Tensor) -> None:
+                       hi: torch.Tensor, k: torch.Tensor, pdl: bool = False) -> None:
     """keys [B, Hkv, N] uint16 (radix pass 0 of [lo, hi) in ws, topk.workspace), prev [B, Hkv, F]
-    int32 (-1: none), lo, hi, k [B] int32: promote the successors in place (graph-safe)."""
+    int32 (-1: none), lo, hi, k [B] int32: promote the successors in place (graph-safe). pdl: a
+    programmatic dependent launch (sync.py)."""
     b, hkv, _ = keys.shape
     if keys.dtype != torch.uint16 or keys.stride(2) != 1 or keys.stride(0) != hkv * keys.stride(1):
         raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [B, Hkv, N], rows mergeable")
@@ -49,7 +52,7 @@ def promote_successors(keys: torch.Tensor, ws: torch.Tensor, prev: torch.Tensor,
         raise ValueError(f"prev {tuple(prev.shape)} {prev.dtype} must be contiguous int32 [{b}, {hkv}, F]")
     f = prev.shape[2]
     _promote_kernel[(b * hkv,)](keys, ws, prev, lo, hi, k, hkv, f, keys.stride(1), ws.stride(0), prev.stride(1),
-                                FP=max(16, triton.next_power_of_2(f)), num_warps=4)
+                                FP=max(16, triton.next_power_of_2(f)), USE_PDL=pdl, num_warps=4, **launch_opts(pdl))
 
 
 def promote_ref(keys: torch.Tensor, prev: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,

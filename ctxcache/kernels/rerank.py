@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.sync import INTERPRET
+from ctxcache.kernels.sync import INTERPRET, launch_opts, pdl_enter
 from ctxcache.kernels.follow import write_follow
 from ctxcache.kernels.topk import _keys16, blocks16, radix_topk, workspace
 from ctxcache.kernels.topk_pair import radix_topk_pair
@@ -77,7 +77,8 @@ def _others(lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int,
 def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_ptr, part_ptr,
                    HKV, KC, NSPLIT, sq_b, sq_h, sk_b, sk_h, sk_n, sc_b, sc_h, scale,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                   SINKS: tl.constexpr, RECENT: tl.constexpr, OB: tl.constexpr, IEEE: tl.constexpr):
+                   SINKS: tl.constexpr, RECENT: tl.constexpr, OB: tl.constexpr, IEEE: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     r = tl.program_id(0)
     split = tl.program_id(1)
     b = r // HKV
@@ -87,6 +88,7 @@ def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_
     offs_d = tl.arange(0, D)
     gmask = offs_g < G
     q = tl.load(q_ptr + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    pdl_enter(USE_PDL)  # kc and q come from before the selection (sync.py); the candidates need the wait
     kbase = k_ptr + b.to(tl.int64) * sk_b + h * sk_h
     m_i = tl.full([GP], NEG, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -133,11 +135,13 @@ def _dot(q, keys, IEEE: tl.constexpr):
 # select: v2f16 = scalar_to_vector", H100, Triton 3.6), and the abort took the server down
 @triton.jit(do_not_specialize=["KC"])
 def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, KCP, NSPLIT, sws_r,
-                  G: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr):
+                  G: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     r = tl.program_id(0)
     split = tl.program_id(1)
     kc = tl.load(kc_ptr + r // HKV)
     k = tl.load(k_ptr + r // HKV)
+    pdl_enter(USE_PDL)  # the logits and their partial sums need the wait
     offs_g = tl.arange(0, GP)
     offs_s = tl.arange(0, SP)
     gmask = offs_g < G
@@ -174,14 +178,15 @@ class Reranker:
     k_max kept keys per row."""
 
     def __init__(self, batch: int, n_kv: int, group: int, kc_max: int, k_max: int, device: torch.device | str,
-                 programs: int = 264, key16: bool | None = None, follow: int = 0) -> None:
+                 programs: int = 264, key16: bool | None = None, follow: int = 0, pdl: bool = False) -> None:
         """key16: rank by 16-bit keys (None: for bf16 / fp16 queries in GQA groups of 4; False: fp32
         scores always). Why groups of 4: with 2 or 3 query heads a group (random:tiny, SmolLM2's
         shapes) Triton 3.6 failed to compile the 16-bit score kernel on the H100 (LLVM "Cannot
         select v2f16 scalar_to_vector") and the abort took the process down; 4 (Llama-3.1-8B) is
-        what the 16-bit path was measured and tested at."""
+        what the 16-bit path was measured and tested at. pdl: the 16-bit path's launches are
+        programmatic dependent ones (sync.py), as the selector's."""
         rows = batch * n_kv
-        self.key16 = key16
+        self.key16, self.pdl = key16, pdl
         self.group, self.kc_max = group, kc_max
         self.gp = max(16, triton.next_power_of_2(group))  # MMA rows
         self.rows, self.programs, self.device = rows, programs, device
@@ -243,7 +248,8 @@ class Reranker:
             q, keys, cand, kc, lo, hi, n, self.logits, self.part, hkv, self.kc_max, self.splits,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), cand.stride(0), cand.stride(1),
             d ** -0.5, G=self.group, GP=self.gp, D=d, BLOCK=self.logits_block, SINKS=sinks, RECENT=recent, OB=ob,
-            IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=self.logits_warps)
+            IEEE=q.dtype == torch.float32 or INTERPRET, USE_PDL=self.pdl, num_warps=self.logits_warps,
+            **launch_opts(self.pdl))
         # bf16 / fp16 models rank by 16-bit keys (two radix launches; near-ties within ~0.3% may
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
         key16 = (q.dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
@@ -253,13 +259,13 @@ class Reranker:
         _score_kernel[(rows, self.splits)](
             self.logits, self.part, kc, k, out, self.ws, hkv, self.kc_max, self.kcp, self.splits,
             self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=SCORE_BLOCK,
-            KEY16=key16, num_warps=4)
+            KEY16=key16, USE_PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
         if follow_out is not None and (self.follow_slots is None or kf is None):
             raise ValueError("follow_out needs a Reranker built with follow > 0 and kf")
         if key16:  # both Top-Ks in two launches, candidate slots mapped to key positions in them
             follows = follow_out is not None
             radix_topk_pair(out, self.zero, kc, k, self.positions, self.ws, cand, kf if follows else None,
-                            follow_out, self.follow_ws, block=self.topk_block)
+                            follow_out, self.follow_ws, block=self.topk_block, pdl=self.pdl)
             return self.positions
         if follow_out is not None:
             radix_topk(out, self.zero, kc, kf, self.follow_slots, self.follow_ws, block=self.topk_block)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.kernels.sync import launch_opts, pdl_enter
+
 
 def stream_scores_ref(k_new: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """k_new [B, Hkv, D], centroids [B, Hkv, m, C, d_b] -> scores [B, Hkv, m, C] fp32."""
@@ -45,7 +47,7 @@ def add_streamed_ref(ids, w, new_scores, list_floor, count, start, acc, offset=N
 @triton.jit
 def _insert_kernel(k_ptr, perm_ptr, pos_ptr, start_ptr, count_ptr, c_ptr, out_ptr, HKV, M, C, DB,
                    sk_b, sk_h, sk_s, sc_b, sc_h, sc_m, sc_c, so_b, so_h, so_m, so_c,
-                   BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PERM: tl.constexpr):
+                   BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PERM: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     mm = pid % M
     h = (pid // M) % HKV
@@ -58,10 +60,11 @@ def _insert_kernel(k_ptr, perm_ptr, pos_ptr, start_ptr, count_ptr, c_ptr, out_pt
     dims = mm * DB + offs_d
     if PERM:  # subspace j holds head dims perm[j * DB : (j + 1) * DB]
         dims = tl.load(perm_ptr + dims, mask=dmask, other=0)
-    kb = tl.load(k_ptr + b.to(tl.int64) * sk_b + h * sk_h + pos.to(tl.int64) * sk_s + dims, mask=dmask,
-                 other=0.0).to(tl.float32)
     cent = tl.load(c_ptr + b * sc_b + h * sc_h + mm * sc_m + offs_c[:, None] * sc_c + offs_d[None, :],
                    mask=(offs_c[:, None] < C) & dmask[None, :], other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)  # positions and centroids came before the step; the new key needs the wait
+    kb = tl.load(k_ptr + b.to(tl.int64) * sk_b + h * sk_h + pos.to(tl.int64) * sk_s + dims, mask=dmask,
+                 other=0.0).to(tl.float32)
     dots = tl.sum(cent * kb[None, :], axis=1)
     tl.store(out_ptr + b * so_b + h * so_h + mm * so_m + offs_c * so_c + col, dots, mask=offs_c < C)
     if (h == 0) & (mm == 0):  # one program per row extends the row's streamed count
@@ -69,12 +72,14 @@ def _insert_kernel(k_ptr, perm_ptr, pos_ptr, start_ptr, count_ptr, c_ptr, out_pt
 
 
 def stream_insert(k: torch.Tensor, centroids: torch.Tensor, new_scores: torch.Tensor, pos: torch.Tensor,
-                  start: torch.Tensor, count: torch.Tensor, perm: torch.Tensor | None = None) -> None:
+                  start: torch.Tensor, count: torch.Tensor, perm: torch.Tensor | None = None,
+                  pdl: bool = False) -> None:
     """Index the key at position pos[b] of each row into column pos[b] - start[b] of
     new_scores, and raise count[b] to cover it (pos, start, count int32 [B]; one launch, so a
     captured decode step pays one kernel per layer for it). k is the new keys [B, Hkv, D], or a
     layer's cache [B, Hkv, S, D] whose row pos[b] holds the key (no gather launch first).
-    perm [D] (int): the subspace layout's dim order (None: contiguous subspaces)."""
+    perm [D] (int): the subspace layout's dim order (None: contiguous subspaces). pdl: a programmatic
+    dependent launch (sync.py: pos, start and the centroids are read before the wait)."""
     b, hkv, d = k.shape[0], k.shape[1], k.shape[-1]
     _, hkv2, m, c, db = centroids.shape
     if (k.dim() not in (3, 4) or hkv2 != hkv or m * db != d or new_scores.shape[:4] != (b, hkv, m, c)
@@ -93,7 +98,7 @@ def stream_insert(k: torch.Tensor, centroids: torch.Tensor, new_scores: torch.Te
                                    hkv, m, c, db, k.stride(0), k.stride(1), k.stride(2) if k.dim() == 4 else 0,
                                    sc[0], sc[1], sc[2], sc[3], so[0], so[1], so[2], so[3],
                                    BLOCK_C=triton.next_power_of_2(c), BLOCK_D=max(16, triton.next_power_of_2(db)),
-                                   PERM=perm is not None)
+                                   PERM=perm is not None, USE_PDL=pdl, **launch_opts(pdl))
 
 
 @triton.jit

@@ -16,14 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.topk import (_BINS, _HEAD, _block_keys16, _collect16, _hist_kernel, _pass1_16, _row_bounds,
+from ctxcache.kernels.sync import launch_opts
+from ctxcache.kernels.topk import (_BINS, _HEAD, _block_keys16, _bounds_then_wait, _collect16, _hist_kernel, _pass1_16,
                                    blocks16)
 
 
 @triton.jit
 def _pass1_pair_kernel(x_ptr, lo_ptr, hi_ptr, ka_ptr, kb_ptr, wsa_ptr, wsb_ptr, HKV: tl.constexpr, sx_r, sws_r,
-                       HEAD, BLOCK: tl.constexpr, PAIR: tl.constexpr):
-    r, lo, hi, ka = _row_bounds(lo_ptr, hi_ptr, ka_ptr, HKV)
+                       HEAD, BLOCK: tl.constexpr, PAIR: tl.constexpr, USE_PDL: tl.constexpr):
+    r, lo, hi, ka = _bounds_then_wait(lo_ptr, hi_ptr, ka_ptr, HKV, USE_PDL, True)
     key1, offs, hist_a = _block_keys16(x_ptr, r, lo, hi, ka, wsa_ptr, sx_r, sws_r, BLOCK)
     _pass1_16(key1, hist_a, hist_a, ka, HEAD)
     if PAIR:  # pass 0 is the first workspace's; pass 1 of the second selection into its own
@@ -33,8 +34,8 @@ def _pass1_pair_kernel(x_ptr, lo_ptr, hi_ptr, ka_ptr, kb_ptr, wsa_ptr, wsb_ptr, 
 @triton.jit
 def _collect_pair_kernel(x_ptr, lo_ptr, hi_ptr, ka_ptr, kb_ptr, wsa_ptr, wsb_ptr, map_ptr, outa_ptr, outb_ptr,
                          HKV: tl.constexpr, sx_r, sws_r, sm_r, soa_r, sob_r, FB, HEAD, BLOCK: tl.constexpr,
-                         NB_PAD: tl.constexpr, FB_PAD: tl.constexpr, PAIR: tl.constexpr):
-    r, lo, hi, ka = _row_bounds(lo_ptr, hi_ptr, ka_ptr, HKV)
+                         NB_PAD: tl.constexpr, FB_PAD: tl.constexpr, PAIR: tl.constexpr, USE_PDL: tl.constexpr):
+    r, lo, hi, ka = _bounds_then_wait(lo_ptr, hi_ptr, ka_ptr, HKV, USE_PDL, True)
     key1, offs, hist_a = _block_keys16(x_ptr, r, lo, hi, ka, wsa_ptr, sx_r, sws_r, BLOCK)
     vals = tl.load(map_ptr + r.to(tl.int64) * sm_r + offs, mask=key1 > 0, other=-1)
     _collect16(key1, offs, hist_a, ka, vals, outa_ptr + r * soa_r, HEAD, BLOCK, NB_PAD)
@@ -54,13 +55,14 @@ def _check(name: str, t: torch.Tensor, b: int, hkv: int) -> None:
 def radix_topk_pair(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
                     ws: torch.Tensor, mapping: torch.Tensor, k2: torch.Tensor | None = None,
                     out2: torch.Tensor | None = None, ws2: torch.Tensor | None = None, block: int = 4096,
-                    hist0_done: bool = True, num_warps: int = 4) -> None:
+                    hist0_done: bool = True, num_warps: int = 4, pdl: bool = False) -> None:
     """keys [B, Hkv, N] uint16 (topk.keys16_ref codes); lo, hi, k [B] int32 (k <= hi - lo);
     mapping [B, Hkv, >= hi] int32. Row (b, h) gets mapping[b, h, i] of its k[b] largest keys'
     indices i in [lo, hi) in out[b, h, :k[b]] (any order; the rest of out is left as is); with
     k2 (<= k), out2 [B, Hkv, F] gets those of its k2[b] largest, then -1 up to F. ws / ws2
     (topk.workspace with blocks16(N, block) blocks): hist0_done, ws holds pass 0 of [lo, hi)
-    and both are otherwise zero; else both are zeroed and pass 0 is taken here."""
+    and both are otherwise zero; else both are zeroed and pass 0 is taken here. pdl: both launches
+    programmatic dependent ones (sync.py; lo, hi, k and k2 are read before the wait)."""
     if keys.dim() != 3 or keys.dtype != torch.uint16 or keys.stride(2) != 1:
         raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [B, Hkv, N] contiguous in N")
     b, hkv, n = keys.shape
@@ -88,9 +90,9 @@ def radix_topk_pair(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: t
     wb, ob, kb = (ws2, out2, k2) if pair else (ws, out, k)  # unused where not PAIR
     grid = (b * hkv, nb)
     _pass1_pair_kernel[grid](keys, lo, hi, k, kb, ws, wb, hkv, keys.stride(1), ws.stride(0), _HEAD, BLOCK=block,
-                             PAIR=pair, num_warps=num_warps)
+                             PAIR=pair, USE_PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
     f = ob.shape[2]
     _collect_pair_kernel[grid](keys, lo, hi, k, kb, ws, wb, mapping, out, ob, hkv, keys.stride(1), ws.stride(0),
                                mapping.stride(1), out.stride(1), ob.stride(1), f, _HEAD, BLOCK=block,
                                NB_PAD=triton.next_power_of_2(nb), FB_PAD=max(16, triton.next_power_of_2(f)),
-                               PAIR=pair, num_warps=num_warps)
+                               PAIR=pair, USE_PDL=pdl, num_warps=num_warps, **launch_opts(pdl))

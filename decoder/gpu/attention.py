@@ -64,7 +64,7 @@ class GpuSparseAttention:
             if t.follow_prev is None:  # tables stacked for this attention alone (benches, tests)
                 t.follow_prev = follow_state(batch, n_kv, self.follow, device)
         self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device, key16=rerank_key16,
-                                  follow=self.follow)
+                                  follow=self.follow, pdl=self.selector.pdl)
                          if self.kc_max > self.k_max else None)
         if self.reranker is not None and all(isinstance(t, GpuDenseTables) for t in tables):
             self.selector.zero_with_route(self.reranker)  # its route zeroes the re-rank's workspace too
@@ -100,7 +100,7 @@ class GpuSparseAttention:
             self._step = (pos.int(), n, *self._limits(n))
         pos32, n, lo, hi, k, kc, kf = self._step
         for t in range(pos.shape[1]):
-            self.tables[layer].insert(cache.k[layer], pos32[:, t].contiguous(), self.selector.perm)
+            self.tables[layer].insert(cache.k[layer], pos32[:, t].contiguous(), self.selector.perm, self.selector.pdl)
         if q.shape[2] > 1:
             return self._prefill(layer, q, cache, pos)
         if layer in self.dense_layers:

@@ -107,10 +107,10 @@ class GpuTables:
                    torch.tensor(n_ctx, dtype=torch.int32, **dev),
                    torch.zeros(len(per_row), dtype=torch.int32, **dev), absent)
 
-    def insert(self, k: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
+    def insert(self, k: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None, pdl: bool = False) -> None:
         """Index the keys at positions pos [B] int32: k is the new keys [B, Hkv, D] or the
-        layer's cache [B, Hkv, S, D] (graph-safe, one launch)."""
-        stream_insert(k, self.centroids, self.new_scores, pos, self.stream_start, self.stream_count, perm)
+        layer's cache [B, Hkv, S, D] (graph-safe, one launch; pdl: a dependent launch)."""
+        stream_insert(k, self.centroids, self.new_scores, pos, self.stream_start, self.stream_count, perm, pdl)
 
 
 @dataclass
@@ -160,9 +160,9 @@ class GpuDenseTables:
                    torch.zeros(len(per_row), hkv, m, c, max(max_new, 1), **dev), n.clone(),
                    torch.zeros(len(per_row), dtype=torch.int32, **dev))
 
-    def insert(self, k: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None) -> None:
+    def insert(self, k: torch.Tensor, pos: torch.Tensor, perm: torch.Tensor | None, pdl: bool = False) -> None:
         """As GpuTables.insert."""
-        stream_insert(k, self.centroids, self.new_scores, pos, self.stream_start, self.stream_count, perm)
+        stream_insert(k, self.centroids, self.new_scores, pos, self.stream_start, self.stream_count, perm, pdl)
 
     @classmethod
     def empty(cls, rows: int, like: dict[str, torch.Tensor], n_max: int, max_new: int,
@@ -387,7 +387,7 @@ class GpuSelector:
         if isinstance(t, GpuDenseTables):
             scores = self.route_dense(q, t, lo, hi, k)
             if t.follow_prev is not None:  # its own launch: folded into the score kernel it was slower (DESIGN.md)
-                promote_successors(scores, self.ws, t.follow_prev, lo, hi, k)
+                promote_successors(scores, self.ws, t.follow_prev, lo, hi, k, pdl=self.pdl)
             return self.finish(scores, lo, hi, k)
         return radix_topk(self.route_scatter(q, t), lo, hi, k, self.idx, self.ws)
 
