@@ -92,17 +92,11 @@ def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_
     kbase = k_ptr + b.to(tl.int64) * sk_b + h * sk_h
     m_i = tl.full([GP], NEG, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    cand_row = cand_ptr + b * sc_b + h * sc_h
-    slots = split * BLOCK + tl.arange(0, BLOCK)
-    pos_next = tl.load(cand_row + slots, mask=slots < kc, other=0)
     for start in range(split * BLOCK, kc, NSPLIT * BLOCK):
         slots = start + tl.arange(0, BLOCK)
         ok = slots < kc
-        pos = pos_next
+        pos = tl.load(cand_ptr + b * sc_b + h * sc_h + slots, mask=ok, other=0)
         keys = tl.load(kbase + pos.to(tl.int64)[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0.0)
-        # the next block's positions load beside this block's keys: one dependent round trip a block, not two
-        nxt = slots + NSPLIT * BLOCK
-        pos_next = tl.load(cand_row + nxt, mask=nxt < kc, other=0)
         s = _dot(q, keys, IEEE) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         tl.store(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :], s,

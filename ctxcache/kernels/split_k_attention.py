@@ -111,21 +111,6 @@ def split_range(n, k_sel, split, SINKS, RECENT, SPLITS: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _block_positions(t0, end, lo, hi, n_static, idx_row, BLOCK_N: tl.constexpr, DENSE: tl.constexpr):
-    """Key positions of the block of attended slots [t0, t0 + BLOCK_N) (0 past end): the sinks,
-    the recent window, then the selection idx_row."""
-    t = t0 + tl.arange(0, BLOCK_N)
-    valid = t < end
-    if DENSE:
-        pos = t
-    else:
-        static_pos = tl.where(t < lo, t, hi + t - lo)
-        sel = tl.load(idx_row + (t - n_static), mask=valid & (t >= n_static), other=0)
-        pos = tl.where(t < n_static, static_pos, sel)
-    return tl.where(valid, pos, 0)
-
-
-@triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
                   HKV, G, SINKS, RECENT, scale_log2,
                   sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, si_b, si_h,
@@ -150,15 +135,19 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ksel_ptr, n_ptr, o_ws, ml_ws,
     if PRE_WAIT:  # n, k and q come from before the step's first launch (sync.py): read them while
         pdl_enter(USE_PDL)  # the selection finishes; only idx needs the wait
     m_i, l_i, acc = empty_partial(G_PAD, D)
-    idx_row = idx_ptr + b * si_b + hkv * si_h
-    pos_next = _block_positions(start, end, lo, hi, n_static, idx_row, BLOCK_N, DENSE)
     for t0 in range(start, end, BLOCK_N):
-        valid = t0 + tl.arange(0, BLOCK_N) < end
-        pos = pos_next
+        t = t0 + tl.arange(0, BLOCK_N)
+        valid = t < end
+        if DENSE:
+            pos = t
+        else:
+            static_pos = tl.where(t < lo, t, hi + t - lo)
+            sel = tl.load(idx_ptr + b * si_b + hkv * si_h + (t - n_static),
+                          mask=valid & (t >= n_static), other=0)
+            pos = tl.where(t < n_static, static_pos, sel)
+        pos = tl.where(valid, pos, 0)
         kb = tl.load(k_ptr + b64 * sk_b + hkv * sk_h + pos[:, None].to(tl.int64) * sk_s + offs_d[None, :])
         vb = tl.load(v_ptr + b64 * sv_b + hkv * sv_h + pos[:, None].to(tl.int64) * sv_s + offs_d[None, :])
-        # the next block's selection loads beside this block's K and V: one dependent round trip a block
-        pos_next = _block_positions(t0 + BLOCK_N, end, lo, hi, n_static, idx_row, BLOCK_N, DENSE)
         m_i, l_i, acc = online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE)
     store_partial(o_ws, ml_ws, row * SPLITS + split, m_i, l_i, acc, G, G_PAD, D)
 
