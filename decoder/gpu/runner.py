@@ -171,8 +171,8 @@ class GpuRunner(SlotRows):
         return layers_per_chunk(tokens, self.lm.args.n_layers, self.prefill_token_layers)
 
     def step_seconds(self) -> float | None:
-        """The device time of a launched step of the last batch size lately (None before one
-        was measured)."""
+        """The device time of a replayed step (launched or stepped) of the last batch size lately
+        (None before one was measured)."""
         with self.lock:
             ms = self.times.ms(f"step {self._last_bucket}")
         return None if ms is None else ms / 1e3

@@ -115,18 +115,23 @@ class SlotRows:
             index = [s.index for s in rows]
             tokens, advance = self.io.stage(bucket, index, host_tokens)
             dec = self._decoder(bucket)
-            # replays only: a bucket's first run captures its graph (seconds in the warm-up), and
-            # an estimate holding that held the engine's next launches back for a whole run
-            started = self.times.start() if dec.graph is not None else None
-            put_back = self._unstepped(rows, bucket)
-            logits = dec.run(tokens)
-            put_back()
-            self.times.stop(f"step {bucket}", started)
-            self._last_bucket = bucket
+            logits = self._run_timed(dec, bucket, rows, tokens)
             dec.cache.lengths += advance
             for s in rows:
                 s.length += 1
             return self.io.finish(logits, advance, index, [self.cache_full(s) for s in rows])
+
+    def _run_timed(self, dec: Any, bucket: int, rows: list[Any], tokens: torch.Tensor) -> torch.Tensor:
+        """Run the bucket's step on the staged tokens, its device time measured (step_seconds)."""
+        # replays only: a bucket's first run captures its graph (seconds in the warm-up), and
+        # an estimate holding that held the engine's next launches back for a whole run
+        started = self.times.start() if dec.graph is not None else None
+        put_back = self._unstepped(rows, bucket)
+        logits = dec.run(tokens)
+        put_back()
+        self.times.stop(f"step {bucket}", started)
+        self._last_bucket = bucket
+        return logits
 
     def _step_rows(self, rows: list[Any], tokens: list[int]) -> torch.Tensor:
         self._settle(rows)
@@ -135,9 +140,7 @@ class SlotRows:
         for s, t in zip(rows, tokens):
             tok[s.index], advance[s.index] = t, 1
         dec = self._decoder(bucket)
-        put_back = self._unstepped(rows, bucket)
-        logits = dec.run(torch.tensor(tok, device=self.device))
-        put_back()
+        logits = self._run_timed(dec, bucket, rows, torch.tensor(tok, device=self.device))
         dec.cache.lengths += torch.tensor(advance, device=self.device)
         for s in rows:
             s.length += 1
