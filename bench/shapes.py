@@ -13,7 +13,7 @@ difference. Kernels:
   register cap);
 - topk: the whole select at each radix shape (GpuSelector.set_topk_block);
 - attention: the split-K attention of the selection (waves, keys a block, warps, stages);
-- logits: the re-rank at rerank 4 (Reranker.set_logits_shape: candidates a step, warps).
+- logits: the re-rank at the default rerank (Reranker.set_logits_shape: candidates a step, warps).
 Writes shapes_<device>.json and prints each kernel's default and best per shape."""
 
 from __future__ import annotations
@@ -127,9 +127,9 @@ def shape_rows(n: int, batch: int, kernels: list[str], dev: str) -> list[dict]:
 
 
 def logits_rows(q, k, nt, lo, hi, kk, tables, budget: Budget, base: dict) -> list[dict]:
-    """The re-rank (rerank 4: the selector's candidates, follow off) at each logits shape."""
+    """The re-rank (the default rerank: the selector's candidates, follow off) at each logits shape."""
     batch, n = q.shape[0], k.shape[2]
-    params = CSAttentionParams(rerank=4.0)
+    params = CSAttentionParams()  # the default re-rank
     k_sel = int(kk[0])
     kc_max = params.candidates(k_sel, int(hi[0] - lo[0]))
     kc = torch.full_like(kk, kc_max)
