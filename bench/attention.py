@@ -266,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--list-layout", action="store_true", help="also time the L = N/4 list layout")
         ap.add_argument("--share-tables", action="store_true",
                         help="one dense table for every batch row (stride 0; rows then hit in L2) instead of one per row")
-        ap.add_argument("--rerank", default="3", type=lambda x: tuple(float(r) for r in x.split(",") if r),
+        ap.add_argument("--rerank", default="4", type=lambda x: tuple(float(r) for r in x.split(",") if r),
                         help="comma-separated re-rank factors to time with the default variant "
-                             "(candidates = factor x K; CSAttention's default is 3; '' for none)")
+                             "(candidates = factor x K; CSAttention's default is 4; '' for none)")
     args = gpu_cli("ctxcache bench attention", "8192,16384,32768,65536,131072", argv, extra, __doc__)
     if args is None:
         return 2

@@ -33,21 +33,21 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   runs the same arithmetic with dp4a, bitwise equal). On SmolLM2 at 4K the fidelity matches
   fp16 tables within run-to-run noise (mass recall 0.919 / 0.901 on prose / code for both);
   at 128K batch 8 on the H100 the step is 8.4x SDPA instead of 7.5x (bench/README.md).
-- `rerank=3` (default): the estimate proposes ceil(rerank * K) candidates and exact attention
+- `rerank=4` (default): the estimate proposes ceil(rerank * K) candidates and exact attention
   over the candidates' keys picks the K (`exact_rerank`, the oracle's group criterion). On the
   answer-retention suite (bench compare, SmolLM2, keep 5%) the estimate alone lost exact copies
   the oracle kept (a number's last digit dropped, at 10-50% depth); rerank 4 kept them (rerank 2
   did not, 8 x 128 index). With follow on the wide suite (2048 tokens, seeds 0-9;
-  compare_rerank_candidates_cpu): rerank 3 1 W / 2 L against rerank 4, every kind within noise;
-  rerank 2 3 W / 8 L (copy errors again). On issue 31's six kinds rerank 3 kept 0.987 of full's
-  225 right answers as rerank 4 did (seed 0, compare_rerank3_cpu), and 0.967 of 215 on seed 1
-  with 0 W / 0 L against the oracle in every kind (compare_rerank_seed1_cpu; rerank 2 0.953, also
-  0 / 0), at 44.5 vs 50.9 B/key. On the H200 (32K x 8) the re-rank's logits took 926 vs 1160 us
-  a step and the sparse step's kernels 8.42 vs 8.78 ms; so 3 is the default, 4 the setting with
-  the most answers' margin. The re-rank's GPU time goes with its candidate rows, not their bytes
-  (an int8 K was no faster). The candidates' keys count as read (`search_reads`): 3K keys' K + K
-  keys' K/V per step instead of K keys' K/V. On the GPU the selector proposes the candidates and
-  `kernels/rerank.Reranker` re-ranks them in the captured step (Triton).
+  compare_rerank_candidates_cpu): rerank 3 1 W / 2 L against rerank 4, rerank 2 3 W / 8 L (copy
+  errors again). On issue 31's six kinds rerank 3 kept 0.987 / 0.967 of full's right answers on
+  seeds 0 / 1 against rerank 4's 0.987 / 0.977 (compare_rerank3_cpu, compare_rerank_seed1_cpu,
+  compare_rerank4_seed1_cpu); in json (seed 1) 39 of 43 against 41 for rerank 4 and the oracle
+  (compare_rerank_json_seed1_cpu), at 44.5 vs 50.9 B/key. So 4 stays, though 3 takes 0.75x of the
+  re-rank's GPU time (H200, 32K x 8: logits 926 vs 1160 us a step). The re-rank's GPU time goes
+  with its candidate rows, not their bytes (an int8 K was no faster). The candidates' keys count
+  as read (`search_reads`): 4K keys' K + K keys' K/V per step instead of K keys' K/V. On the GPU
+  the selector proposes the candidates and `kernels/rerank.Reranker` re-ranks them in the
+  captured step (Triton).
 - `follow=128` (default; with a re-rank): each step the successors of the previous step's 128
   best re-ranked keys per KV head (the prompt's dense last query seeds the first step) take
   candidate slots ahead of the estimate's, same count and bytes. A head copying a number

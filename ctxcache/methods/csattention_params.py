@@ -51,9 +51,9 @@ class CSAttentionParams(MethodParams):
     # where it applies (the dense layout with group_combine="sum"), else float16
     table_dtype: str = "auto"
     # > 1: propose ceil(rerank * K) keys by the estimate, keep the K best by exact attention
-    # (1: the estimate's top-K, what the GPU selector computes). 3: answers within noise of 4 on
-    # both retention suites for 0.75x the candidates' K (module docstring)
-    rerank: float = 3.0
+    # (1: the estimate's top-K, what the GPU selector computes). 4: 3 read 0.75x the candidates'
+    # K but lost number answers that 4 and the oracle kept (module docstring)
+    rerank: float = 4.0
     # > 0: the keys right after this stream's previous step's `follow` best re-ranked keys (per
     # KV head) join the candidates ahead of the estimate's (same count): a head copying a
     # span attends one key further each step, a key the estimate may rank far below the cut.

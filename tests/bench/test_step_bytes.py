@@ -14,7 +14,7 @@ def test_csattention_reads_its_candidates_k_its_rows_and_the_budget_v():
     n, budget = 4096, Budget(0.05, 4, 32)
     got = step_bytes("csattention", {}, n, budget, **SMOLLM2)
     k, static = budget.top_k(n), 36
-    assert got["k_bytes"] == 3 * (3 * k + static) * 64 * 2  # rerank 3 (the default): the candidates' K
+    assert got["k_bytes"] == 3 * (4 * k + static) * 64 * 2  # rerank 4 (the default): the candidates' K
     assert got["v_bytes"] == 3 * (k + static) * 64 * 2
     assert got["index_bytes"] == 3 * 16 * (n + 4)  # 16 routed int8 rows and their fp32 scales
     assert got["per_key"] == pytest.approx(got["total"] / (3 * n))

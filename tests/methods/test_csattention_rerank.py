@@ -69,7 +69,7 @@ def test_rerank_is_validated_and_gpu_decodable(qkv):
         make_method("csattention", {"rerank": 100.0})
     q, k, v, _ = qkv
     tables = _tables(CSAttentionParams(centroids=8), q, k, v)
-    for rerank in (1.0, 2.0, None):  # None: the default (3); the GPU re-ranks in decoder/gpu/attention
+    for rerank in (1.0, 2.0, None):  # None: the default (4); the GPU re-ranks in decoder/gpu/attention
         params = CSAttentionParams(centroids=8) if rerank is None else CSAttentionParams(centroids=8, rerank=rerank)
         assert CSAttention(params).params.gpu_selectable and CSAttention(params).gpu_decodable(tables)
 
