@@ -121,7 +121,8 @@ def retention(rows: list[dict], method: str, keep: float | None, reference: str 
               where: Callable[[dict], bool] = lambda r: True) -> dict[str, Any]:
     """Over the questions full attention answers correctly (and `where` admits): the fraction
     `method` answers correctly (kept), and its paired sign test against `reference` at the same
-    keep (wins: questions it gets right and the reference not)."""
+    keep (wins: questions it gets right and the reference not; None where the reference was not
+    run on these questions: no pairs, nothing to count against)."""
     def correct(label: str, k: float | None) -> dict[tuple, bool]:
         return {(r["length"], r["filler"], r["seed"], r["question"]): r["score"] == 1.0
                 for r in rows if r["kind"] == "retention" and r["method"] == label and r["keep"] == k
@@ -130,12 +131,13 @@ def retention(rows: list[dict], method: str, keep: float | None, reference: str 
     asked = [q for q in full if q in mine]
     base = [q for q in asked if full[q]]
     paired = [q for q in base if q in ref]
-    wins = sum(mine[q] and not ref[q] for q in paired)
-    losses = sum(ref[q] and not mine[q] for q in paired)
+    wins = sum(mine[q] and not ref[q] for q in paired) if paired else None
+    losses = sum(ref[q] and not mine[q] for q in paired) if paired else None
     reads = [(r["read_per_key"], r["read_x_dense"]) for r in rows if r["kind"] == "retention"
              and r["method"] == method and r["keep"] == keep and where(r) and "read_per_key" in r]
     return {"questions": len(asked), "full_correct": len(base),
             "read_per_key": sum(x for x, _ in reads) / len(reads) if reads else None,
             "read_x_dense": sum(x for _, x in reads) / len(reads) if reads else None,
             "kept": sum(mine[q] for q in base) / len(base) if base else None,
-            "vs_oracle_wins": wins, "vs_oracle_losses": losses, "sign_test_p": sign_test_p(wins, losses)}
+            "vs_oracle_wins": wins, "vs_oracle_losses": losses,
+            "sign_test_p": sign_test_p(wins, losses) if paired else None}

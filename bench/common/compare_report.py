@@ -18,12 +18,21 @@ def _f(x, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _wl(part: dict, sep: str = "/") -> str:
+    """W / L against the oracle, "-" where the run had no oracle to count against."""
+    if part["vs_oracle_wins"] is None:
+        return "-"
+    return f"{part['vs_oracle_wins']}{sep}{part['vs_oracle_losses']}"
+
+
 def _cell(r: dict, part: dict) -> str:
     """kept (of how many), and against the oracle W / L and p."""
     head = f"{_f(part['kept'])} ({part['full_correct']})"
     if r["method"] in (FULL, ORACLE):
         return head
-    return f"{head} {part['vs_oracle_wins']}/{part['vs_oracle_losses']} p={_f(part['sign_test_p'], '.2g')}"
+    if part["vs_oracle_wins"] is None:
+        return f"{head} -"
+    return f"{head} {_wl(part)} p={_f(part['sign_test_p'], '.2g')}"
 
 
 def retention_markdown(rows: list[dict], config: dict) -> str:
@@ -95,7 +104,7 @@ def _kind_depth_tables(rows: list[dict], config: dict) -> list[str]:
             for d in depths:
                 c, o = cells.get(k, {}).get(d), ref.get(k, {}).get(d)
                 row.append("-" if c is None else f"{_f(c['kept'])} / {_f(o['kept'] if o else None)} "
-                           f"({c['full_correct']}) {c['vs_oracle_wins']}/{c['vs_oracle_losses']}")
+                           f"({c['full_correct']}) {_wl(c)}")
             lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -289,7 +298,7 @@ def _retention_cells(r: dict) -> list[str]:
     ret = r.get("retention")
     if not ret:
         return ["-", "-", "-"]
-    wl = "-" if r["method"] in (FULL, "oracle") else f"{ret['vs_oracle_wins']} / {ret['vs_oracle_losses']}"
+    wl = "-" if r["method"] in (FULL, "oracle") else _wl(ret, " / ")
     p = "-" if r["method"] in (FULL, "oracle") else _f(ret["sign_test_p"])
     return [f"{_f(ret['kept'])} ({ret['full_correct']})", wl, p]
 

@@ -77,6 +77,19 @@ def test_retention_counts_only_what_full_gets_right_and_pairs_with_the_oracle():
     assert retention(rows, "cs", 0.05, where=lambda r: r["question"] < 2)["kept"] == pytest.approx(1 / 2)
 
 
+def test_without_the_oracle_there_is_no_win_or_loss_to_report():
+    """A run without the oracle has nothing to pair with: None, printed "-", not 0 / 0 p=1 (which
+    read as "no answer lost against the oracle")."""
+    from ctxcache.bench.common.compare_report import _cell, _retention_cells
+
+    rows = [_row("full", None, i, 1) for i in range(3)] + [_row("cs", 0.05, i, s) for i, s in enumerate([1, 0, 1])]
+    got = retention(rows, "cs", 0.05)
+    assert got["kept"] == pytest.approx(2 / 3)
+    assert (got["vs_oracle_wins"], got["vs_oracle_losses"], got["sign_test_p"]) == (None, None, None)
+    assert _cell({"method": "cs"}, got) == "0.667 (3) -"
+    assert _retention_cells({"method": "cs", "retention": got})[1:] == ["-", "-"]
+
+
 def test_spec_errors_name_the_value():
     with pytest.raises(ValueError, match="n_tokens=100"):
         CopySpec(100)
