@@ -62,7 +62,7 @@ def radix_topk_pair(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: t
     k2 (<= k), out2 [B, Hkv, F] gets those of its k2[b] largest, then -1 up to F. ws / ws2
     (topk.workspace with blocks16(N, block) blocks): hist0_done, ws holds pass 0 of [lo, hi)
     and both are otherwise zero; else both are zeroed and pass 0 is taken here. pdl: both launches
-    programmatic dependent ones (sync.py; lo, hi, k and k2 are read before the wait)."""
+    programmatic dependent ones (sync.py; lo, hi and k are read before the wait)."""
     if keys.dim() != 3 or keys.dtype != torch.uint16 or keys.stride(2) != 1:
         raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [B, Hkv, N] contiguous in N")
     b, hkv, n = keys.shape
