@@ -168,11 +168,13 @@ class CodedDense:
         self.none = torch.zeros(batch, n_kv, 1, dtype=torch.int32, device=device)  # idx and slot, never read
         self.k_sel = torch.zeros(batch, dtype=torch.int32, device=device)
 
-    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor,
+                 n: torch.Tensor | None = None) -> torch.Tensor:
+        """As GpuDenseAttention: n, the step's lengths, where the caller has them."""
         from ctxcache.kernels.offload_attention import offload_attention
         if q.shape[2] > 1:
             raise RuntimeError("a prompt's prefill runs through HostPrefillAttention")
-        n = (pos[:, 0] + 1).int()
+        n = (pos[:, 0] + 1).int() if n is None else n
         tail = cache.v[layer]
         out = offload_attention(q[:, :, 0], cache.k[layer], cache.v_codes[layer], None, tail, self.none, self.none,
                                 self.k_sel, n, self.max_len, 0, splits=self.splits, coded=cache.coded(layer))
