@@ -34,20 +34,14 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   fp16 tables within run-to-run noise (mass recall 0.919 / 0.901 on prose / code for both);
   at 128K batch 8 on the H100 the step is 8.4x SDPA instead of 7.5x (bench/README.md).
 - `rerank=4` (default): the estimate proposes ceil(rerank * K) candidates and exact attention
-  over the candidates' keys picks the K (`exact_rerank`, the oracle's group criterion). On the
-  answer-retention suite (bench compare, SmolLM2, keep 5%) the estimate alone lost exact copies
-  the oracle kept (a number's last digit dropped, at 10-50% depth); rerank 4 kept them (rerank 2
-  did not, 8 x 128 index). With follow on the wide suite (2048 tokens, seeds 0-9;
-  compare_rerank_candidates_cpu): rerank 3 1 W / 2 L against rerank 4, rerank 2 3 W / 8 L (copy
-  errors again). On issue 31's six kinds rerank 3 kept 0.987 / 0.967 of full's right answers on
-  seeds 0 / 1 against rerank 4's 0.987 / 0.977 (compare_rerank3_cpu, compare_rerank_seed1_cpu,
-  compare_rerank4_seed1_cpu); in json (seed 1) 39 of 43 against 41 for rerank 4 and the oracle
-  (compare_rerank_json_seed1_cpu), at 44.5 vs 50.9 B/key. So 4 stays, though 3 takes 0.75x of the
-  re-rank's GPU time (H200, 32K x 8: logits 926 vs 1160 us a step). The re-rank's GPU time goes
-  with its candidate rows, not their bytes (an int8 K was no faster). The candidates' keys count
-  as read (`search_reads`): 4K keys' K + K keys' K/V per step instead of K keys' K/V. On the GPU
-  the selector proposes the candidates and `kernels/rerank.Reranker` re-ranks them in the
-  captured step (Triton).
+  over their keys picks the K (`exact_rerank`, the oracle's group criterion). On the retention
+  suite (bench compare, SmolLM2, keep 5%) the estimate alone dropped a number's last digit that
+  the oracle kept. rerank 2: 3 W / 8 L against 4 on the wide suite (compare_rerank_candidates_cpu);
+  rerank 3: 0.987 / 0.967 of full's right answers on seeds 0 / 1 against 4's 0.987 / 0.977, json 39
+  against 41 of 43 for 4 and the oracle (compare_rerank_json_seed1_cpu), though 3 takes 0.75x of
+  the re-rank's GPU time (H200, 32K x 8: logits 926 vs 1160 us a step; an int8 K was no faster).
+  The candidates' keys count as read (`search_reads`). On the GPU `kernels/rerank.Reranker`
+  re-ranks the selector's candidates in the captured step (Triton).
 - `follow=128` (default; with a re-rank): each step the successors of the previous step's 128
   best re-ranked keys per KV head (the prompt's dense last query seeds the first step) take
   candidate slots ahead of the estimate's, same count and bytes. A head copying a number
@@ -72,7 +66,8 @@ from ctxcache.methods.base import Capabilities, LayerState, MethodParams, ParamE
 from ctxcache.methods.budget import fp16_rank, outside_region, topk_in_region
 from ctxcache.methods.csattention_lean import lean_state
 from ctxcache.methods.csattention_params import CSAttentionParams
-from ctxcache.methods.csattention_refs import exact_rerank, promote_successors, subspace_permutation
+from ctxcache.methods.csattention_refs import (carried_candidates, exact_rerank, promote_successors,
+                                               subspace_permutation)
 from ctxcache.methods.csattention_rows import DERIVED, ROW_KEYS, dense_row_bytes, dense_rows, routed_rows, row_keys
 from ctxcache.methods.int8_tables import int_dot_scores
 from ctxcache.methods.kmeans import kmeans
@@ -85,7 +80,7 @@ class CSAttention(SparseMethod):
     name = "csattention"
     Params = CSAttentionParams
     caps = Capabilities(uses_queries=True, streaming=True, gpu_decode=True)
-    search_params = frozenset({"rerank", "follow"})
+    search_params = frozenset({"rerank", "follow", "reselect"})
 
     def check_model(self, head_dim: int) -> None:
         try:
@@ -216,24 +211,31 @@ class CSAttention(SparseMethod):
 
     def search(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int,
                k: int) -> torch.Tensor:
+        c = self.params.candidates(k, hi - lo)
+        if c <= k:
+            return self._propose(state, q, keys, lo, hi, c, 0)
+        follow, ex = self.params.follows, state.extra
+        carried = carried_candidates(ex, lo, hi, k) if ex.get("reselect_left", 0) > 0 else None
+        ex["reselect_left"] = ex["reselect_left"] - 1 if carried is not None else self.params.reselects - 1
+        found, valid = carried if carried is not None else (self._propose(state, q, keys, lo, hi, c, follow), None)
+        others = outside_region(lo, hi, keys.shape[1], found.device).expand(found.shape[0], -1)
+        chosen = exact_rerank(q, keys, found, k, others, ordered=bool(follow), valid=valid)
+        if follow:
+            ex["follow_prev"] = chosen[:, :follow]
+        if self.params.reselects > 1:
+            ex["chosen_prev"], ex["chosen_hi"] = chosen, hi
+        return chosen
+
+    def _propose(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int,
+                 c: int, follow: int) -> torch.Tensor:
+        """The estimate's c best keys in [lo, hi), the successors of the last step's best first."""
         est = self.estimate(state, q, n=keys.shape[1])  # [Hkv, G, n]
         # rank fp16-rounded estimates, ties to the lower index: deterministic, and what the GPU
         # selection computes (its radix select runs over 16-bit keys), so both paths agree
-        c = self.params.candidates(k, hi - lo)
-        combined = self._combine(est, q.shape[-1])
-        rank = fp16_rank(combined)
-        follow = self.params.follows if c > k else 0
+        rank = fp16_rank(self._combine(est, q.shape[-1]))
         if follow and "follow_prev" in state.extra:
             rank = promote_successors(rank, state.extra["follow_prev"], lo, hi)
-        found = topk_in_region(rank, lo, hi, c)
-        if c <= k:
-            return found
-        n = keys.shape[1]
-        others = outside_region(lo, hi, n, found.device).expand(found.shape[0], -1)
-        chosen = exact_rerank(q, keys, found, k, others, ordered=bool(follow))
-        if follow:
-            state.extra["follow_prev"] = chosen[:, :follow]
-        return chosen
+        return topk_in_region(rank, lo, hi, c)
 
     @property
     def observes_dense(self) -> bool:
@@ -250,7 +252,12 @@ class CSAttention(SparseMethod):
         state.extra["follow_prev"] = best
 
     def search_reads(self, k: int, region: int) -> int:
-        return self.params.candidates(k, region)
+        """The candidates' keys; with reselect, averaged over a selection's steps (at most K +
+        follow + 1 candidates on the carried ones)."""
+        c, spans = self.params.candidates(k, region), self.params.reselects
+        if spans == 1 or c <= k:
+            return c
+        return -(-(c + (spans - 1) * min(c, k + self.params.follows + 1)) // spans)
 
     def index_read_bytes(self, n_tokens: int, n_kv_heads: int, group: int) -> int:
         """The routed rows (dense layout: one per subspace and route, per KV head, or per query

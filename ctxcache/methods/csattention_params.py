@@ -32,8 +32,8 @@ class CSAttentionParams(MethodParams):
         "subspaces": (1, 64), "centroids": (1, 4096), "list_fraction": (1e-6, 1.0), "kmeans_iters": (1, 100),
         "kmeans_batch": (1, 1 << 20), "max_queries": (1, 1 << 20), "backoff_cos": (-1.0, 1.0),
         "backoff_tau": (1, 64), "seed": (0, (1 << 31) - 1), "rerank": (1.0, MAX_RERANK),
-        "follow": (0, 1024)}
-    QUIET_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"follow"})
+        "follow": (0, 1024), "reselect": (1, 64)}
+    QUIET_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"follow", "reselect"})
     subspaces: int = 16  # m (DESIGN.md: 16 x 16 keeps the answers of 8 x 128 at a quarter of the rows)
     centroids: int = 16  # C per subspace
     list_fraction: float = 1.0  # alpha: lists keep L = ceil(alpha * N) keys (1.0: dense layout)
@@ -61,6 +61,11 @@ class CSAttentionParams(MethodParams):
     # retention suite's measured choice (module docstring); contexts stored before it existed
     # keep their ids (QUIET_DEFAULTS) and decode with it (a search parameter, not the index's)
     follow: int = 128
+    # > 1 (with a re-rank): the estimate proposes the candidates on one step in `reselect`; the
+    # steps between re-rank exactly the previous step's selection, the successors of its `follow`
+    # best keys and the keys that entered the region since (csattention_refs.carried_candidates):
+    # about K + follow candidates and no estimate, a search parameter like follow
+    reselect: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -100,8 +105,8 @@ class CSAttentionParams(MethodParams):
     @property
     def gpu_selectable(self) -> bool:
         """Whether the GPU path computes exactly this selection (no backoff, summed group; follow
-        with the dense layout only; the exact re-rank in kernels/rerank.Reranker)."""
-        return (self.backoff_cos <= -1.0 and self.group_combine == "sum"
+        with the dense layout only; the exact re-rank in kernels/rerank.Reranker; a selection each step)."""
+        return (self.backoff_cos <= -1.0 and self.group_combine == "sum" and self.reselects == 1
                 and (self.follows == 0 or self.list_fraction == 1.0)
                 and self.weighting in ("unit", "qnorm") and self.scoring in ("absolute", "relative", "expected"))
 
@@ -109,6 +114,11 @@ class CSAttentionParams(MethodParams):
     def follows(self) -> int:
         """The previous step's best keys whose successors are promoted: follow, with a re-rank."""
         return self.follow if self.rerank > 1.0 else 0
+
+    @property
+    def reselects(self) -> int:
+        """Steps a selection spans (the estimate's steps one in reselects): reselect, with a re-rank."""
+        return self.reselect if self.rerank > 1.0 else 1
 
     def list_length(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.list_fraction * n)))
