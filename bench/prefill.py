@@ -24,7 +24,7 @@ from ctxcache.bench.common.gpu import D, HKV, HQ, gpu_cli
 from ctxcache.kernels.timing import capture_graph, time_us
 from ctxcache.bench.common.report import print_table, write_result
 from ctxcache.bench.common.serve_limits import copy_bandwidth
-from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.gpu.tables import GpuDenseTables
 from ctxcache.decoder.gpu.slot_prefill import SeedPadding
 from ctxcache.kernels.seed_probs import seed_probs, seed_probs_ref, seed_workspace
 from ctxcache.kernels.topk import radix_topk, workspace

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ctxcache.bench.common.report import add_out
 from ctxcache.kernels.timing import set_flush
-from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuTables
+from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.config import NAMED_CONFIGS
 from ctxcache.models.llama import Transformer

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables, follow_state
+from ctxcache.decoder.gpu.selector import GpuSelector
+from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables, follow_state
 from ctxcache.kernels.rerank import Reranker
 from ctxcache.kernels.split_k_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from ctxcache.decoder.gpu import slot_prefill
-from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.gpu.tables import GpuDenseTables
 from ctxcache.methods import Budget
 from ctxcache.models.attention import causal_attention
 from ctxcache.models.kv_cache import KVCache

@@ -16,7 +16,7 @@ import torch
 
 from ctxcache.decoder.gpu.attention import GpuSparseAttention
 from ctxcache.decoder.gpu.offload import SlotCache, plan_slots
-from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.gpu.tables import GpuDenseTables
 from ctxcache.host_copy import pinned_exact
 from ctxcache.kernels.offload_attention import offload_attention
 from ctxcache.kernels.split_k_attention import choose_splits

@@ -37,7 +37,7 @@ from ctxcache.decoder.gpu.slot_load import OverlappedPrefill, SlotLoader, land_a
 from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
                                                layers_per_chunk, padded_length, prompt_input)
 from ctxcache.decoder.inflight import StepIO
-from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.gpu.tables import GpuDenseTables
 from ctxcache.decoder.gpu.table_stacks import stack_follow
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import LayeredPrefill

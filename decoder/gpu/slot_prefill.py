@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ctxcache.artifact import ContextArtifact, LayerArtifact
-from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.gpu.tables import GpuDenseTables
 from ctxcache.kernels.split_k_attention import region
 from ctxcache.methods.budget import Budget
 from ctxcache.models.attention import appended_attention

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuTables
+from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables
 
 
 def stack_follow(tables: list[GpuDenseTables]) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ctxcache.decoder.gpu.capacity import slot_bytes, slots_within
-from ctxcache.decoder.gpu.selector import GpuDenseTables
+from ctxcache.decoder.gpu.tables import GpuDenseTables
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.config import ModelArgs
 from ctxcache.models.kv_cache import KVCache

@@ -84,7 +84,8 @@ def test_steps_with_follow_select_what_csattention_search_selects(device):
     """The prompt's seed, then steps of promotion, re-rank and update (GpuDenseTables.seed_follow,
     GpuSelector.select, Reranker's follow_out) against CSAttention.observe_dense and .search on
     the same int8 tables: the same keys each step (fp32 re-rank: the reference's order)."""
-    from ctxcache.decoder.gpu.selector import GpuSelector, follow_state
+    from ctxcache.decoder.gpu.selector import GpuSelector
+    from ctxcache.decoder.gpu.tables import follow_state
     from ctxcache.decoder.gpu.table_stacks import stack_tables
     from ctxcache.methods import Budget
     from ctxcache.methods.csattention import CSAttention, CSAttentionParams
@@ -133,7 +134,7 @@ def test_a_padded_prompt_seeds_what_its_real_tokens_seed(device):
     """seed_follow over a prompt padded to its graph's length (SeedPadding: device bounds, the
     padding's keys masked) picks the unpadded prompt's keys, even where one query head's whole
     attention would go to the padding."""
-    from ctxcache.decoder.gpu.selector import follow_state
+    from ctxcache.decoder.gpu.tables import follow_state
     from ctxcache.decoder.gpu.table_stacks import stack_tables
     from ctxcache.decoder.gpu.slot_prefill import SeedPadding
     from ctxcache.methods import Budget

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from ctxcache.decoder.gpu.selector import GpuDenseTables, GpuSelector, GpuTables
+from ctxcache.decoder.gpu.selector import GpuSelector
+from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables
 from ctxcache.decoder.gpu.table_stacks import stack_tables
 from ctxcache.kernels.split_k_attention import region
 from ctxcache.methods import Budget
