@@ -133,6 +133,8 @@ def _dense_dot8_kernel(ids_ptr, w_ptr, ds_ptr, scale_ptr, ns_ptr, nctx_ptr, star
     row, blk, b, h, nctx, s0, cnt, lo, hi, k = score_program(nctx_ptr, start_ptr, cnt_ptr, lo_ptr, hi_ptr, k_ptr, HKV)
     if PRE_WAIT:  # the lengths come from before the step's first launch (sync.py); ids need the route
         pdl_enter(USE_PDL)
+    if k == 0:  # nothing to select (a row carrying its last selection: reselect): no row is read
+        return
     QW: tl.constexpr = BLOCK // 4
     words = blk * QW + tl.arange(0, QW)
     in_load = words < (nctx + 15) // 16 * 4  # whole 16-key runs: 16-byte vector loads

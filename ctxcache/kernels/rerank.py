@@ -50,13 +50,13 @@ def rerank_ref(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, kc: torc
     b, hkv, n_cand = cand.shape
     d = keys.shape[-1]
     slot = torch.arange(n_cand, device=cand.device)
-    cand_ok = (slot[None] < kc[:, None])[:, None]  # [B, 1, KC]
+    cand_ok = (slot[None] < kc[:, None])[:, None] & (cand >= 0)  # [B, Hkv, KC] (-1: padding)
     cand_pos = torch.where(cand_ok, cand.long(), 0)
     others, others_ok = _others(lo, hi, n, sinks, recent)
     pos = torch.cat([cand_pos, torch.where(others_ok, others, 0)[:, None].expand(-1, hkv, -1)], dim=2)
     read = torch.gather(keys, 2, pos[..., None].expand(-1, -1, -1, d)).float()  # [B, Hkv, KC+S+R, D]
     logits = torch.einsum("bhgd,bhcd->bhgc", q.float().view(b, hkv, -1, d), read) * d ** -0.5
-    valid = torch.cat([cand_ok, others_ok[:, None]], dim=2)[:, :, None]  # [B, 1, 1, KC+S+R]
+    valid = torch.cat([cand_ok, others_ok[:, None].expand(-1, hkv, -1)], dim=2)[:, :, None]  # [B, Hkv, 1, KC+S+R]
     prob = logits.masked_fill(~valid, float("-inf")).softmax(-1)
     score = prob[..., :n_cand].sum(2).masked_fill(~cand_ok, -1.0)  # [B, Hkv, KC]
     best = torch.topk(score, min(k_max, n_cand), dim=-1).indices
@@ -96,6 +96,7 @@ def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_
         slots = start + tl.arange(0, BLOCK)
         ok = slots < kc
         pos = tl.load(cand_ptr + b * sc_b + h * sc_h + slots, mask=ok, other=0)
+        ok = ok & (pos >= 0)  # -1: a carried row's padding (kernels/carry.py)
         keys = tl.load(kbase + pos.to(tl.int64)[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0.0)
         s = _dot(q, keys, IEEE) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
@@ -161,10 +162,12 @@ def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, 
         lg = tl.load(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :],
                      mask=gmask[:, None] & ok[None, :] & (slots < KC)[None, :], other=float("-inf"))
         score = tl.sum(tl.exp(lg - m[:, None]) * inv[:, None], 0)
+        # padding (every logit -inf) ranks below every candidate, even one whose probability underflows
+        real = ok & (tl.max(lg, 0) > float("-inf"))
         if not KEY16:  # fp32 scores for the four-pass radix: the reference's exact order
-            tl.store(key_ptr + r.to(tl.int64) * KCP + slots, tl.where(ok, score, -1.0))
+            tl.store(key_ptr + r.to(tl.int64) * KCP + slots, tl.where(real, score, -1.0))
         else:
-            key = _keys16(tl.log2(tl.maximum(score, 1e-38)))
+            key = tl.where(real, _keys16(tl.log2(tl.maximum(score, 1e-38))), 0)
             tl.store(key_ptr + r.to(tl.int64) * KCP + slots, key)
             hist += tl.histogram((key >> 8).to(tl.int32), 256, mask=ok & (k > 0))
     if KEY16:
@@ -236,9 +239,12 @@ class Reranker:
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, kc: torch.Tensor, k: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor, sinks: int, recent: int,
-                 follow_out: torch.Tensor | None = None, kf: torch.Tensor | None = None) -> torch.Tensor:
-        """q [B, Hq, D], keys [B, Hkv, L, D] (stride 1 in D), cand [B, Hkv, >= kc_max] int32,
-        kc, k, lo, hi, n [B] int32 -> key positions [B, Hkv, k_max] int32 (row b: its first k[b]).
+                 follow_out: torch.Tensor | None = None, kf: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, D], keys [B, Hkv, L, D] (stride 1 in D), cand [B, Hkv, >= kc_max] int32
+        (-1: padding, never kept while k real candidates remain), kc, k, lo, hi, n [B] int32 ->
+        key positions [B, Hkv, k_max] int32 (row b: its first k[b]), in `positions` where given
+        (contiguous; reselect keeps each layer's there for the next step).
         follow_out [B, Hkv, F] int32 (with kf [B] int32 <= min(F, k)): gets row b's kf[b] best
         candidates' positions, in any order, then -1."""
         b, hkv, _, d = keys.shape
@@ -264,11 +270,13 @@ class Reranker:
             raise ValueError("follow_out needs a Reranker built with follow > 0 and kf")
         if key16:  # both Top-Ks in two launches, candidate slots mapped to key positions in them
             follows = follow_out is not None
-            radix_topk_pair(out, self.zero, kc, k, self.positions, self.ws, cand, kf if follows else None,
+            kept = self.positions if positions is None else positions
+            radix_topk_pair(out, self.zero, kc, k, kept, self.ws, cand, kf if follows else None,
                             follow_out, self.follow_ws, block=self.topk_block, pdl=self.pdl)
-            return self.positions
+            return kept
         if follow_out is not None:
             radix_topk(out, self.zero, kc, kf, self.follow_slots, self.follow_ws, block=self.topk_block)
             write_follow(cand, self.follow_slots, kf, follow_out)
         radix_topk(out, self.zero, kc, k, self.slots, self.ws, block=self.topk_block)
-        return torch.gather(cand[:, :, :self.kc_max], 2, self.slots.long())
+        kept = torch.gather(cand[:, :, :self.kc_max], 2, self.slots.long())
+        return kept if positions is None else positions.copy_(kept)

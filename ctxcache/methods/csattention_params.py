@@ -105,8 +105,8 @@ class CSAttentionParams(MethodParams):
     @property
     def gpu_selectable(self) -> bool:
         """Whether the GPU path computes exactly this selection (no backoff, summed group; follow
-        with the dense layout only; the exact re-rank in kernels/rerank.Reranker; a selection each step)."""
-        return (self.backoff_cos <= -1.0 and self.group_combine == "sum" and self.reselects == 1
+        with the dense layout only; the exact re-rank in kernels/rerank.Reranker; reselect with follow)."""
+        return (self.backoff_cos <= -1.0 and self.group_combine == "sum" and (self.reselects == 1 or self.follows > 0)
                 and (self.follows == 0 or self.list_fraction == 1.0)
                 and self.weighting in ("unit", "qnorm") and self.scoring in ("absolute", "relative", "expected"))
 

@@ -6,10 +6,13 @@ the reference path and are not meant to be captured."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ctxcache.decoder.gpu.selector import GpuSelector
-from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables, follow_state
+from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables, follow_state, reselect_state
+from ctxcache.kernels.carry import carry_candidates
 from ctxcache.kernels.rerank import Reranker
 from ctxcache.kernels.split_k_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
@@ -41,6 +44,21 @@ class GpuDenseAttention:
         return out[:, :, None]
 
 
+class StepLimits(NamedTuple):
+    """A step's per-row bounds [B] int32 on the device: the region [lo, hi), K, the re-rank's
+    candidates kc and follow's kf; what the selector takes ([lo, sel_hi), sel_kc: empty for rows
+    carrying their last selection); reselect's carried rows and last K (None without it)."""
+    lo: torch.Tensor
+    hi: torch.Tensor
+    k: torch.Tensor
+    kc: torch.Tensor
+    kf: torch.Tensor | None
+    sel_hi: torch.Tensor
+    sel_kc: torch.Tensor
+    carried: torch.Tensor | None = None
+    kp: torch.Tensor | None = None
+
+
 class GpuSparseAttention:
     """CSAttention decode on the GPU: index the new key, select, attend (sinks + top-K + recent).
 
@@ -55,15 +73,22 @@ class GpuSparseAttention:
         self.k_max = budget.top_k(max_len)
         # with an exact re-rank the selector proposes ceil(rerank * K) candidates per row
         self.kc_max = params.candidates(self.k_max, max_len)
-        self.selector = GpuSelector(params, batch, n_heads, n_kv, head_dim, max_len, self.kc_max, device)
         # follow: the rows' previous best re-ranked keys live in their tables (follow_prev; a
         # runner allocates them with its slots, so every batch size's view shares them)
         self.follow = params.follows if self.kc_max > self.k_max else 0
+        # reselect: steps between the estimate's re-rank the last selection (chosen_prev), the
+        # successors of its best keys and the key new to the region (kernels/carry.py)
+        self.reselect = params.reselects if self.follow else 1
+        if self.reselect > 1:
+            self.kc_max = max(self.kc_max, self.k_max + self.follow + 1)
+        self.selector = GpuSelector(params, batch, n_heads, n_kv, head_dim, max_len, self.kc_max, device)
         for t in tables if self.follow else ():
             if not isinstance(t, GpuDenseTables):
                 raise ValueError(f"follow={self.follow} needs the dense table layout (list_fraction=1)")
             if t.follow_prev is None:  # tables stacked for this attention alone (benches, tests)
                 t.follow_prev = follow_state(batch, n_kv, self.follow, device)
+            if self.reselect > 1 and t.chosen_prev is None:
+                t.chosen_prev, t.reselect_left = reselect_state(batch, n_kv, self.k_max, device)
         self.reranker = (Reranker(batch, n_kv, n_heads // n_kv, self.kc_max, self.k_max, device, key16=rerank_key16,
                                   follow=self.follow, pdl=self.selector.pdl)
                          if self.kc_max > self.k_max else None)
@@ -80,26 +105,43 @@ class GpuSparseAttention:
         self._step: tuple[torch.Tensor, ...] = ()
 
     def carried(self) -> list[torch.Tensor]:
-        """What each step reads and rewrites for the next: follow's previous best keys per layer
-        (graph.carried_state)."""
-        return [t.follow_prev for t in self.tables if self.follow and t.follow_prev is not None]
+        """What each step reads and rewrites for the next: follow's previous best keys per layer,
+        reselect's last selection and countdown (graph.carried_state)."""
+        return [x for t in self.tables if self.follow for x in (t.follow_prev, t.chosen_prev, t.reselect_left)
+                if x is not None]
 
-    def _limits(self, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _limits(self, n: torch.Tensor, decode: bool = True) -> StepLimits:
         """Budget.region, Budget.top_k and the re-rank's candidate count on the device (same
-        double-precision ceil as the host), once per step."""
+        double-precision ceil as the host), once per step; with reselect, which rows carry their
+        last selection (their countdown moves here, before any launch of the step reads it; a
+        prompt's step attends densely and moves nothing, as the reference's search does not run)."""
+        lo, hi, k = self._region(n)
+        # CSAttentionParams.candidates: what the selector proposes when the re-rank is on
+        kc = torch.minimum(hi - lo, torch.ceil(k.double() * self.params.rerank - 1e-9).long()).int()
+        kf = k.clamp(max=self.follow) if self.follow else None
+        if self.reselect == 1 or not decode:
+            return StepLimits(lo, hi, k, kc, kf, hi, kc)
+        left = next(t.reselect_left for i, t in enumerate(self.tables) if i not in self.dense_layers)
+        carried = left > 0
+        left.copy_(torch.where(carried, left - 1, self.reselect - 1))
+        _, _, kp = self._region(n - 1)  # the last step's K: its selection's length
+        kc_carried = torch.minimum(kp + self.follow + 1, hi - lo)
+        return StepLimits(lo, hi, k, torch.where(carried, kc_carried, kc), kf, torch.where(carried, lo, hi),
+                          torch.where(carried, 0, kc), carried.int(), kp)
+
+    def _region(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Budget.region and Budget.top_k of rows of n keys, int32 on the device."""
         b = self.budget
         lo = torch.clamp(n, max=b.sinks)
         hi = torch.maximum(lo, n - b.recent)
         k = torch.minimum(torch.ceil(n.double() * b.keep).clamp(min=1).long(), (hi - lo).long())
-        # CSAttentionParams.candidates: what the selector proposes when the re-rank is on
-        kc = torch.minimum(hi - lo, torch.ceil(k.double() * self.params.rerank - 1e-9).long())
-        return lo.int(), hi.int(), k.int(), kc.int(), k.clamp(max=self.follow).int() if self.follow else None
+        return lo.int(), hi.int(), k.int()
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         if layer == 0 or not self._step:  # every layer of a step shares the rows, positions and limits
             n = (pos[:, 0] + 1).int()
-            self._step = (pos.int(), n, *self._limits(n))
-        pos32, n, lo, hi, k, kc, kf = self._step
+            self._step = (pos.int(), n, self._limits(n, decode=pos.shape[1] == 1))
+        pos32, n, lim = self._step
         for t in range(pos.shape[1]):
             self.tables[layer].insert(cache.k[layer], pos32[:, t].contiguous(), self.selector.perm, self.selector.pdl)
         if q.shape[2] > 1:
@@ -107,15 +149,24 @@ class GpuSparseAttention:
         if layer in self.dense_layers:
             return self.dense(layer, q, cache, pos, n)
         if self.reranker is not None:
-            t = self.tables[layer]
-            cand = self.selector.select(q[:, :, 0], t, lo, hi, kc)  # follow: the successors promoted
-            idx = self.reranker(q[:, :, 0], cache.k[layer], cand, kc, k, lo, hi, n, self.budget.sinks,
-                                self.budget.recent, t.follow_prev if self.follow else None, kf)
+            idx = self._rerank(layer, q[:, :, 0], cache, n, lim)
         else:
-            idx = self.selector.select(q[:, :, 0], self.tables[layer], lo, hi, k)
+            idx = self.selector.select(q[:, :, 0], self.tables[layer], lim.lo, lim.hi, lim.k)
         if self.record:
-            self.last_idx[layer] = (idx.clone(), k.clone())
-        return self._attend(layer, q[:, :, 0], cache, n, idx, k)[:, :, None]
+            self.last_idx[layer] = (idx.clone(), lim.k.clone())
+        return self._attend(layer, q[:, :, 0], cache, n, idx, lim.k)[:, :, None]
+
+    def _rerank(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, lim: StepLimits) -> torch.Tensor:
+        """The selector's candidates (follow: the successors promoted; reselect: rows carrying their
+        last selection select nothing, and carry_candidates writes theirs), re-ranked exactly."""
+        t = self.tables[layer]
+        cand = self.selector.select(q, t, lim.lo, lim.sel_hi, lim.sel_kc)
+        if self.reselect > 1:
+            carry_candidates(t.chosen_prev, t.follow_prev, lim.carried, lim.lo, lim.hi, lim.kp, lim.kc, cand,
+                             pdl=self.selector.pdl)
+        return self.reranker(q, cache.k[layer], cand, lim.kc, lim.k, lim.lo, lim.hi, n, self.budget.sinks,
+                             self.budget.recent, t.follow_prev if self.follow else None, lim.kf,
+                             positions=t.chosen_prev if self.reselect > 1 else None)
 
     def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         """A prompt's tokens attend densely (the keys are indexed already)."""

@@ -3,7 +3,7 @@
 A slot holds one context for decoding: its K/V in the model's dtype for `max_len` tokens and,
 sparse, CSAttention's int8 dense rows (m x C per key and KV head, the rows padded to 16 keys),
 their per-row scales, the fp16 centroids, the fp32 overlay of `max_new` streamed keys and
-follow's previous best keys (GpuDenseTables.empty allocates exactly these). The budget is HBM for resident contexts only:
+follow's previous best keys and reselect's last selection (GpuDenseTables.empty allocates exactly these). The budget is HBM for resident contexts only:
 the weights and the step's working buffers (selector, re-rank, graphs) are outside it, so two
 modes given the same budget hold their contexts in the same bytes.
 """
@@ -26,8 +26,9 @@ def free_bytes(device: torch.device | str | None = None) -> int:
 
 
 def slot_bytes(args: ModelArgs, params: CSAttentionParams | None, max_len: int, max_new: int,
-               dtype_bytes: int) -> int:
-    """Resident bytes of one slot (params None: dense mode, the K/V alone)."""
+               dtype_bytes: int, k_max: int = 0) -> int:
+    """Resident bytes of one slot (params None: dense mode, the K/V alone). k_max: the budget's K
+    at max_len, reselect's last selection per KV head (0: max_len, an upper bound)."""
     kv = 2 * args.n_layers * args.n_kv_heads * max_len * args.head_dim * dtype_bytes
     if params is None:
         return kv
@@ -37,7 +38,9 @@ def slot_bytes(args: ModelArgs, params: CSAttentionParams | None, max_len: int, 
                         + 4 * max(max_new, 1)  # fp32 overlay of streamed keys
                         + 2 * (args.head_dim // m))  # fp16 centroids
     per_head += 4 * params.follows  # int32 previous best keys
-    return kv + args.n_layers * args.n_kv_heads * per_head
+    resel = params.reselects > 1
+    per_head += 4 * (k_max or max_len) if resel else 0  # int32 last selection
+    return kv + args.n_layers * (args.n_kv_heads * per_head + (4 if resel else 0))  # (and a countdown)
 
 
 def slots_within(budget_bytes: int, args: ModelArgs, params: CSAttentionParams | None, max_len: int,

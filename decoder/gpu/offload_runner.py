@@ -110,6 +110,9 @@ class OffloadRunner(SlotRows):
         max_len = max_len or a.max_seq_len
         if not 1.0 <= v_cache <= 64.0:
             raise ValueError(f"offload v_cache={v_cache} must be in [1, 64] (selections a slot cache holds)")
+        if params.reselects > 1:
+            raise ValueError(f"offload: reselect={params.reselect} is decoded resident only (the offloaded step "
+                             "selects every step); serve it without --offload, or with reselect=1")
         if v_int8 and not k_hbm:
             raise ValueError("offload v_int8 (V as int8 codes in the host slots) needs K in HBM, not --offload-k host")
         if slots < 1 or max_len < 2 or max_new < 1 or prefill_layers < 1 or attention_waves < 1:
@@ -237,7 +240,7 @@ class OffloadRunner(SlotRows):
                 self.tables, self._tables = layer_tables(len(art.layers), len(self.slots), restored, self.max_len,
                                                          self.max_new, self.device, self.params.follows)
                 follow = self._tables.follow_prev
-                self.follow_state = None if follow is None else follow.view(len(art.layers), -1, *follow.shape[1:])
+                self.carried_rows = () if follow is None else (follow.view(len(art.layers), -1, *follow.shape[1:]),)
             self.tables[layer].load_row(row, restored, n)
         if self.v_int8:  # the row's tail starts at its context's end (a failed load keeps the last one's)
             self.pool.set_row(row, n, art.layers[0].coded.dtype)

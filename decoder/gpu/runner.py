@@ -38,7 +38,7 @@ from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYE
                                                layers_per_chunk, padded_length, prompt_input)
 from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.gpu.tables import GpuDenseTables
-from ctxcache.decoder.gpu.table_stacks import stack_follow
+from ctxcache.decoder.gpu.table_stacks import stack_carried
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import LayeredPrefill
 from ctxcache.methods import make_method
@@ -92,7 +92,8 @@ class GpuRunner(SlotRows):
                       else subspace_permutation(a.head_dim, params.subspaces, params.layout).to(self.device))
         self.lock = threading.Condition()  # device buffers are shared: admissions and steps take turns
         self.loads = 0  # contexts copied into a slot (HBM misses)
-        self.slot_bytes = slot_bytes(a, params, max_len, max_new, model.lm_head.weight.element_size())
+        self.slot_bytes = slot_bytes(a, params, max_len, max_new, model.lm_head.weight.element_size(),
+                                     config.budget.top_k(max_len))
         self.io = StepIO(slots, self.device)
         self.prefill_graphs = PrefillGraphs()
         self.times = DeviceTimes(self.device)
@@ -262,9 +263,10 @@ class GpuRunner(SlotRows):
             if method is not None:
                 tables = method.restore(stored, self.cache.k[layer][row, :, :n])
                 if self.tables is None:
+                    chosen = self.config.budget.top_k(self.cache.max_len) if self.params.reselects > 1 else 0
                     self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len, self.max_new,
-                                                        self.device, self.params.follows) for _ in art.layers]
-                    self.follow_state = stack_follow(self.tables)
+                                                        self.device, self.params.follows, chosen) for _ in art.layers]
+                    self.carried_rows = stack_carried(self.tables)
                 self.tables[layer].load_row(row, tables, n)
 
         # coded K/V (the default int8) cross PCIe as codes and are decoded in HBM, a layer at a

@@ -4,7 +4,7 @@ given rows. A runner brings `slots` (each with index, context_id, busy, last_use
 `lock` (threading.Condition), `buckets`, `device`, `_decoder(bucket)`, `io` (inflight.StepIO), `times`
 (device_times.DeviceTimes), `cache_full(row)`, and may override
 `_settle(rows)`, which runs before a step touches the rows (the offload runner puts a joined
-row's state back there), and sets `follow_state` (table_stacks.stack_follow) when it allocates its
+row's state back there), and sets `carried_rows` (table_stacks.stack_carried) when it allocates its
 tables."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class SlotRows:
     _last_bucket: int
     _decoder: Callable[[int], Any]  # the bucket's GraphDecoder (each runner's own)
     cache_full: Callable[[Any], bool]
-    follow_state: torch.Tensor | None = None  # [layers, slots, Hkv, F]: every layer's follow_prev
+    carried_rows: tuple[torch.Tensor, ...] = ()  # [layers, slots, ...]: table_stacks.stack_carried
 
     def _settle(self, rows: list[Any]) -> None:
         """Before a step reads the rows (nothing by default)."""
@@ -43,9 +43,9 @@ class SlotRows:
         it back after the step (stream order: before any later step reads it)."""
         stepped = {s.index for s in rows}
         held = [s.index for s in self.slots if s.busy and s.index < bucket and s.index not in stepped]
-        if self.follow_state is None or not held:
+        if not self.carried_rows or not held:
             return lambda: None
-        kept = [(self.follow_state[:, i], self.follow_state[:, i].clone()) for i in held]
+        kept = [(state[:, i], state[:, i].clone()) for state in self.carried_rows for i in held]
 
         def put_back() -> None:
             for state, before in kept:

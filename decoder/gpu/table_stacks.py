@@ -1,5 +1,5 @@
 """GPU tables stacked for a batch: rows of several artifacts (stack_tables), every layer's rows
-as views of one allocation (layer_tables), every layer's follow state as one tensor (stack_follow)."""
+as views of one allocation (layer_tables), every layer's per-row step state as one tensor a field (stack_carried)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,23 @@ import torch
 from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables
 
 
-def stack_follow(tables: list[GpuDenseTables]) -> torch.Tensor | None:
-    """Every layer's follow_prev made a view of one [layers, B, Hkv, F] tensor (None without
-    follow): a row's state across all layers is then one slice (SlotRows puts it back after a
-    step that did not step the row)."""
-    if tables[0].follow_prev is None:
-        return None
-    state = torch.stack([t.follow_prev for t in tables])
-    for t, layer_state in zip(tables, state):
-        t.follow_prev = layer_state
-    return state
+CARRIED = ("follow_prev", "chosen_prev", "reselect_left")  # GpuDenseTables' per-row step state
+
+
+def stack_carried(tables: list[GpuDenseTables]) -> tuple[torch.Tensor, ...]:
+    """Every layer's per-row step state (CARRIED: follow's previous best keys, reselect's last
+    selection and countdown; those the tables hold) made views of one [layers, B, ...] tensor
+    each: a row's state across all layers is then one slice (SlotRows puts it back after a step
+    that did not step the row)."""
+    stacked = []
+    for name in CARRIED:
+        if getattr(tables[0], name) is None:
+            continue
+        state = torch.stack([getattr(t, name) for t in tables])
+        for t, layer_state in zip(tables, state):
+            setattr(t, name, layer_state)
+        stacked.append(state)
+    return tuple(stacked)
 
 
 def layer_tables(layers: int, rows: int, like: dict[str, torch.Tensor], n_max: int, max_new: int,
@@ -27,7 +34,7 @@ def layer_tables(layers: int, rows: int, like: dict[str, torch.Tensor], n_max: i
     is one strided slice, `row_of_every_layer`: a hot admission's reset is a launch a field, not
     a launch a field and layer (with its slot caches', SlotCache.layers: ~260 launches at 32
     layers, ~25 us each on the H200's host). Its follow_prev viewed [layers, rows, Hkv, F] is
-    SlotRows.follow_state."""
+    SlotRows.carried_rows."""
     whole = GpuDenseTables.empty(layers * rows, like, n_max, max_new, device, follow)
     return [whole.rows(i * rows, (i + 1) * rows) for i in range(layers)], whole
 

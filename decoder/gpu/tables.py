@@ -86,7 +86,9 @@ class GpuDenseTables:
     score_scale [B, Hkv, m, C] fp32; n_ctx [B] keys in the table per row; streamed overlay
     new_scores [B, Hkv, m, C, T] fp32 for keys at stream_start[b] + t (= n_ctx[b] + t);
     follow_prev [B, Hkv, F] int32 (CSAttention's follow = F > 0): the row's previous best
-    re-ranked keys, -1 where none."""
+    re-ranked keys, -1 where none; with reselect > 1, chosen_prev [B, Hkv, K] int32: the row's
+    last selection (its first k), and reselect_left [B] int32: steps until the estimate selects
+    again (0: this step; a new stream starts at 0)."""
 
     centroids: torch.Tensor
     dense_score: torch.Tensor
@@ -96,6 +98,8 @@ class GpuDenseTables:
     stream_start: torch.Tensor
     stream_count: torch.Tensor
     follow_prev: torch.Tensor | None = None
+    chosen_prev: torch.Tensor | None = None
+    reselect_left: torch.Tensor | None = None
 
     @classmethod
     def stack(cls, per_row: list[dict[str, torch.Tensor]], n_ctx: list[int], max_new: int,
@@ -132,9 +136,10 @@ class GpuDenseTables:
 
     @classmethod
     def empty(cls, rows: int, like: dict[str, torch.Tensor], n_max: int, max_new: int,
-              device: torch.device | str, follow: int = 0) -> "GpuDenseTables":
+              device: torch.device | str, follow: int = 0, chosen: int = 0) -> "GpuDenseTables":
         """Zeroed int8 tables for `rows` rows of up to n_max keys, shaped like one artifact
-        layer's int8 tables `like` (centroids, dense_score, dense_scale); rows hold no keys."""
+        layer's int8 tables `like` (centroids, dense_score, dense_scale); rows hold no keys.
+        follow, chosen: the widths of follow_prev and chosen_prev (0: none)."""
         if "dense_scale" not in like:
             raise ValueError("GpuDenseTables.empty takes int8 dense tables (with dense_scale)")
         hkv, m, c = like["dense_score"].shape[:3]
@@ -144,13 +149,14 @@ class GpuDenseTables:
         return cls(torch.zeros(rows, *like["centroids"].shape, dtype=like["centroids"].dtype, **dev),
                    torch.zeros(rows, hkv, m, c, n_pad, dtype=torch.int8, **dev),
                    torch.zeros(rows, hkv, m, c, **dev), n, torch.zeros(rows, hkv, m, c, max(max_new, 1), **dev),
-                   n.clone(), n.clone(), follow_state(rows, hkv, follow, device) if follow else None)
+                   n.clone(), n.clone(), follow_state(rows, hkv, follow, device) if follow else None,
+                   *(reselect_state(rows, hkv, chosen, device) if chosen else (None, None)))
 
     def rows(self, start: int, end: int) -> "GpuDenseTables":
         """A view of rows [start, end) sharing storage with these tables."""
         return GpuDenseTables(*(None if t is None else t[start:end] for t in (
             self.centroids, self.dense_score, self.score_scale, self.n_ctx, self.new_scores,
-            self.stream_start, self.stream_count, self.follow_prev)))
+            self.stream_start, self.stream_count, self.follow_prev, self.chosen_prev, self.reselect_left)))
 
     def load_row(self, row: int, tables: dict[str, torch.Tensor], n: int) -> None:
         """Copy one artifact layer's int8 tables (n keys) into row `row`; no streamed keys yet."""
@@ -182,6 +188,8 @@ class GpuDenseTables:
         self.stream_count[row].fill_(0)  # no host-scalar copy (a stream sync)
         if self.follow_prev is not None:
             self.follow_prev[row].fill_(-1)  # a new stream follows nothing until its prefill seeds it
+        if self.reselect_left is not None:
+            self.reselect_left[row].fill_(0)  # its first step selects (it has no last selection)
 
     def seed_follow(self, row: int, q: torch.Tensor, keys: torch.Tensor, budget: Budget,
                     padded: SeedPadding | None = None) -> None:
@@ -224,3 +232,9 @@ class GpuDenseTables:
 def follow_state(rows: int, n_kv: int, follow: int, device: torch.device | str) -> torch.Tensor:
     """GpuDenseTables.follow_prev for rows that follow nothing yet."""
     return torch.full((rows, n_kv, follow), -1, dtype=torch.int32, device=device)
+
+
+def reselect_state(rows: int, n_kv: int, k_max: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GpuDenseTables.chosen_prev and reselect_left for rows whose next step selects."""
+    return (torch.full((rows, n_kv, k_max), -1, dtype=torch.int32, device=device),
+            torch.zeros(rows, dtype=torch.int32, device=device))

@@ -14,7 +14,7 @@ from ctxcache.models.kv_cache import KVCache
 ARGS = ModelArgs(vocab_size=64, dim=128, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=64, intermediate_size=256)
 
 
-def _allocated(params: CSAttentionParams | None, max_len: int, max_new: int, dtype: torch.dtype) -> int:
+def _allocated(params: CSAttentionParams | None, max_len: int, max_new: int, dtype: torch.dtype, k_max: int) -> int:
     """What GpuRunner allocates for one slot: the KV cache row and, sparse, a table row per layer."""
     cache = KVCache(ARGS.n_layers, 1, ARGS.n_kv_heads, max_len, ARGS.head_dim, dtype)
     total = sum(t.nbytes for t in cache.k + cache.v)
@@ -24,19 +24,21 @@ def _allocated(params: CSAttentionParams | None, max_len: int, max_new: int, dty
                 "dense_score": torch.zeros(ARGS.n_kv_heads, m, c, 1, dtype=torch.int8),
                 "dense_scale": torch.zeros(ARGS.n_kv_heads, m, c)}
         for _ in range(ARGS.n_layers):
-            t = GpuDenseTables.empty(1, like, max_len, max_new, "cpu", params.follows)
-            parts = (t.centroids, t.dense_score, t.score_scale, t.new_scores, t.follow_prev)
+            t = GpuDenseTables.empty(1, like, max_len, max_new, "cpu", params.follows,
+                                     k_max if params.reselects > 1 else 0)
+            parts = (t.centroids, t.dense_score, t.score_scale, t.new_scores, t.follow_prev, t.chosen_prev,
+                     t.reselect_left)
             total += sum(x.nbytes for x in parts if x is not None)
     return total
 
 
 @pytest.mark.parametrize("params", [None, CSAttentionParams(), CSAttentionParams(subspaces=8, centroids=128),
-                                    CSAttentionParams(centroids=32, subspaces=4, follow=0)],
-                         ids=["dense", "default", "8x128", "4x32-no-follow"])
+                                    CSAttentionParams(centroids=32, subspaces=4, follow=0), CSAttentionParams(reselect=2)],
+                         ids=["dense", "default", "8x128", "4x32-no-follow", "reselect2"])
 @pytest.mark.parametrize("max_len", [1000, 1024])
 def test_slot_bytes_are_what_a_slot_allocates(params, max_len):
     dtype = torch.bfloat16
-    assert slot_bytes(ARGS, params, max_len, 96, dtype.itemsize) == _allocated(params, max_len, 96, dtype)
+    assert slot_bytes(ARGS, params, max_len, 96, dtype.itemsize, 50) == _allocated(params, max_len, 96, dtype, 50)
 
 
 def test_a_smaller_index_holds_more_slots_and_a_too_small_budget_is_named():

@@ -31,9 +31,9 @@ def lm():
     return load_model("random:tiny", seed=3, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _method(rerank: float, subspaces: int = 4, centroids: int = 16, follow: int = 0):
+def _method(rerank: float, subspaces: int = 4, centroids: int = 16, follow: int = 0, reselect: int = 1):
     return make_method("csattention", {"subspaces": subspaces, "centroids": centroids, "rerank": rerank,
-                                       "follow": follow})
+                                       "follow": follow, "reselect": reselect})
 
 
 def _artifacts(lm, method):
@@ -67,11 +67,13 @@ CPU_SLOW = () if torch.cuda.is_available() else (pytest.mark.slow,)
 @pytest.mark.parametrize("sparse, rerank, index", [
     pytest.param(True, 1.0, (4, 16), id="rerank1"), pytest.param(True, 4.0, (4, 16), id="rerank4", marks=CPU_SLOW),
     pytest.param(False, 1.0, (4, 16), id="dense"), pytest.param(True, 4.0, (16, 8), id="m16c8", marks=CPU_SLOW),
-    pytest.param(True, 4.0, (4, 16, 8), id="follow8", marks=CPU_SLOW)])
+    pytest.param(True, 4.0, (4, 16, 8), id="follow8", marks=CPU_SLOW),
+    pytest.param(True, 4.0, (4, 16, 8, 2), id="reselect2", marks=CPU_SLOW)])
 def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, device):
     """rerank 4: the GPU re-ranks the selector's candidates exactly (kernels.rerank.Reranker), as the
     reference's search does (exact_rerank). m16c8: a compact index of many narrow subspaces
-    (16 of 2 dims) with few centroids. follow8: CSAttention's follow (the 3-token prompt seeds it)."""
+    (16 of 2 dims) with few centroids. follow8: CSAttention's follow (the 3-token prompt seeds it).
+    reselect2: every other step re-ranks the last selection, its successors and the new key."""
     method = _method(rerank, *index)
     artifacts = _artifacts(cpu_lm, method)
     # the 3-token prompt is admitted while the first stream decodes, a layer per step
