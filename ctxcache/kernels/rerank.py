@@ -96,10 +96,10 @@ def _logits_kernel(q_ptr, k_ptr, cand_ptr, kc_ptr, lo_ptr, hi_ptr, n_ptr, logit_
         slots = start + tl.arange(0, BLOCK)
         ok = slots < kc
         pos = tl.load(cand_ptr + b * sc_b + h * sc_h + slots, mask=ok, other=0)
-        ok = ok & (pos >= 0)  # -1: a carried row's padding (kernels/carry.py)
-        keys = tl.load(kbase + pos.to(tl.int64)[:, None] * sk_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        real = ok & (pos >= 0)  # -1: a carried row's padding (kernels/carry.py), stored as -inf
+        keys = tl.load(kbase + pos.to(tl.int64)[:, None] * sk_n + offs_d[None, :], mask=real[:, None], other=0.0)
         s = _dot(q, keys, IEEE) * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
+        s = tl.where(real[None, :], s, float("-inf"))
         tl.store(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :], s,
                  mask=gmask[:, None] & ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -69,3 +69,25 @@ def test_batched_rerank_equals_the_reference_per_row(device, impl, dtype, group)
             kth = sorted(probs[h].tolist(), reverse=True)[kr - 1]
             # only keys within 1% of the K-th probability may swap (fp16 keys, bf16 products)
             assert all(abs(by_key[x] - kth) <= 0.01 * kth for x in diff), (r, h, diff)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_is_never_kept_whatever_the_logits_buffer_held(device, dtype):
+    """A carried row's candidates end in -1 (kernels/carry.py): stored as -inf logits, ranked below
+    every candidate, with stale large logits in the buffer from an earlier layer."""
+    q, keys, cand, n, lo, hi, k, kc, sinks, recent = _rows(torch.Generator().manual_seed(1), dtype)
+    padded = cand.clone()
+    for r in range(cand.shape[0]):  # the last 3 * k[r] / 4 of each row's candidates become padding
+        padded[r, :, int(kc[r]) - 3 * int(k[r]) // 4:int(kc[r])] = -1
+    dev = [t.to(device) for t in (q, keys, padded)] + [t.int().to(device) for t in (kc, k, lo, hi, n)]
+    qd, kd, cd, kcd, kd32, lod, hid, nd = dev
+    rr = Reranker(q.shape[0], keys.shape[1], q.shape[1] // keys.shape[1], cand.shape[2] - 5, int(k.max()), device,
+                  programs=12)
+    rr.logits.fill_(1e4)
+    got = rr(qd, kd, cd, kcd, kd32, lod, hid, nd, sinks, recent).cpu()
+    want = rerank_ref(qd, kd, cd, kcd, lod, hid, nd, int(k.max()), sinks, recent).cpu()
+    for r in range(q.shape[0]):
+        kr = int(k[r])
+        assert (got[r, :, :kr] >= 0).all() and (want[r, :, :kr] >= 0).all(), r
+        if dtype == torch.float32:
+            assert all(set(got[r, h, :kr].tolist()) == set(want[r, h, :kr].tolist()) for h in range(keys.shape[1]))
