@@ -111,9 +111,16 @@ def test_a_lone_offloaded_admission_runs_its_whole_prefill_at_once(four_layers):
 
 
 @pytest.fixture(scope="module")
-def beside_and_alone(four_layers):
+def beside_and_alone():
     """b's first step after a prefill with steps of another stream beside it, and after a lone
-    prefill: (runner, b's first logits) each (follow on: rerank 2)."""
+    prefill: (runner, b's first logits) each (follow on: rerank 2). Module-scoped: the two runs
+    are a CPU minute."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(model_config.NAMED_CONFIGS, "tiny4", replace(model_config.NAMED_CONFIGS["tiny"], n_layers=4))
+        return _beside_and_alone("random:tiny4")
+
+
+def _beside_and_alone(four_layers: str):
     lm = load_model(four_layers, seed=3, device=DEVICE)
     method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": 2.0})
     arts = _artifacts(four_layers, method, (200, 150))
