@@ -2,10 +2,9 @@
 are its previous selection, the successors of its previous best keys and the key new to the region
 (methods.csattention_refs.carried_candidates is the per-row reference, `carry_ref` the batched one).
 
-carry_row runs in the selector's follow launch, one program per (row, KV head) (kernels/follow.py:
-rows that select get their successors promoted there, carried rows these candidates); rows not
-carried keep the selector's candidates. The previous selection's kp
-keys are distinct and inside [lo, hi - 1) (one key a step); a successor is kept where inside [lo, hi) and not among them, found by comparing the F
+One program per (row, KV head); rows not carried return after the wait (the selector wrote their
+candidates). The previous selection's kp keys are distinct and inside [lo, hi - 1) (one key a
+step); a successor is kept where inside [lo, hi) and not among them, found by comparing the F
 successors with the selection block by block (no sort, and no per-key bitmap to clear); the new
 key hi - 1 where no kept successor is it. Written in that order, then -1 up to kc (the re-rank
 masks it), so a step's candidates are kp + F + 1 slots at most."""
@@ -16,30 +15,62 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.kernels.sync import launch_opts, pdl_enter
 
 BLOCK = 256  # selection keys compared with the successors per inner step
 
 
 @triton.jit
-def carry_row(prev_ptr, cand_ptr, succ, keep, lo, hi, kp, kc, BLOCK: tl.constexpr):
-    """One (row, KV head)'s carried candidates into cand_ptr (its row), from its last selection at
-    prev_ptr (kp keys) and its successors succ [FP] where keep (inside [lo, hi)); after the wait."""
-    for start in range(0, kp, BLOCK):
-        s = start + tl.arange(0, BLOCK)
-        ok = s < kp
-        chosen = tl.load(prev_ptr + s, mask=ok, other=-1)
-        tl.store(cand_ptr + s, chosen, mask=ok)
-        hit = tl.max((succ[:, None] == chosen[None, :]).to(tl.int32), axis=1)
-        keep = keep & (hit == 0)
-    taken = tl.cumsum(keep.to(tl.int32), 0)
-    tl.store(cand_ptr + kp + taken - 1, succ, mask=keep)
-    n_succ = tl.sum(keep.to(tl.int32), 0)
-    new = hi - 1
-    new_ok = (new >= lo) & (tl.sum((keep & (succ == new)).to(tl.int32), 0) == 0)
-    tl.store(cand_ptr + kp + n_succ, new, mask=new_ok)
-    for start in range(kp + n_succ + new_ok.to(tl.int32), kc, BLOCK):
-        s = start + tl.arange(0, BLOCK)
-        tl.store(cand_ptr + s, tl.full([BLOCK], -1, tl.int32), mask=s < kc)
+def _carry_kernel(prev_ptr, fprev_ptr, carried_ptr, lo_ptr, hi_ptr, kp_ptr, kc_ptr, cand_ptr,
+                  HKV, F, sp_r, sf_r, sc_r, FP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    r = tl.program_id(0)
+    b = r // HKV
+    carried = tl.load(carried_ptr + b)
+    lo = tl.load(lo_ptr + b)
+    hi = tl.load(hi_ptr + b)
+    kp = tl.load(kp_ptr + b)
+    kc = tl.load(kc_ptr + b)
+    j = tl.arange(0, FP)
+    fprev = tl.load(fprev_ptr + r * sf_r + j, mask=j < F, other=-1)
+    succ = fprev + 1
+    keep = (fprev >= 0) & (succ >= lo) & (succ < hi)
+    # the bounds and the last step's keys came before the step; the candidate buffer is the
+    # previous layer's re-rank input until the wait
+    pdl_enter(USE_PDL)
+    if carried != 0:
+        row = cand_ptr + r.to(tl.int64) * sc_r
+        for start in range(0, kp, BLOCK):
+            s = start + tl.arange(0, BLOCK)
+            ok = s < kp
+            chosen = tl.load(prev_ptr + r * sp_r + s, mask=ok, other=-1)
+            tl.store(row + s, chosen, mask=ok)
+            hit = tl.max((succ[:, None] == chosen[None, :]).to(tl.int32), axis=1)
+            keep = keep & (hit == 0)
+        taken = tl.cumsum(keep.to(tl.int32), 0)
+        tl.store(row + kp + taken - 1, succ, mask=keep)
+        n_succ = tl.sum(keep.to(tl.int32), 0)
+        new = hi - 1
+        new_ok = (new >= lo) & (tl.sum((keep & (succ == new)).to(tl.int32), 0) == 0)
+        tl.store(row + kp + n_succ, new, mask=new_ok)
+        for start in range(kp + n_succ + new_ok.to(tl.int32), kc, BLOCK):
+            s = start + tl.arange(0, BLOCK)
+            tl.store(row + s, tl.full([BLOCK], -1, tl.int32), mask=s < kc)
+
+
+def carry_candidates(prev: torch.Tensor, follow_prev: torch.Tensor, carried: torch.Tensor, lo: torch.Tensor,
+                     hi: torch.Tensor, kp: torch.Tensor, kc: torch.Tensor, cand: torch.Tensor,
+                     pdl: bool = False) -> None:
+    """prev [B, Hkv, >= kp] int32 (row b's first kp[b]: its previous selection), follow_prev
+    [B, Hkv, F] int32 (-1: none), carried, lo, hi, kp, kc [B] int32: rows with carried != 0 get
+    their candidates in cand [B, Hkv, >= kc] int32 (graph-safe; kc >= their count, kp + F + 1
+    always is). pdl: a programmatic dependent launch (sync.py)."""
+    b, hkv, f = follow_prev.shape
+    for name, t in (("prev", prev), ("follow_prev", follow_prev), ("cand", cand)):
+        if t.dtype != torch.int32 or t.shape[:2] != (b, hkv) or t.stride(2) != 1 or t.stride(0) != hkv * t.stride(1):
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be int32 [{b}, {hkv}, *], rows mergeable")
+    _carry_kernel[(b * hkv,)](prev, follow_prev, carried, lo, hi, kp, kc, cand, hkv, f, prev.stride(1),
+                              follow_prev.stride(1), cand.stride(1), FP=max(16, triton.next_power_of_2(f)),
+                              BLOCK=BLOCK, USE_PDL=pdl, num_warps=4, **launch_opts(pdl))
 
 
 def carry_ref(prev: torch.Tensor, follow_prev: torch.Tensor, carried: torch.Tensor, lo: torch.Tensor,

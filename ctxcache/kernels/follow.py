@@ -5,19 +5,14 @@ The selector has written each row's 16-bit keys and added radix pass 0 of [lo, h
 workspace; this launch, before radix pass 1, raises each successor inside [lo, hi) to 0xFFFF,
 above every real key (the largest fp16 code, +inf, is 0xFC00), and moves it in the pass-0
 histogram from its old bin to the top one. One program per (row, KV head); previous keys are
-distinct (a Top-K's), so their successors are too and no key is moved twice; -1 marks none.
-With reselect, the same launch writes the carried rows' candidates (kernels/carry.py): a launch a
-layer less than its own (the step is launch-bound at batch 1)."""
+distinct (a Top-K's), so their successors are too and no key is moved twice; -1 marks none."""
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ctxcache.kernels.carry import BLOCK as CARRY_BLOCK, carry_row
 from ctxcache.kernels.sync import launch_opts, pdl_enter
 from ctxcache.kernels.topk import key16_codes
 
@@ -27,8 +22,7 @@ _TOP: tl.constexpr = tl.constexpr(TOP_KEY)  # what a jitted kernel may read of a
 
 @triton.jit
 def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk_r, sws_r, sp_r,
-                    chosen_ptr, carried_ptr, rhi_ptr, kp_ptr, kc_ptr, cand_ptr, sch_r, sc_r,
-                    FP: tl.constexpr, CARRY: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                    FP: tl.constexpr, USE_PDL: tl.constexpr):
     r = tl.program_id(0)
     b = r // HKV
     lo = tl.load(lo_ptr + b)
@@ -38,56 +32,27 @@ def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk
     prev = tl.load(prev_ptr + r * sp_r + j, mask=j < F, other=-1)
     succ = prev + 1
     inside = (prev >= 0) & (succ >= lo) & (succ < hi) & (k > 0)
-    if CARRY:
-        carried = tl.load(carried_ptr + b)
-    else:
-        carried = tl.zeros((), tl.int32)
     pdl_enter(USE_PDL)  # the bounds and the last step's best keys came before; the keys need the wait
-    if carried != 0:  # reselect: a row selecting nothing this step carries its last selection
-        rhi = tl.load(rhi_ptr + b)
-        keep = (prev >= 0) & (succ >= lo) & (succ < rhi)
-        carry_row(chosen_ptr + r * sch_r, cand_ptr + r.to(tl.int64) * sc_r, succ, keep, lo, rhi,
-                  tl.load(kp_ptr + b), tl.load(kc_ptr + b), BLOCK)
-    else:
-        old = tl.load(key_ptr + r.to(tl.int64) * sk_r + succ, mask=inside, other=0).to(tl.int32)
-        tl.store(key_ptr + r.to(tl.int64) * sk_r + succ, tl.full([FP], _TOP, tl.uint16), mask=inside)
-        hist = ws_ptr + r * sws_r
-        tl.atomic_add(hist + (old >> 8), -1, mask=inside, sem="relaxed")
-        tl.atomic_add(hist + 255, tl.sum(inside.to(tl.int32), axis=0), sem="relaxed")
-
-
-class Carry(NamedTuple):
-    """reselect's carried rows for the follow launch (kernels/carry.py): their last selections
-    chosen [B, Hkv, >= kp] int32, which rows carry, the region's end and the last K [B] int32, the
-    candidates kc [B] int32 (>= their count), and the candidate buffer [B, Hkv, >= kc] int32."""
-    chosen: torch.Tensor
-    carried: torch.Tensor
-    hi: torch.Tensor
-    kp: torch.Tensor
-    kc: torch.Tensor
-    cand: torch.Tensor
+    old = tl.load(key_ptr + r.to(tl.int64) * sk_r + succ, mask=inside, other=0).to(tl.int32)
+    tl.store(key_ptr + r.to(tl.int64) * sk_r + succ, tl.full([FP], _TOP, tl.uint16), mask=inside)
+    hist = ws_ptr + r * sws_r
+    tl.atomic_add(hist + (old >> 8), -1, mask=inside, sem="relaxed")
+    tl.atomic_add(hist + 255, tl.sum(inside.to(tl.int32), axis=0), sem="relaxed")
 
 
 def promote_successors(keys: torch.Tensor, ws: torch.Tensor, prev: torch.Tensor, lo: torch.Tensor,
-                       hi: torch.Tensor, k: torch.Tensor, pdl: bool = False, carry: Carry | None = None) -> None:
+                       hi: torch.Tensor, k: torch.Tensor, pdl: bool = False) -> None:
     """keys [B, Hkv, N] uint16 (radix pass 0 of [lo, hi) in ws, topk.workspace), prev [B, Hkv, F]
     int32 (-1: none), lo, hi, k [B] int32: promote the successors in place (graph-safe). pdl: a
-    programmatic dependent launch (sync.py). carry: in the same launch, the carried rows (k 0
-    here) get their candidates written (carry_ref is their reference)."""
+    programmatic dependent launch (sync.py)."""
     b, hkv, _ = keys.shape
     if keys.dtype != torch.uint16 or keys.stride(2) != 1 or keys.stride(0) != hkv * keys.stride(1):
         raise ValueError(f"keys {tuple(keys.shape)} {keys.dtype} must be uint16 [B, Hkv, N], rows mergeable")
     if prev.shape[:2] != (b, hkv) or prev.dtype != torch.int32 or not prev.is_contiguous():
         raise ValueError(f"prev {tuple(prev.shape)} {prev.dtype} must be contiguous int32 [{b}, {hkv}, F]")
     f = prev.shape[2]
-    c = carry or Carry(prev, lo, hi, lo, lo, prev)  # (unread without CARRY)
-    for name, t in (("chosen", c.chosen), ("cand", c.cand)):
-        if t.dtype != torch.int32 or t.shape[:2] != (b, hkv) or t.stride(2) != 1 or t.stride(0) != hkv * t.stride(1):
-            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be int32 [{b}, {hkv}, *], rows mergeable")
     _promote_kernel[(b * hkv,)](keys, ws, prev, lo, hi, k, hkv, f, keys.stride(1), ws.stride(0), prev.stride(1),
-                                c.chosen, c.carried, c.hi, c.kp, c.kc, c.cand, c.chosen.stride(1), c.cand.stride(1),
-                                FP=max(16, triton.next_power_of_2(f)), CARRY=carry is not None, BLOCK=CARRY_BLOCK,
-                                USE_PDL=pdl, num_warps=4, **launch_opts(pdl))
+                                FP=max(16, triton.next_power_of_2(f)), USE_PDL=pdl, num_warps=4, **launch_opts(pdl))
 
 
 def promote_ref(keys: torch.Tensor, prev: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,

@@ -12,7 +12,7 @@ import torch
 
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables, follow_state, reselect_state
-from ctxcache.kernels.follow import Carry
+from ctxcache.kernels.carry import carry_candidates
 from ctxcache.kernels.rerank import Reranker
 from ctxcache.kernels.split_k_attention import choose_splits, sparse_decode_attention
 from ctxcache.methods import Budget
@@ -158,11 +158,12 @@ class GpuSparseAttention:
 
     def _rerank(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, lim: StepLimits) -> torch.Tensor:
         """The selector's candidates (follow: the successors promoted; reselect: rows carrying their
-        last selection select nothing, and the follow launch writes theirs), re-ranked exactly."""
+        last selection select nothing, and carry_candidates writes theirs), re-ranked exactly."""
         t = self.tables[layer]
-        carry = (Carry(t.chosen_prev, lim.carried, lim.hi, lim.kp, lim.kc, self.selector.idx)
-                 if self.reselect > 1 else None)
-        cand = self.selector.select(q, t, lim.lo, lim.sel_hi, lim.sel_kc, carry)
+        cand = self.selector.select(q, t, lim.lo, lim.sel_hi, lim.sel_kc)
+        if self.reselect > 1:
+            carry_candidates(t.chosen_prev, t.follow_prev, lim.carried, lim.lo, lim.hi, lim.kp, lim.kc, cand,
+                             pdl=self.selector.pdl)
         return self.reranker(q, cache.k[layer], cand, lim.kc, lim.k, lim.lo, lim.hi, n, self.budget.sinks,
                              self.budget.recent, t.follow_prev if self.follow else None, lim.kf,
                              positions=t.chosen_prev if self.reselect > 1 else None)

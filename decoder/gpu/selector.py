@@ -28,7 +28,7 @@ import torch
 from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables
 from ctxcache.kernels.dense_dot8 import dense_dot8
 from ctxcache.kernels.dense_select import dense_scores
-from ctxcache.kernels.follow import Carry, promote_successors
+from ctxcache.kernels.follow import promote_successors
 from ctxcache.kernels.route import route
 from ctxcache.kernels.scatter import scatter_lists
 from ctxcache.kernels.stream import add_streamed
@@ -171,13 +171,12 @@ class GpuSelector:
             self.w.fill_(1.0)
 
     def select(self, q: torch.Tensor, t: GpuTables | GpuDenseTables, lo: torch.Tensor, hi: torch.Tensor,
-               k: torch.Tensor, carry: Carry | None = None) -> torch.Tensor:
-        """-> idx [B, Hkv, k_max] int32; row b's first k[b] entries are its selection. carry (with
-        follow): the carried rows' candidates written into idx in the follow launch."""
+               k: torch.Tensor) -> torch.Tensor:
+        """-> idx [B, Hkv, k_max] int32; row b's first k[b] entries are its selection."""
         if isinstance(t, GpuDenseTables):
             scores = self.route_dense(q, t, lo, hi, k)
             if t.follow_prev is not None:  # its own launch: folded into the score kernel it was slower (DESIGN.md)
-                promote_successors(scores, self.ws, t.follow_prev, lo, hi, k, pdl=self.pdl, carry=carry)
+                promote_successors(scores, self.ws, t.follow_prev, lo, hi, k, pdl=self.pdl)
             return self.finish(scores, lo, hi, k)
         return radix_topk(self.route_scatter(q, t), lo, hi, k, self.idx, self.ws)
 

@@ -1,9 +1,9 @@
-"""CSAttention's reselect on the GPU: the carried rows' candidates (kernels/carry.py, written in
-the follow launch) against their torch reference, and that as a set against the method's."""
+"""CSAttention's reselect on the GPU: the carried rows' candidates (kernels/carry.py) against its
+torch reference, and as a set against the method's per-row reference."""
 
 import torch
 
-from ctxcache.kernels.carry import carry_ref
+from ctxcache.kernels.carry import carry_candidates, carry_ref
 from ctxcache.methods.csattention_refs import carried_candidates
 
 
@@ -29,13 +29,14 @@ def _inputs(gen: torch.Generator):
     return prev, fprev, carried, lo, hi, kp, kc, cand
 
 
-def test_carried_rows_get_the_method_candidates_selection_first():
-    """carry_ref (the kernel's reference) against the method's per-row reference, as sets."""
+def test_carried_rows_get_the_selection_then_new_successors_then_the_new_key(device):
     gen = torch.Generator().manual_seed(0)
     prev, fprev, carried, lo, hi, kp, kc, cand = _inputs(gen)
     want = carry_ref(prev, fprev, carried, lo, hi, kp, kc, cand)
     assert torch.equal(want[2], cand[2])  # a row not carried keeps the selector's candidates
-    assert torch.equal(want[0, :, :int(kp[0])], prev[0, :, :int(kp[0])])
+    got = cand.to(device)
+    carry_candidates(*(t.to(device) for t in (prev, fprev, carried, lo, hi, kp, kc)), got)
+    assert torch.equal(got.cpu(), want)
     for r in (0, 1):
         extra = {"chosen_prev": prev[r, :, :int(kp[r])].long(), "chosen_hi": int(hi[r]) - 1,
                  "follow_prev": fprev[r].long()}
@@ -43,25 +44,3 @@ def test_carried_rows_get_the_method_candidates_selection_first():
         for h in range(2):
             row = want[r, h, :int(kc[r])]
             assert sorted(row[row >= 0].tolist()) == ref[h][valid[h]].tolist()
-
-
-def test_the_follow_launch_promotes_selecting_rows_and_carries_the_others(device):
-    """With Carry, promote_successors' launch does both: rows that select (k > 0) get their
-    successors promoted, carried rows (k 0 there) their candidates, as carry_ref writes them."""
-    from ctxcache.kernels.follow import Carry, promote_ref, promote_successors
-    from ctxcache.kernels.topk import blocks16, key16_codes, workspace
-
-    gen = torch.Generator().manual_seed(1)
-    prev, fprev, carried, lo, hi, kp, kc, cand = _inputs(gen)
-    n = 5008
-    keys = torch.randint(0, 0xFC00, (3, 2, n), generator=gen, dtype=torch.int32).short().view(torch.uint16)
-    sel_hi = torch.where(carried.bool(), lo, hi)
-    sel_k = torch.where(carried.bool(), 0, kp)
-    want_cand = carry_ref(prev, fprev, carried, lo, hi, kp, kc, cand)
-    want_codes = promote_ref(keys, fprev, lo, sel_hi, sel_k)
-    d = [t.to(device) for t in (keys, prev, fprev, carried, lo, hi, kp, kc, cand, sel_hi, sel_k)]
-    kd, pd, fd, cd, lod, hid, kpd, kcd, cand_d, shd, skd = d
-    ws = workspace(6, device, blocks16(n, 1024))
-    promote_successors(kd, ws, fd, lod, shd, skd, carry=Carry(pd, cd, hid, kpd, kcd, cand_d))
-    assert torch.equal(cand_d.cpu(), want_cand)
-    assert torch.equal(key16_codes(kd.cpu()), want_codes)
