@@ -7,32 +7,25 @@ Online: per subspace pick the nearest centroid of the query, gather the m lists,
 by key index into a dense accumulator, take Top-K in the middle region.
 
 Departures from the paper, each chosen by measurement (bench/README.md) and switchable here:
-- `weighting="qnorm"`: a subspace's list scores are scaled by the query's norm in that
-  subspace. Centroids are unit vectors, so c . k estimates q . k / ||q_b||; unscaled sums
-  weigh a subspace holding 1% of the query like one holding 50%.
-- `scoring="expected"` (default): a listed key contributes s - mean(unlisted scores of that
-  list); an absent key 0, i.e. the list's mean guess. Read literally (`absolute`: absent adds
-  0 to raw scores), negative list scores make absent keys look better than listed ones;
-  `relative` (s - the L-th score, an upper bound for absent keys) is 0.04 worse in mass recall.
+- `weighting="qnorm"`: list scores scaled by the query's norm in the subspace (c . k estimates
+  q . k / ||q_b||; unscaled, a subspace with 1% of the query weighs as one with 50%).
+- `scoring="expected"` (default): a listed key contributes s - mean(unlisted scores of that list),
+  an absent key 0. `absolute` (the paper: raw scores) ranks absent keys above negative listed
+  ones; `relative` (s - the L-th score) is 0.04 worse in mass recall.
 - `list_fraction=1.0` (default): full-length lists, stored densely in key order as
-  `dense_score` [Hkv, m, C, N] with no indices; every offset is then a per-list constant, so
-  the estimate is the weighted sum of m rows. On SmolLM2 (head_dim 64) this is the only
-  variant measured above 0.90 mass recall on both texts, and per step it reads fewer bytes
-  than N/4 (index, score) lists; it stores 8x the KV bytes in fp16, 4x as int8 (the paper's
-  N/4 format: 6x).
-- GQA, `routing="group"` (default): the selection is shared by the group (one KV read per
-  group) and ranks by the group's summed logits, sum_g q_g . k = (sum_g q_g) . k; so the tables
-  cluster the group-sum queries and a step routes the group sum once, reading m rows per KV
-  head instead of G * m (3x fewer on SmolLM2, 4x at Llama-3.1-8B shapes, where the row read is
-  the step's largest cost). Measured on SmolLM2 at 4K, keep 5% (every 3rd layer): mass recall
-  0.932 / 0.919 (prose / code) vs 0.940 / 0.925 routing each head (`routing="head"`, which
-  merges the per-head estimates by `group_combine`).
-- int8 dense tables (`table_dtype="auto"`, the default, picks them for the dense layout):
-  dense_score rows stored as int8 with a per-row scale (half the bytes), and the estimate is
-  an integer dot product against int8-quantized routed weights (methods/int8_tables; the GPU
-  runs the same arithmetic with dp4a, bitwise equal). On SmolLM2 at 4K the fidelity matches
-  fp16 tables within run-to-run noise (mass recall 0.919 / 0.901 on prose / code for both);
-  at 128K batch 8 on the H100 the step is 8.4x SDPA instead of 7.5x (bench/README.md).
+  `dense_score` [Hkv, m, C, N] with no indices, so the estimate is the weighted sum of m rows.
+  On SmolLM2 (head_dim 64) the only variant above 0.90 mass recall on both texts; a step reads
+  fewer bytes than N/4 (index, score) lists; it stores 4x the KV bytes as int8 (paper: 6x).
+- GQA, `routing="group"` (default): the group shares one selection (one KV read) ranked by its
+  summed logits, sum_g q_g . k = (sum_g q_g) . k: the tables cluster the group-sum queries and a
+  step routes the sum once, reading m rows per KV head instead of G * m (4x fewer at Llama-3.1-8B
+  shapes). SmolLM2 4K, keep 5%: mass recall 0.932 / 0.919 (prose / code) vs 0.940 / 0.925
+  routing each head (`routing="head"`, merged by `group_combine`).
+- int8 dense tables (`table_dtype="auto"`, the default, picks them for the dense layout): rows
+  as int8 with a per-row scale (half the bytes); the estimate is an integer dot product against
+  int8-quantized routed weights (methods/int8_tables; the GPU's dp4a is bitwise equal). SmolLM2
+  4K: mass recall 0.919 / 0.901 on prose / code, as fp16 tables; 128K x 8 on the H100: the step
+  8.4x SDPA instead of 7.5x.
 - `rerank=4` (default): the estimate proposes ceil(rerank * K) candidates and exact attention
   over their keys picks the K (`exact_rerank`, the oracle's group criterion). On the retention
   suite (bench compare, SmolLM2, keep 5%) the estimate alone dropped a number's last digit that
@@ -48,6 +41,10 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   attends one key further each step, and the estimate ranked that key 461-1486 against a cut of
   412 (2K changelog, layer 7). On the suite: follow=128 keeps 0.987 vs the oracle's 0.982
   (follow=0: 0.951; bench/README.md). The GPU path does the same (kernels/follow.py).
+- `reselect=1` (default): 2 lets every other step re-rank the last selection, its best keys'
+  successors and the new key instead of the estimate's candidates (csattention_refs, kernels/
+  carry.py). Answers held (six kinds, seeds 0 + 1: 0.984 vs 0.982, compare_reselect2_cpu), but
+  served on the H200 it was no faster (32K x 8 1.320x dense vs the default's 1.322x): off.
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
   shared tables stay read-only while many streams decode from one artifact.
@@ -181,14 +178,12 @@ class CSAttention(SparseMethod):
         return {n: t for n, t in tables.items() if n not in DERIVED} if self._dense else tables
 
     def restore(self, tables: Tables, k: torch.Tensor, on_demand: bool = False) -> Tables:
-        """Derive the dense rows from the centroids and the keys k [Hkv, N, D] on k's device
-        (GPU: one matmul per layer). on_demand: keep the subspace keys instead and compute
-        each step's m routed rows (what the CPU reference reads: materializing all C rows of
-        30 layers at 4K tokens took 18-31 s on the 2-core box, a step's rows take < 1 ms)."""
+        """Derive the dense rows from the centroids and the keys k [Hkv, N, D] on k's device (GPU:
+        a matmul a layer). on_demand: keep the subspace keys, and a step computes its m routed rows
+        (the CPU reference: all C rows of 30 layers at 4K took 18-31 s, a step's rows < 1 ms)."""
         if not self._dense or "dense_score" in tables or ROW_KEYS in tables:
             return tables
-        # contiguous subspaces are a view of the keys: the gather by the identity permutation
-        # copied every key of every layer at load (the rows are fp64 sums: exact either way)
+        # contiguous subspaces: a view (a gather by the identity copied every key at load)
         p: CSAttentionParams = self.params
         split = k.unflatten(-1, (p.subspaces, -1)) if p.layout == "contiguous" else self._split(k)
         sub_k = split.permute(0, 2, 1, 3)  # [Hkv, m, N, d_b]
@@ -242,9 +237,8 @@ class CSAttention(SparseMethod):
         return self.params.follows > 0
 
     def observe_dense(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int) -> None:
-        """follow: the prompt's last query's `follow` best keys in [lo, hi) by exact attention
-        (the dense step computed those scores anyway) stand in for a previous search, so the
-        first sparse step also proposes their successors."""
+        """follow: the prompt's last query's `follow` best keys in [lo, hi) by exact attention stand
+        in for a previous search, so the first sparse step also proposes their successors."""
         if not self.params.follows or hi <= lo:
             return
         probs = group_probabilities(q, keys).sum(1)  # [Hkv, n]
@@ -311,11 +305,9 @@ class CSAttention(SparseMethod):
                 and p.int8_tables and (ROW_KEYS in t or "dense_scale" in t))
 
     def _estimate_lean(self, state: LayerState, q: torch.Tensor, n: int) -> torch.Tensor:
-        """estimate() for _lean_applies, bitwise its general path's result (the same ops on the
-        same shapes, less the identities: weights of 1, offsets of 0, floors of -inf), with the
-        fp32/fp64 centroids converted once per stream (csattention_lean.LeanState). Why: at 4K
-        tokens the general path's ~60 small torch calls per layer and row cost more on the CPU
-        than the rows' arithmetic."""
+        """estimate() for _lean_applies, bitwise its general path's result (its ops less the
+        identities), the centroids converted once per stream (csattention_lean.LeanState): at 4K
+        the general path's ~60 small torch calls a layer cost more on the CPU than its arithmetic."""
         t, lean = state.tables, lean_state(state)
         hkv, m = lean.cent.shape[:2]
         sub_q = self._split(q.float().view(hkv, -1, q.shape[-1]).sum(1, keepdim=True))  # [Hkv, 1, m, d_b]
