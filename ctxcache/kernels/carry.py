@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.kernels.follow import successors
 from ctxcache.kernels.sync import launch_opts, pdl_enter
 
 BLOCK = 256  # selection keys compared with the successors per inner step
@@ -30,10 +31,7 @@ def _carry_kernel(prev_ptr, fprev_ptr, carried_ptr, lo_ptr, hi_ptr, kp_ptr, kc_p
     hi = tl.load(hi_ptr + b)
     kp = tl.load(kp_ptr + b)
     kc = tl.load(kc_ptr + b)
-    j = tl.arange(0, FP)
-    fprev = tl.load(fprev_ptr + r * sf_r + j, mask=j < F, other=-1)
-    succ = fprev + 1
-    keep = (fprev >= 0) & (succ >= lo) & (succ < hi)
+    succ, keep = successors(fprev_ptr + r * sf_r, lo, hi, F, FP)
     # the bounds and the last step's keys came before the step; the candidate buffer is the
     # previous layer's re-rank input until the wait
     pdl_enter(USE_PDL)

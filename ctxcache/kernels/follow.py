@@ -21,17 +21,23 @@ _TOP: tl.constexpr = tl.constexpr(TOP_KEY)  # what a jitted kernel may read of a
 
 
 @triton.jit
+def successors(prev_ptr, lo, hi, F, FP: tl.constexpr):
+    """A row's previous best keys at prev_ptr (F of them, -1: none) -> their successors [FP] and
+    which of those lie inside [lo, hi)."""
+    j = tl.arange(0, FP)
+    prev = tl.load(prev_ptr + j, mask=j < F, other=-1)
+    succ = prev + 1
+    return succ, (prev >= 0) & (succ >= lo) & (succ < hi)
+
+
+@triton.jit
 def _promote_kernel(key_ptr, ws_ptr, prev_ptr, lo_ptr, hi_ptr, k_ptr, HKV, F, sk_r, sws_r, sp_r,
                     FP: tl.constexpr, USE_PDL: tl.constexpr):
     r = tl.program_id(0)
     b = r // HKV
-    lo = tl.load(lo_ptr + b)
-    hi = tl.load(hi_ptr + b)
     k = tl.load(k_ptr + b)
-    j = tl.arange(0, FP)
-    prev = tl.load(prev_ptr + r * sp_r + j, mask=j < F, other=-1)
-    succ = prev + 1
-    inside = (prev >= 0) & (succ >= lo) & (succ < hi) & (k > 0)
+    succ, inside = successors(prev_ptr + r * sp_r, tl.load(lo_ptr + b), tl.load(hi_ptr + b), F, FP)
+    inside = inside & (k > 0)
     pdl_enter(USE_PDL)  # the bounds and the last step's best keys came before; the keys need the wait
     old = tl.load(key_ptr + r.to(tl.int64) * sk_r + succ, mask=inside, other=0).to(tl.int32)
     tl.store(key_ptr + r.to(tl.int64) * sk_r + succ, tl.full([FP], _TOP, tl.uint16), mask=inside)
