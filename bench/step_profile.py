@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="--admit: also the serial admission replayed as CUDA graphs (OffloadRunner "
                              "prefill_graphs, serve --offload-prefill-graphs), captured on its key's second use, "
                              "then timed")
+        ap.add_argument("--stagger", action="store_true",
+                        help="step the odd rows once more before timing: their reselect countdowns then differ from "
+                             "the even rows' (a step mixes carried and selecting rows, as streams joining at "
+                             "different steps do in a server)")
         ap.add_argument("--no-pdl", action="store_true",
                         help="launch without programmatic dependent launch (CTXCACHE_NO_PDL=1): each kernel's time "
                              "its own, not overlapping its wait for the one before")
@@ -157,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows = [runner.admit(f"c{i}", art, [5 + i] * 20, config, 96)[0] for i in range(b)]
                 greedy = greedy_steps(runner, rows) if mode == "offload" else {}
                 runner.step(rows, [7] * b)  # the bucket's graph captured first (its warm-up runs count too)
+                if args.stagger and b > 1:
+                    runner.step(rows[1::2], [7] * len(rows[1::2]))
                 before = runner.pcie_bytes() if mode == "offload" else None
                 got = profile_steps(runner, rows)
                 if before is not None:  # over the timed and profiled steps
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                     got["pcie_bytes_per_step"] = moved / steps if steps else None
                 if mode == "offload":
                     got["offload_splits"] = runner.attention_splits(b)
-                rows_out.append({"context": n, "mode": mode, "batch": b, "pdl": not args.no_pdl,
+                rows_out.append({"context": n, "mode": mode, "batch": b, "pdl": not args.no_pdl, "stagger": args.stagger,
                                  "method_params": json.dumps(mp) if mode != "dense" else None,
                                  "v_cache": v_cache, "offload_waves": waves,
                                  "offload_v": args.offload_v if mode == "offload" else None, **greedy, **got})
