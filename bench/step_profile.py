@@ -60,17 +60,34 @@ def profile_steps(runner: GpuRunner, rows: list, steps: int = 5, repeats: int = 
     programmatic dependent launch a kernel's profiled span includes its wait, so the kernels' sum
     overstates the step), then its kernels over `steps` profiled steps."""
     from torch.profiler import ProfilerActivity, profile
+    lean_before = getattr(runner, "lean_steps", 0)
     step_s = median_step_s(runner, rows, repeats)
-    device_s = getattr(runner, "step_seconds", lambda: None)()
+    lean = (getattr(runner, "lean_steps", 0) - lean_before) / (repeats + 3)  # median_step_s's 3 untimed too
+    device = device_times(runner, rows, lean)
     toks = [7] * len(rows)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             runner.step(rows, toks)
         torch.cuda.synchronize()
     kernels = per_step(((e.name, e.device_time_total) for e in prof.events() if e.device_type.name == "CUDA"), steps)
-    return {"step_ms": 1e3 * step_s, "device_step_ms": None if device_s is None else 1e3 * device_s,
-            "kernels_ms": sum(k["us"] for k in kernels) / 1e3,
+    return {"step_ms": 1e3 * step_s, **device, "kernels_ms": sum(k["us"] for k in kernels) / 1e3,
             "launches": sum(k["launches"] for k in kernels), "kernels": kernels}
+
+
+def device_times(runner: GpuRunner, rows: list, lean: float) -> dict:
+    """The step's device time (the runner's CUDA event pairs); with reselect's lean steps (a
+    fraction `lean` of the steps), the full and the lean step's beside their mean."""
+    if not isinstance(runner, GpuRunner):
+        seconds = runner.step_seconds()
+        return {"device_step_ms": None if seconds is None else 1e3 * seconds}
+    kind = f"step {runner._bucket(rows)}"
+    full, lean_ms = runner.times.ms(kind), runner.times.ms(f"{kind} lean")
+    if not lean:
+        return {"device_step_ms": full, "lean_fraction": 0.0}
+    if full is None or lean_ms is None:
+        return {"device_step_ms": None, "lean_fraction": lean}
+    return {"device_step_ms": (1 - lean) * full + lean * lean_ms, "lean_fraction": lean, "full_step_ms": full,
+            "lean_step_ms": lean_ms}
 
 
 def greedy_steps(runner: OffloadRunner, rows: list, steps: int = 32) -> dict:
@@ -182,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result("step_profile", {"copy_gb_per_s": copy_bandwidth("cuda") / 1e9, "rows": rows_out}, args.out)
     print_table(top, ["context", "mode", "batch", "method_params", "kernel", "launches", "us"])
     print_table(rows_out, ["context", "mode", "batch", "method_params", "v_cache", "offload_waves", "offload_splits",
-                           "step_ms", "device_step_ms", "kernels_ms", "launches", "pcie_bytes_per_step",
+                           "step_ms", "device_step_ms", "lean_fraction", "full_step_ms", "lean_step_ms", "kernels_ms",
+                           "launches", "pcie_bytes_per_step",
                            "greedy_hit_rate", "greedy_pcie_bytes_per_step", "greedy_step_ms"])
     print(f"wrote {path}")
     return 0

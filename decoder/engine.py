@@ -173,9 +173,19 @@ class Engine:
                 self._retire(gone)
                 batch = self.scheduler.next_batch()
                 if batch or not wait or self._admissions:
-                    return batch
+                    break
                 self._wake.wait()
-            return None
+            else:
+                return None
+        return self._unheld(batch)  # outside the engine's lock: holds takes the runner's
+
+    def _unheld(self, batch: list[Sequence]) -> list[Sequence]:
+        """The batch less the rows the runner holds back a step (GpuRunner.holds: a row due to
+        select while the others carry their selection); they stay live and step later."""
+        holds = getattr(self.runner, "holds", None)
+        if holds is None or not batch:
+            return batch
+        return [s for s, held in zip(batch, holds([s.row for s in batch])) if not held]
 
     def _idle_work(self) -> bool:
         """With no stream and no admission, one piece of the runner's idle work (a prefill

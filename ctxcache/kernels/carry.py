@@ -7,7 +7,9 @@ candidates). The previous selection's kp keys are distinct and inside [lo, hi - 
 step); a successor is kept where inside [lo, hi) and not among them, found by comparing the F
 successors with the selection block by block (no sort, and no per-key bitmap to clear); the new
 key hi - 1 where no kept successor is it. Written in that order, then -1 up to kc (the re-rank
-masks it), so a step's candidates are kp + F + 1 slots at most."""
+masks it), so a step's candidates are kp + F + 1 slots at most. `zero` (a lean step, where no route
+launch runs): the programs also zero that buffer (the re-rank's Top-K workspace) between them,
+after the wait, as the route launch does otherwise."""
 
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ from ctxcache.kernels.follow import successors
 from ctxcache.kernels.sync import launch_opts, pdl_enter
 
 BLOCK = 256  # selection keys compared with the successors per inner step
+Z_CHUNK: tl.constexpr = tl.constexpr(1024)  # int32 zeroed per store of the side job
 
 
 @triton.jit
-def _carry_kernel(prev_ptr, fprev_ptr, carried_ptr, lo_ptr, hi_ptr, kp_ptr, kc_ptr, cand_ptr,
-                  HKV, F, sp_r, sf_r, sc_r, FP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _carry_kernel(prev_ptr, fprev_ptr, carried_ptr, lo_ptr, hi_ptr, kp_ptr, kc_ptr, cand_ptr, z_ptr, ZN, Z_PER,
+                  HKV, F, sp_r, sf_r, sc_r, FP: tl.constexpr, BLOCK: tl.constexpr, ZERO: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     r = tl.program_id(0)
     b = r // HKV
     carried = tl.load(carried_ptr + b)
@@ -35,6 +39,11 @@ def _carry_kernel(prev_ptr, fprev_ptr, carried_ptr, lo_ptr, hi_ptr, kp_ptr, kc_p
     # the bounds and the last step's keys came before the step; the candidate buffer is the
     # previous layer's re-rank input until the wait
     pdl_enter(USE_PDL)
+    if ZERO:  # the buffer's last readers (the previous layer's re-rank) are done after the wait
+        z0 = r * Z_PER
+        for start in range(z0, tl.minimum(z0 + Z_PER, ZN), Z_CHUNK):
+            offs = start + tl.arange(0, Z_CHUNK)
+            tl.store(z_ptr + offs, tl.zeros((Z_CHUNK,), tl.int32), mask=offs < tl.minimum(z0 + Z_PER, ZN))
     if carried != 0:
         row = cand_ptr + r.to(tl.int64) * sc_r
         for start in range(0, kp, BLOCK):
@@ -57,18 +66,23 @@ def _carry_kernel(prev_ptr, fprev_ptr, carried_ptr, lo_ptr, hi_ptr, kp_ptr, kc_p
 
 def carry_candidates(prev: torch.Tensor, follow_prev: torch.Tensor, carried: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor, kp: torch.Tensor, kc: torch.Tensor, cand: torch.Tensor,
-                     pdl: bool = False) -> None:
+                     pdl: bool = False, zero: torch.Tensor | None = None) -> None:
     """prev [B, Hkv, >= kp] int32 (row b's first kp[b]: its previous selection), follow_prev
     [B, Hkv, F] int32 (-1: none), carried, lo, hi, kp, kc [B] int32: rows with carried != 0 get
     their candidates in cand [B, Hkv, >= kc] int32 (graph-safe; kc >= their count, kp + F + 1
-    always is). pdl: a programmatic dependent launch (sync.py)."""
+    always is). pdl: a programmatic dependent launch (sync.py). zero: a contiguous int32 buffer
+    the same launch zeroes."""
     b, hkv, f = follow_prev.shape
     for name, t in (("prev", prev), ("follow_prev", follow_prev), ("cand", cand)):
         if t.dtype != torch.int32 or t.shape[:2] != (b, hkv) or t.stride(2) != 1 or t.stride(0) != hkv * t.stride(1):
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must be int32 [{b}, {hkv}, *], rows mergeable")
-    _carry_kernel[(b * hkv,)](prev, follow_prev, carried, lo, hi, kp, kc, cand, hkv, f, prev.stride(1),
-                              follow_prev.stride(1), cand.stride(1), FP=max(16, triton.next_power_of_2(f)),
-                              BLOCK=BLOCK, USE_PDL=pdl, num_warps=4, **launch_opts(pdl))
+    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous()):
+        raise ValueError(f"zero {zero.dtype} must be a contiguous int32 buffer")
+    zn = zero.numel() if zero is not None else 0
+    _carry_kernel[(b * hkv,)](prev, follow_prev, carried, lo, hi, kp, kc, cand, zero if zero is not None else cand,
+                              zn, -(-zn // (b * hkv)), hkv, f, prev.stride(1), follow_prev.stride(1), cand.stride(1),
+                              FP=max(16, triton.next_power_of_2(f)), BLOCK=BLOCK, ZERO=zero is not None,
+                              USE_PDL=pdl, num_warps=4, **launch_opts(pdl))
 
 
 def carry_ref(prev: torch.Tensor, follow_prev: torch.Tensor, carried: torch.Tensor, lo: torch.Tensor,

@@ -101,6 +101,7 @@ class GpuSparseAttention:
         self.launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
         self.dense = GpuDenseAttention(batch, n_kv, max_len)
         self.last_idx: dict[int, torch.Tensor] = {}  # layer -> selection of the last step (for checks)
+        self._every_row = torch.ones(batch, dtype=torch.int32, device=device)  # a lean step's carried rows
         self.record = False
         self._step: tuple[torch.Tensor, ...] = ()
 
@@ -110,11 +111,12 @@ class GpuSparseAttention:
         return [x for t in self.tables if self.follow for x in (t.follow_prev, t.chosen_prev, t.reselect_left)
                 if x is not None]
 
-    def _limits(self, n: torch.Tensor, decode: bool = True) -> StepLimits:
+    def _limits(self, n: torch.Tensor, decode: bool = True, carry_all: bool = False) -> StepLimits:
         """Budget.region, Budget.top_k and the re-rank's candidate count on the device (same
         double-precision ceil as the host), once per step; with reselect, which rows carry their
         last selection (their countdown moves here, before any launch of the step reads it; a
-        prompt's step attends densely and moves nothing, as the reference's search does not run)."""
+        prompt's step attends densely and moves nothing, as the reference's search does not run).
+        carry_all (CarriedStep): every row carries, whatever its countdown says."""
         lo, hi, k = self._region(n)
         # CSAttentionParams.candidates: what the selector proposes when the re-rank is on
         kc = torch.minimum(hi - lo, torch.ceil(k.double() * self.params.rerank - 1e-9).long()).int()
@@ -126,6 +128,8 @@ class GpuSparseAttention:
         left.copy_(torch.where(carried, left - 1, self.reselect - 1))
         _, _, kp = self._region(n - 1)  # the last step's K: its selection's length
         kc_carried = torch.minimum(kp + self.follow + 1, hi - lo)
+        if carry_all:  # the selector does not run: sel_hi and sel_kc are read by nothing
+            return StepLimits(lo, hi, k, kc_carried, kf, lo, kc_carried, self._every_row, kp)
         return StepLimits(lo, hi, k, torch.where(carried, kc_carried, kc), kf, torch.where(carried, lo, hi),
                           torch.where(carried, 0, kc), carried.int(), kp)
 
@@ -137,10 +141,11 @@ class GpuSparseAttention:
         k = torch.minimum(torch.ceil(n.double() * b.keep).clamp(min=1).long(), (hi - lo).long())
         return lo.int(), hi.int(), k.int()
 
-    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor,
+                 carry_all: bool = False) -> torch.Tensor:
         if layer == 0 or not self._step:  # every layer of a step shares the rows, positions and limits
             n = (pos[:, 0] + 1).int()
-            self._step = (pos.int(), n, self._limits(n, decode=pos.shape[1] == 1))
+            self._step = (pos.int(), n, self._limits(n, decode=pos.shape[1] == 1, carry_all=carry_all))
         pos32, n, lim = self._step
         for t in range(pos.shape[1]):
             self.tables[layer].insert(cache.k[layer], pos32[:, t].contiguous(), self.selector.perm, self.selector.pdl)
@@ -149,21 +154,24 @@ class GpuSparseAttention:
         if layer in self.dense_layers:
             return self.dense(layer, q, cache, pos, n)
         if self.reranker is not None:
-            idx = self._rerank(layer, q[:, :, 0], cache, n, lim)
+            idx = self._rerank(layer, q[:, :, 0], cache, n, lim, carry_all)
         else:
             idx = self.selector.select(q[:, :, 0], self.tables[layer], lim.lo, lim.hi, lim.k)
         if self.record:
             self.last_idx[layer] = (idx.clone(), lim.k.clone())
         return self._attend(layer, q[:, :, 0], cache, n, idx, lim.k)[:, :, None]
 
-    def _rerank(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, lim: StepLimits) -> torch.Tensor:
+    def _rerank(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, lim: StepLimits,
+                carry_all: bool = False) -> torch.Tensor:
         """The selector's candidates (follow: the successors promoted; reselect: rows carrying their
-        last selection select nothing, and carry_candidates writes theirs), re-ranked exactly."""
+        last selection select nothing, and carry_candidates writes theirs), re-ranked exactly.
+        carry_all: no selector launch at all; the carry launch also zeroes the re-rank's workspace
+        (the route launch's side job otherwise, GpuSelector.zero_with_route)."""
         t = self.tables[layer]
-        cand = self.selector.select(q, t, lim.lo, lim.sel_hi, lim.sel_kc)
+        cand = self.selector.idx if carry_all else self.selector.select(q, t, lim.lo, lim.sel_hi, lim.sel_kc)
         if self.reselect > 1:
             carry_candidates(t.chosen_prev, t.follow_prev, lim.carried, lim.lo, lim.hi, lim.kp, lim.kc, cand,
-                             pdl=self.selector.pdl)
+                             pdl=self.selector.pdl, zero=self.reranker.ws_pair if carry_all else None)
         return self.reranker(q, cache.k[layer], cand, lim.kc, lim.k, lim.lo, lim.hi, n, self.budget.sinks,
                              self.budget.recent, t.follow_prev if self.follow else None, lim.kf,
                              positions=t.chosen_prev if self.reselect > 1 else None)
@@ -189,3 +197,23 @@ class GpuSparseAttention:
                                        self.budget.recent, splits=self.splits, block_n=self.block_n,
                                        pdl=self.selector.pdl, **self.launch)
 
+
+
+class CarriedStep:
+    """A GpuSparseAttention's lean step (reselect > 1): every row carries its last selection, so
+    no selector kernel launches (route, scores, promote, radix Top-K). The runner replays it only
+    where every stepped row carries (reselect_phase.ReselectPhase); a row of the batch it does
+    not step computes a throw-away token from what its state holds (stale or zero positions)."""
+
+    def __init__(self, attn: GpuSparseAttention) -> None:
+        if attn.reselect == 1:
+            raise ValueError("a lean step needs reselect > 1 with follow and an exact re-rank")
+        self.attn = attn
+
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        if q.shape[2] > 1:
+            raise ValueError("a lean step decodes one token a row")
+        return self.attn(layer, q, cache, pos, carry_all=True)
+
+    def carried(self) -> list[torch.Tensor]:
+        return self.attn.carried()

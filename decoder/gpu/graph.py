@@ -35,8 +35,10 @@ def carried_state(attn: AttentionFn) -> list[torch.Tensor]:
 class GraphDecoder:
     """Greedy or logits-only decode of a batch whose cache rows may differ in length."""
 
-    def __init__(self, model: Transformer, cache: KVCache, attn: AttentionFn, use_graph: bool = True) -> None:
+    def __init__(self, model: Transformer, cache: KVCache, attn: AttentionFn, use_graph: bool = True,
+                 label: str = "") -> None:
         self.model, self.cache, self.attn = model, cache, attn
+        self.label = label  # what its steps' device times are kept under, after the bucket (" lean")
         dev = cache.lengths.device
         self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(cache.batch, 1, dtype=torch.long, device=dev)

@@ -162,7 +162,7 @@ class OffloadRunner(SlotRows):
         # a prefill's copy lane (tests give one that lands its copies late, or early)
         self.prefill_lane: Callable[[], CopyLane] = (lambda: StreamLane(side)) if side is not None else InlineLane
         self.times = DeviceTimes(self.device)
-        self._last_bucket = 0  # the batch size of the last launched step
+        self._last_step = "step 0"  # the device-time kind of the last launched step
         dense = len({i for i in config.dense_layers if i < a.n_layers})
         self.pcie = PcieCounter(a.head_dim * dtype.itemsize, a.n_kv_heads, config.budget, params.rerank,
                                 a.n_layers - dense, dense, k_hbm, a.head_dim if v_int8 else 0)
@@ -327,7 +327,7 @@ class OffloadRunner(SlotRows):
         """Layers to run beside the next decode step, `done` run: as few even chunks as keep each
         within PREFILL_SHARE of that step's device time (both measured: a prefill layer's time
         per key it reads, eager or replayed by `kind`, a launched step's), else `prefill_layers`."""
-        per_key, step_ms = self.times.ms(kind), self.times.ms(f"step {self._last_bucket}")
+        per_key, step_ms = self.times.ms(kind), self.times.ms(self._last_step)
         if per_key is None or step_ms is None:
             return self.prefill_layers
         left = self.lm.args.n_layers - done
@@ -337,7 +337,7 @@ class OffloadRunner(SlotRows):
     def step_seconds(self) -> float | None:
         """A launched step's device time lately (the engine queues the next one late in it)."""
         with self.lock:
-            ms = self.times.ms(f"step {self._last_bucket}")
+            ms = self.times.ms(self._last_step)
         return None if ms is None else ms / 1e3
 
     # ---- decode -------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ state is put back after such a step (SlotRows._unstepped).
 
 Sparse mode: CSAttention's GPU selector + split-K attention per layer (GpuSparseAttention);
 dense mode: split-K attention over every cached key (the same engine with every layer dense).
+With reselect > 1 a step where every row carries its last selection replays the bucket's lean
+graph (CarriedStep: no selector launches), and the engine holds a row due to select while others
+carry (`holds`, reselect_phase.py), so the rows' selections fall into phase.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ import torch
 
 from ctxcache.artifact import ContextArtifact
 from ctxcache.decoder.gpu.capacity import MAX_NEW, slot_bytes
-from ctxcache.decoder.gpu.attention import GpuDenseAttention, GpuSparseAttention
+from ctxcache.decoder.gpu.attention import CarriedStep, GpuDenseAttention, GpuSparseAttention
 from ctxcache.decoder.gpu.graph import GraphDecoder
 from ctxcache.decoder.gpu.warm_up import warm_up_runner
 from ctxcache.decoder.gpu.device_times import DeviceTimes
 from ctxcache.decoder.gpu.prefill_graph import Capturing, PrefillGraphs, Replay
+from ctxcache.decoder.gpu.reselect_phase import ReselectPhase
 from ctxcache.decoder.gpu.slot_rows import SlotRows
 from ctxcache.decoder.gpu.slot_load import OverlappedPrefill, SlotLoader, land_ahead
 from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYERS, PrefillAttention, ResidentHead,
@@ -87,6 +91,9 @@ class GpuRunner(SlotRows):
         self.tables: list[GpuDenseTables] | None = None  # sparse: allocated at the first context
         self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
         self._decoders: dict[int, GraphDecoder] = {}
+        self._lean: dict[int, GraphDecoder] = {}  # bucket -> its lean step (reselect > 1)
+        self.phase = ReselectPhase(1, slots)  # its span is the attention's (_decoder)
+        self.lean_steps = 0  # steps that replayed a lean graph
         self.use_graph = use_graph
         self._perm = (None if params is None or params.layout == "contiguous"
                       else subspace_permutation(a.head_dim, params.subspaces, params.layout).to(self.device))
@@ -97,7 +104,7 @@ class GpuRunner(SlotRows):
         self.io = StepIO(slots, self.device)
         self.prefill_graphs = PrefillGraphs()
         self.times = DeviceTimes(self.device)
-        self._last_bucket = 0  # the batch size of the last launched step
+        self._last_step = "step 0"  # the device-time kind of the last launched step
         self.loader = SlotLoader(self.device)
 
     # ---- admission ----------------------------------------------------------------------------
@@ -175,7 +182,7 @@ class GpuRunner(SlotRows):
         """The device time of a replayed step (launched or stepped) of the last batch size lately
         (None before one was measured)."""
         with self.lock:
-            ms = self.times.ms(f"step {self._last_bucket}")
+            ms = self.times.ms(self._last_step)
         return None if ms is None else ms / 1e3
 
     def _maker(self, row: int, n_ctx: int) -> Callable[[torch.Tensor], LayeredPrefill]:
@@ -242,7 +249,7 @@ class GpuRunner(SlotRows):
         as few even chunks as keep each within PREFILL_SHARE of that step's device time (both
         measured; each chunk after the first costs the stream a step), else the token-layer
         rule's."""
-        layer_ms, step_ms = self.times.ms(kind), self.times.ms(f"step {self._last_bucket}")
+        layer_ms, step_ms = self.times.ms(kind), self.times.ms(self._last_step)
         if layer_ms is None or step_ms is None:
             return self._per_chunk(padded)
         left = self.lm.args.n_layers - done
@@ -272,10 +279,12 @@ class GpuRunner(SlotRows):
         # coded K/V (the default int8) cross PCIe as codes and are decoded in HBM, a layer at a
         # time as they land (decoding on the host was most of a 32K cold load)
         self.loader.load(self.cache, row, art, per_layer, tables=method is not None, then=then)
+        self.phase.reset(row)  # load_row reset the row's stream
         slot.context_id, slot.n_ctx, slot.head = context_id, n, ResidentHead.of(art)
         self.loads += 1
 
     def _reset(self, slot: Slot) -> None:
+        self.phase.reset(slot.index)  # as reset_stream's device countdown
         # fill_, never `t[i] = int`: that copies a host scalar, and a pageable copy waits for
         # the whole stream (the decode step in flight) while this thread holds the runner lock
         slot.length = slot.n_ctx
@@ -295,8 +304,34 @@ class GpuRunner(SlotRows):
                 tables = [t.rows(0, bucket) for t in self.tables]
                 attn = GpuSparseAttention(self.params, tables, self.config.budget, bucket, a.n_heads, a.n_kv_heads,
                                           a.head_dim, self.cache.max_len)
+                if attn.reselect != self.phase.reselect:  # the first one (no stream has stepped yet)
+                    self.phase = ReselectPhase(attn.reselect, len(self.slots))
             dec = self._decoders[bucket] = GraphDecoder(self.lm.model, view, attn, self.use_graph)
         return dec
+
+    def _step_decoder(self, bucket: int, rows: list[Slot]) -> GraphDecoder:
+        """The bucket's graph, or its lean step where every stepped row carries its selection
+        (captured with the bucket's first step, so the warm-up captures both)."""
+        dec = self._decoder(bucket)
+        carried = self.phase.stepped([s.index for s in rows])
+        if self.phase.reselect == 1:
+            return dec
+        lean = self._lean.get(bucket)
+        if lean is None:
+            lean = self._lean[bucket] = GraphDecoder(self.lm.model, dec.cache, CarriedStep(dec.attn), self.use_graph,
+                                                     label=" lean")
+            if lean.use_graph:
+                lean.capture()
+        if not carried:
+            return dec
+        self.lean_steps += 1
+        return lean
+
+    def holds(self, rows: list[Slot]) -> list[bool]:
+        """Which of a step's rows the engine holds back a step: due to select while others carry
+        (ReselectPhase.holds; none without reselect)."""
+        with self.lock:
+            return self.phase.holds([s.index for s in rows])
 
     def warm_up(self, arts: list[ContextArtifact]) -> None:
         """Every kernel compiled and every bucket's graph captured before serving (warm_up.py)."""

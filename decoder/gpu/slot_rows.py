@@ -4,7 +4,8 @@ given rows. A runner brings `slots` (each with index, context_id, busy, last_use
 `lock` (threading.Condition), `buckets`, `device`, `_decoder(bucket)`, `io` (inflight.StepIO), `times`
 (device_times.DeviceTimes), `cache_full(row)`, and may override
 `_settle(rows)`, which runs before a step touches the rows (the offload runner puts a joined
-row's state back there), and sets `carried_rows` (table_stacks.stack_carried) when it allocates its
+row's state back there), and `_step_decoder(bucket, rows)`, the graph a step of these rows
+replays (the fast runner's lean step where every row carries its selection), and sets `carried_rows` (table_stacks.stack_carried) when it allocates its
 tables."""
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ class SlotRows:
 
     io: Any
     times: Any
-    _last_bucket: int
+    _last_step: str  # the device-time kind of the last launched step ("step 8", "step 8 lean")
     _decoder: Callable[[int], Any]  # the bucket's GraphDecoder (each runner's own)
     cache_full: Callable[[Any], bool]
     carried_rows: tuple[torch.Tensor, ...] = ()  # [layers, slots, ...]: table_stacks.stack_carried
 
     def _settle(self, rows: list[Any]) -> None:
         """Before a step reads the rows (nothing by default)."""
+
+    def _step_decoder(self, bucket: int, rows: list[Any]) -> Any:
+        """The GraphDecoder a step of these rows replays (the bucket's, by default)."""
+        return self._decoder(bucket)
 
     def _unstepped(self, rows: list[Any], bucket: int) -> Callable[[], None]:
         """A step computes a throw-away token for the rows of its bucket it does not step, and
@@ -114,7 +119,7 @@ class SlotRows:
             bucket = self._bucket(rows)
             index = [s.index for s in rows]
             tokens, advance = self.io.stage(bucket, index, host_tokens)
-            dec = self._decoder(bucket)
+            dec = self._step_decoder(bucket, rows)
             logits = self._run_timed(dec, bucket, rows, tokens)
             dec.cache.lengths += advance
             for s in rows:
@@ -129,8 +134,8 @@ class SlotRows:
         put_back = self._unstepped(rows, bucket)
         logits = dec.run(tokens)
         put_back()
-        self.times.stop(f"step {bucket}", started)
-        self._last_bucket = bucket
+        self._last_step = f"step {bucket}{dec.label}"
+        self.times.stop(self._last_step, started)
         return logits
 
     def _step_rows(self, rows: list[Any], tokens: list[int]) -> torch.Tensor:
@@ -139,7 +144,7 @@ class SlotRows:
         tok, advance = [0] * bucket, [0] * bucket
         for s, t in zip(rows, tokens):
             tok[s.index], advance[s.index] = t, 1
-        dec = self._decoder(bucket)
+        dec = self._step_decoder(bucket, rows)
         logits = self._run_timed(dec, bucket, rows, torch.tensor(tok, device=self.device))
         dec.cache.lengths += torch.tensor(advance, device=self.device)
         for s in rows:

@@ -235,6 +235,8 @@ def follow_state(rows: int, n_kv: int, follow: int, device: torch.device | str) 
 
 
 def reselect_state(rows: int, n_kv: int, k_max: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """GpuDenseTables.chosen_prev and reselect_left for rows whose next step selects."""
-    return (torch.full((rows, n_kv, k_max), -1, dtype=torch.int32, device=device),
+    """GpuDenseTables.chosen_prev and reselect_left for rows whose next step selects. The
+    selection starts as key 0, never -1: a lean step (attention.CarriedStep) carries every row of
+    its batch, a never-stepped one too, and its throw-away token must read keys inside the row."""
+    return (torch.zeros((rows, n_kv, k_max), dtype=torch.int32, device=device),
             torch.zeros(rows, dtype=torch.int32, device=device))

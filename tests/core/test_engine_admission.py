@@ -246,3 +246,39 @@ def test_no_idle_work_between_a_prefill_and_its_streams_first_step():
     chunk = runner.log.index(("chunk", "a", 0))
     step = next(i for i, e in enumerate(runner.log) if e[0] == "step")
     assert ("idle",) not in runner.log[chunk:step], runner.log
+
+
+class HoldingRunner(ChunkedRunner):
+    """Holds back every row named in `hold` for the next `times` steps it is offered in."""
+
+    def __init__(self, hold: str, times: int) -> None:
+        super().__init__(chunks=1)
+        self.hold, self.times = hold, times
+
+    def holds(self, rows):
+        held = [r == self.hold and self.times > 0 for r in rows]
+        if any(held):
+            self.times -= 1
+            with self._lock:
+                self.log.append(("held", tuple(rows)))
+        return held
+
+
+def test_a_row_the_runner_holds_skips_those_steps_and_then_decodes_on():
+    """GpuRunner.holds (reselect's phases): the engine leaves a held row out of the step, keeps
+    it live, and steps it afterwards; its tokens are all there."""
+    runner = HoldingRunner("b", times=2)
+    engine = Engine(runner)
+    try:
+        a, _ = _decoding(engine, "a")
+        b = _start(engine, "b", max_tokens=4)
+        assert [t for t, _ in b.tokens(lambda: None)] == [1] * 4
+        a.cancel()
+    finally:
+        engine.close()
+    log = runner.log
+    held = [i for i, e in enumerate(log) if e[0] == "held"]
+    assert len(held) == 2 and all(log[i][1] == ("a", "b") for i in held), log
+    for i in held:  # the step offered to both ran without b
+        assert next(e for e in log[i:] if e[0] == "step")[1] == ("a",), log
+    assert sum("b" in e[1] for e in log if e[0] == "step") == 3  # the prefill gave b's first token

@@ -44,3 +44,16 @@ def test_carried_rows_get_the_selection_then_new_successors_then_the_new_key(dev
         for h in range(2):
             row = want[r, h, :int(kc[r])]
             assert sorted(row[row >= 0].tolist()) == ref[h][valid[h]].tolist()
+
+
+def test_a_lean_step_launch_also_zeroes_the_workspace(device):
+    """zero: the re-rank's Top-K workspace zeroed by the same launch (no route launch on a lean
+    step), every element whatever the split between programs, the candidates as without it."""
+    prev, fprev, carried, lo, hi, kp, kc, cand = _inputs(torch.Generator().manual_seed(1))
+    want = carry_ref(prev, fprev, carried, lo, hi, kp, kc, cand)
+    for n in (1, 5, 3000, 6 * 1024 + 7):
+        ws = torch.full((n,), 3, dtype=torch.int32, device=device)
+        got = cand.to(device)
+        carry_candidates(*(t.to(device) for t in (prev, fprev, carried, lo, hi, kp, kc)), got, zero=ws)
+        assert torch.equal(got.cpu(), want)
+        assert int(ws.abs().sum()) == 0, n

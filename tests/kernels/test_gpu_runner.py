@@ -68,12 +68,15 @@ CPU_SLOW = () if torch.cuda.is_available() else (pytest.mark.slow,)
     pytest.param(True, 1.0, (4, 16), id="rerank1"), pytest.param(True, 4.0, (4, 16), id="rerank4", marks=CPU_SLOW),
     pytest.param(False, 1.0, (4, 16), id="dense"), pytest.param(True, 4.0, (16, 8), id="m16c8", marks=CPU_SLOW),
     pytest.param(True, 4.0, (4, 16, 8), id="follow8", marks=CPU_SLOW),
-    pytest.param(True, 4.0, (4, 16, 8, 2), id="reselect2", marks=CPU_SLOW)])
+    pytest.param(True, 4.0, (4, 16, 8, 2), id="reselect2", marks=CPU_SLOW),
+    pytest.param(True, 4.0, (4, 16, 8, 3), id="reselect3", marks=CPU_SLOW)])
 def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, index, device):
     """rerank 4: the GPU re-ranks the selector's candidates exactly (kernels.rerank.Reranker), as the
     reference's search does (exact_rerank). m16c8: a compact index of many narrow subspaces
     (16 of 2 dims) with few centroids. follow8: CSAttention's follow (the 3-token prompt seeds it).
-    reselect2: every other step re-ranks the last selection, its successors and the new key."""
+    reselect2: every other step re-ranks the last selection, its successors and the new key; the
+    streams join at different steps, so the engine holds rows to bring them into phase, and steps
+    where every row carries replay the lean graph (no selector launches). reselect3: two of three."""
     method = _method(rerank, *index)
     artifacts = _artifacts(cpu_lm, method)
     # the 3-token prompt is admitted while the first stream decodes, a layer per step
@@ -97,6 +100,8 @@ def test_fast_runner_decodes_the_reference_tokens(lm, cpu_lm, sparse, rerank, in
     assert got == want
     assert again == want
     assert runner.loads == len(artifacts)
+    if len(index) > 3:  # most steps carry, and the rows fall into phase: lean steps ran
+        assert runner.lean_steps >= STEPS // 2, runner.lean_steps
 
 
 def test_runner_refuses_what_it_cannot_serve(lm, method, artifacts):
