@@ -79,8 +79,12 @@ class GpuSparseAttention:
         # reselect: steps between the estimate's re-rank the last selection (chosen_prev), the
         # successors of its best keys and the key new to the region (kernels/carry.py)
         self.reselect = params.reselects if self.follow else 1
+        # and marks a position per row and KV head for the carry kernel's membership test (a
+        # working buffer beside the selector's 16-bit keys, at half their bytes)
+        self.marks = None
         if self.reselect > 1:
             self.kc_max = max(self.kc_max, self.k_max + self.follow + 1)
+            self.marks = torch.zeros(batch, n_kv, max_len, dtype=torch.int8, device=device)
         self.selector = GpuSelector(params, batch, n_heads, n_kv, head_dim, max_len, self.kc_max, device)
         for t in tables if self.follow else ():
             if not isinstance(t, GpuDenseTables):
@@ -171,7 +175,7 @@ class GpuSparseAttention:
         cand = self.selector.idx if carry_all else self.selector.select(q, t, lim.lo, lim.sel_hi, lim.sel_kc)
         if self.reselect > 1:
             carry_candidates(t.chosen_prev, t.follow_prev, lim.carried, lim.lo, lim.hi, lim.kp, lim.kc, cand,
-                             pdl=self.selector.pdl, zero=self.reranker.ws_pair if carry_all else None)
+                             self.marks, pdl=self.selector.pdl, zero=self.reranker.ws_pair if carry_all else None)
         return self.reranker(q, cache.k[layer], cand, lim.kc, lim.k, lim.lo, lim.hi, n, self.budget.sinks,
                              self.budget.recent, t.follow_prev if self.follow else None, lim.kf,
                              positions=t.chosen_prev if self.reselect > 1 else None)

@@ -29,14 +29,20 @@ def _inputs(gen: torch.Generator):
     return prev, fprev, carried, lo, hi, kp, kc, cand
 
 
+def _marks(prev, hi, device):
+    """The kernel's zeroed position marks, wide enough for every position of these rows."""
+    return torch.zeros(*prev.shape[:2], int(hi.max()) + 1, dtype=torch.int8, device=device)
+
+
 def test_carried_rows_get_the_selection_then_new_successors_then_the_new_key(device):
     gen = torch.Generator().manual_seed(0)
     prev, fprev, carried, lo, hi, kp, kc, cand = _inputs(gen)
     want = carry_ref(prev, fprev, carried, lo, hi, kp, kc, cand)
     assert torch.equal(want[2], cand[2])  # a row not carried keeps the selector's candidates
-    got = cand.to(device)
-    carry_candidates(*(t.to(device) for t in (prev, fprev, carried, lo, hi, kp, kc)), got)
+    got, mark = cand.to(device), _marks(prev, hi, device)
+    carry_candidates(*(t.to(device) for t in (prev, fprev, carried, lo, hi, kp, kc)), got, mark)
     assert torch.equal(got.cpu(), want)
+    assert int(mark.abs().sum()) == 0  # left as it came: zero
     for r in (0, 1):
         extra = {"chosen_prev": prev[r, :, :int(kp[r])].long(), "chosen_hi": int(hi[r]) - 1,
                  "follow_prev": fprev[r].long()}
@@ -54,6 +60,7 @@ def test_a_lean_step_launch_also_zeroes_the_workspace(device):
     for n in (1, 5, 3000, 6 * 1024 + 7):
         ws = torch.full((n,), 3, dtype=torch.int32, device=device)
         got = cand.to(device)
-        carry_candidates(*(t.to(device) for t in (prev, fprev, carried, lo, hi, kp, kc)), got, zero=ws)
+        carry_candidates(*(t.to(device) for t in (prev, fprev, carried, lo, hi, kp, kc)), got,
+                         _marks(prev, hi, device), zero=ws)
         assert torch.equal(got.cpu(), want)
         assert int(ws.abs().sum()) == 0, n

@@ -58,9 +58,9 @@ CASES = {
                        ("STG.E.U16", "REDG.E.ADD")),
     # reselect: a carried row's candidates (the selection, new successors, the new key, padding)
     "carry": ({"module": "ctxcache.kernels.carry", "kernel": "_carry_kernel",
-               "types": {n: "*i32" for n in ("prev_ptr", "fprev_ptr", "carried_ptr", "lo_ptr", "hi_ptr", "kp_ptr",
-                                             "kc_ptr", "cand_ptr")}, "default": "i32", "num_warps": 4,
-               "const": {"FP": 128, "BLOCK": 256, "USE_PDL": True}},
+               "types": {**{n: "*i32" for n in ("prev_ptr", "fprev_ptr", "carried_ptr", "lo_ptr", "hi_ptr", "kp_ptr",
+                                                "kc_ptr", "cand_ptr", "z_ptr")}, "mark_ptr": "*i8"},
+               "default": "i32", "num_warps": 4, "const": {"FP": 128, "BLOCK": 256, "ZERO": True, "USE_PDL": True}},
               ("STG.E",)),
     "follow_out": ({"module": "ctxcache.kernels.follow", "kernel": "_follow_out_kernel",
                     "types": {n: "*i32" for n in ("cand_ptr", "slot_ptr", "kf_ptr", "out_ptr")}, "default": "i32",
