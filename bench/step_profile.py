@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                              "then timed")
         ap.add_argument("--stagger", action="store_true",
                         help="step the odd rows once more before timing: their reselect countdowns then differ from "
-                             "the even rows' (a step mixes carried and selecting rows, as streams joining at "
-                             "different steps do in a server)")
+                             "the even rows' (every step mixes carried and selecting rows, none is lean; the engine "
+                             "holds rows to avoid this in a server)")
         ap.add_argument("--no-pdl", action="store_true",
                         help="launch without programmatic dependent launch (CTXCACHE_NO_PDL=1): each kernel's time "
                              "its own, not overlapping its wait for the one before")
