@@ -202,7 +202,6 @@ class GpuSparseAttention:
                                        pdl=self.selector.pdl, **self.launch)
 
 
-
 class CarriedStep:
     """A GpuSparseAttention's lean step (reselect > 1): every row carries its last selection, so
     no selector kernel launches (route, scores, promote, radix Top-K). The runner replays it only
