@@ -43,8 +43,8 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   (follow=0: 0.951; bench/README.md). The GPU path does the same (kernels/follow.py).
 - `reselect=1` (default): 2 lets every other step re-rank the last selection, its best keys'
   successors and the new key instead of the estimate's candidates (csattention_refs, kernels/
-  carry.py). Answers about held (six kinds 0.984 vs 0.982; wide 0.970 vs 0.973); 3 held (0.980), 4
-  lost numbers (0.968). On the GPU a step of carried rows skips the selector (DESIGN.md: its times).
+  carry.py). Answers about held (six kinds 0.984 vs 0.982; wide 0.970 vs 0.973); 3 0.980 (wide 0.963),
+  4 lost numbers (0.968). On the GPU a step of carried rows skips the selector (DESIGN.md: its times).
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
   shared tables stay read-only while many streams decode from one artifact.
