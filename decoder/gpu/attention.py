@@ -122,10 +122,9 @@ class GpuSparseAttention:
         prompt's step attends densely and moves nothing, as the reference's search does not run).
         carry_all (CarriedStep): every row carries, whatever its countdown says."""
         lo, hi, k = self._region(n)
-        # CSAttentionParams.candidates: what the selector proposes when the re-rank is on
-        kc = torch.minimum(hi - lo, torch.ceil(k.double() * self.params.rerank - 1e-9).long()).int()
         kf = k.clamp(max=self.follow) if self.follow else None
         if self.reselect == 1 or not decode:
+            kc = self._candidates(lo, hi, k)
             return StepLimits(lo, hi, k, kc, kf, hi, kc)
         left = next(t.reselect_left for i, t in enumerate(self.tables) if i not in self.dense_layers)
         carried = left > 0
@@ -134,8 +133,14 @@ class GpuSparseAttention:
         kc_carried = torch.minimum(kp + self.follow + 1, hi - lo)
         if carry_all:  # the selector does not run: sel_hi and sel_kc are read by nothing
             return StepLimits(lo, hi, k, kc_carried, kf, lo, kc_carried, self._every_row, kp)
+        kc = self._candidates(lo, hi, k)
         return StepLimits(lo, hi, k, torch.where(carried, kc_carried, kc), kf, torch.where(carried, lo, hi),
                           torch.where(carried, 0, kc), carried.int(), kp)
+
+    def _candidates(self, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """CSAttentionParams.candidates on the device: what the selector proposes with the re-rank
+        on (a lean step proposes nothing and skips these launches)."""
+        return torch.minimum(hi - lo, torch.ceil(k.double() * self.params.rerank - 1e-9).long()).int()
 
     def _region(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Budget.region and Budget.top_k of rows of n keys, int32 on the device."""
