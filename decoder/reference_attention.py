@@ -114,6 +114,6 @@ class ReferenceSparseAttention:
             # keys a search reads beyond those it returns (a re-rank's other candidates)
             self.keys_read += (self.method.search_reads(budget.top_k(n), hi - lo) - found.shape[1]) * found.shape[0]
         found = cached[0]
-        # a reused search may now overlap the moved recent window: attend to those once
-        valid = torch.cat([torch.ones_like(static, dtype=torch.bool), found < hi], dim=1)
-        return torch.cat([static, found], dim=1), valid
+        # a reused search may now overlap the moved recent window: attend to those once (-1: none)
+        valid = torch.cat([torch.ones_like(static, dtype=torch.bool), (found >= 0) & (found < hi)], dim=1)
+        return torch.cat([static, found.clamp(min=0)], dim=1), valid

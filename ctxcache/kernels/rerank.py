@@ -135,9 +135,9 @@ def _dot(q, keys, IEEE: tl.constexpr):
 # vectorized the logits' loads into a layout whose fp16 conversion LLVM cannot select ("Cannot
 # select: v2f16 = scalar_to_vector", H100, Triton 3.6), and the abort took the server down
 @triton.jit(do_not_specialize=["KC"])
-def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, KCP, NSPLIT, sws_r,
+def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, KCP, NSPLIT, PSPLIT, sws_r,
                   G: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr,
-                  USE_PDL: tl.constexpr):
+                  LOG2: tl.constexpr, USE_PDL: tl.constexpr):
     r = tl.program_id(0)
     split = tl.program_id(1)
     kc = tl.load(kc_ptr + r // HKV)
@@ -146,12 +146,12 @@ def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, 
     offs_g = tl.arange(0, GP)
     offs_s = tl.arange(0, SP)
     gmask = offs_g < G
-    part = part_ptr + ((r * NSPLIT + offs_s[:, None]) * GP + offs_g[None, :]) * 2
-    smask = (offs_s < NSPLIT)[:, None]
+    part = part_ptr + ((r * PSPLIT + offs_s[:, None]) * GP + offs_g[None, :]) * 2
+    smask = (offs_s < PSPLIT)[:, None] & gmask[None, :]  # the attention's partials skip the padding heads
     pm = tl.load(part, mask=smask, other=NEG)
     pl = tl.load(part + 1, mask=smask, other=0.0)
     m = tl.max(pm, 0)
-    z = tl.sum(pl * tl.exp(pm - m[None, :]), 0)
+    z = tl.sum(pl * _exp(pm - m[None, :], LOG2), 0)
     inv = tl.where(gmask, 1.0 / tl.maximum(z, 1e-30), 0.0)
     # radix pass 0 of this program's keys, added to the row's histogram once at the end: one
     # flush of 256 bins per block made the scores' launch ~30 us a layer at 32K x 8 (H100)
@@ -161,7 +161,7 @@ def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, 
         ok = slots < kc
         lg = tl.load(logit_ptr + (r * G + offs_g[:, None]).to(tl.int64) * KC + slots[None, :],
                      mask=gmask[:, None] & ok[None, :] & (slots < KC)[None, :], other=float("-inf"))
-        score = tl.sum(tl.exp(lg - m[:, None]) * inv[:, None], 0)
+        score = tl.sum(_exp(lg - m[:, None], LOG2) * inv[:, None], 0)
         # padding (every logit -inf) ranks below every candidate, even one whose probability underflows
         real = ok & (tl.max(lg, 0) > float("-inf"))
         if not KEY16:  # fp32 scores for the four-pass radix: the reference's exact order
@@ -173,6 +173,14 @@ def _score_kernel(logit_ptr, part_ptr, kc_ptr, k_ptr, key_ptr, ws_ptr, HKV, KC, 
     if KEY16:
         bins = tl.arange(0, 256)
         tl.atomic_add(ws_ptr + r * sws_r + bins, hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def _exp(x, LOG2: tl.constexpr):
+    """e^x, or 2^x for logits in log2 units (carried_attention's)."""
+    if LOG2:
+        return tl.exp2(x)
+    return tl.exp(x)
 
 
 class Reranker:
@@ -256,16 +264,24 @@ class Reranker:
             d ** -0.5, G=self.group, GP=self.gp, D=d, BLOCK=self.logits_block, SINKS=sinks, RECENT=recent, OB=ob,
             IEEE=q.dtype == torch.float32 or INTERPRET, USE_PDL=self.pdl, num_warps=self.logits_warps,
             **launch_opts(self.pdl))
+        return self.rank(q.dtype, cand, kc, k, self.part, self.splits, False, follow_out, kf, positions)
+
+    def rank(self, dtype: torch.dtype, cand: torch.Tensor, kc: torch.Tensor, k: torch.Tensor, part: torch.Tensor,
+             part_splits: int, log2: bool, follow_out: torch.Tensor | None = None, kf: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The scores and Top-Ks of __call__ from self.logits as something wrote them: its logits
+        launch (part = self.part), or carried_attention (log2 units; part: its workspace's
+        (max, sum) pairs, part_splits programs a row). dtype: the queries'."""
         # bf16 / fp16 models rank by 16-bit keys (two radix launches; near-ties within ~0.3% may
         # swap, as bf16 products already may); fp32 ones by fp32 scores, as the reference ranks
-        key16 = (q.dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
+        key16 = (dtype != torch.float32 and self.group % 4 == 0) if self.key16 is None else self.key16
         out = self.keys16 if key16 else self.scores
         if not self.zeroed_before:  # the score kernel adds radix pass 0 into ws (16-bit keys)
             self.ws_pair.zero_()
-        _score_kernel[(rows, self.splits)](
-            self.logits, self.part, kc, k, out, self.ws, hkv, self.kc_max, self.kcp, self.splits,
-            self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(self.splits), BLOCK=SCORE_BLOCK,
-            KEY16=key16, USE_PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
+        _score_kernel[(self.rows, self.splits)](
+            self.logits, part, kc, k, out, self.ws, self.rows // kc.shape[0], self.kc_max, self.kcp, self.splits,
+            part_splits, self.ws.stride(0), G=self.group, GP=self.gp, SP=triton.next_power_of_2(part_splits),
+            BLOCK=SCORE_BLOCK, KEY16=key16, LOG2=log2, USE_PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
         if follow_out is not None and (self.follow_slots is None or kf is None):
             raise ValueError("follow_out needs a Reranker built with follow > 0 and kf")
         if key16:  # both Top-Ks in two launches, candidate slots mapped to key positions in them

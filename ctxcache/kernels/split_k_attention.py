@@ -47,11 +47,23 @@ def online_softmax_step(q, kb, vb, valid, m_i, l_i, acc, scale_log2, IEEE: tl.co
     """One block of keys into the running (max, sum, output) of the group's queries q [G_PAD, D]:
     kb, vb [BLOCK_N, D], valid [BLOCK_N] (invalid keys weigh 0). IEEE: fp32 dots (fp32 inputs, and
     the CPU interpreter, whose bf16 dots are wrong); else native dots in the cache's dtype."""
+    s = block_logits(q, kb, valid, scale_log2, IEEE)
+    return online_softmax_update(s, vb, m_i, l_i, acc, IEEE)
+
+
+@triton.jit
+def block_logits(q, kb, valid, scale_log2, IEEE: tl.constexpr):
+    """The group's logits [G_PAD, BLOCK_N] of a block of keys, in log2 units (-inf: invalid)."""
     if IEEE:
         s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(kb))
-    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    return tl.where(valid[None, :], s * scale_log2, float("-inf"))
+
+
+@triton.jit
+def online_softmax_update(s, vb, m_i, l_i, acc, IEEE: tl.constexpr):
+    """block_logits s [G_PAD, BLOCK_N] and their values vb [BLOCK_N, D] into the running partial."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

@@ -197,7 +197,8 @@ class SparseMethod(ABC):
         """Pick up to k indices in [lo, hi) per KV head for queries q [Hq, D].
 
         keys [Hkv, n, D] are the cached keys; only methods whose caps say reads_all_keys may
-        read them beyond the indices they return. -> idx [Hkv, min(k, hi - lo)] long.
+        read them beyond the indices they return. -> idx [Hkv, min(k, hi - lo)] long (wider, -1
+        where a head has fewer, where a method attends more than k: CSAttention's carried steps).
         """
 
     @property
@@ -228,11 +229,11 @@ class SparseMethod(ABC):
         """Attention output [Hq, D] for q [Hq, D] over the first n cached keys, and the
         indices [Hkv, K'] it read."""
         idx = self.select(state, q, keys, n, budget)
-        return gather_attention(q, keys, values, idx), idx
+        return gather_attention(q, keys, values, idx.clamp(min=0), idx >= 0), idx
 
     def select(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, n: int,
                budget: Budget) -> torch.Tensor:
-        """Sinks + searched middle + recent window: [Hkv, K'] distinct indices."""
+        """Sinks + searched middle + recent window: [Hkv, K'] distinct indices (-1: none)."""
         lo, hi = budget.region(n)
         static = budget.static_indices(n, q.device).expand(keys.shape[0], -1)
         if hi <= lo:

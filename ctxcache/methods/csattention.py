@@ -41,10 +41,10 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   attends one key further each step, and the estimate ranked that key 461-1486 against a cut of
   412 (2K changelog, layer 7). On the suite: follow=128 keeps 0.987 vs the oracle's 0.982
   (follow=0: 0.951; bench/README.md). The GPU path does the same (kernels/follow.py).
-- `reselect=1` (default): 2 lets every other step re-rank the last selection, its best keys'
-  successors and the new key instead of the estimate's candidates (csattention_refs, kernels/
-  carry.py). Answers about held (six kinds 0.984 vs 0.982; wide 0.970 vs 0.973); 3 0.980 (wide 0.963),
-  4 lost numbers (0.968). On the GPU a step of carried rows skips the selector (DESIGN.md: its times).
+- `reselect=1` (default): 2 lets every other step attend the last selection, its best keys' successors
+  and the new key (all of them) instead of the estimate's candidates, and re-rank them for the next
+  (csattention_refs, kernels/carry.py, carried_attention.py). DESIGN.md: the answers by reselect and
+  the GPU times (a step of carried rows skips the selector and reads the candidates' K once).
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
   shared tables stay read-only while many streams decode from one artifact.
@@ -219,7 +219,7 @@ class CSAttention(SparseMethod):
             ex["follow_prev"] = chosen[:, :follow]
         if self.params.reselects > 1:
             ex["chosen_prev"], ex["chosen_hi"] = chosen, hi
-        return chosen
+        return chosen if carried is None else torch.where(valid, found, -1)  # carried: all candidates (-1: none)
 
     def _propose(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int,
                  c: int, follow: int) -> torch.Tensor:

@@ -12,9 +12,10 @@ import torch
 
 from ctxcache.decoder.gpu.selector import GpuSelector
 from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables, follow_state, reselect_state
+from ctxcache.kernels.carried_attention import carried_attention
 from ctxcache.kernels.carry import carry_candidates
 from ctxcache.kernels.rerank import Reranker
-from ctxcache.kernels.split_k_attention import choose_splits, sparse_decode_attention
+from ctxcache.kernels.split_k_attention import choose_splits, partial_workspace, sparse_decode_attention
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models.attention import dense_attention
@@ -99,14 +100,16 @@ class GpuSparseAttention:
         if self.reranker is not None and all(isinstance(t, GpuDenseTables) for t in tables):
             self.selector.zero_with_route(self.reranker)  # its route zeroes the re-rank's workspace too
         cfg = {**ATTN_CFG, **(attn_cfg or {})}
-        self.splits = choose_splits(batch * n_kv, self.k_max + budget.sinks + budget.recent,
-                                    min_keys=cfg["min_keys"], waves=cfg["waves"])
+        # a carried row attends all its candidates (kernels/carried_attention.py), up to kc_max
+        listed = (self.kc_max if self.reselect > 1 else self.k_max) + budget.sinks + budget.recent
+        self.splits = choose_splits(batch * n_kv, listed, min_keys=cfg["min_keys"], waves=cfg["waves"])
         self.block_n = cfg["block_n"]
         self.launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+        # the carried attention's partials: a lean step's re-rank reads their (max, sum) pairs
+        self.ws = (partial_workspace(batch, n_heads, n_kv, self.splits, head_dim, device) if self.reselect > 1
+                   else None)
         self.dense = GpuDenseAttention(batch, n_kv, max_len)
-        self.last_idx: dict[int, torch.Tensor] = {}  # layer -> selection of the last step (for checks)
         self._every_row = torch.ones(batch, dtype=torch.int32, device=device)  # a lean step's carried rows
-        self.record = False
         self._step: tuple[torch.Tensor, ...] = ()
 
     def carried(self) -> list[torch.Tensor]:
@@ -162,28 +165,42 @@ class GpuSparseAttention:
             return self._prefill(layer, q, cache, pos)
         if layer in self.dense_layers:
             return self.dense(layer, q, cache, pos, n)
+        if carry_all:
+            return self._lean(layer, q[:, :, 0], cache, n, lim)[:, :, None]
         if self.reranker is not None:
-            idx = self._rerank(layer, q[:, :, 0], cache, n, lim, carry_all)
+            idx = self._rerank(layer, q[:, :, 0], cache, n, lim)
         else:
             idx = self.selector.select(q[:, :, 0], self.tables[layer], lim.lo, lim.hi, lim.k)
-        if self.record:
-            self.last_idx[layer] = (idx.clone(), lim.k.clone())
-        return self._attend(layer, q[:, :, 0], cache, n, idx, lim.k)[:, :, None]
+        return self._attend(layer, q[:, :, 0], cache, n, idx, lim)[:, :, None]
 
-    def _rerank(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, lim: StepLimits,
-                carry_all: bool = False) -> torch.Tensor:
+    def _rerank(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, lim: StepLimits) -> torch.Tensor:
         """The selector's candidates (follow: the successors promoted; reselect: rows carrying their
-        last selection select nothing, and carry_candidates writes theirs), re-ranked exactly.
-        carry_all: no selector launch at all; the carry launch also zeroes the re-rank's workspace
-        (the route launch's side job otherwise, GpuSelector.zero_with_route)."""
+        last selection select nothing, and carry_candidates writes theirs), re-ranked exactly."""
         t = self.tables[layer]
-        cand = self.selector.idx if carry_all else self.selector.select(q, t, lim.lo, lim.sel_hi, lim.sel_kc)
+        cand = self.selector.select(q, t, lim.lo, lim.sel_hi, lim.sel_kc)
         if self.reselect > 1:
-            carry_candidates(t.chosen_prev, t.follow_prev, lim.carried, lim.lo, lim.hi, lim.kp, lim.kc, cand,
-                             self.marks, pdl=self.selector.pdl, zero=self.reranker.ws_pair if carry_all else None)
+            self._carry(t, lim, cand)
         return self.reranker(q, cache.k[layer], cand, lim.kc, lim.k, lim.lo, lim.hi, n, self.budget.sinks,
                              self.budget.recent, t.follow_prev if self.follow else None, lim.kf,
                              positions=t.chosen_prev if self.reselect > 1 else None)
+
+    def _carry(self, t: GpuDenseTables, lim: StepLimits, cand: torch.Tensor, zero: torch.Tensor | None = None) -> None:
+        carry_candidates(t.chosen_prev, t.follow_prev, lim.carried, lim.lo, lim.hi, lim.kp, lim.kc, cand,
+                         self.marks, pdl=self.selector.pdl, zero=zero)
+
+    def _lean(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, lim: StepLimits) -> torch.Tensor:
+        """A lean step's layer: no selector launch; every row attends all its candidates, and the
+        re-rank ranks them from the attention's logits for the next step's carry (the carry launch
+        zeroes the re-rank's workspace, the route launch's side job otherwise)."""
+        t, cand = self.tables[layer], self.selector.idx
+        self._carry(t, lim, cand, zero=self.reranker.ws_pair)
+        out = carried_attention(q, cache.k[layer], cache.v[layer], n, cand, lim.k, cand, lim.kc, lim.carried,
+                                self.budget.sinks, self.budget.recent, self.splits, self.ws,
+                                logits=self.reranker.logits, block_n=self.block_n, pdl=self.selector.pdl,
+                                num_warps=self.launch["num_warps"])
+        self.reranker.rank(q.dtype, cand, lim.kc, lim.k, self.ws[1], self.splits, True, t.follow_prev, lim.kf,
+                           positions=t.chosen_prev)
+        return out
 
     def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         """A prompt's tokens attend densely (the keys are indexed already)."""
@@ -200,9 +217,14 @@ class GpuSparseAttention:
             self.tables[layer].seed_follow(b, q[b, :, -1], keys[b, :, :int(pos[b, -1]) + 1], self.budget)
 
     def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
-                k: torch.Tensor) -> torch.Tensor:
-        """Sinks + the selection idx (first k[b] per row) + the recent window: q [B, Hq, D] -> [B, Hq, D]."""
-        return sparse_decode_attention(q, cache.k[layer], cache.v[layer], n, idx, k, self.budget.sinks,
+                lim: StepLimits) -> torch.Tensor:
+        """Sinks + the selection idx (first k[b] per row) + the recent window: q [B, Hq, D] -> [B, Hq, D];
+        with reselect, a carried row's candidates (the selector's idx) in place of its selection."""
+        if self.reselect > 1:
+            return carried_attention(q, cache.k[layer], cache.v[layer], n, idx, lim.k, self.selector.idx, lim.kc,
+                                     lim.carried, self.budget.sinks, self.budget.recent, self.splits, self.ws,
+                                     block_n=self.block_n, pdl=self.selector.pdl, num_warps=self.launch["num_warps"])
+        return sparse_decode_attention(q, cache.k[layer], cache.v[layer], n, idx, lim.k, self.budget.sinks,
                                        self.budget.recent, splits=self.splits, block_n=self.block_n,
                                        pdl=self.selector.pdl, **self.launch)
 

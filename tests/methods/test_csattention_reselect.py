@@ -55,11 +55,17 @@ def test_reselect_skips_the_estimate_between_selections_and_stays_in_the_carried
         kk = BUDGET.top_k(hi)
         before = dict(state.extra)
         got = method.search(state, q_dec + 0.1 * torch.randn_like(q_dec), k, lo, hi, kk)
-        assert got.shape == (2, kk) and all(len(set(r.tolist())) == kk for r in got)
-        assert ((got >= lo) & (got < hi)).all()
-        if step % 3:
-            carried, _ = carried_candidates(before, lo, hi, kk)
-            assert all(set(g.tolist()) <= set(c.tolist()) for g, c in zip(got, carried))
+        chosen = state.extra["chosen_prev"]  # the re-rank's K: what the next step carries
+        assert chosen.shape == (2, kk) and all(len(set(r.tolist())) == kk for r in chosen)
+        assert ((chosen >= lo) & (chosen < hi)).all()
+        if step % 3 == 0:
+            assert torch.equal(got, chosen)
+            continue
+        # a carried step attends every candidate (-1 pads a head with fewer) and keeps K of them
+        carried, valid = carried_candidates(before, lo, hi, kk)
+        for g, c, ok, kept in zip(got, carried, valid, chosen):
+            assert sorted(x for x in g.tolist() if x >= 0) == sorted(c[ok].tolist())
+            assert set(kept.tolist()) <= set(c[ok].tolist())
     assert len(calls) == 2  # steps 0 and 3
 
 
