@@ -6,6 +6,8 @@ the reference path and are not meant to be captured."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import NamedTuple
 
 import torch
@@ -109,6 +111,14 @@ class GpuSparseAttention:
         self.ws = (partial_workspace(batch, n_heads, n_kv, self.splits, head_dim, device) if self.reselect > 1
                    else None)
         self.dense = GpuDenseAttention(batch, n_kv, max_len)
+        # a lean layer's re-rank (score + Top-K) feeds only the next step's carry: it runs on a side
+        # stream beside the layer's projections and MLP, and the next layer's carry waits for it (it
+        # rewrites the candidates, the partials and the workspace the re-rank reads); the last sparse
+        # layer ranks in line, so a step (and its graph) ends joined
+        self.side = (torch.cuda.Stream(device) if self.reselect > 1 and torch.device(device).type == "cuda"
+                     and os.environ.get("CTXCACHE_SIDE_RANK", "1") != "0" else None)
+        self._last_sparse = max((i for i in range(len(tables)) if i not in dense_layers), default=-1)
+        self._forked = False
         self._every_row = torch.ones(batch, dtype=torch.int32, device=device)  # a lean step's carried rows
         self._step: tuple[torch.Tensor, ...] = ()
 
@@ -158,6 +168,7 @@ class GpuSparseAttention:
         if layer == 0 or not self._step:  # every layer of a step shares the rows, positions and limits
             n = (pos[:, 0] + 1).int()
             self._step = (pos.int(), n, self._limits(n, decode=pos.shape[1] == 1, carry_all=carry_all))
+            self._forked = False  # (a step that raised mid-way left no fork a new one may join)
         pos32, n, lim = self._step
         for t in range(pos.shape[1]):
             self.tables[layer].insert(cache.k[layer], pos32[:, t].contiguous(), self.selector.perm, self.selector.pdl)
@@ -171,7 +182,12 @@ class GpuSparseAttention:
             idx = self._rerank(layer, q[:, :, 0], cache, n, lim)
         else:
             idx = self.selector.select(q[:, :, 0], self.tables[layer], lim.lo, lim.hi, lim.k)
-        return self._attend(layer, q[:, :, 0], cache, n, idx, lim)[:, :, None]
+        if self.reselect > 1:  # a carried row attends its candidates (the selector's idx), not its selection
+            return carried_attention(q[:, :, 0], cache.k[layer], cache.v[layer], n, idx, lim.k, self.selector.idx,
+                                     lim.kc, lim.carried, self.budget.sinks, self.budget.recent, self.splits, self.ws,
+                                     block_n=self.block_n, pdl=self.selector.pdl,
+                                     num_warps=self.launch["num_warps"])[:, :, None]
+        return self._attend(layer, q[:, :, 0], cache, n, idx, lim.k)[:, :, None]
 
     def _rerank(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, lim: StepLimits) -> torch.Tensor:
         """The selector's candidates (follow: the successors promoted; reselect: rows carrying their
@@ -193,13 +209,21 @@ class GpuSparseAttention:
         re-rank ranks them from the attention's logits for the next step's carry (the carry launch
         zeroes the re-rank's workspace, the route launch's side job otherwise)."""
         t, cand = self.tables[layer], self.selector.idx
+        if self._forked:  # the previous layer's re-rank, on the side stream, is done with the buffers
+            torch.cuda.current_stream().wait_stream(self.side)
+            self._forked = False
         self._carry(t, lim, cand, zero=self.reranker.ws_pair)
         out = carried_attention(q, cache.k[layer], cache.v[layer], n, cand, lim.k, cand, lim.kc, lim.carried,
                                 self.budget.sinks, self.budget.recent, self.splits, self.ws,
                                 logits=self.reranker.logits, block_n=self.block_n, pdl=self.selector.pdl,
                                 num_warps=self.launch["num_warps"])
-        self.reranker.rank(q.dtype, cand, lim.kc, lim.k, self.ws[1], self.splits, True, t.follow_prev, lim.kf,
-                           positions=t.chosen_prev)
+        beside = self.side is not None and layer != self._last_sparse
+        if beside:
+            self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side) if beside else contextlib.nullcontext():
+            self.reranker.rank(q.dtype, cand, lim.kc, lim.k, self.ws[1], self.splits, True, t.follow_prev, lim.kf,
+                               positions=t.chosen_prev)
+        self._forked = beside
         return out
 
     def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
@@ -217,14 +241,9 @@ class GpuSparseAttention:
             self.tables[layer].seed_follow(b, q[b, :, -1], keys[b, :, :int(pos[b, -1]) + 1], self.budget)
 
     def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
-                lim: StepLimits) -> torch.Tensor:
-        """Sinks + the selection idx (first k[b] per row) + the recent window: q [B, Hq, D] -> [B, Hq, D];
-        with reselect, a carried row's candidates (the selector's idx) in place of its selection."""
-        if self.reselect > 1:
-            return carried_attention(q, cache.k[layer], cache.v[layer], n, idx, lim.k, self.selector.idx, lim.kc,
-                                     lim.carried, self.budget.sinks, self.budget.recent, self.splits, self.ws,
-                                     block_n=self.block_n, pdl=self.selector.pdl, num_warps=self.launch["num_warps"])
-        return sparse_decode_attention(q, cache.k[layer], cache.v[layer], n, idx, lim.k, self.budget.sinks,
+                k: torch.Tensor) -> torch.Tensor:
+        """Sinks + the selection idx (first k[b] per row) + the recent window: q [B, Hq, D] -> [B, Hq, D]."""
+        return sparse_decode_attention(q, cache.k[layer], cache.v[layer], n, idx, k, self.budget.sinks,
                                        self.budget.recent, splits=self.splits, block_n=self.block_n,
                                        pdl=self.selector.pdl, **self.launch)
 
