@@ -114,7 +114,7 @@ class GpuSparseAttention:
         # stream beside the layer's projections and MLP, and the next layer's carry waits for it (it
         # rewrites the candidates, the partials and the workspace the re-rank reads); the last sparse
         # layer ranks in line, so a step (and its graph) ends joined. H200, 32K x 8, lean step 7.00 ->
-        # 6.20 ms at reselect 2, 6.59 -> 6.29 at 4 (step_profile_side_h200)
+        # 6.20 ms at reselect 2, 6.59 -> 6.29 at 4 (step_profile_inline_h200 vs step_profile_h200)
         self.side = torch.cuda.Stream(device) if self.reselect > 1 and torch.device(device).type == "cuda" else None
         self._last_sparse = max((i for i in range(len(tables)) if i not in dense_layers), default=-1)
         self._forked = False
