@@ -182,10 +182,7 @@ class GpuSparseAttention:
         else:
             idx = self.selector.select(q[:, :, 0], self.tables[layer], lim.lo, lim.hi, lim.k)
         if self.reselect > 1:  # a carried row attends its candidates (the selector's idx), not its selection
-            return carried_attention(q[:, :, 0], cache.k[layer], cache.v[layer], n, idx, lim.k, self.selector.idx,
-                                     lim.kc, lim.carried, self.budget.sinks, self.budget.recent, self.splits, self.ws,
-                                     block_n=self.block_n, pdl=self.selector.pdl,
-                                     num_warps=self.launch["num_warps"])[:, :, None]
+            return self._attend_carried(layer, q[:, :, 0], cache, n, idx, lim)[:, :, None]
         return self._attend(layer, q[:, :, 0], cache, n, idx, lim.k)[:, :, None]
 
     def _rerank(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, lim: StepLimits) -> torch.Tensor:
@@ -212,10 +209,7 @@ class GpuSparseAttention:
             torch.cuda.current_stream().wait_stream(self.side)
             self._forked = False
         self._carry(t, lim, cand, zero=self.reranker.ws_pair)
-        out = carried_attention(q, cache.k[layer], cache.v[layer], n, cand, lim.k, cand, lim.kc, lim.carried,
-                                self.budget.sinks, self.budget.recent, self.splits, self.ws,
-                                logits=self.reranker.logits, block_n=self.block_n, pdl=self.selector.pdl,
-                                num_warps=self.launch["num_warps"])
+        out = self._attend_carried(layer, q, cache, n, cand, lim, self.reranker.logits)
         beside = self.side is not None and layer != self._last_sparse
         if beside:
             self.side.wait_stream(torch.cuda.current_stream())
@@ -238,6 +232,15 @@ class GpuSparseAttention:
             return
         for b in range(q.shape[0]):
             self.tables[layer].seed_follow(b, q[b, :, -1], keys[b, :, :int(pos[b, -1]) + 1], self.budget)
+
+    def _attend_carried(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
+                        lim: StepLimits, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """reselect: the rows not carried attend their selection idx, the carried ones all their
+        candidates (the selector's idx); logits: as carried_attention's (a lean step)."""
+        return carried_attention(q, cache.k[layer], cache.v[layer], n, idx, lim.k, self.selector.idx, lim.kc,
+                                 lim.carried, self.budget.sinks, self.budget.recent, self.splits, self.ws,
+                                 logits=logits, block_n=self.block_n, pdl=self.selector.pdl,
+                                 num_warps=self.launch["num_warps"])
 
     def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
