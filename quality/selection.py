@@ -49,7 +49,8 @@ def _step_metrics(method: SparseMethod, state, q, keys, values, n: int, budget: 
     lo, hi = budget.region(n)
     k = min(budget.top_k(n), hi - lo)
     if k > 0:
-        sel = torch.zeros(hkv, n, dtype=torch.bool).scatter_(1, idx, True)[:, lo:hi]
+        # -1 (a head with fewer keys than the widest, e.g. CSAttention's carried steps) lands in column n, dropped
+        sel = torch.zeros(hkv, n + 1, dtype=torch.bool).scatter_(1, torch.where(idx >= 0, idx, n), True)[:, lo:hi]
         region = probs[..., lo:hi]
         mg, tg = _recalls(region.mean(1, keepdim=True), sel, k)
         mh, th = _recalls(region, sel, k)

@@ -107,8 +107,10 @@ class _PaddedEstimator(SparseMethod):
     def search(self, state, q, keys, lo, hi, k):
         raise AssertionError("an estimator's attend does not search")
 
+    pad = 2  # how head 0's row is padded: its last index repeated, or -1 (CSAttention's carried steps)
+
     def attend(self, state, q, keys, values, n, budget):
-        return torch.zeros_like(q), torch.tensor([[0, 1, 2, 2, 2], [0, 1, 2, 3, 4]])
+        return torch.zeros_like(q), torch.tensor([[0, 1, 2, self.pad, self.pad], [0, 1, 2, 3, 4]])
 
 
 def test_estimator_read_count_counts_distinct_indices_not_padding():
@@ -122,7 +124,8 @@ def test_estimator_read_count_counts_distinct_indices_not_padding():
     assert attn.keys_read == 8 and attn.keys_total == 20  # the old count said 10
 
 
-def test_selection_metrics_keys_read_frac_counts_distinct_indices():
+@pytest.mark.parametrize("pad", [2, -1])
+def test_selection_metrics_keys_read_frac_counts_distinct_indices(pad):
     from ctxcache.quality.capture import Captured
     from ctxcache.quality.selection import selection_metrics
 
@@ -130,5 +133,7 @@ def test_selection_metrics_keys_read_frac_counts_distinct_indices():
     q = torch.randn(4, 11, 8, generator=gen)
     k, v = torch.randn(2, 11, 8, generator=gen), torch.randn(2, 11, 8, generator=gen)
     cap = Captured(n_context=10, q=[q], k=[k], v=[v], logits=None)
-    got = selection_metrics(_PaddedEstimator(), [{}], cap, Budget(0.1, 2, 2), stride=1)
+    method = _PaddedEstimator()
+    method.pad = pad
+    got = selection_metrics(method, [{}], cap, Budget(0.1, 2, 2), stride=1)
     assert got["keys_read_frac"] == pytest.approx((3 + 5) / 2 / 11)  # the old value was 5 / 11
