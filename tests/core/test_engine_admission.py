@@ -93,6 +93,51 @@ def test_a_prefill_goes_a_chunk_per_step_beside_decoding_streams():
         assert any(e[0] == "step" and "a" in e[1] for e in log[lo:hi]), log[lo:hi + 1]
 
 
+class GatedRunner(ChunkedRunner):
+    """Its steps wait for `gate` once they are logged: a test holds one while streams arrive."""
+
+    def __init__(self, chunks: int, step_s: float) -> None:
+        super().__init__(chunks=chunks, step_s=step_s)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def step(self, rows, tokens):
+        with self._lock:
+            self.log.append(("step", tuple(rows)))
+        self.gate.wait()
+        time.sleep(self.step_s)
+        return LOGITS.expand(len(rows), -1)
+
+
+def test_a_burst_runs_whole_prefills_while_more_wait_than_decode():
+    """Three join one decoding stream within a step: the two oldest prefills run whole, back to
+    back (more wait than decode), the third a chunk per step beside the three decoding."""
+    runner = GatedRunner(chunks=4, step_s=0.02)
+    engine = Engine(runner)
+    try:
+        a, _ = _decoding(engine, "a")
+        runner.gate.clear()
+        steps = sum(e[0] == "step" for e in runner.log)
+        _wait_for(lambda: sum(e[0] == "step" for e in runner.log) > steps)  # a step holds the engine
+        joiners = [threading.Thread(target=lambda c=c: list(_start(engine, c, max_tokens=2).tokens(lambda: None)))
+                   for c in "bcd"]
+        for t in joiners:
+            t.start()
+        _wait_for(lambda: len(engine._admissions) == 3)
+        runner.gate.set()
+        for t in joiners:
+            t.join(timeout=10)
+        a.cancel()
+    finally:
+        engine.close()
+    log = runner.log
+    chunks = {c: [i for i, e in enumerate(log) if e[:2] == ("chunk", c)] for c in "bcd"}
+    assert chunks["b"] == list(range(chunks["b"][0], chunks["b"][0] + 4)), log  # whole: no step between
+    assert chunks["c"] == list(range(chunks["b"][-1] + 1, chunks["b"][-1] + 5)), log
+    for lo, hi in zip(chunks["d"], chunks["d"][1:]):  # then three decode: d goes a chunk per step
+        assert any(e[0] == "step" for e in log[lo:hi]), log[lo:hi + 1]
+
+
 def test_a_caller_that_leaves_mid_prefill_has_its_row_released_once():
     runner = ChunkedRunner(chunks=40, step_s=0.01)
     engine = Engine(runner)
