@@ -10,9 +10,9 @@ built artifact per length shared by every row (each row its own slot and tables)
 `ctxcache bench step_profile [--contexts 32768] [--batches 1,8] [--modes sparse,dense,offload]
 [--method-params JSON ...] [--out DIR]`.
 
-`--admit [--repeats 5] [--graphs]`: instead of steps, an offloaded context's hot admission of a 20-token
-question at each context, the serial host copy against the pipelined one and (`--graphs`) the serial one
-replayed as CUDA graphs (bench/common/admit_profile.py):
+`--admit [--repeats 5] [--graphs]`: instead of steps, a context's hot admission of a 20-token question at each
+context and mode: resident (sparse, dense) and offloaded (the serial host copy against the pipelined one and,
+`--graphs`, the serial one replayed as CUDA graphs; bench/common/admit_profile.py):
 wall ms, bytes from the host, copies' and kernels' busy ms and their overlap, beside the link's
 measured host -> device rate, and one admission's host functions by own time (cProfile: where a
 launch-bound admission spends its host time); writes admit_profile_<device>.json."""
@@ -33,7 +33,7 @@ import torch
 
 from ctxcache.bench.common.gpu import gpu_cli
 from ctxcache.bench.common.report import print_table, write_result
-from ctxcache.bench.common.admit_profile import admit_rows
+from ctxcache.bench.common.admit_profile import admit_rows, resident_admit_rows
 from ctxcache.bench.common.serve_limits import copy_bandwidth, h2d_gb_per_s, median_step_s
 from ctxcache.bench.serve import build_times
 from ctxcache.decoder.gpu.offload_runner import OffloadRunner
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="mode offload and --admit: host slots hold V as the artifact's int8 codes (OffloadRunner "
                              "v_int8, as serve with --kv-codec int8) or decoded to bf16 (before)")
         ap.add_argument("--admit", action="store_true",
-                        help="profile an offloaded hot admission (20-token question) per context, serial vs pipelined "
-                             "host copy, instead of decode steps")
+                        help="profile a hot admission (20-token question) per context and mode instead of decode "
+                             "steps: resident (sparse, dense), offloaded (serial vs pipelined host copy)")
         ap.add_argument("--repeats", type=int, default=5, help="--admit: timed admissions per row (median)")
         ap.add_argument("--graphs", action="store_true",
                         help="--admit: also the serial admission replayed as CUDA graphs (OffloadRunner "
@@ -207,20 +207,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def admissions(lm, sparse, config: SparseConfig, args: argparse.Namespace) -> int:
-    """--admit: each context's hot admission, serial and pipelined copy, profiled."""
-    link = h2d_gb_per_s()
+    """--admit: each context's hot admission in each mode (offload: serial and pipelined copy), profiled."""
+    link = h2d_gb_per_s() if "offload" in args.modes.split(",") else None
     rows_out, top, host = [], [], []
-    for n in args.contexts:
+    for n, mode in itertools.product(args.contexts, args.modes.split(",")):
         _, art = build_times(lm, n, {})
-        runner = OffloadRunner(lm, sparse, config, slots=1, max_len=n + 512, v_int8=args.offload_v == "int8")
-        paths = ("serial", "pipelined") + (("graphs",) if args.graphs else ())
-        rows, events = admit_rows(runner, art, n, link, args.repeats, Path(args.out) if args.trace else None, paths)
+        if mode == "offload":
+            runner = OffloadRunner(lm, sparse, config, slots=1, max_len=n + 512, v_int8=args.offload_v == "int8")
+            paths = ("serial", "pipelined") + (("graphs",) if args.graphs else ())
+            rows, events = admit_rows(runner, art, n, link, args.repeats, Path(args.out) if args.trace else None,
+                                      paths)
+        else:
+            runner = GpuRunner(lm, sparse if mode == "sparse" else None, config, 1, n + 512)
+            rows, events = resident_admit_rows(runner, art, n, mode, args.repeats)
         rows_out += rows
-        for row, (mode, ev) in zip(rows, events):
+        for row, (path, ev) in zip(rows, events):
             kernels = per_step(ev, 1)
             row["kernels"] = kernels
-            top += [{"context": n, "copy": mode, **k} for k in kernels[:args.top]]
-            host += [{"context": n, "copy": mode, **f} for f in row["host_functions"][:args.top]]
+            top += [{"context": n, "copy": path, **k} for k in kernels[:args.top]]
+            host += [{"context": n, "copy": path, **f} for f in row["host_functions"][:args.top]]
         del runner, art
         torch.cuda.empty_cache()
     path = write_result("admit_profile", {"h2d_gb_per_s": link, "rows": rows_out}, args.out)

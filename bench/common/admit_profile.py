@@ -1,7 +1,8 @@
-"""`bench step_profile --admit`: an offloaded context's hot admission (a 20-token question on a
-context its host slot already holds) timed and profiled, the serial host copy against the
-pipelined one (offload_prefill: V copied a layer ahead on its own stream) and, with `--graphs`,
-the serial one replayed as CUDA graphs (offload_prompt: the question padded to 32 tokens).
+"""`bench step_profile --admit`: a context's hot admission (a 20-token question on a context its
+slot already holds) timed and profiled: resident (modes sparse, dense: the fast runner's prefill
+graphs), and offloaded (mode offload) by the serial host copy against the pipelined one
+(offload_prefill: V copied a layer ahead on its own stream) and, with `--graphs`, the serial one
+replayed as CUDA graphs (offload_prompt: the question padded to 32 tokens).
 
 Why: issue 47's hot TTFT target is <= 50 ms at 32K; the admission's V (2.2 GB at Llama-3.1-8B
 bf16) crosses PCIe in ~40 ms and its kernels take ~11 ms (H200), so it meets the target only when
@@ -78,7 +79,7 @@ def device_activity(events) -> dict:
             "copy_streams": sorted(copy_streams), "kernel_streams": sorted(kernel_streams)}
 
 
-def hot_admit_ms(runner: OffloadRunner, art: ContextArtifact, repeats: int) -> tuple[float, int]:
+def hot_admit_ms(runner, art: ContextArtifact, repeats: int) -> tuple[float, int]:
     """Median wall ms of `repeats` hot admissions (each released after) and the bytes each
     copied from the host."""
     times, moved = [], 0
@@ -94,7 +95,7 @@ def hot_admit_ms(runner: OffloadRunner, art: ContextArtifact, repeats: int) -> t
     return statistics.median(times), moved
 
 
-def profile_admit(runner: OffloadRunner, art: ContextArtifact,
+def profile_admit(runner, art: ContextArtifact,
                   trace: Path | None = None) -> tuple[dict, list[tuple[str, float]]]:
     """One hot admission under torch.profiler: its device activity and its (kernel, us) events.
     trace: also the host's CUDA API calls, the whole timeline written there as a Chrome trace
@@ -114,7 +115,7 @@ def profile_admit(runner: OffloadRunner, art: ContextArtifact,
     return device_activity(events), kernels
 
 
-def host_profile(runner: OffloadRunner, art: ContextArtifact, top: int = 25) -> tuple[float, list[dict]]:
+def host_profile(runner, art: ContextArtifact, top: int = 25) -> tuple[float, list[dict]]:
     """One hot admission under cProfile: its host wall ms (cProfile's own overhead included) and
     the `top` functions by their own time, with calls (a launch-bound admission shows its launch
     sites here, which the device profile cannot attribute)."""
@@ -164,3 +165,17 @@ def admit_rows(runner: OffloadRunner, art: ContextArtifact, n: int, h2d_gb_per_s
                      "host_enqueue_ms_cprofile": host_ms, "host_functions": host_funcs})
         kernels.append((mode, events))
     return rows, kernels
+
+
+def resident_admit_rows(runner, art: ContextArtifact, n: int, mode: str, repeats: int
+                        ) -> tuple[list[dict], list[tuple[str, list[tuple[str, float]]]]]:
+    """The hot admission at context n on the fast runner (GpuRunner: the context resident in its
+    slot, the question's prefill replayed as CUDA graphs), as admit_rows' rows: no host copy."""
+    runner.release(runner.admit("hot", art, QUESTION, runner.config, 64)[0])  # the load (cold), then hot ones
+    hot_admit_ms(runner, art, 2)  # the prefill graphs captured
+    wall, _ = hot_admit_ms(runner, art, repeats)
+    activity, events = profile_admit(runner, art)
+    host_ms, host_funcs = host_profile(runner, art)
+    path = f"resident-{mode}"
+    return ([{"context": n, "copy": path, "admit_ms": wall, **activity, "host_enqueue_ms_cprofile": host_ms,
+              "host_functions": host_funcs}], [(path, events)])
