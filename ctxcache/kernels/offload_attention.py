@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ctxcache.kernels.carried_attention import NEG
 from ctxcache.kernels.load_kernels import _KIND
 from ctxcache.kernels.split_k_attention import (INTERPRET, empty_partial, group_queries, merge_partials,
                                                online_softmax_step, padded_group, partial_workspace, split_range,
@@ -38,7 +39,8 @@ def offload_attention_ref(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel,
     """Reference: the attention reads hits from the cache and the rest from the host, and the
     misses' rows are copied into their cache slots (in place); k_cache None: K read from k_host
     alone, the cache holds V; coded: v_host are int8 codes, a position's V is its decoded code
-    before the row's start and the tail's row from it (v_codes.full_v_ref). Returns [B, Hq, D]."""
+    before the row's start and the tail's row from it (v_codes.full_v_ref); idx -1: no key
+    (reselect's carried rows pad their candidates so). Returns [B, Hq, D]."""
     kh = k_host.to(q.device).clone()
     vsrc = v_host if coded is None else full_v_ref(v_host, coded, v_cache.dtype)
     vh = vsrc.to(q.device).clone()
@@ -46,6 +48,8 @@ def offload_attention_ref(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel,
         for h in range(k_host.shape[1]):
             for j in range(int(k_sel[b])):
                 p, s = int(idx[b, h, j]), int(slot[b, h, j])
+                if p < 0:  # no key (a carried row's padding)
+                    continue
                 if s >= 0:  # a hit is whatever the cache holds
                     vh[b, h, p] = v_cache[b, h, s].to(vh)
                     if k_cache is not None:
@@ -75,7 +79,8 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
                                                False)
     offs_d = tl.arange(0, D)
     q = group_queries(q_ptr, b, hkv, G, sq_b, sq_h, G_PAD, D)
-    m_i, l_i, acc = empty_partial(G_PAD, D)
+    _, l_i, acc = empty_partial(G_PAD, D)
+    m_i = tl.full((G_PAD,), NEG, tl.float32)  # finite: a block of padding alone (idx -1) stays NaN-free
     host_base = b64 * sk_b + hkv * sk_h
     v_base = b64 * sv_b + hkv * sv_h
     cache_base = b64 * sc_b + hkv * sc_h
@@ -88,6 +93,8 @@ def _offload_kernel(q_ptr, kh_ptr, vh_ptr, kc_ptr, vc_ptr, idx_ptr, slot_ptr, ks
         is_sel = valid & (t >= n_static)
         static_pos = tl.where(t < lo, t, hi + t - lo)
         sel = tl.load(idx_ptr + b * si_b + hkv * si_h + (t - n_static), mask=is_sel, other=0)
+        valid = valid & (sel >= 0)  # -1: no key (a carried row's padding), neither read nor cached
+        is_sel = is_sel & (sel >= 0)
         slot = tl.load(slot_ptr + b * si_b + hkv * si_h + (t - n_static), mask=is_sel, other=-1)
         pos = tl.where(valid, tl.where(t < n_static, static_pos, sel), 0)
         hit = is_sel & (slot >= 0)
@@ -131,7 +138,7 @@ def offload_attention(q, k_host, v_host, k_cache, v_cache, idx, slot, k_sel, n, 
                       coded: CodedV | None = None) -> torch.Tensor:
     """q [B, Hq, D] (GPU); k/v_host [B, Hkv, S, D] pinned host (or any memory the kernel can
     address); k/v_cache [B, Hkv, C, D] GPU slots (k_cache None: K in HBM, read from k_host, the
-    cache holds V); idx, slot [B, Hkv, K_max] int32 with equal strides; k_sel, n [B] int32.
+    cache holds V); idx, slot [B, Hkv, K_max] int32 with equal strides (idx -1: no key); k_sel, n [B] int32.
     coded (K in HBM only): v_host [B, Hkv, S, D] int8 codes, the rest in CodedV (v_codes.py).
     Misses are written into the cache. -> [B, Hq, D]."""
     k_hbm = k_cache is None

@@ -25,17 +25,19 @@ def _plan_kernel(idx_ptr, ksel_ptr, slot_of_ptr, tag_ptr, busy_ptr, free_ptr, st
     stamp = tl.load(stamp_ptr + row) + 1
     offs = tl.arange(0, BLOCK)
     n_hit = 0
+    n_real = 0  # the selected positions less the -1 entries (a carried row's padding: no key)
     for j0 in range(0, k, BLOCK):  # pass 1: hits stamp their slots busy
         j = j0 + offs
-        ok = j < k
-        pos = tl.load(idx_ptr + r64 * KMAX + j, mask=ok, other=0)
+        pos = tl.load(idx_ptr + r64 * KMAX + j, mask=j < k, other=-1)
+        ok = (j < k) & (pos >= 0)
         held = tl.load(slot_of_ptr + r64 * NSLOT + pos, mask=ok, other=-1)
         hit = ok & (held >= 0)
         tl.store(busy_ptr + r64 * CAP + held, stamp, mask=hit)
         n_hit += tl.sum(hit.to(tl.int32), axis=0)
+        n_real += tl.sum(ok.to(tl.int32), axis=0)
     tl.debug_barrier()
     n_free = 0
-    need = k - n_hit  # the misses: pass 3 takes the first `need` free slots, no more are listed
+    need = n_real - n_hit  # the misses: pass 3 takes the first `need` free slots, no more are listed
     ring = tl.load(ring_ptr + row)
     # pass 2: free slots, those unused last step first (the least recent tier), each tier in ring
     # order from the pointer; busy holds each slot's last step of use (a hit or a fill). It stops
@@ -55,8 +57,8 @@ def _plan_kernel(idx_ptr, ksel_ptr, slot_of_ptr, tag_ptr, busy_ptr, free_ptr, st
     n_miss = 0
     for j0 in range(0, KMAX, BLOCK):  # pass 3: misses take free slots, in selection order
         j = j0 + offs
-        ok = j < k
-        pos = tl.load(idx_ptr + r64 * KMAX + j, mask=ok, other=0)
+        pos = tl.load(idx_ptr + r64 * KMAX + j, mask=j < k, other=-1)
+        ok = (j < k) & (pos >= 0)
         held = tl.load(slot_of_ptr + r64 * NSLOT + pos, mask=ok, other=-1)
         miss = ok & (held < 0)
         rank = n_miss + tl.cumsum(miss.to(tl.int32), axis=0) - 1
@@ -75,13 +77,13 @@ def _plan_kernel(idx_ptr, ksel_ptr, slot_of_ptr, tag_ptr, busy_ptr, free_ptr, st
     last = tl.load(free_ptr + r64 * CAP + tl.maximum(n_miss - 1, 0))
     tl.store(ring_ptr + row, tl.where(n_miss > 0, (last + 1) % CAP, ring))
     tl.atomic_add(count_ptr, n_hit.to(tl.int64))
-    tl.atomic_add(count_ptr + 1, k.to(tl.int64))
+    tl.atomic_add(count_ptr + 1, n_real.to(tl.int64))
 
 
 def plan_slots_kernel(idx: torch.Tensor, k_sel: torch.Tensor, slot_of: torch.Tensor, tag: torch.Tensor,
                       busy: torch.Tensor, free: torch.Tensor, stamp: torch.Tensor, ring: torch.Tensor,
                       counts: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """idx [B, Hkv, K] int32 (contiguous), k_sel [B] int32; slot_of [B, Hkv, N+1], tag, busy,
+    """idx [B, Hkv, K] int32 (contiguous; -1: no key, neither hit nor miss, out -1), k_sel [B] int32; slot_of [B, Hkv, N+1], tag, busy,
     free [B, Hkv, C] int32; stamp, ring [B * Hkv] int32; counts [2] int64 (+= hits, selected).
     Writes out [B, Hkv, K] int32 (s >= 0 hit slot, -s-1 miss slot) and updates the cache."""
     bsz, hkv, kmax = idx.shape

@@ -31,14 +31,14 @@ def region(n: torch.Tensor, sinks: int, recent: int) -> tuple[torch.Tensor, torc
 
 
 def sparse_attention_ref(q, k_cache, v_cache, idx, k_sel, n, sinks: int, recent: int) -> torch.Tensor:
-    """Per row: gather_attention over [sinks, recent, idx[:k_sel]]. q [B, Hq, D] -> [B, Hq, D]."""
+    """Per row: gather_attention over [sinks, recent, idx[:k_sel]] (-1 in idx: no key). q [B, Hq, D] -> [B, Hq, D]."""
     outs = []
     for b in range(q.shape[0]):
         nb, kb = int(n[b]), int(k_sel[b])
         lo, hi = min(sinks, nb), max(min(sinks, nb), nb - recent)
         static = torch.cat([torch.arange(lo), torch.arange(hi, nb)]).to(q.device)
         sel = torch.cat([static.expand(k_cache.shape[1], -1), idx[b, :, :kb].long().to(q.device)], dim=1)
-        outs.append(gather_attention(q[b], k_cache[b], v_cache[b], sel))
+        outs.append(gather_attention(q[b], k_cache[b], v_cache[b], sel.clamp(min=0), sel >= 0))
     return torch.stack(outs)
 
 

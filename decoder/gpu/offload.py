@@ -98,8 +98,8 @@ def plan_slots(cache: SlotCache, idx: torch.Tensor, k_sel: torch.Tensor, out: to
 
 
 def plan_slots_ref(cache: SlotCache, idx: torch.Tensor, k_sel: torch.Tensor) -> torch.Tensor:
-    """Slot plan for selection idx [B, Hkv, K] (first k_sel[b] valid) -> slot [B, Hkv, K] int32:
-    s >= 0 a hit in slot s; -s-1 the slot a miss is written to. Miss slots are taken from the
+    """Slot plan for selection idx [B, Hkv, K] (first k_sel[b] valid; -1: no key, slot -1) -> slot
+    [B, Hkv, K] int32: s >= 0 a hit in slot s; -s-1 the slot a miss is written to. Miss slots are taken from the
     slots that no hit of this step uses, so a kernel never reads a slot it also writes, and
     the cache's bookkeeping (tag, slot_of, the stamps, ring) is updated here for the new contents.
     The slots no step used since the one before last serve first, then last step's, each in ring
@@ -108,7 +108,7 @@ def plan_slots_ref(cache: SlotCache, idx: torch.Tensor, k_sel: torch.Tensor) -> 
     cap, n_dummy = cache.tag.shape[-1], cache.slot_of.shape[-1] - 1
     if kmax > cap:
         raise ValueError(f"selection of {kmax} keys exceeds the cache's {cap} slots")
-    valid = (torch.arange(kmax, device=idx.device) < k_sel[:, None, None]).expand(bsz, hkv, kmax)
+    valid = (torch.arange(kmax, device=idx.device) < k_sel[:, None, None]) & (idx >= 0)
     pos = torch.where(valid, idx.long(), n_dummy)
     held = cache.slot_of.gather(-1, pos)
     hit = valid & (held >= 0)
@@ -142,7 +142,7 @@ def plan_slots_ref(cache: SlotCache, idx: torch.Tensor, k_sel: torch.Tensor) -> 
     cache.tag.copy_(tag[..., :cap])
     cache.hits += hit.sum()
     cache.selected += valid.sum()
-    return torch.where(hit, held, -dst.int() - 1).int()
+    return torch.where(hit, held, torch.where(miss, -dst.int() - 1, -1)).int()
 
 
 class OffloadAttention:

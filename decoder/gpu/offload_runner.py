@@ -46,7 +46,7 @@ from ctxcache.decoder.gpu.runner import serves_index
 from ctxcache.decoder.gpu.slot_prefill import PREFILL_SHARE, ResidentHead
 from ctxcache.decoder.gpu.slot_rows import SlotRows
 from ctxcache.decoder.gpu.tables import GpuDenseTables
-from ctxcache.decoder.gpu.table_stacks import layer_tables, row_of_every_layer
+from ctxcache.decoder.gpu.table_stacks import carried_views, layer_tables, row_of_every_layer
 from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import LayeredPrefill
@@ -110,9 +110,9 @@ class OffloadRunner(SlotRows):
         max_len = max_len or a.max_seq_len
         if not 1.0 <= v_cache <= 64.0:
             raise ValueError(f"offload v_cache={v_cache} must be in [1, 64] (selections a slot cache holds)")
-        if params.reselects > 1:
-            raise ValueError(f"offload: reselect={params.reselect} is decoded resident only (the offloaded step "
-                             "selects every step); serve it without --offload, or with reselect=1")
+        if params.reselects > 1 and not k_hbm:
+            raise ValueError(f"offload: reselect={params.reselect} needs K in HBM (--offload-k hbm): the carried "
+                             "steps' re-rank reads its candidates' K where it lies")
         if v_int8 and not k_hbm:
             raise ValueError("offload v_int8 (V as int8 codes in the host slots) needs K in HBM, not --offload-k host")
         if slots < 1 or max_len < 2 or max_new < 1 or prefill_layers < 1 or attention_waves < 1:
@@ -133,6 +133,9 @@ class OffloadRunner(SlotRows):
         self.k_hbm, self.v_int8, self.attention_waves = k_hbm, v_int8, attention_waves
         k_max = config.budget.top_k(self.max_len)
         cached = min(self.max_len, math.ceil(v_cache * k_max))
+        if params.reselects > 1 and cached < min(self.max_len, k_max + params.follows + 1):
+            raise ValueError(f"offload v_cache={v_cache} holds {cached} rows, fewer than a carried step's "
+                             f"{k_max + params.follows + 1} candidates (reselect={params.reselect}): raise it")
         # what the slots keep in HBM beside K (the tail is allocated above), checked with it: the
         # index rows (made at the first load) and the slot caches (below)
         e, k_row = dtype.itemsize, a.n_layers * a.n_kv_heads * self.max_len * a.head_dim * dtype.itemsize
@@ -237,10 +240,10 @@ class OffloadRunner(SlotRows):
             stored = {name: t.to(self.device, non_blocking=True) for name, t in la.tables.items()}
             restored = method.restore(stored, k)
             if self.tables is None:
+                chosen = self.config.budget.top_k(self.max_len) if self.params.reselects > 1 else 0
                 self.tables, self._tables = layer_tables(len(art.layers), len(self.slots), restored, self.max_len,
-                                                         self.max_new, self.device, self.params.follows)
-                follow = self._tables.follow_prev
-                self.carried_rows = () if follow is None else (follow.view(len(art.layers), -1, *follow.shape[1:]),)
+                                                         self.max_new, self.device, self.params.follows, chosen)
+                self.carried_rows = carried_views(self._tables, len(art.layers))
             self.tables[layer].load_row(row, restored, n)
         if self.v_int8:  # the row's tail starts at its context's end (a failed load keeps the last one's)
             self.pool.set_row(row, n, art.layers[0].coded.dtype)

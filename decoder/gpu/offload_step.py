@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from ctxcache.decoder.gpu.attention import GpuSparseAttention
+from ctxcache.decoder.gpu.attention import GpuSparseAttention, StepLimits
 from ctxcache.decoder.gpu.offload import SlotCache, plan_slots
 from ctxcache.decoder.gpu.tables import GpuDenseTables
 from ctxcache.host_copy import pinned_exact
@@ -111,6 +111,19 @@ class OffloadSparseAttention(GpuSparseAttention):
 
     def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a prompt's prefill runs through HostPrefillAttention")
+
+    def _attend_carried(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
+                        lim: StepLimits, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """reselect: through the slot cache as _attend, the rows not carried over their selection
+        idx, the carried ones over all their candidates (the selector's idx, -1 after them: no key,
+        never cached). The offloaded step has no lean form (CarriedStep), so no logits to write."""
+        if logits is not None:
+            raise RuntimeError("an offloaded step re-ranks by its own logits launch (no lean step)")
+        width = min(self.kc_max, self.k_max + self.follow + 1)  # a carried row's candidates at most
+        carried = lim.carried != 0
+        own = torch.nn.functional.pad(idx, (0, max(0, width - idx.shape[2])), value=-1)[:, :, :width]
+        listed = torch.where(carried[:, None, None], self.selector.idx[:, :, :width], own)
+        return self._attend(layer, q, cache, n, listed, torch.where(carried, lim.kc, lim.k))
 
     def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,29 @@ def test_offload_matches_reference(device, dtype, splits):
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # misses landed in their slots
 
 
+def test_padding_is_no_key_and_never_cached(device):
+    """-1 in idx (a carried row's padding after its candidates, reselect): no key to attend, no
+    cache slot written, whatever its slot entry says (plan_slots writes -1 there)."""
+    b, hq, hkv, s, d, kmax, cap = 2, 8, 2, 300, 32, 40, 48
+    q = torch.randn(b, hq, d, device=device)
+    kh, vh = _host((b, hkv, s, d), torch.float32), _host((b, hkv, s, d), torch.float32)
+    n = torch.tensor([290, 120], dtype=torch.int32)
+    idx = torch.stack([torch.stack([torch.randperm(80)[:kmax] + 4 for _ in range(hkv)]) for _ in range(b)]).int()
+    k_sel = torch.tensor([40, 25], dtype=torch.int32)
+    slot = _plan(b, hkv, kmax, cap, n_hit=15)
+    idx[0, 1, 28:] = -1
+    idx[1, 0, 20:] = -1
+    slot[idx < 0] = -1  # as the plan writes: a "miss into slot 0" the kernel must not act on
+    kc = torch.randn(b, hkv, cap, d, device=device)
+    vc = torch.randn_like(kc)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = offload_attention_ref(q.double(), kh.double(), vh.double(), kc_ref, vc_ref, idx, slot, k_sel, n, 4, 16)
+    out = offload_attention(q, kh, vh, kc, vc, idx.to(device), slot.to(device), k_sel.to(device), n.to(device),
+                            4, 16, splits=4, block_n=16)
+    assert _rel(out, ref) < TOL[torch.float32]
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # no slot written for the padding
+
+
 def test_k_in_hbm_reads_k_from_its_buffer_and_caches_v_alone(device):
     """k_cache None (the offload runner with K in HBM): every K from k_host (here the GPU
     buffer), hits' V from the cache, misses' V written to their slots; equals the reference."""
@@ -111,13 +134,17 @@ def test_hits_come_from_the_cache(device):
 
 @pytest.mark.parametrize("block", [8, 1024])  # 8: several blocks per pass
 @pytest.mark.parametrize("cap", [24, 160])  # 24: misses take last step's slots too; 160: the free list stops early
-def test_plan_slots_keeps_cache_consistent(device, block, cap):
+@pytest.mark.parametrize("padded", [False, True])  # a carried row's -1 padding at its list's end: no key
+def test_plan_slots_keeps_cache_consistent(device, block, cap, padded):
     b, hkv, n_max, kmax = 2, 3, 100, 20
     c = SlotCache.empty(b, hkv, cap, n_max, 4, torch.float32, device)
     prev = None
     for step in range(6):
         idx = torch.stack([torch.stack([torch.randperm(40)[:kmax] for _ in range(hkv)]) for _ in range(b)]).int()
         k_sel = torch.tensor([kmax, 13 + step], dtype=torch.int32)
+        if padded:
+            for h in range(hkv):
+                idx[0, h, kmax - 3 - h:] = -1
         shadow = copy.deepcopy(c)
         slot = plan_slots(c, idx.to(device), k_sel.to(device), block=block).cpu()
         slot_ref = plan_slots_ref(shadow, idx.to(device), k_sel.to(device)).cpu()
@@ -128,7 +155,8 @@ def test_plan_slots_keeps_cache_consistent(device, block, cap):
         tag, slot_of = c.tag.cpu(), c.slot_of.cpu()
         for i in range(b):
             for h in range(hkv):
-                kk = int(k_sel[i])
+                kk = int((idx[i, h, :int(k_sel[i])] >= 0).sum())  # the padding after the keys
+                assert (slot[i, h, kk:int(k_sel[i])] == -1).all()
                 s = slot[i, h, :kk]
                 used = torch.where(s >= 0, s, -s - 1)
                 assert len(set(used.tolist())) == kk  # one slot per key, hits and misses disjoint

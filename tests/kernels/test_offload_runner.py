@@ -32,10 +32,13 @@ def _artifacts(method, lengths):
             for n in lengths]
 
 
-@pytest.mark.parametrize("rerank", [1.0, pytest.param(4.0, marks=CPU_SLOW)])
-def test_offload_runner_decodes_the_reference_tokens(rerank):
+@pytest.mark.parametrize("rerank, reselect", [(1.0, 1), pytest.param(4.0, 1, marks=CPU_SLOW),
+                                              pytest.param(4.0, 2, marks=CPU_SLOW)])
+def test_offload_runner_decodes_the_reference_tokens(rerank, reselect):
+    """reselect 2: every other step a row attends its last selection, its best keys' successors
+    and the new key through the slot caches (the -1 after them never read nor cached)."""
     lm = load_model("random:tiny", seed=3, device=DEVICE)
-    method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": rerank})
+    method = make_method("csattention", {"subspaces": 4, "centroids": 16, "rerank": rerank, "reselect": reselect})
     arts = _artifacts(method, (200, 150))
     prompts = [[5, 6, 7], []]
     ref, off = Engine(ReferenceRunner(lm)), Engine(OffloadRunner(lm, method.params, CONFIG, slots=2, max_len=320))
@@ -50,6 +53,15 @@ def test_offload_runner_decodes_the_reference_tokens(rerank):
     assert got == want
     hits, selected = off.runner.offload_hits()
     assert selected > 0 and 0 <= hits <= selected  # the slot caches saw every selected key
+
+
+def test_reselect_needs_k_in_hbm_and_a_slot_cache_of_its_candidates():
+    lm = load_model("random:tiny", seed=3, device=DEVICE)
+    params = make_method("csattention", {"subspaces": 4, "centroids": 16, "reselect": 2}).params
+    with pytest.raises(ValueError, match="needs K in HBM"):
+        OffloadRunner(lm, params, CONFIG, slots=1, max_len=320, k_hbm=False)
+    with pytest.raises(ValueError, match="v_cache=1.0 holds"):
+        OffloadRunner(lm, params, CONFIG, slots=1, max_len=320, v_cache=1.0)
 
 
 def test_one_batched_step_gives_the_logits_of_rows_stepped_one_at_a_time(monkeypatch):
