@@ -41,9 +41,9 @@ Departures from the paper, each chosen by measurement (bench/README.md) and swit
   attends one key further each step, and the estimate ranked that key 461-1486 against a cut of
   412 (2K changelog, layer 7). On the suite: follow=128 keeps 0.987 vs the oracle's 0.982
   (follow=0: 0.951; bench/README.md). The GPU path does the same (kernels/follow.py).
-- `reselect=1` (default): 2 lets every other step attend the last selection, its best keys' successors
-  and the new key (all of them) instead of the estimate's candidates, and re-rank them for the next
-  (csattention_refs, kernels/carry.py, carried_attention.py). DESIGN.md: the answers by reselect and
+- `reselect=2` (default; 1: the estimate every step): every other step attends the last selection,
+  its best keys' successors and the new key (all of them) instead of the estimate's candidates, and
+  re-ranks them for the next (csattention_refs, kernels/carry.py, carried_attention.py). DESIGN.md: the answers by reselect and
   the GPU times (a step of carried rows skips the selector and reads the candidates' K once).
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the

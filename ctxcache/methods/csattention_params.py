@@ -61,11 +61,13 @@ class CSAttentionParams(MethodParams):
     # retention suite's measured choice (module docstring); contexts stored before it existed
     # keep their ids (QUIET_DEFAULTS) and decode with it (a search parameter, not the index's)
     follow: int = 128
-    # > 1 (with a re-rank): the estimate proposes the candidates on one step in `reselect`; the
-    # steps between re-rank exactly the previous step's selection, the successors of its `follow`
-    # best keys and the keys that entered the region since (csattention_refs.carried_candidates):
-    # about K + follow candidates and no estimate, a search parameter like follow
-    reselect: int = 1
+    # > 1 (with a re-rank and follow): the estimate proposes the candidates on one step in
+    # `reselect`; the steps between attend and re-rank exactly the previous step's selection, the
+    # successors of its `follow` best keys and the keys that entered the region since
+    # (csattention_refs.carried_candidates): about K + follow candidates and no estimate, a search
+    # parameter like follow. 2: the answers of 1 (six kinds 0.984 vs 0.982, the wide suite 0.973
+    # both) at 0.83x its step (H200, 32K x 8: 7.51 vs 9.00 ms); 4 lost python's numbers (DESIGN.md)
+    reselect: int = 2
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -105,8 +107,8 @@ class CSAttentionParams(MethodParams):
     @property
     def gpu_selectable(self) -> bool:
         """Whether the GPU path computes exactly this selection (no backoff, summed group; follow
-        with the dense layout only; the exact re-rank in kernels/rerank.Reranker; reselect with follow)."""
-        return (self.backoff_cos <= -1.0 and self.group_combine == "sum" and (self.reselects == 1 or self.follows > 0)
+        with the dense layout only; the exact re-rank in kernels/rerank.Reranker)."""
+        return (self.backoff_cos <= -1.0 and self.group_combine == "sum"
                 and (self.follows == 0 or self.list_fraction == 1.0)
                 and self.weighting in ("unit", "qnorm") and self.scoring in ("absolute", "relative", "expected"))
 
@@ -117,8 +119,9 @@ class CSAttentionParams(MethodParams):
 
     @property
     def reselects(self) -> int:
-        """Steps a selection spans (the estimate's steps one in reselects): reselect, with a re-rank."""
-        return self.reselect if self.rerank > 1.0 else 1
+        """Steps a selection spans (the estimate's steps one in reselects): reselect, with a re-rank
+        and follow (a carried step's new candidates are follow's successors)."""
+        return self.reselect if self.follows > 0 else 1
 
     def list_length(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.list_fraction * n)))

@@ -69,13 +69,15 @@ def test_reselect_skips_the_estimate_between_selections_and_stays_in_the_carried
     assert len(calls) == 2  # steps 0 and 3
 
 
-def test_reselect_is_validated_quiet_at_its_default_and_gpu_selectable_with_follow(qkv):
+def test_reselect_is_validated_quiet_at_its_default_and_spans_steps_only_with_follow(qkv):
     with pytest.raises(ParamError, match="reselect"):
         CSAttentionParams.from_dict({"reselect": 0})
-    assert "reselect" not in CSAttentionParams().to_dict()
-    assert CSAttentionParams(reselect=2).to_dict()["reselect"] == 2
-    assert CSAttentionParams(reselect=2).gpu_selectable and not CSAttentionParams(reselect=2, follow=0).gpu_selectable
+    assert "reselect" not in CSAttentionParams().to_dict() and CSAttentionParams().reselects == 2
+    assert CSAttentionParams(reselect=1).to_dict()["reselect"] == 1
+    assert CSAttentionParams(reselect=2).gpu_selectable and CSAttentionParams(reselect=2, follow=0).gpu_selectable
+    # a carried step's new candidates are follow's successors: without follow (or a re-rank) every step selects
     assert CSAttentionParams(reselect=2, rerank=1.0).reselects == 1
+    assert CSAttentionParams(reselect=2, follow=0).reselects == 1
     method = CSAttention(CSAttentionParams(reselect=2, follow=128))
     # K = 100 in 4000 keys: 400 candidates on a selecting step, at most 100 + 128 + 1 between
     assert method.search_reads(100, 4000) == (400 + 229 + 1) // 2
