@@ -64,6 +64,8 @@ class PcieCounter:
     dense_layers: int
     k_hbm: bool
     v_codes: int = 0  # head_dim where V is held as int8 codes (0: V in the model's dtype)
+    reselect: int = 1  # steps a selection spans (CSAttentionParams.reselects)
+    follow: int = 0  # a carried step's successors (CSAttentionParams.follows)
     host: int = 0
     steps: int = 0
     prefill: int = 0
@@ -100,9 +102,16 @@ class PcieCounter:
                 k += rows + self.sparse_layers + self.dense_layers
                 if self.rerank > 1:  # the re-rank's candidates' K, read from the host
                     top = min(max(1, math.ceil(n * self.budget.keep)), hi - lo)
-                    k += self.sparse_layers * min(hi - lo, math.ceil(top * self.rerank - 1e-9))
+                    k += self.sparse_layers * self._candidates(top, hi - lo)
         self.host += (v * self.v_bytes + k * self.key_bytes) * self.n_kv
         self.steps += 1
+
+    def _candidates(self, top: int, region: int) -> int:
+        """A row's re-rank candidates a step: the estimate's, or with reselect the mean over a
+        selection's steps, a carried step counted at its bound (the last K, the successors, the
+        new key; CSAttention.search_reads)."""
+        c = min(region, math.ceil(top * self.rerank - 1e-9))
+        return -(-(c + (self.reselect - 1) * min(c, top + self.follow + 1)) // self.reselect)
 
     def prefill_bytes(self, n_ctx: int, span: int, layers: int) -> int:
         """What a serial prefill's `layers` copy: the row's first `span` positions (V, or K and V);

@@ -110,9 +110,6 @@ class OffloadRunner(SlotRows):
         max_len = max_len or a.max_seq_len
         if not 1.0 <= v_cache <= 64.0:
             raise ValueError(f"offload v_cache={v_cache} must be in [1, 64] (selections a slot cache holds)")
-        if params.reselects > 1 and not k_hbm:
-            raise ValueError(f"offload: reselect={params.reselect} needs K in HBM (--offload-k hbm): the carried "
-                             "steps' re-rank reads its candidates' K where it lies")
         if v_int8 and not k_hbm:
             raise ValueError("offload v_int8 (V as int8 codes in the host slots) needs K in HBM, not --offload-k host")
         if slots < 1 or max_len < 2 or max_new < 1 or prefill_layers < 1 or attention_waves < 1:
@@ -133,9 +130,10 @@ class OffloadRunner(SlotRows):
         self.k_hbm, self.v_int8, self.attention_waves = k_hbm, v_int8, attention_waves
         k_max = config.budget.top_k(self.max_len)
         cached = min(self.max_len, math.ceil(v_cache * k_max))
-        if params.reselects > 1 and cached < min(self.max_len, k_max + params.follows + 1):
+        carried = k_max + min(params.follows, k_max) + 1  # a carried step's candidates at most (offload_step)
+        if params.reselects > 1 and cached < min(self.max_len, carried):
             raise ValueError(f"offload v_cache={v_cache} holds {cached} rows, fewer than a carried step's "
-                             f"{k_max + params.follows + 1} candidates (reselect={params.reselect}): raise it")
+                             f"{carried} candidates (reselect={params.reselect}): raise it")
         # what the slots keep in HBM beside K (the tail is allocated above), checked with it: the
         # index rows (made at the first load) and the slot caches (below)
         e, k_row = dtype.itemsize, a.n_layers * a.n_kv_heads * self.max_len * a.head_dim * dtype.itemsize
@@ -168,7 +166,8 @@ class OffloadRunner(SlotRows):
         self._last_step = "step 0"  # the device-time kind of the last launched step
         dense = len({i for i in config.dense_layers if i < a.n_layers})
         self.pcie = PcieCounter(a.head_dim * dtype.itemsize, a.n_kv_heads, config.budget, params.rerank,
-                                a.n_layers - dense, dense, k_hbm, a.head_dim if v_int8 else 0)
+                                a.n_layers - dense, dense, k_hbm, a.head_dim if v_int8 else 0,
+                                reselect=params.reselects, follow=params.follows)
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:

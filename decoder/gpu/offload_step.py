@@ -119,11 +119,13 @@ class OffloadSparseAttention(GpuSparseAttention):
         never cached). The offloaded step has no lean form (CarriedStep), so no logits to write."""
         if logits is not None:
             raise RuntimeError("an offloaded step re-ranks by its own logits launch (no lean step)")
-        width = min(self.kc_max, self.k_max + self.follow + 1)  # a carried row's candidates at most
+        # a carried row's candidates at most: its last K, follow's min(F, K) best keys' successors, the new key
+        width = min(self.kc_max, self.k_max + min(self.follow, self.k_max) + 1)
         carried = lim.carried != 0
         own = torch.nn.functional.pad(idx, (0, max(0, width - idx.shape[2])), value=-1)[:, :, :width]
         listed = torch.where(carried[:, None, None], self.selector.idx[:, :, :width], own)
-        return self._attend(layer, q, cache, n, listed, torch.where(carried, lim.kc, lim.k))
+        # (lim.kc bounds the carry kernel's -1 fill by follow's width F; past `width` all are -1)
+        return self._attend(layer, q, cache, n, listed, torch.where(carried, lim.kc.clamp(max=width), lim.k))
 
     def _attend(self, layer: int, q: torch.Tensor, cache: KVCache, n: torch.Tensor, idx: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,7 @@ def test_steps_with_follow_select_what_csattention_search_selects(device):
     gen = torch.Generator().manual_seed(2)
     hq, hkv, d, n, f = 8, 2, 32, 600, 8
     params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, routing="group", table_dtype="int8",
-                               rerank=4.0, follow=f)
+                               rerank=4.0, follow=f, reselect=1)  # every step selects (test_csattention_reselect)
     method = CSAttention(params)
     q_pre, k, v = (torch.randn(hq, n, d, generator=gen), torch.randn(hkv, n, d, generator=gen),
                    torch.randn(hkv, n, d, generator=gen))
@@ -143,7 +143,7 @@ def test_a_padded_prompt_seeds_what_its_real_tokens_seed(device):
     gen = torch.Generator().manual_seed(5)
     hq, hkv, d, n, f, real, padded = 8, 2, 32, 600, 8, 5, 16
     params = CSAttentionParams(subspaces=4, centroids=16, kmeans_iters=3, routing="group", table_dtype="int8",
-                               rerank=4.0, follow=f)
+                               rerank=4.0, follow=f, reselect=1)  # every step selects (test_csattention_reselect)
     q, k = torch.randn(hq, n, d, generator=gen), torch.randn(hkv, n, d, generator=gen)
     state = CSAttention(params).open(CSAttention(params).build(q, k, k))
     budget = Budget(keep=0.05, sinks=4, recent=8)
