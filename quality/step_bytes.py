@@ -25,7 +25,7 @@ def step_bytes(name: str, params: dict, n: int, budget: Budget, n_kv_heads: int,
         k_keys = v_keys = n
     else:
         method = make_method(name, params)
-        v_keys = k + static
+        v_keys = method.attend_reads(k, hi - lo) + static
         k_keys = n if method.caps.reads_all_keys else method.search_reads(k, hi - lo) + static
         rows = method.index_read_bytes(n, n_kv_heads, group)
     k_b, v_b = (n_kv_heads * x * head_dim * KV_BYTES for x in (k_keys, v_keys))

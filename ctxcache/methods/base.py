@@ -216,6 +216,10 @@ class SparseMethod(ABC):
         reads, those it returns included (more when it re-ranks candidates by their keys)."""
         return min(k, region)
 
+    def attend_reads(self, k: int, region: int) -> int:
+        """Cached keys per KV head whose V a step attends (past the sinks and the recent window)."""
+        return min(k, region)
+
     def index_read_bytes(self, n_tokens: int, n_kv_heads: int, group: int) -> int:
         """Bytes of its own tables (not K/V) a search reads per step and layer over n_tokens
         cached keys, for n_kv_heads KV heads of `group` query heads each (0: none counted)."""

@@ -7,44 +7,36 @@ Online: per subspace pick the nearest centroid of the query, gather the m lists,
 by key index into a dense accumulator, take Top-K in the middle region.
 
 Departures from the paper, each chosen by measurement (bench/README.md) and switchable here:
-- `weighting="qnorm"`: list scores scaled by the query's norm in the subspace (c . k estimates
-  q . k / ||q_b||; unscaled, a subspace with 1% of the query weighs as one with 50%).
+- `weighting="qnorm"`: list scores scaled by the query's subspace norm (c . k estimates q . k / ||q_b||).
 - `scoring="expected"` (default): a listed key contributes s - mean(unlisted scores of that list),
   an absent key 0. `absolute` (the paper: raw scores) ranks absent keys above negative listed
   ones; `relative` (s - the L-th score) is 0.04 worse in mass recall.
 - `list_fraction=1.0` (default): full-length lists, stored densely in key order as
-  `dense_score` [Hkv, m, C, N] with no indices, so the estimate is the weighted sum of m rows.
-  On SmolLM2 (head_dim 64) the only variant above 0.90 mass recall on both texts; a step reads
-  fewer bytes than N/4 (index, score) lists; it stores 4x the KV bytes as int8 (paper: 6x).
+  `dense_score` [Hkv, m, C, N] with no indices: the estimate is the weighted sum of m rows, the
+  only variant above 0.90 mass recall on both SmolLM2 texts (4x the KV bytes as int8; paper: 6x).
 - GQA, `routing="group"` (default): the group shares one selection (one KV read) ranked by its
   summed logits, sum_g q_g . k = (sum_g q_g) . k: the tables cluster the group-sum queries and a
   step routes the sum once, reading m rows per KV head instead of G * m (4x fewer at Llama-3.1-8B
   shapes). SmolLM2 4K, keep 5%: mass recall 0.932 / 0.919 (prose / code) vs 0.940 / 0.925
   routing each head (`routing="head"`, merged by `group_combine`).
-- int8 dense tables (`table_dtype="auto"`, the default, picks them for the dense layout): rows
-  as int8 with a per-row scale (half the bytes); the estimate is an integer dot product against
-  int8-quantized routed weights (methods/int8_tables; the GPU's dp4a is bitwise equal). SmolLM2
-  4K: mass recall 0.919 / 0.901 on prose / code, as fp16 tables; 128K x 8 on the H100: the step
-  8.4x SDPA instead of 7.5x.
-- `rerank=4` (default): the estimate proposes ceil(rerank * K) candidates and exact attention
-  over their keys picks the K (`exact_rerank`, the oracle's group criterion). On the retention
-  suite (bench compare, SmolLM2, keep 5%) the estimate alone dropped a number's last digit that
-  the oracle kept. rerank 2: 3 W / 8 L against 4 on the wide suite (compare_rerank_candidates_cpu);
-  rerank 3: 0.987 / 0.967 of full's right answers on seeds 0 / 1 against 4's 0.987 / 0.977, json 39
-  against 41 of 43 for 4 and the oracle (compare_rerank_json_seed1_cpu), though 3 takes 0.75x of
-  the re-rank's GPU time (H200, 32K x 8: logits 926 vs 1160 us a step; an int8 K was no faster).
-  The candidates' keys count as read (`search_reads`). On the GPU `kernels/rerank.Reranker`
-  re-ranks the selector's candidates in the captured step (Triton).
-- `follow=128` (default; with a re-rank): each step the successors of the previous step's 128
-  best re-ranked keys per KV head (the prompt's dense last query seeds the first step) take
-  candidate slots ahead of the estimate's, same count and bytes. A head copying a number
-  attends one key further each step, and the estimate ranked that key 461-1486 against a cut of
-  412 (2K changelog, layer 7). On the suite: follow=128 keeps 0.987 vs the oracle's 0.982
-  (follow=0: 0.951; bench/README.md). The GPU path does the same (kernels/follow.py).
+- int8 dense tables (`table_dtype="auto"`, the default for the dense layout): int8 rows with a
+  per-row scale (half the bytes), an integer dot product against int8-quantized routed weights
+  (methods/int8_tables; the GPU's dp4a is bitwise equal); mass recall as fp16 tables.
+- `rerank=4` (default): the estimate proposes ceil(rerank * K) candidates and exact attention over
+  their keys picks the K (`exact_rerank`, the oracle's group criterion): the estimate alone dropped
+  a number's last digit the oracle kept (bench compare, SmolLM2, keep 5%). rerank 2: 3 W / 8 L
+  against 4 on the wide suite; rerank 3: 0.987 / 0.967 of full's right answers on seeds 0 / 1 against
+  4's 0.987 / 0.977 (compare_rerank_*_cpu). Candidates count as read (`search_reads`); on the GPU
+  `kernels/rerank.Reranker` re-ranks them in the captured step.
+- `follow=128` (default; with a re-rank): each step the successors of the previous step's 128 best
+  re-ranked keys per KV head (the prompt's last query seeds the first) take candidate slots ahead of
+  the estimate's: a head copying a number attends one key further each step, a key the estimate
+  ranked 461-1486 against a cut of 412. follow=128 keeps 0.987 vs the oracle's 0.982 (follow=0:
+  0.951; bench/README.md). The GPU path does the same (kernels/follow.py).
 - `reselect=2` (default; 1: the estimate every step): every other step attends the last selection,
-  its best keys' successors and the new key (all of them) instead of the estimate's candidates, and
-  re-ranks them for the next (csattention_refs, kernels/carry.py, carried_attention.py). DESIGN.md: the answers by reselect and
-  the GPU times (a step of carried rows skips the selector and reads the candidates' K once).
+  its best keys' successors and the new key (all of them: `attend_reads`) instead of the estimate's
+  candidates and re-ranks them for the next (csattention_refs, kernels/carry.py, carried_attention.py;
+  DESIGN.md: its answers and GPU times).
 - Streaming inserts do not evict: a generated key is recorded against every centroid whose
   list floor it beats (the paper's try-insert condition) in a per-stream overlay, so the
   shared tables stay read-only while many streams decode from one artifact.
@@ -247,20 +239,28 @@ class CSAttention(SparseMethod):
 
     def search_reads(self, k: int, region: int) -> int:
         """The candidates' keys; with reselect, averaged over a selection's steps (at most K +
-        follow + 1 candidates on the carried ones)."""
+        follow + 1 candidates on the carried ones, which attend them all: attend_reads)."""
+        return self._spans_mean(self.params.candidates(k, region), k, region)
+
+    def attend_reads(self, k: int, region: int) -> int:
+        return self._spans_mean(min(k, region), k, region)
+
+    def _spans_mean(self, selecting: int, k: int, region: int) -> int:
         c, spans = self.params.candidates(k, region), self.params.reselects
         if spans == 1 or c <= k:
-            return c
-        return -(-(c + (spans - 1) * min(c, k + self.params.follows + 1)) // spans)
+            return selecting
+        return -(-(selecting + (spans - 1) * min(c, k + self.params.follows + 1)) // spans)
 
     def index_read_bytes(self, n_tokens: int, n_kv_heads: int, group: int) -> int:
         """The routed rows (dense layout: one per subspace and route, per KV head, or per query
-        head with routing="head") with their scales; lists: their (int32 index, fp16 score) pairs."""
+        head with routing="head") with their scales; lists: their (int32 index, fp16 score) pairs.
+        With reselect the mean over a selection's steps (the carried ones read none)."""
         p: CSAttentionParams = self.params
         routes = p.subspaces * (p.backoff_tau if p.backoff_cos > -1.0 else 1) * (group if p.routing == "head" else 1)
-        if self._dense:
-            return n_kv_heads * routes * (n_tokens * (1 if p.int8_tables else 2) + (4 if p.int8_tables else 0))
-        return n_kv_heads * routes * p.list_length(n_tokens) * 6
+        per_key = (1 if p.int8_tables else 2) if self._dense else 6
+        scales = (4 if p.int8_tables else 0) if self._dense else 0
+        rows = n_kv_heads * routes * ((n_tokens if self._dense else p.list_length(n_tokens)) * per_key + scales)
+        return -(-rows // p.reselects)
 
     def estimate(self, state: LayerState, q: torch.Tensor, n: int) -> torch.Tensor:
         """Estimated (offset) logits [Hkv, G, n] of every cached key for q [Hq, D] (int8 tables:
