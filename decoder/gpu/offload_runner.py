@@ -38,7 +38,7 @@ from ctxcache.decoder.gpu import offload_prompt
 from ctxcache.decoder.gpu.offload import SlotCache
 from ctxcache.decoder.gpu.offload_k import PcieCounter, k_buffers
 from ctxcache.decoder.gpu.offload_prefill import CopyLane, InlineLane, StreamLane
-from ctxcache.decoder.gpu.offload_step import HostKVPool, OffloadSparseAttention
+from ctxcache.decoder.gpu.offload_step import HostKVPool, OffloadSparseAttention, carried_bound
 from ctxcache.decoder.gpu.offload_v import CodedDense, CodedHostKVPool, k_into
 from ctxcache.decoder.gpu.offload_v import refusal as coded_refusal
 from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs
@@ -130,7 +130,7 @@ class OffloadRunner(SlotRows):
         self.k_hbm, self.v_int8, self.attention_waves = k_hbm, v_int8, attention_waves
         k_max = config.budget.top_k(self.max_len)
         cached = min(self.max_len, math.ceil(v_cache * k_max))
-        carried = k_max + min(params.follows, k_max) + 1  # a carried step's candidates at most (offload_step)
+        carried = carried_bound(k_max, params.follows)
         if params.reselects > 1 and cached < min(self.max_len, carried):
             raise ValueError(f"offload v_cache={v_cache} holds {cached} rows, fewer than a carried step's "
                              f"{carried} candidates (reselect={params.reselect}): raise it")

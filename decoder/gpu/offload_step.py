@@ -88,6 +88,12 @@ class HostKVPool(KVCache):
         return view
 
 
+def carried_bound(k_max: int, follow: int) -> int:
+    """A carried row's candidates at most: its last K, follow's min(F, K) best keys' successors,
+    the new key (the carry kernel writes -1 after them)."""
+    return k_max + min(follow, k_max) + 1
+
+
 class OffloadSparseAttention(GpuSparseAttention):
     """GpuSparseAttention over a batch of host slots: the same selection and re-rank (its
     candidates' keys read from the cache's K: HBM buffers with k_hbm, else the host), attention
@@ -119,8 +125,7 @@ class OffloadSparseAttention(GpuSparseAttention):
         never cached). The offloaded step has no lean form (CarriedStep), so no logits to write."""
         if logits is not None:
             raise RuntimeError("an offloaded step re-ranks by its own logits launch (no lean step)")
-        # a carried row's candidates at most: its last K, follow's min(F, K) best keys' successors, the new key
-        width = min(self.kc_max, self.k_max + min(self.follow, self.k_max) + 1)
+        width = min(self.kc_max, carried_bound(self.k_max, self.follow))
         carried = lim.carried != 0
         own = torch.nn.functional.pad(idx, (0, max(0, width - idx.shape[2])), value=-1)[:, :, :width]
         listed = torch.where(carried[:, None, None], self.selector.idx[:, :, :width], own)
