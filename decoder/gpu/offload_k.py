@@ -17,6 +17,7 @@ re-rank's candidates' K (K on the host only) and the step's new key written back
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,13 +60,13 @@ class PcieCounter:
     key_bytes: int  # one key's K or V row of one KV head: D x dtype bytes
     n_kv: int
     budget: Budget
-    rerank: float  # the re-rank's candidates per chosen key (1: no re-rank)
+    # a step's re-rank candidates for (K, region): CSAttention.search_reads (with reselect the mean
+    # over a selection's steps); None: no re-rank
+    candidates: Callable[[int, int], int] | None
     sparse_layers: int
     dense_layers: int
     k_hbm: bool
     v_codes: int = 0  # head_dim where V is held as int8 codes (0: V in the model's dtype)
-    reselect: int = 1  # steps a selection spans (CSAttentionParams.reselects)
-    follow: int = 0  # a carried step's successors (CSAttentionParams.follows)
     host: int = 0
     steps: int = 0
     prefill: int = 0
@@ -100,18 +101,11 @@ class PcieCounter:
             v += rows
             if not self.k_hbm:  # K of those rows too, and the new key's K read back by the index insert
                 k += rows + self.sparse_layers + self.dense_layers
-                if self.rerank > 1:  # the re-rank's candidates' K, read from the host
+                if self.candidates is not None:  # the re-rank's candidates' K, read from the host
                     top = min(max(1, math.ceil(n * self.budget.keep)), hi - lo)
-                    k += self.sparse_layers * self._candidates(top, hi - lo)
+                    k += self.sparse_layers * self.candidates(top, hi - lo)
         self.host += (v * self.v_bytes + k * self.key_bytes) * self.n_kv
         self.steps += 1
-
-    def _candidates(self, top: int, region: int) -> int:
-        """A row's re-rank candidates a step: the estimate's, or with reselect the mean over a
-        selection's steps, a carried step counted at its bound (the last K, the successors, the
-        new key; CSAttention.search_reads)."""
-        c = min(region, math.ceil(top * self.rerank - 1e-9))
-        return -(-(c + (self.reselect - 1) * min(c, top + self.follow + 1)) // self.reselect)
 
     def prefill_bytes(self, n_ctx: int, span: int, layers: int) -> int:
         """What a serial prefill's `layers` copy: the row's first `span` positions (V, or K and V);

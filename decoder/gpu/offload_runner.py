@@ -165,9 +165,9 @@ class OffloadRunner(SlotRows):
         self.times = DeviceTimes(self.device)
         self._last_step = "step 0"  # the device-time kind of the last launched step
         dense = len({i for i in config.dense_layers if i < a.n_layers})
-        self.pcie = PcieCounter(a.head_dim * dtype.itemsize, a.n_kv_heads, config.budget, params.rerank,
-                                a.n_layers - dense, dense, k_hbm, a.head_dim if v_int8 else 0,
-                                reselect=params.reselects, follow=params.follows)
+        self.pcie = PcieCounter(a.head_dim * dtype.itemsize, a.n_kv_heads, config.budget,
+                                CSAttention(params).search_reads if params.rerank > 1 else None,
+                                a.n_layers - dense, dense, k_hbm, a.head_dim if v_int8 else 0)
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:

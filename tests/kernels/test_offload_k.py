@@ -152,3 +152,24 @@ def test_offloaded_greedy_tokens_equal_the_resident_ones(v_int8):
             eng.close()
     assert [len(t) for t in tokens["offloaded"]] == [steps, steps]
     assert tokens["offloaded"] == tokens["resident"]
+
+
+def test_the_pcie_counter_takes_the_re_ranks_candidates_from_the_method():
+    """K on the host: a step's re-rank reads its candidates' K over PCIe, CSAttention.search_reads
+    of them (with reselect 2 the mean of a selecting and a carried step); no re-rank, none."""
+    from ctxcache.decoder.gpu.offload_k import PcieCounter
+    from ctxcache.methods.csattention import CSAttention, CSAttentionParams
+
+    budget, n = Budget(0.1, 2, 8), 1000
+    lo, hi = budget.region(n)
+    top = budget.top_k(n)
+
+    def host(candidates):
+        c = PcieCounter(64, 2, budget, candidates, 3, 0, k_hbm=False)
+        c.step([n])
+        return c.host
+    without = host(None)
+    for reselect in (1, 2):
+        reads = CSAttention(CSAttentionParams(reselect=reselect)).search_reads
+        assert host(reads) - without == 3 * reads(top, hi - lo) * 64 * 2
+    assert CSAttention(CSAttentionParams(reselect=2)).search_reads(top, hi - lo) < 4 * top
