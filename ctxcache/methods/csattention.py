@@ -229,12 +229,12 @@ class CSAttention(SparseMethod):
         return self.params.follows > 0
 
     def observe_dense(self, state: LayerState, q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int) -> None:
-        """follow: the prompt's last query's `follow` best keys in [lo, hi) by exact attention stand
-        in for a previous search, so the first sparse step also proposes their successors."""
+        """follow: the prompt's last query's `follow` best keys in [lo, hi) by exact attention (fp16 keys,
+        ties low, as the GPU's seed_topk) stand in for a previous search: the first step proposes their successors."""
         if not self.params.follows or hi <= lo:
             return
-        probs = group_probabilities(q, keys).sum(1)  # [Hkv, n]
-        best = torch.topk(probs[:, lo:hi], min(self.params.follow, hi - lo), dim=-1).indices + lo
+        probs = group_probabilities(q, keys).sum(1)[:, lo:hi]  # [Hkv, hi - lo]
+        best = torch.topk(fp16_rank(probs), min(self.params.follow, hi - lo), dim=-1).indices + lo
         state.extra["follow_prev"] = best
 
     def search_reads(self, k: int, region: int) -> int:

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ctxcache.kernels.seed_probs import seed_scores
+from ctxcache.kernels.seed_probs import RADIX_BLOCK, seed_topk, workspace_columns
 from ctxcache.kernels.stream import stream_insert
-from ctxcache.kernels.topk import radix_topk, workspace
+from ctxcache.kernels.topk import blocks16, workspace
 from ctxcache.methods.budget import Budget
 from ctxcache.methods.int8_tables import quantize_rows
 
@@ -207,25 +207,28 @@ class GpuDenseTables:
         lo, hi = budget.region(n)
         if min(prev.shape[-1], hi - lo) <= 0:  # (the real keys' region is no larger)
             return
-        bounds, ws = self._seed_buffers()
+        bounds, ws = self._seed_buffers(n)
         if padded is None:
             for i, v in enumerate((lo, hi, min(prev.shape[-1], hi - lo))):
                 bounds[i:i + 1].fill_(v)  # no host-scalar copy (a stream sync)
         else:  # the padding's keys weigh nothing (they sit after the real ones, past the region)
             bounds = padded.bounds
-        # [Hkv, n] as group_probabilities(q, keys).sum(1), in rows padded to 16 keys (one
-        # compiled shape of the radix kernels whatever the length)
-        probs = seed_scores(q, keys, *((None, None) if padded is None else (padded.keys, padded.mask)))
-        # the radix Top-K: torch.topk of 128 over 8 rows of 32K took ~0.7 ms a layer on the
-        # H100 (one block a row), 22 ms of a hot TTFT at 32K over 32 layers
-        radix_topk(probs[None], bounds[0:1], bounds[1:2], bounds[2:3], prev[None], ws)
+        # one compiled shape of the radix kernels whatever the length (rows padded to 16 keys);
+        # torch.topk of 128 over 8 rows of 32K took ~0.7 ms a layer on the H100 (one block a row)
+        seed_topk(q, keys, bounds, ws, prev[None], *((None, None) if padded is None else (padded.keys, padded.mask)))
 
-    def _seed_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """seed_follow's region bounds and radix workspace (made on first use, before any prefill
-        graph captures a seed: a prompt's prefill runs eagerly before its graph is captured)."""
-        if getattr(self, "_seed", None) is None:
+    def _seed_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """seed_follow's region bounds and radix workspace for n keys: made on first use for as many
+        keys as a row holds (its context and streamed keys), before any prefill graph captures a
+        seed (a prompt's prefill runs eagerly before its graph is captured). A longer prompt's
+        padding gets a larger workspace; the old one stays alive for the graphs that captured it."""
+        seed = getattr(self, "_seed", None)
+        if seed is None or seed[1].shape[1] < workspace_columns(n):
             dev = self.follow_prev.device
-            self._seed = (torch.zeros(3, dtype=torch.int32, device=dev), workspace(self.follow_prev.shape[1], dev))
+            keys = max(n, self.dense_score.shape[-1] + self.new_scores.shape[-1])
+            self._seed_kept = [] if seed is None else [*self._seed_kept, seed]
+            self._seed = (torch.zeros(3, dtype=torch.int32, device=dev),
+                          workspace(self.follow_prev.shape[1], dev, blocks16(keys + 16, RADIX_BLOCK)))
         return self._seed
 
 

@@ -1,11 +1,14 @@
 """Follow's seed scores by the three-launch kernel equal the torch reference: the group-summed
-softmax of the last query over the real keys, 0 for the padding and up to 16 keys; on the CPU
-through TRITON_INTERPRET."""
+softmax of the last query over the real keys, 0 for the padding and up to 16 keys; their 16-bit
+keys with radix pass 0 fused, and the seed's Top-K over them; on the CPU through TRITON_INTERPRET."""
 
 import pytest
 import torch
 
-from ctxcache.kernels.seed_probs import BLOCK, seed_probs, seed_probs_ref
+from ctxcache.kernels import seed_probs as seed_module
+from ctxcache.kernels.seed_probs import BLOCK, KEY_BLOCK, seed_probs, seed_probs_ref, seed_topk, workspace_columns
+from ctxcache.kernels.topk import key16_codes, topk16_ref
+from ctxcache.methods.budget import fp16_keys
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -30,3 +33,58 @@ def test_seed_probs_refuse_a_wrong_output():
     q, keys = torch.randn(4, 16), torch.randn(2, 40, 16)
     with pytest.raises(ValueError, match="must be contiguous fp32"):
         seed_probs(q, keys, torch.tensor([40], dtype=torch.int32), torch.zeros(2, 40))
+
+
+def _seed_case(hq, hkv, n, n_real, dtype):
+    g = torch.Generator().manual_seed(n + hq)
+    q = (torch.randn(hq, 64, generator=g) * 3).to(DEVICE, dtype)
+    keys = torch.randn(hkv, n, 64, generator=g).to(DEVICE, dtype)
+    return q, keys, torch.tensor([n_real], dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("hq,hkv,n,n_real,lo,hi,k", [
+    (8, 2, 300, 290, 4, 270, 16), (4, 4, KEY_BLOCK + 37, KEY_BLOCK + 30, 4, KEY_BLOCK, 40), (8, 2, 37, 37, 0, 37, 37)])
+def test_16_bit_seed_keys_carry_radix_pass_0_and_select_their_reference_top_k(hq, hkv, n, n_real, lo, hi, k):
+    """The probs launch writing 16-bit keys writes fp16_keys of its fp32 probabilities and pass 0's
+    histogram of [lo, hi) into a workspace it finds dirty (the norm launch zeroes it); seed_topk
+    then picks topk16_ref's keys of them."""
+    q, keys, real = _seed_case(hq, hkv, n, n_real, torch.float32)
+    bounds = torch.tensor([lo, hi, k], dtype=torch.int32, device=DEVICE)
+    ws = torch.full((hkv, workspace_columns(n) + 5), 7, dtype=torch.int32, device=DEVICE)
+    n_pad = n + -n % 16
+    codes = torch.empty(hkv, -(-n_pad // KEY_BLOCK) * KEY_BLOCK, dtype=torch.uint16, device=DEVICE)
+    seed_probs(q, keys, real, codes, hist=(bounds, ws))
+    probs = seed_probs(q, keys, real, torch.empty(hkv, n_pad, device=DEVICE))
+    want = fp16_keys(probs)
+    assert torch.equal(key16_codes(codes[:, :n_pad]), want)
+    for h in range(hkv):
+        assert torch.equal(ws[h, :256], torch.bincount(want[h, lo:hi] >> 8, minlength=256).int())
+    assert torch.all(ws[:, 256:workspace_columns(n)] == 0) and torch.all(ws[:, workspace_columns(n):] == 7)
+    out = torch.full((1, hkv, k + 3), -1, dtype=torch.int32, device=DEVICE)
+    seed_topk(q, keys, bounds, ws, out, real)
+    lims = [torch.tensor([x]) for x in (lo, hi, k)]
+    for h in range(hkv):
+        assert sorted(out[0, h, :k].tolist()) == topk16_ref(want[h:h + 1], *lims)[0].tolist()
+    assert torch.all(out[0, :, k:] == -1)
+
+
+def test_the_torch_seed_chain_selects_by_the_same_16_bit_keys(monkeypatch):
+    """FUSED_SEED off: seed_probs_ref's probabilities, ranked by fp16_keys (the padding masked)."""
+    q, keys, real = _seed_case(8, 2, 300, 290, torch.float32)
+    bounds = torch.tensor([4, 280, 24], dtype=torch.int32, device=DEVICE)
+    padding = torch.arange(10, device=DEVICE) >= 0  # the last 10 keys pad the prompt
+    monkeypatch.setattr(seed_module, "FUSED_SEED", False)
+    out = torch.full((1, 2, 24), -1, dtype=torch.int32, device=DEVICE)
+    seed_topk(q, keys, bounds, torch.zeros(2, workspace_columns(300), dtype=torch.int32, device=DEVICE), out,
+              real, padding)
+    want = fp16_keys(seed_probs_ref(q, keys, padding))
+    for h in range(2):
+        lims = [torch.tensor([x]) for x in (4, 280, 24)]
+        assert sorted(out[0, h].tolist()) == topk16_ref(want[h:h + 1], *lims)[0].tolist()
+
+
+def test_16_bit_seed_keys_refuse_a_short_workspace():
+    q, keys, real = _seed_case(4, 2, 40, 40, torch.float32)
+    with pytest.raises(ValueError, match="workspace"):
+        seed_probs(q, keys, real, torch.empty(2, KEY_BLOCK, dtype=torch.uint16),
+                   hist=(torch.tensor([0, 40, 4], dtype=torch.int32), torch.zeros(2, 100, dtype=torch.int32)))
