@@ -304,7 +304,7 @@ class OffloadRunner(SlotRows):
             self._row_views[row] = [t.rows(row, row + 1) for t in self.tables]
             for t in self._row_views[row]:
                 if self.follow and t.follow_prev is not None:
-                    t._seed_buffers()
+                    t.seed_buffers()
         return self._row_views[row]
 
     def _settler(self, row: int, prompt: int) -> Callable[[], None]:

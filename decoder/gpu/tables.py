@@ -207,7 +207,7 @@ class GpuDenseTables:
         lo, hi = budget.region(n)
         if min(prev.shape[-1], hi - lo) <= 0:  # (the real keys' region is no larger)
             return
-        bounds, ws = self._seed_buffers(n)
+        bounds, ws = self.seed_buffers(n)
         if padded is None:
             for i, v in enumerate((lo, hi, min(prev.shape[-1], hi - lo))):
                 bounds[i:i + 1].fill_(v)  # no host-scalar copy (a stream sync)
@@ -217,7 +217,7 @@ class GpuDenseTables:
         # torch.topk of 128 over 8 rows of 32K took ~0.7 ms a layer on the H100 (one block a row)
         seed_topk(q, keys, bounds, ws, prev[None], *((None, None) if padded is None else (padded.keys, padded.mask)))
 
-    def _seed_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def seed_buffers(self, n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """seed_follow's region bounds and radix workspace for n keys: made on first use for as many
         keys as a row holds (its context and streamed keys), before any prefill graph captures a
         seed (a prompt's prefill runs eagerly before its graph is captured). A longer prompt's
