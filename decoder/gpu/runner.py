@@ -42,7 +42,7 @@ from ctxcache.decoder.gpu.slot_prefill import (PREFILL_SHARE, PREFILL_TOKEN_LAYE
                                                layers_per_chunk, padded_length, prompt_input)
 from ctxcache.decoder.inflight import StepIO
 from ctxcache.decoder.gpu.tables import GpuDenseTables
-from ctxcache.decoder.gpu.table_stacks import stack_carried
+from ctxcache.decoder.gpu.table_stacks import carried_views, layer_tables, row_of_every_layer
 from ctxcache.decoder.reference_attention import SparseConfig
 from ctxcache.generation import LayeredPrefill
 from ctxcache.methods import make_method
@@ -89,6 +89,7 @@ class GpuRunner(SlotRows):
         self.cache = model.new_cache(slots, max_len=max_len)  # zero-filled: every position stays finite
         self.slots = [Slot(i) for i in range(slots)]
         self.tables: list[GpuDenseTables] | None = None  # sparse: allocated at the first context
+        self._tables: GpuDenseTables | None = None  # every layer's rows (table_stacks.layer_tables)
         self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
         self._decoders: dict[int, GraphDecoder] = {}
         self._lean: dict[int, GraphDecoder] = {}  # bucket -> its lean step (reselect > 1)
@@ -271,9 +272,10 @@ class GpuRunner(SlotRows):
                 tables = method.restore(stored, self.cache.k[layer][row, :, :n])
                 if self.tables is None:
                     chosen = self.config.budget.top_k(self.cache.max_len) if self.params.reselects > 1 else 0
-                    self.tables = [GpuDenseTables.empty(len(self.slots), tables, self.cache.max_len, self.max_new,
-                                                        self.device, self.params.follows, chosen) for _ in art.layers]
-                    self.carried_rows = stack_carried(self.tables)
+                    self.tables, self._tables = layer_tables(len(art.layers), len(self.slots), tables,
+                                                             self.cache.max_len, self.max_new, self.device,
+                                                             self.params.follows, chosen)
+                    self.carried_rows = carried_views(self._tables, len(art.layers))
                 self.tables[layer].load_row(row, tables, n)
 
         # coded K/V (the default int8) cross PCIe as codes and are decoded in HBM, a layer at a
@@ -289,9 +291,9 @@ class GpuRunner(SlotRows):
         # the whole stream (the decode step in flight) while this thread holds the runner lock
         slot.length = slot.n_ctx
         self.cache.lengths[slot.index:slot.index + 1].fill_(slot.n_ctx)
-        if self.tables is not None:
-            for t in self.tables:
-                t.reset_stream(slot.index)
+        if self.tables is not None:  # every layer's row in a launch a field: a launch a field and layer
+            # cost ~2.3 ms of host time before a hot admission's first replay (H200, admit_profile)
+            self._tables.reset_stream(row_of_every_layer(slot.index, len(self.slots)))
 
     # ---- decode -------------------------------------------------------------------------------
     def _decoder(self, bucket: int) -> GraphDecoder:

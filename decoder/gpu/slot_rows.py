@@ -5,8 +5,8 @@ given rows. A runner brings `slots` (each with index, context_id, busy, last_use
 (device_times.DeviceTimes), `cache_full(row)`, and may override
 `_settle(rows)`, which runs before a step touches the rows (the offload runner puts a joined
 row's state back there), and `_step_decoder(bucket, rows)`, the graph a step of these rows
-replays (the fast runner's lean step where every row carries its selection), and sets `carried_rows` (table_stacks.stack_carried) when it allocates its
-tables."""
+replays (the fast runner's lean step where every row carries its selection), and sets
+`carried_rows` (table_stacks.carried_views) when it allocates its tables."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class SlotRows:
     _last_step: str  # the device-time kind of the last launched step ("step 8", "step 8 lean")
     _decoder: Callable[[int], Any]  # the bucket's GraphDecoder (each runner's own)
     cache_full: Callable[[Any], bool]
-    carried_rows: tuple[torch.Tensor, ...] = ()  # [layers, slots, ...]: table_stacks.stack_carried
+    carried_rows: tuple[torch.Tensor, ...] = ()  # [layers, slots, ...]: table_stacks.carried_views
 
     def _settle(self, rows: list[Any]) -> None:
         """Before a step reads the rows (nothing by default)."""

@@ -1,5 +1,5 @@
 """GPU tables stacked for a batch: rows of several artifacts (stack_tables), every layer's rows
-as views of one allocation (layer_tables), every layer's per-row step state as one tensor a field (stack_carried)."""
+as views of one allocation (layer_tables), every layer's per-row step state as one tensor a field (carried_views)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,6 @@ from ctxcache.decoder.gpu.tables import GpuDenseTables, GpuTables
 
 
 CARRIED = ("follow_prev", "chosen_prev", "reselect_left")  # GpuDenseTables' per-row step state
-
-
-def stack_carried(tables: list[GpuDenseTables]) -> tuple[torch.Tensor, ...]:
-    """Every layer's per-row step state (CARRIED: follow's previous best keys, reselect's last
-    selection and countdown; those the tables hold) made views of one [layers, B, ...] tensor
-    each: a row's state across all layers is then one slice (SlotRows puts it back after a step
-    that did not step the row)."""
-    stacked = []
-    for name in CARRIED:
-        if getattr(tables[0], name) is None:
-            continue
-        state = torch.stack([getattr(t, name) for t in tables])
-        for t, layer_state in zip(tables, state):
-            setattr(t, name, layer_state)
-        stacked.append(state)
-    return tuple(stacked)
 
 
 def layer_tables(layers: int, rows: int, like: dict[str, torch.Tensor], n_max: int, max_new: int,

@@ -101,3 +101,23 @@ def test_a_cold_admission_prefills_as_it_loads_and_answers_as_a_resident_one(set
     assert cold[1][0] == warm[1][0] == [len(prompt)] * lm.args.n_layers
     assert all(torch.equal(a, b) for a, b in zip(cold[1][1], warm[1][1]))
     assert cold[1][2] == warm[1][2] == 130 + len(prompt)
+
+
+def test_a_reset_clears_the_row_in_every_layer_in_one_call(setup, monkeypatch):
+    """A hot admission's reset reaches the row of every layer through one reset_stream over the
+    layers' common allocation (a launch a field, not a field and layer), and no other row."""
+    from ctxcache.decoder.gpu.tables import GpuDenseTables
+    lm, method, art = setup
+    runner = GpuRunner(lm, method.params, CONFIG, slots=2, max_len=256, max_new=64, use_graph=False)
+    slots = [runner.admit(cid, art, list(range(40, 57)), CONFIG, 8)[0] for cid in ("a", "b")]
+    kept = [(int(t.stream_count[1]), t.follow_prev[1].clone()) for t in runner.tables]
+    calls = []
+    reset = GpuDenseTables.reset_stream
+    monkeypatch.setattr(GpuDenseTables, "reset_stream", lambda self, row: (calls.append(row), reset(self, row))[1])
+    with torch.inference_mode():  # as the runner's admissions run
+        runner._reset(slots[0])
+    assert len(calls) == 1
+    for t, (count, follow) in zip(runner.tables, kept):
+        assert int(t.stream_count[0]) == 0 and torch.all(t.follow_prev[0] == -1)
+        assert int(t.stream_start[0]) == int(t.n_ctx[0]) == art.n_tokens
+        assert int(t.stream_count[1]) == count > 0 and torch.equal(t.follow_prev[1], follow)
