@@ -101,6 +101,54 @@ def stream_insert(k: torch.Tensor, centroids: torch.Tensor, new_scores: torch.Te
                                    PERM=perm is not None, USE_PDL=pdl, **launch_opts(pdl))
 
 
+@triton.jit(do_not_specialize=["T", "col"])
+def _span_kernel(k_ptr, perm_ptr, c_ptr, out_ptr, real_ptr, count_ptr, T, col, M, C, DB, sk_h, sk_t,
+                 sc_h, sc_m, sc_c, so_h, so_m, so_c, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_T: tl.constexpr, PERM: tl.constexpr):
+    pid, blk = tl.program_id(0), tl.program_id(1)
+    h, mm = pid // M, pid % M
+    offs_c, offs_d = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_D)
+    t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    dmask = offs_d < DB
+    dims = mm * DB + offs_d
+    if PERM:  # subspace j holds head dims perm[j * DB : (j + 1) * DB]
+        dims = tl.load(perm_ptr + dims, mask=dmask, other=0)
+    cent = tl.load(c_ptr + h * sc_h + mm * sc_m + offs_c[:, None] * sc_c + offs_d[None, :],
+                   mask=(offs_c[:, None] < C) & dmask[None, :], other=0.0).to(tl.float32)
+    keys = tl.load(k_ptr + h * sk_h + t[:, None] * sk_t + dims[None, :], mask=(t[:, None] < T) & dmask[None, :],
+                   other=0.0).to(tl.float32)
+    # [C, T]: each dot summed over the subspace's dims as _insert_kernel sums a decoded key's
+    dots = tl.sum(cent[:, None, :] * keys[None, :, :], axis=2)
+    tl.store(out_ptr + h * so_h + mm * so_m + offs_c[:, None] * so_c + col + t[None, :], dots,
+             mask=(offs_c[:, None] < C) & (t[None, :] < T))
+    if (pid == 0) & (blk == 0):  # the row's streamed count covers the span's real keys
+        tl.store(count_ptr, tl.maximum(tl.load(count_ptr), tl.load(real_ptr) + col))
+
+
+def span_insert(keys: torch.Tensor, centroids: torch.Tensor, new_scores: torch.Tensor, col: int,
+                count: torch.Tensor, real: torch.Tensor, perm: torch.Tensor | None = None) -> None:
+    """One row's span of keys [Hkv, T, D] (a prompt's) scored against its centroids [Hkv, m, C,
+    d_b] into columns col..col+T-1 of its overlay new_scores [Hkv, m, C, T_max] fp32 (as
+    stream_insert scores one key), and count (int32 [1]) raised to real + col (real int32 [1]:
+    the span's real keys, the rest pad it). One launch; stream_scores_ref per key is the reference."""
+    hkv, t, d = keys.shape
+    _, m, c, db = centroids.shape
+    if (centroids.shape[0] != hkv or m * db != d or new_scores.shape[:3] != (hkv, m, c)
+            or new_scores.dtype != torch.float32 or col + t > new_scores.shape[3]):
+        raise ValueError(f"keys {tuple(keys.shape)} at column {col}, centroids {tuple(centroids.shape)}, "
+                         f"new_scores {tuple(new_scores.shape)} {new_scores.dtype} disagree")
+    if keys.stride(-1) != 1 or centroids.stride(3) != 1 or new_scores.stride(3) != 1:
+        raise ValueError("keys, centroids and new_scores need a contiguous last dimension")
+    if t == 0:
+        return
+    sc, so, block_t = centroids.stride(), new_scores.stride(), 32
+    _span_kernel[(hkv * m, triton.cdiv(t, block_t))](
+        keys, perm if perm is not None else real, centroids, new_scores, real, count, t, col, m, c, db,
+        keys.stride(0), keys.stride(1), sc[0], sc[1], sc[2], so[0], so[1], so[2],
+        BLOCK_C=triton.next_power_of_2(c), BLOCK_D=max(16, triton.next_power_of_2(db)), BLOCK_T=block_t,
+        PERM=perm is not None)
+
+
 @triton.jit
 def _add_kernel(ids_ptr, w_ptr, ns_ptr, floor_ptr, off_ptr, cnt_ptr, start_ptr, acc_ptr, HKV, G, M,
                 si_b, si_h, sn_b, sn_h, sn_m, sn_c, sf_b, sf_h, sf_m, sa_b, sa_h,

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from ctxcache.kernels.route import route, route_ref
 from ctxcache.kernels.scatter import scatter_lists, scatter_ref
-from ctxcache.kernels.stream import add_streamed, add_streamed_ref, stream_insert, stream_scores_ref
+from ctxcache.kernels.stream import add_streamed, add_streamed_ref, span_insert, stream_insert, stream_scores_ref
 from ctxcache.kernels.topk import keys16_ref, radix_topk, topk_ref
 
 
@@ -144,6 +144,33 @@ def test_stream_insert_takes_a_column_of_a_prompt_step(device):
     want = stream_scores_ref(cache[0, :, 10:10 + t_len].transpose(0, 1), cent.expand(t_len, *cent.shape[1:]))
     torch.testing.assert_close(new[0].permute(3, 0, 1, 2), want, rtol=1e-4, atol=1e-4)
     assert count.tolist() == [t_len]
+
+
+@pytest.mark.parametrize("layout,count0", [("contiguous", 0), ("rope_pairs", 0), ("contiguous", 50)])
+def test_span_insert_scores_a_prompt_as_stream_insert_scores_each_key(device, layout, count0):
+    """A prompt's span of 37 keys (33 real, 4 padding) at column 6 of a row's overlay: every
+    column as stream_scores_ref of its key in the layout's dim order, the columns around it
+    untouched, the count raised to 6 + 33 (kept where already past it)."""
+    from ctxcache.methods.csattention_refs import subspace_permutation
+    hkv, m, c, db, t_len, col = 3, 4, 9, 8, 37, 6
+    cent = _tables(1, hkv, m, c, db, 50, 10, device)[0][0]  # [Hkv, m, C, d_b]
+    keys = torch.randn(hkv, t_len + 5, m * db, device=device).to(torch.bfloat16)[:, 2:2 + t_len]
+    perm = subspace_permutation(m * db, m, layout).to(device)
+    new = torch.full((hkv, m, c, 64), float("nan"), device=device)
+    count = torch.tensor([count0], dtype=torch.int32, device=device)
+    span_insert(keys, cent, new, col, count, torch.tensor([33], dtype=torch.int32, device=device),
+                None if layout == "contiguous" else perm)
+    want = stream_scores_ref(keys.transpose(0, 1)[..., perm], cent.expand(t_len, *cent.shape))  # [T, Hkv, m, C]
+    torch.testing.assert_close(new[..., col:col + t_len].permute(3, 0, 1, 2), want, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(new[..., :col]).all() and torch.isnan(new[..., col + t_len:]).all()
+    assert count.tolist() == [max(count0, col + 33)]
+
+
+def test_span_insert_refuses_a_span_past_the_overlay(device):
+    cent = _tables(1, 2, 4, 9, 8, 50, 10, device)[0][0]
+    with pytest.raises(ValueError, match="disagree"):
+        span_insert(torch.randn(2, 10, 32, device=device), cent, torch.zeros(2, 4, 9, 12, device=device), 4,
+                    torch.zeros(1, dtype=torch.int32, device=device), torch.tensor([10], dtype=torch.int32, device=device))
 
 
 def test_keys16_order_matches_fp16_values():
