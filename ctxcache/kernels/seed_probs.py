@@ -28,7 +28,9 @@ from ctxcache.kernels.topk import _BINS, _HEAD, blocks16, radix_topk
 from ctxcache.methods.budget import fp16_keys
 
 BLOCK = 128  # keys per program
-KEY_BLOCK = 1024  # keys per probs program writing 16-bit keys: 8x fewer programs adding to the histogram
+# the probs launch writing 16-bit keys and pass 0 (H200, seed_topk at 32K graph-replayed, us a layer): 256 keys a
+# program 41.8, 512 42.4, 1024 49.7 (42.3 with 8 warps), 2048 51.0; pass 0 left to radix_topk 47.9-57.7
+KEY_BLOCK = 256
 HIST0_IN_PROBS = True  # radix pass 0 added by the probs launch (else radix_topk's own pass-0 launch)
 PROBS_WARPS = 4
 RADIX_BLOCK = 4096  # keys per radix program (topk.radix_topk's default)
@@ -191,5 +193,8 @@ def seed_topk(q: torch.Tensor, keys: torch.Tensor, bounds: torch.Tensor, ws: tor
     else:  # the torch chain, ranked by the same 16-bit keys
         codes = fp16_keys(seed_probs_ref(q, keys, padding)).to(torch.uint16)
     n_pad = n + -n % 16
+    # the collect compiled for the workspace's blocks, not this row's: a longer context than the
+    # warm-up's compiled nothing new while serving (H200, 32K: the collect did, at the first admission)
+    nb_pad = triton.next_power_of_2(max(1, (ws.shape[1] - _HEAD) // _BINS))
     return radix_topk(codes[None, :, :n_pad], bounds[0:1], bounds[1:2], bounds[2:3], out, ws, block=RADIX_BLOCK,
-                      hist0_done=FUSED_SEED and HIST0_IN_PROBS)
+                      hist0_done=FUSED_SEED and HIST0_IN_PROBS, nb_pad=nb_pad)

@@ -271,7 +271,7 @@ def blocks16(n: int, block: int) -> int:
 
 def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
                ws: torch.Tensor | None = None, block: int = 4096, hist0_done: bool = False,
-               num_warps: int = 4, pdl: bool = False, pre_wait: bool = True) -> torch.Tensor:
+               num_warps: int = 4, pdl: bool = False, pre_wait: bool = True, nb_pad: int = 0) -> torch.Tensor:
     """x [B, Hkv, N] fp32 scores, or uint16 keys (keys16: ties to the lowest index); lo, hi,
     k [B] int32 (k <= hi - lo) -> out [B, Hkv, K_max] int32.
 
@@ -281,7 +281,8 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
     (dense_select.dense_scores does, fused with the scores), so start at pass 1. num_warps
     applies to the 16-bit passes; pdl (16-bit passes after pass 0): programmatic dependent launch;
     pre_wait (with pdl): those passes load lo, hi and k before waiting (they must come from
-    before the step's first launch, sync.py)."""
+    before the step's first launch, sync.py). nb_pad: the 16-bit collect's compiled bound on a row's
+    blocks (a power of two >= them; 0: the row's own), so rows of any length up to it share one build."""
     if x.dim() != 3 or x.dtype not in (torch.float32, torch.uint16) or x.stride(2) != 1:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be fp32 or uint16 [B, Hkv, N] contiguous in N")
     b, hkv, n = x.shape
@@ -310,7 +311,8 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
         _pass1_16_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), _HEAD, BLOCK=block,
                                num_warps=num_warps, USE_PDL=pdl, PRE_WAIT=pre_wait, **launch_opts(pdl))
         _collect16_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), _HEAD,
-                                BLOCK=block, NB_PAD=triton.next_power_of_2(nb), num_warps=num_warps, USE_PDL=pdl,
+                                BLOCK=block, NB_PAD=max(nb_pad, triton.next_power_of_2(nb)), num_warps=num_warps,
+                                USE_PDL=pdl,
                                 PRE_WAIT=pre_wait, **launch_opts(pdl))
         return out
     for p in range(1 if hist0_done else 0, _PASSES):

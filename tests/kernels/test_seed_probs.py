@@ -82,6 +82,30 @@ def test_16_bit_seed_keys_without_pass_0_select_the_same_keys(monkeypatch):
     assert picks[0] == picks[1] and all(len(set(r)) == 24 and min(r) >= 4 for r in picks[0])
 
 
+def test_seed_rows_of_any_length_share_one_collect_build(monkeypatch):
+    """The collect's block bound comes from the workspace, not the row: rows of 300 and of 9000
+    keys (1 and 3 radix blocks) over one workspace sized for 20000 take the same bound (one
+    compiled collect while serving any context), and the bound above the row's blocks still
+    picks topk16_ref's keys."""
+    from ctxcache.kernels import topk
+    bounds_seen = []
+    radix = seed_module.radix_topk
+    monkeypatch.setattr(seed_module, "radix_topk",
+                        lambda *a, **kw: (bounds_seen.append(kw["nb_pad"]), radix(*a, **kw))[1])
+    ws = torch.zeros(2, workspace_columns(20000), dtype=torch.int32, device=DEVICE)
+    for n in (300, 9000):
+        q, keys, real = _seed_case(4, 2, n, n, torch.float32)
+        bounds = torch.tensor([4, n - 8, 40], dtype=torch.int32, device=DEVICE)
+        out = torch.full((1, 2, 40), -1, dtype=torch.int32, device=DEVICE)
+        seed_topk(q, keys, bounds, ws, out, real)
+        n_pad = n + -n % 16
+        want = fp16_keys(seed_probs(q, keys, real, torch.empty(2, n_pad, device=DEVICE)))
+        for h in range(2):
+            lims = [torch.tensor([x]) for x in (4, n - 8, 40)]
+            assert sorted(out[0, h].tolist()) == topk16_ref(want[h:h + 1], *lims)[0].tolist()
+    assert bounds_seen == [8, 8] and topk.blocks16(20016, seed_module.RADIX_BLOCK) == 5
+
+
 def test_the_torch_seed_chain_selects_by_the_same_16_bit_keys(monkeypatch):
     """FUSED_SEED off: seed_probs_ref's probabilities, ranked by fp16_keys (the padding masked)."""
     q, keys, real = _seed_case(8, 2, 300, 290, torch.float32)
