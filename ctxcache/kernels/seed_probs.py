@@ -29,10 +29,8 @@ from ctxcache.methods.budget import fp16_keys
 
 BLOCK = 128  # keys per program
 # the probs launch writing 16-bit keys and pass 0 (H200, seed_topk at 32K graph-replayed, us a layer): 256 keys a
-# program 41.8, 512 42.4, 1024 49.7 (42.3 with 8 warps), 2048 51.0; pass 0 left to radix_topk 47.9-57.7
+# program 41.8, 512 42.4, 1024 49.7 (42.3 with 8 warps), 2048 51.0; pass 0 left to radix_topk's own launch 47.9-57.7
 KEY_BLOCK = 256
-HIST0_IN_PROBS = True  # radix pass 0 added by the probs launch (else radix_topk's own pass-0 launch)
-PROBS_WARPS = 4
 RADIX_BLOCK = 4096  # keys per radix program (topk.radix_topk's default)
 # follow's seed probabilities by the three launches here, else by the torch chain (seed_scores).
 # One H100 run of bench prefill (with the radix Top-K): 99 / 197 us a layer at 32K / 128K, the
@@ -106,10 +104,9 @@ def _norm_kernel(part_ptr, norm_ptr, ws_ptr, G, n_blocks, zero_cols, sws_r, G_PA
 
 @triton.jit(do_not_specialize=["n", "n_pad"])
 def _probs_kernel(logit_ptr, norm_ptr, n_ptr, out_ptr, bounds_ptr, ws_ptr, n, n_pad, G, so_r, sws_r,
-                  G_PAD: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr, HIST0: tl.constexpr,
-                  SMEM: tl.constexpr):
+                  G_PAD: tl.constexpr, BLOCK: tl.constexpr, KEY16: tl.constexpr, SMEM: tl.constexpr):
     """The group-summed probabilities of a block of keys: fp32, or (KEY16) their 16-bit keys and
-    (HIST0) radix pass 0 over the bounds' region (lo, hi, k)."""
+    radix pass 0 over the bounds' region (lo, hi, k)."""
     h, blk = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, G_PAD)
     row = h * G_PAD + g
@@ -120,7 +117,7 @@ def _probs_kernel(logit_ptr, norm_ptr, n_ptr, out_ptr, bounds_ptr, ws_ptr, n, n_
     p = tl.sum(tl.where(valid, tl.exp(s - top[:, None]) / norm[:, None], 0.0), axis=0)
     if KEY16:  # (the keys past n_pad are zeros, inside the output's width)
         lo, hi, k = tl.load(bounds_ptr), tl.load(bounds_ptr + 1), tl.load(bounds_ptr + 2)
-        store_keys16(p, cols, out_ptr + h * so_r, ws_ptr + h * sws_r, lo, hi, k, HIST0, SMEM)
+        store_keys16(p, cols, out_ptr + h * so_r, ws_ptr + h * sws_r, lo, hi, k, True, SMEM)
     else:
         tl.store(out_ptr + h * so_r + cols, p, mask=cols < n_pad)
 
@@ -135,12 +132,12 @@ def seed_workspace(hkv: int, g: int, n: int, device: torch.device | str) -> tupl
 
 def seed_probs(q: torch.Tensor, keys: torch.Tensor, n_real: torch.Tensor, out: torch.Tensor,
                ws: tuple[torch.Tensor, torch.Tensor] | None = None,
-               hist: tuple[torch.Tensor, torch.Tensor] | None = None, hist0: bool = True) -> torch.Tensor:
+               hist: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """seed_probs_ref's result into out (fp32 [Hkv, n padded to 16], contiguous). q [Hq, D];
     keys [Hkv, n, D] (last dim contiguous); n_real int32 [1] on the device (no host sync: a
     prefill graph replays it for any prompt length). hist = (bounds int32 [lo, hi, k], the Top-K
     workspace): out is uint16 [Hkv, >= n rounded up to KEY_BLOCK] and gets the 16-bit keys, the
-    workspace pass 0 of a radix select over [lo, hi) (radix_topk's hist0_done; hist0=False: not)."""
+    workspace pass 0 of a radix select over [lo, hi) (radix_topk's hist0_done)."""
     hkv, n, d = keys.shape
     g = q.shape[0] // hkv
     n_pad = n + -n % 16
@@ -153,7 +150,7 @@ def seed_probs(q: torch.Tensor, keys: torch.Tensor, n_real: torch.Tensor, out: t
     if keys.stride(2) != 1 or n_real.shape != (1,) or n_real.dtype != torch.int32:
         raise ValueError("keys need a contiguous last dim and n_real must be int32 [1]")
     bounds, radix_ws = hist if hist is not None else (n_real, out)
-    zero_cols = workspace_columns(n) if hist is not None and hist0 else 0
+    zero_cols = workspace_columns(n) if hist is not None else 0
     if hist is not None and (radix_ws.shape[0] != hkv or radix_ws.shape[1] < zero_cols or radix_ws.stride(1) != 1):
         raise ValueError(f"workspace {tuple(radix_ws.shape)} must be [{hkv}, >= {zero_cols}] for {n} keys")
     logits, parts = ws if ws is not None else seed_workspace(hkv, g, n, keys.device)
@@ -166,8 +163,7 @@ def seed_probs(q: torch.Tensor, keys: torch.Tensor, n_real: torch.Tensor, out: t
     _norm_kernel[(hkv,)](parts, norm, radix_ws, g, n_blocks, zero_cols, radix_ws.stride(0), G_PAD=g_pad, CHUNK=128)
     _probs_kernel[(hkv, triton.cdiv(n_pad, block))](logits, norm, n_real, out, bounds, radix_ws, n, n_pad, g,
                                                     out.stride(0), radix_ws.stride(0), G_PAD=g_pad, BLOCK=block,
-                                                    KEY16=hist is not None, HIST0=hist0, SMEM=compiled(out),
-                                                    num_warps=PROBS_WARPS)
+                                                    KEY16=hist is not None, SMEM=compiled(out))
     return out
 
 
@@ -189,7 +185,7 @@ def seed_topk(q: torch.Tensor, keys: torch.Tensor, bounds: torch.Tensor, ws: tor
         real = real_keys if real_keys is not None else torch.full((1,), n, dtype=torch.int32, device=keys.device)
         codes = torch.empty(hkv, triton.cdiv(n + -n % 16, KEY_BLOCK) * KEY_BLOCK, dtype=torch.uint16,
                             device=keys.device)
-        seed_probs(q, keys, real, codes, hist=(bounds, ws), hist0=HIST0_IN_PROBS)
+        seed_probs(q, keys, real, codes, hist=(bounds, ws))
     else:  # the torch chain, ranked by the same 16-bit keys
         codes = fp16_keys(seed_probs_ref(q, keys, padding)).to(torch.uint16)
     n_pad = n + -n % 16
@@ -197,4 +193,4 @@ def seed_topk(q: torch.Tensor, keys: torch.Tensor, bounds: torch.Tensor, ws: tor
     # warm-up's compiled nothing new while serving (H200, 32K: the collect did, at the first admission)
     nb_pad = triton.next_power_of_2(max(1, (ws.shape[1] - _HEAD) // _BINS))
     return radix_topk(codes[None, :, :n_pad], bounds[0:1], bounds[1:2], bounds[2:3], out, ws, block=RADIX_BLOCK,
-                      hist0_done=FUSED_SEED and HIST0_IN_PROBS, nb_pad=nb_pad)
+                      hist0_done=FUSED_SEED, nb_pad=nb_pad)

@@ -68,20 +68,6 @@ def test_16_bit_seed_keys_carry_radix_pass_0_and_select_their_reference_top_k(hq
     assert torch.all(out[0, :, k:] == -1)
 
 
-def test_16_bit_seed_keys_without_pass_0_select_the_same_keys(monkeypatch):
-    """HIST0_IN_PROBS off: the probs launch writes the keys alone, radix_topk adds pass 0 itself."""
-    q, keys, real = _seed_case(8, 2, 300, 290, torch.float32)
-    bounds = torch.tensor([4, 280, 24], dtype=torch.int32, device=DEVICE)
-    picks = []
-    for fused in (True, False):
-        monkeypatch.setattr(seed_module, "HIST0_IN_PROBS", fused)
-        out = torch.full((1, 2, 24), -1, dtype=torch.int32, device=DEVICE)
-        ws = torch.full((2, workspace_columns(300)), 5, dtype=torch.int32, device=DEVICE)
-        seed_topk(q, keys, bounds, ws, out, real)
-        picks.append([sorted(r.tolist()) for r in out[0]])
-    assert picks[0] == picks[1] and all(len(set(r)) == 24 and min(r) >= 4 for r in picks[0])
-
-
 def test_seed_rows_of_any_length_share_one_collect_build(monkeypatch):
     """The collect's block bound comes from the workspace, not the row: rows of 300 and of 9000
     keys (1 and 3 radix blocks) over one workspace sized for 20000 take the same bound (one
