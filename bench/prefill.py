@@ -26,8 +26,8 @@ from ctxcache.bench.common.report import print_table, write_result
 from ctxcache.bench.common.serve_limits import copy_bandwidth
 from ctxcache.decoder.gpu.tables import GpuDenseTables
 from ctxcache.decoder.gpu.slot_prefill import SeedPadding
-from ctxcache.kernels.seed_probs import seed_probs, seed_probs_ref, seed_workspace
-from ctxcache.kernels.topk import radix_topk, workspace
+from ctxcache.kernels import seed_probs
+from ctxcache.kernels.topk import blocks16, workspace
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models import packed_attention
@@ -87,16 +87,17 @@ def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentio
 
 
 def _seed(last: torch.Tensor, keys: torch.Tensor, padding: SeedPadding, prev: torch.Tensor, fused: bool):
-    """seed_follow's seed with its probabilities by the torch chain (seed_probs_ref) or the three
-    launches (seed_probs), whatever FUSED_SEED says, then the radix Top-K."""
+    """seed_follow's seed (seed_probs.seed_topk: 16-bit keys, radix Top-K) with its probabilities
+    by the torch chain (seed_probs_ref) or the three launches, whatever FUSED_SEED says."""
     hkv, n, _ = keys.shape
-    probs = torch.empty(hkv, n + -n % 16, device=keys.device)
-    ws, radix_ws = seed_workspace(hkv, last.shape[0] // hkv, n, keys.device), workspace(hkv, keys.device)
-    b = padding.bounds
+    ws = workspace(hkv, keys.device, blocks16(n + 16, seed_probs.RADIX_BLOCK))
 
     def run() -> None:
-        p = seed_probs(last, keys, padding.keys, probs, ws) if fused else seed_probs_ref(last, keys, padding.mask)
-        radix_topk(p[None], b[0:1], b[1:2], b[2:3], prev[None], radix_ws)
+        was, seed_probs.FUSED_SEED = seed_probs.FUSED_SEED, fused  # read while the launches are made
+        try:
+            seed_probs.seed_topk(last, keys, padding.bounds, ws, prev[None], padding.keys, padding.mask)
+        finally:
+            seed_probs.FUSED_SEED = was
     return run
 
 
