@@ -32,7 +32,7 @@ BLOCK = 128  # keys per program
 # program 41.8, 512 42.4, 1024 49.7 (42.3 with 8 warps), 2048 51.0; pass 0 left to radix_topk's own launch 47.9-57.7
 KEY_BLOCK = 256
 RADIX_BLOCK = 4096  # keys per radix program (topk.radix_topk's default)
-# follow's seed probabilities by the three launches here, else by the torch chain (seed_scores).
+# follow's seed probabilities by the three launches here, else by the torch chain (seed_topk).
 # One H100 run of bench prefill (with the radix Top-K): 99 / 197 us a layer at 32K / 128K, the
 # chain 112 / 236 (the same follow set: overlap 0.99)
 FUSED_SEED = True

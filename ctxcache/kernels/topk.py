@@ -312,8 +312,7 @@ def radix_topk(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: torch.Ten
                                num_warps=num_warps, USE_PDL=pdl, PRE_WAIT=pre_wait, **launch_opts(pdl))
         _collect16_kernel[grid](x, lo, hi, k, ws, out, hkv, x.stride(1), ws.stride(0), out.stride(1), _HEAD,
                                 BLOCK=block, NB_PAD=max(nb_pad, triton.next_power_of_2(nb)), num_warps=num_warps,
-                                USE_PDL=pdl,
-                                PRE_WAIT=pre_wait, **launch_opts(pdl))
+                                USE_PDL=pdl, PRE_WAIT=pre_wait, **launch_opts(pdl))
         return out
     for p in range(1 if hist0_done else 0, _PASSES):
         _hist_kernel[grid](x, lo, hi, k, ws, hkv, x.stride(1), ws.stride(0), P=p, BLOCK=block, KEY16=False, TOP=24)
