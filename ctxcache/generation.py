@@ -124,8 +124,11 @@ class LayeredPrefill:
         layer, else None."""
         m = self.model
         end = min(self.layer + max(1, layers), m.args.n_layers)
+        after = getattr(self.attn, "after_layer", None)  # (work an attention left beside the layer)
         for i in range(self.layer, end):
             self.x = m.model.layers[i](self.x, i, self.pos, self.cache, m.rope, self.attn)
+            if after is not None:
+                after(i)
         self.layer = end
         if end < m.args.n_layers:
             return None

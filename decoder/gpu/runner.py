@@ -107,6 +107,9 @@ class GpuRunner(SlotRows):
         self.times = DeviceTimes(self.device)
         self._last_step = "step 0"  # the device-time kind of the last launched step
         self.loader = SlotLoader(self.device)
+        # a question's follow seed runs beside its prefill layer (slot_prefill.PrefillAttention)
+        self._seed_side = (torch.cuda.Stream(self.device) if self.device.type == "cuda" and params is not None
+                           and params.follows else None)
 
     # ---- admission ----------------------------------------------------------------------------
     def accepts(self, art: ContextArtifact, config: SparseConfig, new_tokens: int) -> bool:
@@ -192,7 +195,7 @@ class GpuRunner(SlotRows):
         capture (which records it: the row's contents do not matter then)."""
         def make(inputs: torch.Tensor) -> LayeredPrefill:
             attn = PrefillAttention(self.tables, row, n_ctx, self._perm, self.lm.args.n_layers, inputs[0, -1:].int(),
-                                    self.config.budget, self.config.dense_layers)
+                                    self.config.budget, self.config.dense_layers, self._seed_side)
             return LayeredPrefill(self.lm.model, inputs[:, :-1], n_ctx, self.cache.row(row), attn, last=attn.last)
         return make
 

@@ -117,12 +117,17 @@ class PrefillAttention:
 
     def __init__(self, tables: list[GpuDenseTables] | None, row: int, n_ctx: int, perm: torch.Tensor | None,
                  layers: int, real: torch.Tensor, budget: Budget | None = None,
-                 dense_layers: tuple[int, ...] = ()) -> None:
+                 dense_layers: tuple[int, ...] = (), side: torch.cuda.Stream | None = None) -> None:
         self.tables, self.row, self.n_ctx, self.perm = tables, row, n_ctx, perm
         self.budget, self.dense_layers, self.real = budget, dense_layers, real
         self.last = (real - 1).long()  # the last real token (its query seeds; its logits are the prompt's)
         self._done = [0] * layers  # prompt tokens each layer has attended so far
         self._padding: SeedPadding | None = None  # made by the first seeded layer
+        # the seed feeds only the first decode step, so it runs on `side` beside the layer's
+        # attention, projection and MLP, joined when the layer ends (after_layer: a layer's graph
+        # ends joined); what it reads stays referenced until then
+        self.side = side
+        self._beside: tuple[torch.Tensor, ...] = ()
 
     def __call__(self, layer: int, q: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
         t, col = q.shape[2], self._done[layer]
@@ -141,4 +146,17 @@ class PrefillAttention:
         table = self.tables[layer]
         if self._padding is None and table.follow_prev is not None:
             self._padding = SeedPadding.of(self.n_ctx, self.real, q.shape[2], self.budget, table.follow_prev.shape[-1])
-        table.seed_follow(self.row, q[0].index_select(1, self.last)[:, 0], keys, self.budget, self._padding)
+        last_q = q[0].index_select(1, self.last)[:, 0]
+        if self.side is None:
+            table.seed_follow(self.row, last_q, keys, self.budget, self._padding)
+            return
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            table.seed_follow(self.row, last_q, keys, self.budget, self._padding)
+        self._beside = (last_q, keys)
+
+    def after_layer(self, layer: int) -> None:
+        """A layer ended (LayeredPrefill): its seed, if it ran beside, joins the prefill's stream."""
+        if self._beside:
+            torch.cuda.current_stream().wait_stream(self.side)
+            self._beside = ()

@@ -118,8 +118,9 @@ def test_runner_refuses_what_it_cannot_serve(lm, method, artifacts):
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 def test_a_prefill_captured_as_it_runs_gives_the_eager_logits(lm, cpu_lm, sparse, monkeypatch):
     """A question's prefill, a layer a chunk, beside another stream: captured a layer at a time
-    as it runs where its admission loaded the slot (Capturing), then replayed; the logits are an
-    eager prefill's bit for bit."""
+    as it runs where its admission loaded the slot (Capturing), then replayed; the logits and
+    follow's seeds (run beside each layer on a side stream) are an eager prefill's bit for bit,
+    and an eager prefill seeding in line gives the same seeds."""
     from ctxcache.decoder.gpu.prefill_graph import PrefillGraphs
     recorded = []
     record = PrefillGraphs.record
@@ -135,13 +136,25 @@ def test_a_prefill_captured_as_it_runs_gives_the_eager_logits(lm, cpu_lm, sparse
         made.prefill_graphs.broken = not graphs
         made.admit("other", arts[1], [4, 5], cfg, 8)  # a stream beside it (the thread's first prefill: eager)
         return made
-    eager = runner(False).admit("ctx", arts[0], [5, 6, 7, 8], cfg, 8)[1]
+
+    def seeds(made: GpuRunner, row: int) -> list[torch.Tensor]:
+        return [t.follow_prev[row].sort(-1).values.cpu() for t in made.tables] if sparse else []
+    eager_runner = runner(False)
+    eager_slot, eager = eager_runner.admit("ctx", arts[0], [5, 6, 7, 8], cfg, 8)
+    eager_seeds = seeds(eager_runner, eager_slot.index)
+    if sparse:
+        assert eager_runner._seed_side is not None  # the seeds below ran beside their layers
+        in_line = runner(False)
+        in_line._seed_side = None
+        got = seeds(in_line, in_line.admit("ctx", arts[0], [5, 6, 7, 8], cfg, 8)[0].index)
+        assert all(torch.equal(a, b) for a, b in zip(got, eager_seeds, strict=True))
     graphs, logits, records = runner(True), [], []
     for _ in range(2):
         before = len(recorded)
         slot, first = graphs.admit("ctx", arts[0], [5, 6, 7, 8], cfg, 8)
         logits.append(first)
         records.append(recorded[before:])
+        assert all(torch.equal(a, b) for a, b in zip(seeds(graphs, slot.index), eager_seeds, strict=True))
         graphs.release(slot)
     assert records == [[1] * lm.args.n_layers, []]  # each layer captured just before it ran, then replayed
     for got in logits:
