@@ -13,7 +13,9 @@ difference. Kernels:
   register cap);
 - topk: the whole select at each radix shape (GpuSelector.set_topk_block);
 - attention: the split-K attention of the selection (waves, keys a block, warps, stages);
-- logits: the re-rank at the default rerank (Reranker.set_logits_shape: candidates a step, warps).
+- logits: the re-rank at the default rerank (Reranker.set_logits_shape: candidates a step, warps);
+- carried: the attention a carried row runs over its K + follow + 1 candidates, writing their
+  logits as a lean step does (kernels/carried_attention.py: splits, keys a block, warps, stages).
 Writes shapes_<device>.json and prints each kernel's default and best per shape."""
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from ctxcache.bench.common.gpu import D, HKV, HQ, batch_dense_tables
 from ctxcache.bench.common.report import add_out, print_table, write_result
 from ctxcache.decoder.gpu.attention import ATTN_CFG
 from ctxcache.decoder.gpu.selector import GpuSelector
+from ctxcache.kernels.carried_attention import carried_attention
 from ctxcache.kernels.rerank import Reranker
+from ctxcache.kernels.split_k_attention import choose_splits, partial_workspace
 from ctxcache.kernels.timing import capture_graph, time_us
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention_params import CSAttentionParams
 
-KERNELS = ("scores", "topk", "attention", "logits")
+KERNELS = ("scores", "topk", "attention", "logits", "carried")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -123,7 +127,40 @@ def shape_rows(n: int, batch: int, kernels: list[str], dev: str) -> list[dict]:
                       lambda: {"max_err": float((got["o"].float() - want_o).abs().max())}, base)
     if "logits" in kernels:
         rows += logits_rows(q, k, nt, lo, hi, kk, tables, budget, base)
+    if "carried" in kernels:
+        rows += carried_rows(q, k, v, nt, lo, hi, kk, tables, budget, params, base)
     return rows
+
+
+def carried_rows(q, k, v, nt, lo, hi, kk, tables, budget: Budget, params: CSAttentionParams, base: dict) -> list[dict]:
+    """A lean step's attention: every row carries K + follow + 1 candidates (the estimate's best
+    that many here, in key order), their logits written for the re-rank; split as
+    GpuSparseAttention splits it (for its largest candidate list), then half and twice that."""
+    batch, k_sel = q.shape[0], int(kk[0])
+    kc = torch.full_like(kk, k_sel + params.follows + 1)
+    listed = max(params.candidates(k_sel, int(hi[0] - lo[0])), int(kc[0])) + budget.sinks + budget.recent
+    served = choose_splits(batch * HKV, listed, min_keys=ATTN_CFG["min_keys"], waves=ATTN_CFG["waves"])
+    sel = GpuSelector(params, batch, HQ, HKV, D, k.shape[2], int(kc[0]), q.device)
+    cand = sel.select(q, tables, lo, hi, kc).sort(-1).values.contiguous()
+    carried = torch.ones_like(kk)
+    logits = torch.empty(batch * HKV, HQ // HKV, cand.shape[-1], dtype=torch.float32, device=q.device)
+    got: dict = {}
+
+    def run_carried(cfg):
+        ws = partial_workspace(batch, HQ, HKV, cfg["splits"], D, q.device)
+
+        def fn():
+            got["o"] = carried_attention(q, k, v, nt, cand, kk, cand, kc, carried, budget.sinks, budget.recent,
+                                         cfg["splits"], ws, logits=logits, block_n=cfg["block_n"], pdl=sel.pdl,
+                                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return fn
+    default = {"splits": served, **{k_: ATTN_CFG[k_] for k_ in ("block_n", "num_warps", "num_stages")}}
+    run_carried(default)()
+    want = got["o"].float().clone()
+    configs = [{"splits": sp, "block_n": bn, "num_warps": nw, "num_stages": st} for sp, bn, nw, st in
+               itertools.product(sorted({max(1, served // 2), served, served * 2}), (32, 64, 128), (4, 8), (None, 2))]
+    return sweep("carried", configs, default, run_carried,
+                 lambda: {"max_err": float((got["o"].float() - want).abs().max())}, base)
 
 
 def logits_rows(q, k, nt, lo, hi, kk, tables, budget: Budget, base: dict) -> list[dict]:

@@ -75,7 +75,7 @@ def carried_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       carried: torch.Tensor, sinks: int, recent: int, splits: int,
                       ws: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None,
                       logits: torch.Tensor | None = None, block_n: int = 128, pdl: bool = False,
-                      num_warps: int = 4) -> torch.Tensor:
+                      num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [B, Hkv, S, D]; n, k_sel, kc, carried [B] int32; idx [B, Hkv, >= max k_sel]
     and cand [B, Hkv, >= max kc] int32 -> [B, Hq, D]. ws: split_k_attention.partial_workspace's
     (B, Hq, Hkv, splits); its (max, sum) pairs stay there for Reranker.rank. logits [B x Hkv, G,
@@ -96,7 +96,7 @@ def carried_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], idx.stride(0), idx.stride(1),
         cand.stride(0), cand.stride(1), SPLITS=splits, IEEE=q.dtype == torch.float32 or INTERPRET,
         G_PAD=padded_group(g), D=d, BLOCK_N=block_n, LOGITS=logits is not None, USE_PDL=pdl, num_warps=num_warps,
-        **launch_opts(pdl))
+        **({} if num_stages is None else {"num_stages": num_stages}), **launch_opts(pdl))
     return merge_partials(ws, out, hkv, splits, pdl)
 
 

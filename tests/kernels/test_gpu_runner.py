@@ -126,7 +126,7 @@ def test_a_prefill_captured_as_it_runs_gives_the_eager_logits(lm, cpu_lm, sparse
     record = PrefillGraphs.record
     monkeypatch.setattr(PrefillGraphs, "record", lambda self, key, cap, layers, make: (
         recorded.append(layers), record(self, key, cap, layers, make))[1])
-    method = _method(1.0, 4, 16, 8)
+    method = _method(4.0, 4, 16, 8)  # the re-rank on: follow seeds
     arts = _artifacts(cpu_lm, method)
     cfg = CONFIG if sparse else SparseConfig(CONFIG.budget, dense_layers=tuple(range(lm.args.n_layers)))
 
