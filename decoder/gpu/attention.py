@@ -120,10 +120,6 @@ class GpuSparseAttention:
         self._forked = False
         self._every_row = torch.ones(batch, dtype=torch.int32, device=device)  # a lean step's carried rows
         self._step: tuple[torch.Tensor, ...] = ()
-        import os  # PROBE (not committed): a full step attends the carried set, its selection beside
-        self._probe = os.environ.get("CTXCACHE_PROBE_LAG") == "1" and self.side is not None
-        if self._probe:
-            self._cand2, self._marks2 = torch.zeros_like(self.selector.idx), torch.zeros_like(self.marks)
 
     def carried(self) -> list[torch.Tensor]:
         """What each step reads and rewrites for the next: follow's previous best keys per layer,
@@ -181,8 +177,6 @@ class GpuSparseAttention:
             return self.dense(layer, q, cache, pos, n)
         if carry_all:
             return self._lean(layer, q[:, :, 0], cache, n, lim)[:, :, None]
-        if self._probe:
-            return self._probe_lag(layer, q[:, :, 0], cache, n, lim)[:, :, None]
         if self.reranker is not None:
             idx = self._rerank(layer, q[:, :, 0], cache, n, lim)
         else:
@@ -224,26 +218,6 @@ class GpuSparseAttention:
                                positions=t.chosen_prev)
         self._forked = beside
         return out
-
-    def _probe_lag(self, layer, q, cache, n, lim):
-        t = self.tables[layer]
-        if self._forked:
-            torch.cuda.current_stream().wait_stream(self.side)
-            self._forked = False
-        _, _, kp = self._region(n - 1)
-        kc2 = torch.minimum(kp + self.follow + 1, lim.hi - lim.lo)
-        lean = StepLimits(lim.lo, lim.hi, lim.k, kc2, lim.kf, lim.lo, kc2, self._every_row, kp)
-        carry_candidates(t.chosen_prev, t.follow_prev, lean.carried, lean.lo, lean.hi, lean.kp, lean.kc, self._cand2,
-                         self._marks2, pdl=self.selector.pdl)
-        beside = layer != self._last_sparse
-        if beside:
-            self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side) if beside else contextlib.nullcontext():
-            self._rerank(layer, q, cache, n, lim)
-        self._forked = beside
-        return carried_attention(q, cache.k[layer], cache.v[layer], n, self._cand2, lean.k, self._cand2, lean.kc,
-                                 lean.carried, self.budget.sinks, self.budget.recent, self.splits, self.ws,
-                                 block_n=self.block_n, pdl=self.selector.pdl, num_warps=self.launch["num_warps"])
 
     def _prefill(self, layer: int, q: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         """A prompt's tokens attend densely (the keys are indexed already)."""
