@@ -1,14 +1,15 @@
 """Per-layer question prefill on a resident context: what admission adds to the decode steps.
 
-Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16), one layer, a
-prompt padded to `--tokens` (slot_prefill.PAD_TO) over random K/V: the prefill attention through
-SDPA (lower-right causal, GQA: each query head reads its KV head's keys) and through the packed
-path (models/packed_attention.py: each KV head's keys read once, the context cut into spans;
-swept over span counts), then what a sparse prefill adds per layer: CSAttention's follow seed
-(the last real query's exact Top-`follow` in the budget's region, its probabilities by the torch
-chain and by kernels/seed_probs.py, whatever FUSED_SEED says) and the index insert of the prompt's
-keys. Each is captured in a CUDA graph and timed by replay (median, L2 emptied); the floor is the
-layer's K/V bytes at the card's measured copy bandwidth.
+Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16), one layer, a prompt
+padded to `--tokens` (slot_prefill.PAD_TO) over random K/V: the prefill attention through SDPA
+(lower-right causal, GQA: each query head reads its KV head's keys) and through the packed path
+(models/packed_attention.py: each KV head's keys read once, the context cut into spans; swept over
+span counts, with the spans by flash attention and by kernels/span_attention.py), then what a sparse
+prefill adds per layer: CSAttention's follow seed (the last real query's exact Top-`follow` in the
+budget's region, its probabilities by the torch chain and by kernels/seed_probs.py, whatever
+FUSED_SEED says) and the index insert of the prompt's keys. Each is captured in a CUDA graph and
+timed by replay (median, L2 emptied); the floor is the layer's K/V bytes at the card's measured copy
+bandwidth.
 `ctxcache bench prefill [--contexts 32768,...] [--tokens 32] [--profile] [--out DIR]`."""
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ from ctxcache.bench.common.report import print_table, write_result
 from ctxcache.bench.common.serve_limits import copy_bandwidth
 from ctxcache.decoder.gpu.tables import GpuDenseTables
 from ctxcache.decoder.gpu.slot_prefill import SeedPadding
-from ctxcache.kernels import seed_probs
+from ctxcache.kernels import seed_probs, span_attention
 from ctxcache.kernels.topk import blocks16, workspace
 from ctxcache.methods import Budget
 from ctxcache.methods.csattention import CSAttentionParams
 from ctxcache.models import packed_attention
 
 SPANS = (8, 16, 32, 64, 128)
+# the span kernel's launch shapes (kernels/span_attention.py: keys a step, warps, stages; its default first)
+SPAN_SHAPES = ((64, 8, 3), (64, 4, 3), (128, 8, 2), (32, 4, 4))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -70,6 +73,7 @@ def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentio
         row[f"{tag}_err"] = (run().float() - want).abs().max().item()
         row[f"{tag}_us"] = _timed(run)
     row["spans"] = packed_attention.spans_for(HKV * -(-HQ // HKV * tokens // 128), n)
+    row.update(_span_kernel(q, k, v, want))
     tables = _seed_tables(s, params, dev)
     tables.n_ctx.fill_(n)
     real_t = torch.tensor([real], dtype=torch.int32, device=dev)
@@ -84,6 +88,30 @@ def bench_one(n: int, tokens: int, real: int, budget: Budget, params: CSAttentio
         _kernel_table({"seed": chain, "seed_fused": fused, "insert": lambda: tables.insert_span(0, k[0, :, n:], 0, None, real_t),
                        "packed": lambda: packed_attention.packed_appended_attention(q, k, v), "sdpa": lambda: _sdpa(q, k, v)}, n)
     return row
+
+
+def _span_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want: torch.Tensor) -> dict:
+    """The packed path with its spans by kernels/span_attention.py (packed_attention.SPAN_KERNEL):
+    spankN_us at N spans in the kernel's default shape, and the fastest span count and shape
+    within the flash path's error."""
+    was = packed_attention.SPAN_KERNEL, span_attention.BLOCK_N, span_attention.NUM_WARPS, span_attention.NUM_STAGES
+    out, best = {}, None
+    try:
+        packed_attention.SPAN_KERNEL = True
+        for shape in SPAN_SHAPES:
+            span_attention.BLOCK_N, span_attention.NUM_WARPS, span_attention.NUM_STAGES = shape
+            for spans in SPANS:
+                def run(spans: int = spans) -> torch.Tensor:
+                    return packed_attention.packed_appended_attention(q, k, v, spans)
+                err, us = (run().float() - want).abs().max().item(), _timed(run)
+                if shape == SPAN_SHAPES[0]:
+                    out[f"spank{spans}_us"], out[f"spank{spans}_err"] = us, err
+                if err < 0.05 and (best is None or us < best[0]):
+                    best = (us, {"spans": spans, "block_n": shape[0], "num_warps": shape[1], "num_stages": shape[2]})
+    finally:
+        (packed_attention.SPAN_KERNEL, span_attention.BLOCK_N, span_attention.NUM_WARPS,
+         span_attention.NUM_STAGES) = was
+    return {**out, "spank_best_us": best[0] if best else None, "spank_best": best[1] if best else None}
 
 
 def _seed(last: torch.Tensor, keys: torch.Tensor, padding: SeedPadding, prev: torch.Tensor, fused: bool):
@@ -145,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             "insert_us"]
     print_table(rows, cols)
     print_table(rows, ["context"] + [f"packed{s}_us" for s in SPANS] + ["packed_err", "seed_fused_overlap"])
+    print_table(rows, ["context"] + [f"spank{s}_us" for s in SPANS] + ["spank_best_us", "spank_best"])
     path = write_result("prefill", {"copy_bytes_per_s": bandwidth, "rows": rows}, args.out)
     print(f"per-layer question prefill, us (one layer of 32); wrote {path}")
     return 0

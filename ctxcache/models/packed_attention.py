@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ctxcache.kernels import span_merge
+from ctxcache.kernels import span_attention, span_merge
+from ctxcache.kernels.split_k_attention import INTERPRET
 
 # packed rows per KV head (group x prompt tokens) up to which the packed path runs: past it the
 # tail's [rows x (leftover + prompt)] scores grow with the prompt, and SDPA's per-head pass
@@ -27,6 +28,9 @@ MAX_ROWS = 512
 # spans; each span more is one more partial for span_merge to fold in)
 TARGET_PROGRAMS = 64
 MIN_SPAN = 256  # keys per span at least: shorter spans cost more in partials than they save
+# the spans by kernels/span_attention.py instead of flash attention: off until `bench prefill`
+# measures it faster on the card (its spankernel rows, beside the flash path's packed rows)
+SPAN_KERNEL = False
 
 
 def packs(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -69,8 +73,10 @@ def packed_appended_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     def cut(x: torch.Tensor) -> torch.Tensor:  # [Hkv, main, D] -> [spans, Hkv, span, D], a view
         return x[:, :main].unflatten(1, (spans, span)).transpose(0, 1)
 
-    q_spans = rows[None].expand(spans, hkv, g * t, d)
-    outs, lses = attend_with_lse(q_spans, cut(k[0]), cut(v[0]))
+    if SPAN_KERNEL and (q.is_cuda or INTERPRET):
+        outs, lses = span_attention.span_attention(rows, cut(k[0]), cut(v[0]))
+    else:
+        outs, lses = attend_with_lse(rows[None].expand(spans, hkv, g * t, d), cut(k[0]), cut(v[0]))
     last = (rows, k[0, :, main:], v[0, :, main:], t, outs, lses)
     merged = span_merge.merge(*last) if q.is_cuda else span_merge.merge_ref(*last)
     return merged.view(1, hq, t, d)

@@ -66,6 +66,12 @@ CASES = {
                     "types": {n: "*i32" for n in ("cand_ptr", "slot_ptr", "kf_ptr", "out_ptr")}, "default": "i32",
                     "num_warps": 4, "const": {"FP": 128}},
                    ("STG.E",)),
+    # the packed prefill's spans (no GPU has run it yet): its two products on the tensor cores
+    "span_attention": ({"module": "ctxcache.kernels.span_attention", "kernel": "_span_attention_kernel",
+                        "types": {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}, "lse_ptr": "*fp32",
+                                  "scale_log2": "fp32"}, "default": "i32", "num_warps": 8,
+                        "const": {"D": 128, "BLOCK_M": 128, "BLOCK_N": 64, "IEEE": False}},
+                       ("MMA",)),
 }
 
 
