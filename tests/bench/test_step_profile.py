@@ -36,3 +36,12 @@ def test_method_params_parse_to_the_rows_params():
     from ctxcache.bench.step_profile import method_params
 
     assert method_params('{"rerank": 3}') == {"rerank": 3} and method_params("{}") == {}
+
+
+@pytest.mark.parametrize("runs", ["0", "-1", "two"])
+def test_runs_must_be_a_positive_count(capsys, runs):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--runs", runs])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--runs" in err and "Traceback" not in err
