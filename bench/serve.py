@@ -213,13 +213,16 @@ def pcie_of(before, now, h2d_gb_per_s: float | None) -> dict:
 
 
 def limits_of(point: Point, mode: str, s: int, agg: float, per: float, gaps: list[float]) -> dict:
-    """The row's floor, the runner's own step at this batch, and the client's inter-token gaps."""
+    """The row's floor, the runner's own step at this batch, and the client's inter-token gaps (their
+    mean is the served decode step without the TTFT: beside the runner's step, what serving adds or
+    saves; the median splits sparse's alternating full and lean steps)."""
     step = point.runner_ms.get(mode, {}).get(s)
     floor = floor_ms(point.weights, point.row_bytes[mode], s, point.bandwidth)
     served = 1e3 * s / agg if agg else 0.0  # ms per step as the streams saw it
     return {"runner_step_ms": step, "served_of_runner": per * step / 1e3 if step else None,
             "served_step_ms": served, "floor_ms": floor, "floor_fraction": floor / served if served else None,
-            "itl_p50_ms": statistics.median(gaps) if gaps else None, "itl_p99_ms": pctl(gaps, 0.99) if gaps else None}
+            "itl_p50_ms": statistics.median(gaps) if gaps else None, "itl_p99_ms": pctl(gaps, 0.99) if gaps else None,
+            "itl_mean_ms": statistics.fmean(gaps) if gaps else None}
 
 
 def build_times(lm, n_ctx: int, method_params: dict) -> dict:

@@ -26,7 +26,7 @@ def report(args, rows: list[dict], builds: list[dict], measured: set[tuple[int, 
                 ["context", "streams", "mode", "aggregate_tokens_per_s", "per_stream_tokens_per_s",
                  "ttft_hot", "ttft_warm", "ttft_cold", "ttft_reprefill"])
     print_table(rows, ["context", "streams", "mode", "runner_step_ms", "served_step_ms", "served_of_runner",
-                       "floor_ms", "floor_fraction", "itl_p50_ms", "itl_p99_ms"])
+                       "floor_ms", "floor_fraction", "itl_mean_ms", "itl_p50_ms", "itl_p99_ms"])
     if offload:
         print_table(offload, ["context", "streams", "offload_k", "agg_offloaded_over_resident", "resident_slots_fit",
                               "contexts_over_resident_slots"])

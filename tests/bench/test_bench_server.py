@@ -46,6 +46,7 @@ def test_bench_serve_measures_every_tier_in_every_mode_on_one_store(tmp_path):
     assert all(o["contexts_over_resident_slots"] is None for o in got["offload"])  # a CPU: no HBM bound
     for row in got["rows"]:
         assert set(row["ttft_p50_s"]) == {"hot", "warm", "cold", "reprefill"} and row["aggregate_tokens_per_s"] > 0
+        assert row["itl_mean_ms"] > 0  # the served decode step, TTFT excluded
     (build,) = got["build"]
     assert build["context"] == 300 and build["put_seconds"] > 0 and build["prefill_seconds"] > 0
 
