@@ -10,7 +10,9 @@ span's K/V blocks once; `SPAN_KERNEL` in packed_attention picks it once measured
 
 rows [Hkv, R, D] (any dtype Triton loads), k / v [P, Hkv, L, D] views (the context cut into P
 spans of L keys, strides free but a contiguous last dim) -> out [P, Hkv, R, D] in rows' dtype
-and lse [P, Hkv, R] fp32 (natural log of the sum of exp(scaled logit)), unmasked."""
+and lse [P, Hkv, R] fp32 (natural log of the sum of exp(scaled logit)), unmasked. Its torch
+reference is the path it replaces: packed_attention.attend_with_lse over the rows expanded to
+every span (fp32 math off a GPU)."""
 
 from __future__ import annotations
 
@@ -25,13 +27,6 @@ BLOCK_M = 128  # packed rows a program: a 32-token question of 4 heads a KV head
 BLOCK_N = 64  # keys a step
 NUM_WARPS = 8
 NUM_STAGES = 3
-
-
-def span_attention_ref(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference, fp32 math: rows [Hkv, R, D] over k, v [P, Hkv, L, D]."""
-    logits = torch.matmul(rows.float()[None], k.float().transpose(-1, -2)) * rows.shape[-1] ** -0.5
-    lse = logits.logsumexp(-1)
-    return torch.matmul((logits - lse[..., None]).exp(), v.float()).to(rows.dtype), lse
 
 
 # the row count follows the prompt's length and the key count the context's: neither may compile a

@@ -1,5 +1,5 @@
-"""The packed prefill's spans by one Triton launch (kernels/span_attention.py) equal the torch
-reference's outputs and log-sum-exps, and the packed attention that uses them equals SDPA; on
+"""The packed prefill's spans by one Triton launch (kernels/span_attention.py) equal the outputs
+and log-sum-exps of the path they replace (packed_attention.attend_with_lse, fp32 math here), and the packed attention that uses them equals SDPA; on
 the CPU through TRITON_INTERPRET."""
 
 import pytest
@@ -9,8 +9,15 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ctxcache.kernels import span_attention as sa
 from ctxcache.models import packed_attention
+from ctxcache.models.packed_attention import attend_with_lse
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(rows, k, v):
+    """attend_with_lse over the rows expanded to every span, in fp32 math."""
+    out, lse = attend_with_lse(rows.float()[None].expand(k.shape[0], -1, -1, -1), k.float(), v.float())
+    return out.to(rows.dtype), lse
 
 
 @pytest.mark.parametrize("hkv,r,spans,length,dtype", [
@@ -23,7 +30,7 @@ def test_spans_equal_the_reference(hkv, r, spans, length, dtype):
     kv = torch.randn(2, hkv, spans * length + 7, 32, generator=g).to(DEVICE, dtype)
     k, v = (x[:, :spans * length].unflatten(1, (spans, length)).transpose(0, 1) for x in kv)
     out, lse = sa.span_attention(rows, k, v)
-    want_out, want_lse = sa.span_attention_ref(rows, k, v)
+    want_out, want_lse = _reference(rows, k, v)
     assert out.dtype == dtype and out.shape == (spans, hkv, r, 32) and lse.shape == (spans, hkv, r)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), want_out.float(), rtol=tol, atol=tol)
@@ -33,7 +40,7 @@ def test_spans_equal_the_reference(hkv, r, spans, length, dtype):
 def test_the_packed_attention_through_the_span_kernel_equals_sdpa(monkeypatch):
     monkeypatch.setattr(packed_attention, "SPAN_KERNEL", True)
     called = []
-    monkeypatch.setattr(sa, "span_attention", lambda *a: called.append(1) or sa.span_attention_ref(*a))
+    monkeypatch.setattr(sa, "span_attention", lambda *a: called.append(1) or _reference(*a))
     q = torch.randn(1, 8, 5, 32, device=DEVICE)
     k, v = torch.randn(2, 1, 2, 1300, 32, device=DEVICE)
     got = packed_attention.packed_appended_attention(q, k, v, 3)
