@@ -3,6 +3,7 @@ its chunks), and the head a resident context's next stream starts from."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -147,13 +148,11 @@ class PrefillAttention:
         if self._padding is None and table.follow_prev is not None:
             self._padding = SeedPadding.of(self.n_ctx, self.real, q.shape[2], self.budget, table.follow_prev.shape[-1])
         last_q = q[0].index_select(1, self.last)[:, 0]
-        if self.side is None:
+        if self.side is not None:
+            self.side.wait_stream(torch.cuda.current_stream())
+            self._beside = (last_q, keys)
+        with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
             table.seed_follow(self.row, last_q, keys, self.budget, self._padding)
-            return
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            table.seed_follow(self.row, last_q, keys, self.budget, self._padding)
-        self._beside = (last_q, keys)
 
     def after_layer(self, layer: int) -> None:
         """A layer ended (LayeredPrefill): its seed, if it ran beside, joins the prefill's stream."""
